@@ -1,0 +1,252 @@
+"""The public API: :class:`Checkpointer`.
+
+Usage (every rank calls the same methods in the same order)::
+
+    ckpt = Checkpointer(every_steps=100)
+    start = ckpt.restore(state)
+    for step in range(start, total):
+        train_one_step()
+        ckpt.step(step + 1, state)   # async save on cadence, or an emergency save when requested
+        if ckpt.should_stop:
+            break
+    ckpt.close()
+
+Threads: the training thread calls every method. One background writer thread per Checkpointer runs
+the shard write and commit. At most one save is in flight: a new save first waits for the previous one
+(that wait is reported as part of the stall). An error in the background surfaces on the next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Any
+
+from .. import config
+from ..errors import CheckpointError, ConfigError
+from .coordination import Coordinator, Topology, discover_topology, node_name
+from .engine import Engine, SaveOutcome
+from .policy import Cadence, RetentionPolicy
+
+log = logging.getLogger(__name__)
+
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_SETTINGS = [
+    "local_dir",
+    "durable",
+    "run_id",
+    "every_steps",
+    "every_seconds",
+    "keep_last",
+    "keep_every",
+    "capture_rng",
+    "sync_every",
+    "io_threads",
+    "collective_timeout",
+    "node_name",
+    "free_space_margin",
+]
+
+
+def default_run_id(env: Mapping[str, str] | None = None) -> str:
+    """Slurm job id (``<array job>_<task>`` for array tasks); ``default`` outside Slurm."""
+    env = os.environ if env is None else env
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID") or "default"
+
+
+def default_local_dir() -> str:
+    """Per-user directory under $TMPDIR, one sub-directory per node."""
+    return os.path.join(tempfile.gettempdir(), f"rslurm-{os.getuid()}", "%n")
+
+
+class Checkpointer:
+    """Saves and restores the complete training state, sharded per rank, on node-local storage."""
+
+    def __init__(
+        self,
+        local_dir: str | None = None,
+        durable: str | None = None,
+        run_id: str | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        *,
+        capture_rng: bool | None = None,
+        sync_every: int | None = None,
+        io_threads: int | None = None,
+        config_path: str | None = None,
+    ) -> None:
+        args = dict(
+            local_dir=local_dir,
+            durable=durable,
+            run_id=run_id,
+            every_steps=every_steps,
+            every_seconds=every_seconds,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            capture_rng=capture_rng,
+            sync_every=sync_every,
+            io_threads=io_threads,
+        )
+        cfg = config.resolve(_SETTINGS, args, config_path=config_path)
+        self.config = cfg
+        self.run_id: str = cfg["run_id"] or default_run_id()
+        if not _RUN_ID_RE.match(self.run_id):
+            raise ConfigError(f"run_id {self.run_id!r}: use letters, digits, '.', '_' and '-' only")
+        if cfg["sync_every"] < 1:
+            raise ConfigError(f"sync_every must be >= 1, got {cfg['sync_every']}")
+        if cfg["io_threads"] < 1:
+            raise ConfigError(f"io_threads must be >= 1, got {cfg['io_threads']}")
+        self.durable: str | None = cfg["durable"]
+        if self.durable:
+            log.info(
+                "durable tier %s: committed steps are drained there by `rslurm daemon`; this process "
+                "writes and restores the node-local tier",
+                self.durable,
+            )
+        self.retention = RetentionPolicy(cfg["keep_last"], cfg["keep_every"])
+        self.cadence = Cadence(cfg["every_steps"], cfg["every_seconds"])
+        self._coord = Coordinator(timeout_s=cfg["collective_timeout"])
+        self.topology: Topology = discover_topology(
+            self._coord, cfg["local_dir"] or default_local_dir(), node_name(cfg["node_name"])
+        )
+        self._engine = Engine(
+            self.topology,
+            self._coord,
+            self.run_id,
+            retention=self.retention,
+            io_threads=cfg["io_threads"],
+            free_space_margin=cfg["free_space_margin"],
+            capture_rng=cfg["capture_rng"],
+        )
+        self._sync_every: int = cfg["sync_every"]
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-ckpt")
+        self._inflight: Future[SaveOutcome] | None = None
+        self._emergency = threading.Event()
+        self._should_stop = False
+        self._closed = False
+        self.last_outcome: SaveOutcome | None = None
+        self.last_stall_s: float = 0.0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def should_stop(self) -> bool:
+        """True once an emergency checkpoint has committed: leave the training loop."""
+        return self._should_stop
+
+    @property
+    def run_dir(self) -> str:
+        """This rank's node-local run directory."""
+        return self._engine.run_dir
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 when not distributed)."""
+        return self.topology.rank
+
+    # ------------------------------------------------------------------ API
+    def request_emergency_save(self) -> None:
+        """Ask for an emergency save at the next step boundary (safe from signal handlers/threads)."""
+        self._emergency.set()
+
+    def restore(self, state: MutableMapping[str, Any]) -> int:
+        """Restore ``state`` in place from the newest valid step; return that step (0 if none)."""
+        self._check_open()
+        self._finish_inflight()
+        step = self._engine.restore(state)
+        self.cadence.saved()
+        return step
+
+    def step(self, step: int, state: Mapping[str, Any]) -> None:
+        """Call after each optimizer step with the number of steps completed.
+
+        Saves asynchronously when the cadence says so, or synchronously (then sets
+        :attr:`should_stop`) when an emergency save was requested on any rank.
+        """
+        self._check_open()
+        due = self.cadence.due(step)
+        emergency = self._emergency.is_set()
+        failed = self._inflight is not None and self._inflight.done() and self._inflight.exception() is not None
+        if self._coord.multi:
+            if step % self._sync_every == 0:
+                # One tiny collective: time cadence, emergency requests and background failures are
+                # per-rank facts; acting on them must be unanimous.
+                agreed = self._coord.all_max([int(due), int(emergency), int(failed)])
+                due, emergency, failed = (bool(v) for v in agreed)
+            else:  # between sync points only the deterministic step cadence applies
+                due = self.cadence.every_steps is not None and step % self.cadence.every_steps == 0
+                emergency = failed = False
+        if failed:
+            self._finish_inflight()
+        if emergency:
+            self.save(step, state, blocking=True, reason="emergency")
+            self._emergency.clear()
+            self._should_stop = True
+        elif due:
+            self.save(step, state, blocking=False, reason="interval")
+
+    def save(self, step: int, state: Mapping[str, Any], blocking: bool = True, *, reason: str = "manual") -> None:
+        """Save ``state`` as ``step``. With ``blocking=False`` only the staging copy runs now."""
+        self._check_open()
+        if step < 0:
+            raise ConfigError(f"step must be >= 0, got {step}")
+        t0 = time.perf_counter()
+        self._finish_inflight()  # back-pressure: at most one save in flight
+        pending = self._engine.stage(step, state, reason)
+        self.last_stall_s = time.perf_counter() - t0
+        self._inflight = self._pool.submit(self._engine.write_and_commit, pending)
+        self.cadence.saved()
+        if blocking:
+            self._finish_inflight()
+
+    def wait(self) -> SaveOutcome | None:
+        """Wait for the save in flight (if any); raise its error if it failed."""
+        self._check_open()
+        return self._finish_inflight()
+
+    def close(self) -> None:
+        """Wait for in-flight saves and release the writer thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._finish_inflight()
+        finally:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckpointError as inner:  # do not mask the exception that ended the block
+            log.error("while closing after %s: %s", exc_type.__name__ if exc_type else "error", inner)
+
+    # ------------------------------------------------------------------ internals
+    def _finish_inflight(self) -> SaveOutcome | None:
+        fut, self._inflight = self._inflight, None
+        if fut is None:
+            return None
+        outcome = fut.result()  # re-raises the background error here, on the training thread
+        self.last_outcome = outcome
+        return outcome
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; create a new one")

@@ -1,0 +1,582 @@
+"""The save/restore engine over one node-local tier: staging, background write, commit, restore.
+
+Call order for a save (every rank, same order):
+
+1. training thread: :meth:`Engine.stage` -- builds (or reuses) the DCP plan, copies tensors into the
+   staging buffer (the only stall), serializes plain values. Collective on the foreground group only
+   when the plan changed.
+2. writer thread: :meth:`Engine.write_and_commit` -- writes this rank's shard file into
+   ``step_X.tmp-<token>/`` (O_DIRECT, checksummed, fsynced), gathers every rank's result on the
+   background group, and each domain leader writes ``.metadata`` and ``manifest.json`` (temp name,
+   fsync, rename), fsyncs, renames the directory to ``step_X/`` and fsyncs the run directory. A second
+   gather tells every rank that all domains committed; leaders then apply retention.
+
+Restore (:meth:`Engine.restore`, collective): domain leaders list committed steps; ranks try the
+newest common step, each reading and verifying (per-item checksums) the byte ranges it needs *before
+touching any live tensor*; only when every rank verified does anyone copy into the model. A corrupt or
+partial step is skipped with a warning naming the file and the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import io
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, SavePlan, WriteItem, WriteItemType
+
+from .. import __version__, failpoints
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    InsufficientSpaceError,
+    ResilientSlurmError,
+    SaveError,
+)
+from ..manifest import (
+    CHECKSUM_ALGORITHM,
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    ChunkEntry,
+    Manifest,
+    ShardEntry,
+    is_tmp_dirname,
+    parse_step_dirname,
+    step_dirname,
+    tmp_dirname,
+)
+from ..storage.fileio import (
+    BLOCK,
+    aligned_buffer,
+    atomic_write,
+    check_free_space,
+    checksum,
+    fsync_dir,
+    read_file_into,
+    remove_tree,
+    round_up,
+    write_file,
+)
+from . import state as state_mod
+from .coordination import Coordinator, Topology
+from .planning import (
+    GlobalSavePlan,
+    SafeLoadPlanner,
+    create_global_save_plan,
+    domain_storage_data,
+    dump_metadata,
+    load_metadata,
+)
+from .policy import RetentionPolicy
+from .staging import ShardLayout, StagingBuffer, framing_for
+
+log = logging.getLogger(__name__)
+
+
+def shard_filename(rank: int) -> str:
+    """DCP's file naming: one file per rank."""
+    return f"__{rank}_0.distcp"
+
+
+@dataclass
+class PendingSave:
+    """A staged save waiting for (or in) the background write."""
+
+    step: int
+    reason: str
+    token: str
+    created_at: float
+    bytes_items: list[tuple[WriteItem, bytes]]
+    plan: GlobalSavePlan
+    staging: StagingBuffer
+    stall_s: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """What a finished save did."""
+
+    step: int
+    reason: str
+    bytes_written: int
+    stall_s: float
+    write_s: float
+    commit_s: float
+
+
+@contextlib.contextmanager
+def reading(step_dir: str) -> Iterator[None]:
+    """Hold a shared lock on a step while reading it, so retention never deletes it underneath."""
+    try:
+        fd = os.open(os.path.join(step_dir, MANIFEST_NAME), os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+class Engine:
+    """Save and restore for one run in the node-local tier. One instance per rank."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        coord: Coordinator,
+        run_id: str,
+        *,
+        retention: RetentionPolicy,
+        io_threads: int = 4,
+        free_space_margin: int = 64 << 20,
+        capture_rng: bool = True,
+    ) -> None:
+        self.topo = topo
+        self.coord = coord
+        self.run_id = run_id
+        self.retention = retention
+        self.io_threads = io_threads
+        self.free_space_margin = free_space_margin
+        self.capture_rng = capture_rng
+        self.run_dir = os.path.join(topo.root, run_id)
+        self._seq = 0
+        self._cached_local_plan: SavePlan | None = None
+        self._cached_global: GlobalSavePlan | None = None
+        self._staging: StagingBuffer | None = None
+        self._pin = torch.cuda.is_available()
+
+    # ------------------------------------------------------------------ save, foreground
+    def stage(self, step: int, state: Mapping[str, Any], reason: str) -> PendingSave:
+        """Plan and copy ``state`` into staging buffers. Collective (foreground group)."""
+        t0 = time.perf_counter()
+        sd = state_mod.build_state_dict(state, rank=self.topo.rank, capture_rng=self.capture_rng)
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(sd, is_coordinator=self.topo.rank == 0)
+        local_plan = planner.create_local_plan()
+        same = self._cached_local_plan is not None and _same_plan(local_plan, self._cached_local_plan)
+        if not self.coord.all_true(same) or self._cached_global is None:
+            all_plans = self.coord.all_gather(local_plan)
+            self._cached_global = create_global_save_plan(all_plans, self.topo.domain_of_rank)
+            self._cached_local_plan = local_plan
+        plan = self._cached_global
+        mine = plan.plans[self.topo.rank].items
+        layout = ShardLayout.build(mine)
+        if self._staging is None or self._staging.layout.key != layout.key:
+            self._staging = None  # drop the old buffer before allocating the new one
+            self._staging = StagingBuffer(layout, pin=self._pin)
+        t_plan = time.perf_counter()
+        self._staging.stage(planner.resolve_data)  # type: ignore[arg-type]
+        bytes_items = []
+        for it in mine:
+            if it.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(it)
+                assert isinstance(data, io.BytesIO)
+                bytes_items.append((it, data.getvalue()))
+        self._seq += 1
+        t1 = time.perf_counter()
+        return PendingSave(
+            step=step,
+            reason=reason,
+            token=f"{self.topo.nonce}-{self._seq}",
+            created_at=time.time(),
+            bytes_items=bytes_items,
+            plan=plan,
+            staging=self._staging,
+            stall_s=t1 - t0,
+            stats={"plan_s": t_plan - t0, "copy_s": t1 - t_plan},
+        )
+
+    # ------------------------------------------------------------------ save, background
+    def write_and_commit(self, p: PendingSave) -> SaveOutcome:
+        """Write this rank's shard and commit the step in every domain. Collective (background group).
+
+        Never leaves a partial step that looks committed: failures anywhere remove the temp
+        directories and raise :class:`SaveError` on every rank.
+        """
+        topo = self.topo
+        tmp = os.path.join(self.run_dir, tmp_dirname(p.step, p.token))
+        fname = shard_filename(topo.rank)
+        t0 = time.perf_counter()
+        result: dict[str, Any]
+        try:
+            os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+            os.makedirs(tmp, mode=0o700, exist_ok=True)
+            failpoints.hit("before_shard_write")
+            result = self._write_shard(p, tmp, fname)
+            failpoints.hit("after_shard_write")
+        except Exception as exc:  # reported to every rank below; never lost
+            log.error("step %d: rank %d could not write its shard: %s", p.step, topo.rank, exc)
+            result = {"ok": False, "error": f"rank {topo.rank}: {exc}", "space": isinstance(exc, InsufficientSpaceError)}
+        t1 = time.perf_counter()
+        results = self.coord.all_gather(result, background=True)
+        failed = [r for r in results if not r["ok"]]
+        commit_error: str | None = None
+        if not failed and topo.is_leader:
+            try:
+                self._commit_domain(p, tmp, results)
+            except Exception as exc:
+                log.error("step %d: commit in %s failed: %s", p.step, self.run_dir, exc)
+                commit_error = f"domain {topo.domain}: {exc}"
+        if (failed or commit_error) and topo.is_leader:
+            _remove_quietly(tmp)
+        commit_errors = [e for e in self.coord.all_gather(commit_error, background=True) if e]
+        if failed or commit_errors:
+            msgs = [r["error"] for r in failed] + commit_errors
+            cls = InsufficientSpaceError if any(r.get("space") for r in failed) else SaveError
+            raise cls(f"save of step {p.step} (run {self.run_id}) failed: " + "; ".join(msgs))
+        t2 = time.perf_counter()
+        if topo.is_leader:
+            failpoints.hit("after_commit_rename")
+            self.apply_retention()
+        total = sum(r["size"] for r in results)
+        log.info(
+            "step %d committed (%s): %.1f MiB in all ranks, stall %.3fs, write %.3fs, commit %.3fs",
+            p.step, p.reason, total / 2**20, p.stall_s, t1 - t0, t2 - t1,
+        )
+        return SaveOutcome(p.step, p.reason, result["size"], p.stall_s, t1 - t0, t2 - t1)
+
+    def _write_shard(self, p: PendingSave, tmp: str, fname: str) -> dict[str, Any]:
+        layout = p.staging.layout
+        segments: list[tuple[memoryview, int]] = []
+        chunks: list[tuple[int, int]] = []
+        infos: dict[MetadataIndex, tuple[str, int, int]] = {}
+        tensor_len = layout.tensor_region
+        if p.bytes_items:
+            tensor_len = round_up(tensor_len, BLOCK)
+        if tensor_len:
+            segments.append((p.staging.memoryview(), tensor_len))
+        for s in layout.slots:
+            chunks.append((s.offset, s.length))
+            infos[s.item.index] = (fname, s.offset, s.length)
+        if p.bytes_items:
+            total_b = sum(len(b) for _, b in p.bytes_items)
+            bbuf = aligned_buffer(total_b)
+            mv = memoryview(bbuf.numpy())
+            off = 0
+            for it, b in p.bytes_items:
+                mv[off : off + len(b)] = b
+                chunks.append((tensor_len + off, len(b)))
+                infos[it.index] = (fname, tensor_len + off, len(b))
+                off += len(b)
+            segments.append((mv, total_b))
+        size = sum(n for _, n in segments)
+        # Ranks of a domain write at the same time into the same filesystem: check for all of them.
+        need = size * len(self.topo.domain_ranks) + self.free_space_margin
+        check_free_space(tmp, need, what=f"step {p.step} shard of rank {self.topo.rank}")
+        path = os.path.join(tmp, fname)
+        written = write_file(path, segments, chunks, threads=self.io_threads)
+        entry = ShardEntry(
+            path=fname,
+            rank=self.topo.rank,
+            node=self.topo.domain,
+            size=written.size,
+            checksum=written.checksum,
+            algorithm=CHECKSUM_ALGORITHM,
+            chunks=tuple(ChunkEntry(o, n, c) for (o, n), c in zip(chunks, written.chunk_checksums)),
+        )
+        return {"ok": True, "entry": entry, "infos": infos, "size": written.size, "created_at": p.created_at}
+
+    def _commit_domain(self, p: PendingSave, tmp: str, results: list[dict[str, Any]]) -> None:
+        topo = self.topo
+        md = p.plan.metadata
+        storage = domain_storage_data([r["infos"] for r in results], topo.domain_of_rank, topo.domain)
+        dom_md = Metadata(
+            state_dict_metadata=md.state_dict_metadata,
+            planner_data=md.planner_data,
+            storage_data=storage,
+        )
+        md_bytes = dump_metadata(dom_md)
+        atomic_write(os.path.join(tmp, DCP_METADATA_NAME), md_bytes)
+        failpoints.hit("after_dcp_metadata")
+        nodes: dict[str, list[int]] = {}
+        for r, d in enumerate(topo.domain_of_rank):
+            nodes.setdefault(d, []).append(r)
+        manifest = Manifest(
+            run_id=self.run_id,
+            step=p.step,
+            world_size=topo.world_size,
+            created_at=results[0]["created_at"],
+            reason=p.reason,
+            torch_version=torch.__version__,
+            library_version=__version__,
+            shards=tuple(r["entry"] for r in results),
+            nodes={d: tuple(rs) for d, rs in nodes.items()},
+            node=topo.domain,
+            dcp_metadata=ChunkEntry(0, len(md_bytes), checksum(md_bytes)),
+        )
+        atomic_write(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
+        fsync_dir(tmp)
+        failpoints.hit("after_manifest")
+        final = os.path.join(self.run_dir, step_dirname(p.step))
+        if os.path.exists(final):
+            # Re-saving a step (e.g. an emergency save right after a restore): swap atomically enough
+            # that an older committed step is never affected, then drop the replaced copy.
+            aside = os.path.join(self.run_dir, tmp_dirname(p.step, f"replaced-{p.token}"))
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            fsync_dir(self.run_dir)
+            _remove_quietly(aside)
+        else:
+            os.rename(tmp, final)
+            fsync_dir(self.run_dir)
+
+    # ------------------------------------------------------------------ retention / listing
+    def committed_steps(self) -> list[int]:
+        """Steps with a manifest in this domain's run directory (not validated), ascending."""
+        try:
+            names = os.listdir(self.run_dir)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for n in names:
+            s = parse_step_dirname(n)
+            if s is not None and os.path.exists(os.path.join(self.run_dir, n, MANIFEST_NAME)):
+                steps.append(s)
+        return sorted(steps)
+
+    def clean_stale(self, keep_token: str | None = None) -> None:
+        """Remove abandoned temp directories (killed saves). Leader only; no save may be in flight."""
+        try:
+            names = os.listdir(self.run_dir)
+        except FileNotFoundError:
+            return
+        for n in names:
+            if is_tmp_dirname(n) and (keep_token is None or not n.endswith(keep_token)):
+                log.info("removing abandoned in-progress directory %s", os.path.join(self.run_dir, n))
+                _remove_quietly(os.path.join(self.run_dir, n))
+
+    def apply_retention(self) -> list[int]:
+        """Delete steps the policy does not keep (never the newest, never one being read)."""
+        self.clean_stale()
+        deleted = []
+        for s in self.retention.deletable(self.committed_steps()):
+            d = os.path.join(self.run_dir, step_dirname(s))
+            try:
+                fd = os.open(os.path.join(d, MANIFEST_NAME), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as exc:
+                    if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        log.info("retention: step %d is being read; keeping it for now", s)
+                        continue
+                    raise
+                gone = os.path.join(self.run_dir, tmp_dirname(s, f"gc-{self.topo.nonce}"))
+                os.rename(d, gone)  # uncommit first, so a crash mid-delete never leaves a half step
+            finally:
+                os.close(fd)
+            fsync_dir(self.run_dir)
+            failpoints.hit("during_retention")
+            _remove_quietly(gone)
+            deleted.append(s)
+        if deleted:
+            log.info("retention removed steps %s from %s", deleted, self.run_dir)
+        return deleted
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, state: MutableMapping[str, Any]) -> int:
+        """Restore the newest step that every rank can read and verify; return it (0 if none).
+
+        Collective (foreground group). Corrupt steps are skipped with a warning; an incompatible
+        checkpoint (missing key, shape mismatch, newer schema) raises on every rank.
+        """
+        if self.topo.is_leader:
+            self.clean_stale()
+        mine = self.committed_steps() if self.topo.is_leader else None
+        lists = self.coord.all_gather(mine)
+        leaders = [r for r in range(self.topo.world_size) if lists[r] is not None]
+        common = set.intersection(*[set(lists[r]) for r in leaders]) if leaders else set()
+        initialized = [
+            v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state
+        ]
+        try:
+            for step in sorted(common, reverse=True):
+                status, message, loaded = self._try_read(step, state)
+                verdicts = self.coord.all_gather((status, message))
+                incompatible = [m for s, m in verdicts if s == "incompatible"]
+                if incompatible:
+                    raise IncompatibleCheckpointError(incompatible[0])
+                bad = [m for s, m in verdicts if s != "ok"]
+                if bad:
+                    if self.topo.rank == 0:
+                        for m in bad:
+                            log.warning("skipping step %d: %s; trying the previous step", step, m)
+                    continue
+                assert loaded is not None
+                loaded.apply()
+                state_mod.apply_loaded(state, loaded.target, rank=self.topo.rank)
+                initialized = []
+                log.info("restored step %d from %s", step, self.run_dir)
+                return step
+        finally:
+            for opt in initialized:  # nothing restored: give back a pristine optimizer
+                opt.state.clear()
+        if common and self.topo.rank == 0:
+            log.warning("no valid checkpoint in %s; starting from step 0", self.run_dir)
+        return 0
+
+    def _try_read(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
+        step_dir = os.path.join(self.run_dir, step_dirname(step))
+        try:
+            with reading(step_dir):
+                return "ok", "", self._read_step(step, step_dir, state)
+        except IncompatibleCheckpointError as exc:
+            return "incompatible", str(exc), None
+        except (CorruptCheckpointError, OSError, CheckpointError) as exc:
+            return "corrupt", f"rank {self.topo.rank}: {exc}", None
+
+    def _read_step(self, step: int, step_dir: str, state: MutableMapping[str, Any]) -> _Loaded:
+        mpath = os.path.join(step_dir, MANIFEST_NAME)
+        try:
+            with open(mpath, "rb") as f:
+                manifest = Manifest.from_json(f.read(), source=mpath)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"{mpath}: missing") from exc
+        if manifest.step != step or manifest.run_id != self.run_id:
+            raise CorruptCheckpointError(
+                f"{mpath}: says run {manifest.run_id!r} step {manifest.step}, expected {self.run_id!r} step {step}"
+            )
+        mdpath = os.path.join(step_dir, DCP_METADATA_NAME)
+        try:
+            with open(mdpath, "rb") as f:
+                md_bytes = f.read()
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"{mdpath}: missing") from exc
+        if len(md_bytes) != manifest.dcp_metadata.length or checksum(md_bytes) != manifest.dcp_metadata.checksum:
+            raise CorruptCheckpointError(f"{mdpath}: size or checksum does not match the manifest")
+        md = load_metadata(md_bytes, source=mdpath)
+        target = state_mod.prepare_load_target(state, md, rank=self.topo.rank, capture_rng=self.capture_rng)
+        planner = SafeLoadPlanner()
+        planner.set_up_planner(target, md, is_coordinator=self.topo.rank == 0)
+        try:
+            plan = planner.create_local_plan()
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise IncompatibleCheckpointError(
+                f"step {step} in {step_dir} does not fit the state being restored: {exc}. Restore with the "
+                "same model/optimizer structure, or move the run directory aside to start afresh."
+            ) from exc
+        plan = planner.finish_plan(plan)
+        shards = {s.path: s for s in manifest.shards_of_node(manifest.node)}
+        chunk_sums = {(s.path, c.offset): c for s in shards.values() for c in s.chunks}
+        # Group what we need by file, then read each file's needed span once.
+        needed: dict[str, list[Any]] = {}
+        for ri in plan.items:
+            info = md.storage_data[ri.storage_index]
+            if info.relative_path not in shards:
+                raise CorruptCheckpointError(
+                    f"{step_dir}: {ri.storage_index.fqn} lives in {info.relative_path}, which is not stored on "
+                    f"this node ({self.topo.domain}); it must come from another node or the durable tier"
+                )
+            needed.setdefault(info.relative_path, []).append((ri, info))
+        buffers: dict[str, tuple[torch.Tensor, int]] = {}
+        for rel, reqs in needed.items():
+            path = os.path.join(step_dir, rel)
+            entry = shards[rel]
+            try:
+                st = os.stat(path)
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"{path}: shard file missing") from exc
+            if st.st_size != entry.size:
+                raise CorruptCheckpointError(
+                    f"{path}: size {st.st_size} bytes, manifest says {entry.size} (truncated or overwritten)"
+                )
+            end = max(info.offset + info.length for _, info in reqs)
+            buf = aligned_buffer(end)
+            read_file_into(path, memoryview(buf.numpy()), end, threads=self.io_threads)
+            mv = memoryview(buf.numpy())
+            for ri, info in reqs:
+                c = chunk_sums.get((rel, info.offset))
+                if c is None or c.length != info.length:
+                    raise CorruptCheckpointError(f"{path}: no checksum recorded for bytes {info.offset}+{info.length}")
+                if checksum(mv[info.offset : info.offset + info.length]) != c.checksum:
+                    raise CorruptCheckpointError(
+                        f"{path}: checksum mismatch in {ri.storage_index.fqn} (bytes {info.offset}+{info.length}): "
+                        "the file is corrupt"
+                    )
+            buffers[rel] = (buf, end)
+        return _Loaded(planner=planner, target=target, md=md, needed=needed, buffers=buffers)
+
+
+@dataclass
+class _Loaded:
+    """Verified bytes of one step, ready to be copied into the live state."""
+
+    planner: SafeLoadPlanner
+    target: dict[str, Any]
+    md: Metadata
+    needed: dict[str, list[Any]]
+    buffers: dict[str, tuple[torch.Tensor, int]]
+
+    def apply(self) -> None:
+        for rel, reqs in self.needed.items():
+            buf, _ = self.buffers[rel]
+            for ri, info in reqs:
+                blob = buf[info.offset : info.offset + info.length]
+                if ri.type == LoadItemType.BYTE_IO:
+                    self.planner.load_bytes(ri, io.BytesIO(blob.numpy().tobytes()))
+                    continue
+                stored = self._stored_tensor(ri, blob)
+                part = narrow_tensor_by_index(stored, ri.storage_offsets, ri.lengths)
+                dest = self.planner.resolve_tensor(ri).detach()
+                if dest.size() != part.size():
+                    raise IncompatibleCheckpointError(
+                        f"{ri.dest_index.fqn}: checkpoint has size {tuple(part.size())}, state has {tuple(dest.size())}"
+                    )
+                with torch.no_grad():
+                    dest.copy_(part)
+                self.planner.commit_tensor(ri, dest)
+
+    def _stored_tensor(self, ri: Any, blob: torch.Tensor) -> torch.Tensor:
+        tmd = self.md.state_dict_metadata[ri.storage_index.fqn]
+        assert isinstance(tmd, TensorStorageMetadata)
+        chunk = next(c for c in tmd.chunks if tuple(c.offsets) == tuple(ri.storage_index.offset))
+        dtype = tmd.properties.dtype
+        fr = framing_for(dtype, tuple(chunk.sizes))
+        n = len(fr.prefix)
+        nbytes = torch.Size(chunk.sizes).numel() * torch.empty((), dtype=dtype).element_size()
+        if blob.numel() == n + nbytes + len(fr.suffix) and bytes(blob[:n].numpy()) == fr.prefix:
+            raw = blob[n : n + nbytes]
+            return raw.view(dtype).view(tuple(chunk.sizes)) if nbytes else torch.empty(tuple(chunk.sizes), dtype=dtype)
+        # Not our framing (e.g. written by plain DCP): let torch parse it, safely.
+        return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=True)
+
+
+def _same_plan(a: SavePlan, b: SavePlan) -> bool:
+    if len(a.items) != len(b.items):
+        return False
+    for x, y in zip(a.items, b.items):
+        if x.index != y.index or x.type != y.type:
+            return False
+        if (x.tensor_data is None) != (y.tensor_data is None):
+            return False
+        if x.tensor_data is not None and y.tensor_data is not None:
+            if x.tensor_data.chunk != y.tensor_data.chunk or x.tensor_data.properties.dtype != y.tensor_data.properties.dtype:
+                return False
+    return True
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        remove_tree(path)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
+
+
+__all__ = ["Engine", "PendingSave", "SaveOutcome", "ResilientSlurmError", "shard_filename"]

@@ -1,0 +1,159 @@
+"""DCP planning with storage-domain-aware deduplication, and safe (de)serialization of DCP metadata.
+
+We use torch.distributed.checkpoint's planners and on-disk metadata so that a step directory is a
+valid DCP checkpoint (``dcp.load`` with a ``FileSystemReader`` reads it) and so that DTensor/FSDP2 state
+reshards on load. What we change:
+
+* Deduplication of replicated state (DDP weights, optimizer moments, plain values) happens *per
+  storage domain* (one node-local directory), spread across the ranks of that domain. Every domain thus
+  holds a complete copy of the replicated state and a node can restore from its own NVMe; DCP's
+  default dedup is global, which would leave node B needing bytes that only exist on node A's disk.
+* Each domain's ``.metadata`` maps every item to the copy stored in that domain when there is one.
+* ``.metadata`` is read with a restricted unpickler (an allow-list of DCP metadata classes); plain
+  values are loaded with ``torch.load(weights_only=True)``. No checkpoint content runs code on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+from collections import ChainMap
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_global_save_plan,
+)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItemType
+
+from ..errors import CorruptCheckpointError
+
+_ALLOWED_GLOBALS: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch._utils": {"_get_layout"},
+    "torch.serialization": {"_get_layout"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if name in _ALLOWED_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+def dump_metadata(md: Metadata) -> bytes:
+    """Serialize DCP metadata exactly as DCP's FileSystemWriter does (pickle), so plain DCP reads it."""
+    return pickle.dumps(md)
+
+
+def load_metadata(data: bytes, *, source: str) -> Metadata:
+    """Deserialize DCP metadata with an allow-list of classes; anything else is corruption."""
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # any unpickling failure means the file is not what we wrote
+        raise CorruptCheckpointError(f"{source}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(md, Metadata):
+        raise CorruptCheckpointError(f"{source}: DCP metadata has type {type(md).__name__}, expected Metadata")
+    return md
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalSavePlan:
+    """What every rank writes, and the state_dict metadata common to all domains."""
+
+    plans: list[SavePlan]  # per rank: the items this rank writes (index hints rewritten)
+    metadata: Metadata  # state_dict_metadata + planner_data; storage_data is filled per domain
+
+
+def create_global_save_plan(all_plans: Sequence[SavePlan], domain_of_rank: Sequence[str]) -> GlobalSavePlan:
+    """Deduplicate within each storage domain (balanced by size across its ranks) and build metadata.
+
+    Deterministic: every rank can run it on the same gathered plans and get the same answer.
+    """
+    domains = sorted(set(domain_of_rank), key=lambda d: domain_of_rank.index(d))
+    write_plans: list[SavePlan] = list(all_plans)
+    for dom in domains:
+        ranks = [r for r, d in enumerate(domain_of_rank) if d == dom]
+        for r, p in zip(ranks, dedup_save_plans([all_plans[r] for r in ranks])):
+            write_plans[r] = p
+    # The metadata must list each chunk once: take every domain's items but drop those an earlier
+    # domain already holds.
+    seen: set[MetadataIndex] = set()
+    meta_plans: list[SavePlan] = []
+    for p in write_plans:
+        keep = []
+        for item in p.items:
+            if item.index not in seen:
+                seen.add(item.index)
+                keep.append(item)
+        meta_plans.append(dataclasses.replace(p, items=keep))
+    _, md = create_default_global_save_plan(meta_plans)
+    mappings = dict(ChainMap(*[p.planner_data for p in all_plans if p.planner_data]))
+    md = dataclasses.replace(md, planner_data=mappings)
+    # Byte items and index hints: rewrite each rank's write items with the metadata's chunk positions.
+    hints: dict[MetadataIndex, int | None] = {}
+    for fqn, smd in md.state_dict_metadata.items():
+        chunks = getattr(smd, "chunks", None)
+        if chunks is None:
+            hints[MetadataIndex(fqn)] = None
+        else:
+            for i, c in enumerate(chunks):
+                hints[MetadataIndex(fqn, c.offsets)] = i
+    final = []
+    for p in write_plans:
+        items = [
+            dataclasses.replace(it, index=dataclasses.replace(it.index, index=hints.get(it.index)))
+            if it.type != WriteItemType.BYTE_IO
+            else it
+            for it in p.items
+        ]
+        final.append(dataclasses.replace(p, items=items))
+    return GlobalSavePlan(plans=final, metadata=md)
+
+
+def domain_storage_data(
+    results: Sequence[Mapping[MetadataIndex, tuple[str, int, int]]],
+    domain_of_rank: Sequence[str],
+    domain: str,
+) -> dict[MetadataIndex, _StorageInfo]:
+    """Map every item to a stored copy, preferring the copy in ``domain`` (then the lowest rank)."""
+    out: dict[MetadataIndex, _StorageInfo] = {}
+    order = sorted(range(len(results)), key=lambda r: (domain_of_rank[r] != domain, r))
+    for r in order:
+        for idx, (path, off, length) in results[r].items():
+            if idx not in out:
+                out[idx] = _StorageInfo(path, off, length)
+    return out
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that loads plain values with ``weights_only=True`` (no arbitrary code)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

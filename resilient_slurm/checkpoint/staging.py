@@ -1,0 +1,212 @@
+"""Staging buffers that are the shard file's image: the training stall is one copy per tensor.
+
+A rank's shard file is a sequence of DCP items. Each tensor item is stored as a ``torch.save`` blob
+(what DCP's ``FileSystemReader`` expects), whose framing (zip headers, pickle) depends only on dtype and
+shape. :class:`ShardLayout` computes that framing once with ``torch.serialization.skip_data`` and fixes
+every item's offset. :class:`StagingBuffer` holds one page-aligned buffer laid out exactly like the
+file: staging copies each tensor into its data slot, and the background writer sends the buffer to disk
+with O_DIRECT, no further copy. Plain values (BYTE_IO items) vary in size per save and are appended
+after the tensor region.
+
+Call order (all on the training thread except ``write``): ``ShardLayout.build`` (when the plan
+changes) -> ``StagingBuffer.for_layout`` (allocates once, reused while the layout is unchanged) ->
+``stage`` (the stall) -> background ``write``.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.serialization
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from ..storage.fileio import BLOCK, aligned_buffer, round_up
+
+_ALIGN = 64  # blob start alignment: keeps each data region 64-byte aligned in memory and on disk
+
+
+class _FramingSink(io.RawIOBase):
+    """A seekable sink that records what torch.save writes around the (skipped) storage bytes."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[int, bytes]] = []
+        self.pos = 0
+        self.end = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        data = bytes(b)
+        self.parts.append((self.pos, data))
+        self.pos += len(data)
+        self.end = max(self.end, self.pos)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.end}[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
+@dataclass(frozen=True)
+class Framing:
+    """torch.save bytes around a tensor's raw data: ``prefix + data + suffix`` is a valid blob."""
+
+    prefix: bytes
+    suffix: bytes
+
+
+_FRAMING_CACHE: dict[tuple[torch.dtype, tuple[int, ...]], Framing] = {}
+
+
+def framing_for(dtype: torch.dtype, shape: Sequence[int]) -> Framing:
+    """Framing of ``torch.save`` for a contiguous CPU tensor of ``dtype`` and ``shape`` (cached)."""
+    key = (dtype, tuple(shape))
+    fr = _FRAMING_CACHE.get(key)
+    if fr is None:
+        sink = _FramingSink()
+        with torch.serialization.skip_data():
+            torch.save(torch.empty(shape, dtype=dtype), sink)  # untouched pages: no cost
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        # Find the data hole: the gap skipped by seek between two writes.
+        img = bytearray(sink.end)
+        for pos, data in sink.parts:
+            img[pos : pos + len(data)] = data
+        covered = sorted((p, p + len(d)) for p, d in sink.parts)
+        hole = next(
+            (a_end for (_, a_end), (b_start, _) in zip(covered, covered[1:]) if b_start - a_end == nbytes),
+            None,
+        )
+        if hole is None:
+            if nbytes != 0:
+                raise RuntimeError(f"cannot locate tensor data in torch.save framing for {dtype}{list(shape)}")
+            # Empty tensor: no hole; any split works since there is no data.
+            hole = len(img)
+        fr = Framing(prefix=bytes(img[:hole]), suffix=bytes(img[hole + nbytes :]))
+        _FRAMING_CACHE[key] = fr
+    return fr
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor item lives in the shard file."""
+
+    item: WriteItem
+    offset: int  # blob start
+    length: int  # blob length (framing + data)
+    data_offset: int  # absolute offset of the raw data
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Fixed placement of a rank's tensor items in its shard file."""
+
+    slots: tuple[TensorSlot, ...]
+    tensor_region: int  # bytes used by the tensor blobs; byte items start at round_up(tensor_region)
+    key: tuple[object, ...]
+
+    @classmethod
+    def build(cls, items: Sequence[WriteItem]) -> ShardLayout:
+        """Place tensor items (largest first, so big copies start early) at 64-byte aligned offsets."""
+        tensors = [it for it in items if it.type != WriteItemType.BYTE_IO]
+        tensors.sort(key=lambda it: (-(it.tensor_storage_size() or 0), it.index.fqn))
+        slots = []
+        off = 0
+        for it in tensors:
+            td = it.tensor_data
+            assert td is not None
+            shape = tuple(td.chunk.sizes)
+            dtype = td.properties.dtype
+            fr = framing_for(dtype, shape)
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            off = round_up(off, _ALIGN)
+            slots.append(
+                TensorSlot(
+                    item=it,
+                    offset=off,
+                    length=len(fr.prefix) + nbytes + len(fr.suffix),
+                    data_offset=off + len(fr.prefix),
+                    nbytes=nbytes,
+                    dtype=dtype,
+                    shape=shape,
+                )
+            )
+            off += slots[-1].length
+        key = tuple((s.item.index.fqn, s.item.index.offset, s.dtype, s.shape) for s in slots)
+        return cls(slots=tuple(slots), tensor_region=off, key=key)
+
+
+class StagingBuffer:
+    """A reusable page-aligned image of a shard file's tensor region (pinned when CUDA is in use)."""
+
+    def __init__(self, layout: ShardLayout, *, pin: bool) -> None:
+        self.layout = layout
+        self.buf = aligned_buffer(round_up(layout.tensor_region, BLOCK), pin=pin)
+        for s in layout.slots:  # framing never changes for a layout: write it once
+            fr = framing_for(s.dtype, s.shape)
+            self.buf[s.offset : s.data_offset].copy_(torch.frombuffer(bytearray(fr.prefix), dtype=torch.uint8))
+            if fr.suffix:
+                end = s.data_offset + s.nbytes
+                self.buf[end : end + len(fr.suffix)].copy_(
+                    torch.frombuffer(bytearray(fr.suffix), dtype=torch.uint8)
+                )
+        self._views = [self._view(s) for s in layout.slots]
+
+    def _view(self, s: TensorSlot) -> torch.Tensor:
+        raw = self.buf[s.data_offset : s.data_offset + s.nbytes]
+        if s.nbytes == 0:
+            return torch.empty(s.shape, dtype=s.dtype)
+        return raw.view(s.dtype).view(s.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor region."""
+        return self.layout.tensor_region
+
+    def stage(self, resolve: Callable[[WriteItem], torch.Tensor]) -> None:
+        """Copy every tensor item into its slot: the only work done while training waits.
+
+        CUDA tensors are copied device-to-host on a side stream that first waits for the current
+        stream (so kernels still writing parameters finish first); we synchronize that stream once at
+        the end rather than per tensor.
+        """
+        side: torch.cuda.Stream | None = None
+        for s, view in zip(self.layout.slots, self._views):
+            src = resolve(s.item)
+            if src.is_cuda:
+                if side is None:
+                    side = torch.cuda.Stream(device=src.device)
+                    side.wait_stream(torch.cuda.current_stream(src.device))
+                with torch.cuda.stream(side):
+                    view.copy_(src.detach(), non_blocking=True)
+            else:
+                view.copy_(src.detach())
+        if side is not None:
+            side.synchronize()
+
+    def memoryview(self) -> memoryview:
+        """The buffer as a writable memoryview (for pwrite)."""
+        return memoryview(self.buf.numpy())
+
+
+def item_views(buf: torch.Tensor, slots: Sequence[TensorSlot]) -> dict[MetadataIndex, torch.Tensor]:
+    """Typed tensor views of each slot's data inside ``buf`` (used on restore, zero-copy)."""
+    out = {}
+    for s in slots:
+        raw = buf[s.data_offset : s.data_offset + s.nbytes]
+        out[s.item.index] = raw.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)
+    return out

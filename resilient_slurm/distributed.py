@@ -1,0 +1,332 @@
+"""Map Slurm's task variables, or torchrun's, to ``torch.distributed.init_process_group``.
+
+Precedence: ``RANK`` and ``WORLD_SIZE`` already set (torchrun, or ``rslurm launch -n N`` local mode) are
+used as they are; otherwise a Slurm task (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``) is
+mapped. The rendezvous address is ``MASTER_ADDR`` when set, else the first host of
+``SLURM_STEP_NODELIST`` (or ``SLURM_JOB_NODELIST``); the port is ``MASTER_PORT`` when set, else
+``15000 + SLURM_JOB_ID % 20000``, so every task of a job derives the same port without talking.
+
+Without any distributed environment, and for a Slurm step of a single task, no process group is
+created: single-process training must not need one (nor a free port).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import socket
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from resilient_slurm.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DistributedEnv",
+    "expand_nodelist",
+    "init_distributed",
+    "parse_nodelist",
+    "resolve_distributed_env",
+]
+
+# Ports derived from job ids stay clear of the privileged range and of Linux's default ephemeral
+# range (32768-60999), where outgoing connections could already hold the port.
+PORT_BASE = 15000
+PORT_SPAN = 20000
+SCONTROL_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """Where this process sits in the job and how the ranks meet."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun" (RANK/WORLD_SIZE were set) or "slurm"
+
+
+# -- node lists -----------------------------------------------------------------------------------
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _split_top_level(text: str, what: str) -> list[str]:
+    """Split on commas outside brackets."""
+    parts: list[str] = []
+    depth = 0
+    start = 0
+    for i, char in enumerate(text):
+        if char == "[":
+            depth += 1
+            if depth > 1:
+                raise ConfigError(f"malformed Slurm {what} {text!r}: nested brackets")
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise ConfigError(f"malformed Slurm {what} {text!r}: ']' without '['")
+        elif char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ConfigError(f"malformed Slurm {what} {text!r}: '[' without ']'")
+    parts.append(text[start:])
+    return parts
+
+
+def _expand_ranges(body: str, nodelist: str) -> list[str]:
+    """Expand the inside of one bracket, e.g. ``01-03,7`` -> ``01 02 03 7`` (widths kept)."""
+    values: list[str] = []
+    for item in body.split(","):
+        match = _RANGE.match(item.strip())
+        if match is None:
+            raise ConfigError(f"malformed Slurm node list {nodelist!r}: bad range {item!r}")
+        low_text, high_text = match.group(1), match.group(2)
+        if high_text is None:
+            values.append(low_text)
+            continue
+        low, high = int(low_text), int(high_text)
+        if high < low:
+            raise ConfigError(f"malformed Slurm node list {nodelist!r}: range {item!r} runs backwards")
+        # Slurm pads to the width of the lower bound: gpu-[01-04] -> gpu-01 ... gpu-04.
+        width = len(low_text)
+        values.extend(str(v).zfill(width) for v in range(low, high + 1))
+    return values
+
+
+def _expand_host(expression: str, nodelist: str) -> list[str]:
+    """Expand one host expression; several bracket groups multiply (``r[1-2]n[1-2]`` -> 4 hosts)."""
+    hosts = [""]
+    rest = expression
+    while rest:
+        open_at = rest.find("[")
+        if open_at < 0:
+            hosts = [h + rest for h in hosts]
+            break
+        close_at = rest.index("]", open_at)  # balanced brackets were checked by _split_top_level
+        prefix, body = rest[:open_at], rest[open_at + 1 : close_at]
+        hosts = [h + prefix + v for h in hosts for v in _expand_ranges(body, nodelist)]
+        rest = rest[close_at + 1 :]
+    return hosts
+
+
+def parse_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm node list such as ``n[1-3,5]``, ``gpu-[01-04]`` or ``a1,b2`` into host names."""
+    text = nodelist.strip()
+    if not text:
+        raise ConfigError("malformed Slurm node list '': it names no host")
+    hosts: list[str] = []
+    for expression in _split_top_level(text, "node list"):
+        if not expression or expression.startswith("["):
+            raise ConfigError(f"malformed Slurm node list {nodelist!r}: empty host name in {expression!r}")
+        hosts.extend(_expand_host(expression, nodelist))
+    return hosts
+
+
+def expand_nodelist(
+    nodelist: str, *, scontrol: str = "scontrol", timeout_s: float = SCONTROL_TIMEOUT_S
+) -> list[str]:
+    """Expand a node list with ``scontrol show hostnames``, falling back to :func:`parse_nodelist`."""
+    if "[" not in nodelist:
+        # Plain comma-separated names need no help from Slurm; save the subprocess.
+        return parse_nodelist(nodelist)
+    try:
+        completed = subprocess.run(
+            [scontrol, "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except FileNotFoundError:
+        logger.debug("%s not found; expanding node list %r in Python", scontrol, nodelist)
+        return parse_nodelist(nodelist)
+    except subprocess.TimeoutExpired:
+        # scontrol can hang when slurmctld is unreachable; the list itself is still parseable.
+        logger.warning(
+            "%s show hostnames timed out after %.1f s; expanding %r in Python", scontrol, timeout_s, nodelist
+        )
+        return parse_nodelist(nodelist)
+    hosts = completed.stdout.split()
+    if completed.returncode != 0 or not hosts:
+        logger.warning(
+            "%s show hostnames %r failed (exit %d: %s); expanding it in Python",
+            scontrol,
+            nodelist,
+            completed.returncode,
+            completed.stderr.strip()[:200],
+        )
+        return parse_nodelist(nodelist)
+    return hosts
+
+
+# -- environment ----------------------------------------------------------------------------------
+
+
+def _int_var(env: Mapping[str, str], name: str, *, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None:
+        raise ConfigError(f"{name} is not set; it is needed to place this process in the distributed job")
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r} must be >= {minimum}")
+    return value
+
+
+def _port_var(env: Mapping[str, str], name: str) -> int:
+    port = _int_var(env, name, minimum=1)
+    if port > 65535:
+        raise ConfigError(f"{name}={port} is not a TCP port (1-65535)")
+    return port
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def resolve_distributed_env(
+    env: Mapping[str, str], *, expand: Callable[[str], list[str]] = expand_nodelist
+) -> DistributedEnv | None:
+    """Work out rank, world size, local rank and rendezvous from ``env``; None if not distributed."""
+    has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
+    if has_rank != has_world:
+        present, missing = ("RANK", "WORLD_SIZE") if has_rank else ("WORLD_SIZE", "RANK")
+        raise ConfigError(
+            f"{present} is set but {missing} is not; set both (torchrun style) or neither (to map Slurm's "
+            "task variables)"
+        )
+    if has_rank:
+        source = "torchrun"
+        world_size = _int_var(env, "WORLD_SIZE", minimum=1)
+        rank = _int_var(env, "RANK", minimum=0)
+        rank_var = "RANK"
+        if "LOCAL_RANK" in env:
+            local_rank = _int_var(env, "LOCAL_RANK", minimum=0)
+        elif "SLURM_LOCALID" in env:
+            local_rank = _int_var(env, "SLURM_LOCALID", minimum=0)
+        else:
+            local_rank = 0
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        source = "slurm"
+        world_size = _int_var(env, "SLURM_NTASKS", minimum=1)
+        rank = _int_var(env, "SLURM_PROCID", minimum=0)
+        rank_var = "SLURM_PROCID"
+        local_rank = _int_var(env, "SLURM_LOCALID", minimum=0)
+        if world_size == 1:
+            # One task (often plain `python train.py` in the batch script): no group, no port needed.
+            return None
+    else:
+        return None
+    if rank >= world_size:
+        raise ConfigError(f"{rank_var}={rank} is not below the world size {world_size}")
+
+    if env.get("MASTER_ADDR"):
+        master_addr = env["MASTER_ADDR"]
+    else:
+        list_var = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+        nodelist = env.get(list_var)
+        if nodelist:
+            try:
+                master_addr = expand(nodelist)[0]
+            except ConfigError as exc:
+                raise ConfigError(f"{list_var}: {exc}") from exc
+        elif world_size == 1:
+            master_addr = "127.0.0.1"
+        else:
+            raise ConfigError(
+                "MASTER_ADDR is not set and neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST names the "
+                "nodes; set MASTER_ADDR to the host of rank 0"
+            )
+
+    if env.get("MASTER_PORT"):
+        master_port = _port_var(env, "MASTER_PORT")
+    elif env.get("SLURM_JOB_ID"):
+        master_port = PORT_BASE + _int_var(env, "SLURM_JOB_ID", minimum=0) % PORT_SPAN
+    elif world_size == 1:
+        master_port = _free_loopback_port()
+    else:
+        raise ConfigError(
+            "MASTER_PORT is not set and SLURM_JOB_ID is not there to derive one from; set MASTER_PORT to a "
+            "free port on the host of rank 0"
+        )
+    return DistributedEnv(rank, world_size, local_rank, master_addr, master_port, source)
+
+
+def _local_rank_of_initialized(env: Mapping[str, str]) -> int:
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if name in env:
+            return _int_var(env, name, minimum=0)
+    return 0
+
+
+def init_distributed(
+    backend: str | None = None, timeout: datetime.timedelta | float | None = None
+) -> tuple[int, int, int]:
+    """Initialize torch.distributed from Slurm's or torchrun's variables; return (rank, world_size, local_rank)."""
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    if dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        local_rank = _local_rank_of_initialized(os.environ)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+        return rank, world_size, local_rank
+
+    resolved = resolve_distributed_env(os.environ)
+    if resolved is None:
+        logger.debug(
+            "no distributed environment (no RANK/WORLD_SIZE, no multi-task Slurm step): single process"
+        )
+        return 0, 1, 0
+    if not dist.is_available():
+        raise ConfigError(
+            "this PyTorch build has no torch.distributed, but the environment asks for "
+            f"{resolved.world_size} ranks; install a PyTorch build with distributed support"
+        )
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        # Before init: NCCL binds each rank to the current device.
+        torch.cuda.set_device(resolved.local_rank)
+
+    # Exported so that code using env:// later (new groups, other libraries) sees the same job layout.
+    os.environ["RANK"] = str(resolved.rank)
+    os.environ["WORLD_SIZE"] = str(resolved.world_size)
+    os.environ["LOCAL_RANK"] = str(resolved.local_rank)
+    os.environ["MASTER_ADDR"] = resolved.master_addr
+    os.environ["MASTER_PORT"] = str(resolved.master_port)
+
+    logger.info(
+        "job %s rank %d/%d (local %d): init_process_group backend=%s via %s:%d (from %s variables)",
+        os.environ.get("SLURM_JOB_ID", "-"),
+        resolved.rank,
+        resolved.world_size,
+        resolved.local_rank,
+        backend,
+        resolved.master_addr,
+        resolved.master_port,
+        resolved.source,
+    )
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=resolved.rank,
+        world_size=resolved.world_size,
+        timeout=timeout,
+    )
+    return resolved.rank, resolved.world_size, resolved.local_rank

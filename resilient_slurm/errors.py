@@ -1,0 +1,56 @@
+"""One error hierarchy for the whole package.
+
+Every error a user can meet says what happened, to which file/step/rank, and what to do. Transient
+errors (a flaky network, an S3 503) may be retried; permanent ones (corrupt data, a bad configuration)
+never are.
+"""
+
+from __future__ import annotations
+
+
+class ResilientSlurmError(Exception):
+    """Root of every error raised by resilient_slurm."""
+
+
+class TransientError(ResilientSlurmError):
+    """A failure that may succeed when retried (network blips, throttling, busy resources)."""
+
+
+class PermanentError(ResilientSlurmError):
+    """A failure that retrying cannot fix (bad input, corrupt data, misconfiguration)."""
+
+
+class ConfigError(PermanentError):
+    """A configuration key or value is wrong; the message names the key and the valid choices."""
+
+
+class CheckpointError(PermanentError):
+    """A checkpoint could not be saved or restored."""
+
+
+class SaveError(CheckpointError):
+    """A save failed; every previously committed step is untouched."""
+
+
+class InsufficientSpaceError(SaveError):
+    """The target filesystem has less free space than the save needs (checked before writing)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed step fails validation: garbage manifest, missing/truncated shard, checksum mismatch."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """A valid checkpoint cannot be restored into this state (unknown schema, missing key, world size)."""
+
+
+class StorageError(ResilientSlurmError):
+    """A storage tier operation failed (wraps the underlying OS or client error)."""
+
+
+class TransientStorageError(StorageError, TransientError):
+    """A storage operation failed in a way worth retrying."""
+
+
+class DistributedError(CheckpointError):
+    """Ranks disagreed or a collective failed while coordinating a save or restore."""
