@@ -403,6 +403,17 @@ class Engine:
         lists = self.coord.all_gather(mine)
         leaders = [r for r in range(self.topo.world_size) if lists[r] is not None]
         common = set.intersection(*[set(lists[r]) for r in leaders]) if leaders else set()
+        union = set().union(*[set(lists[r]) for r in leaders]) if leaders else set()
+        if union - common and self.topo.rank == 0:
+            lacking = {
+                self.topo.domain_of_rank[r]: sorted(union - set(lists[r])) for r in leaders if union - set(lists[r])
+            }
+            log.warning(
+                "steps %s are committed in some storage domains but missing in others (%s); they cannot be "
+                "restored from the node-local tier",
+                sorted(union - common),
+                ", ".join(f"{d} lacks {s}" for d, s in lacking.items()),
+            )
         initialized = [
             v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state
         ]
@@ -428,8 +439,8 @@ class Engine:
         finally:
             for opt in initialized:  # nothing restored: give back a pristine optimizer
                 opt.state.clear()
-        if common and self.topo.rank == 0:
-            log.warning("no valid checkpoint in %s; starting from step 0", self.run_dir)
+        if union and self.topo.rank == 0:
+            log.warning("no checkpoint that every rank can restore in %s; starting from step 0", self.run_dir)
         return 0
 
     def _try_read(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:

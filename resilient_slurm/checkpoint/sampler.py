@@ -154,7 +154,14 @@ class ResumableSampler(Sampler[int]):
         # The loader draws its indices from __iter__ at the current position, so the per-rank count
         # left now is exactly what this pass will hand out (before the loader's own drop_last).
         remaining = self._remaining_per_rank()
-        for batch in loader:
+        # Creating a DataLoader iterator draws the workers' base seed from the *global* torch RNG. A
+        # resumed run creates its iterator mid-epoch, at another point of that stream, so the draw
+        # would shift every later dropout mask. Keep iterator creation RNG-neutral instead: the global
+        # stream then depends only on the training steps, with or without a restart in between.
+        rng_state = torch.get_rng_state()
+        batches = iter(loader)
+        torch.set_rng_state(rng_state)
+        for batch in batches:
             taken = min(batch_size, remaining)
             remaining -= taken
             # Advance before handing the batch over: a checkpoint taken while the loop holds this

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests)")
     ap.add_argument("--log", default=None, help="JSON-lines step log; %%r expands to the rank")
     ap.add_argument("--out", default=None, help="final state file; %%r expands to the rank")
+    ap.add_argument("--grad-sync", choices=("ddp", "allreduce"), default="ddp",
+                    help="DDP, or one explicit all_reduce of the flattened gradients per step")
     ap.add_argument("--fail-at-step", type=int, default=None, help="raise an error after this step")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RSLURM_LOG_LEVEL", "WARNING"), stream=sys.stderr,
@@ -77,7 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                         drop_last=True, persistent_workers=False)
     model, opt, sched, scaler = build(args.hidden, args.seed, rank)
-    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    # DDP with 3+ ranks is not bitwise reproducible across a restart: constructing DDP again changes
+    # the float summation order of its first iteration's allreduce (last-bit differences; rebuilding
+    # DDP mid-run in one process shows the same, with no checkpoint involved). ``--grad-sync
+    # allreduce`` averages gradients with one fixed all_reduce per step, which is.
+    use_ddp = world > 1 and args.grad_sync == "ddp"
+    net = torch.nn.parallel.DistributedDataParallel(model) if use_ddp else model
     state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "sampler": sampler,
              "progress": {"samples_seen": 0}}
 
@@ -95,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                 loss = torch.nn.functional.mse_loss(net(x), y)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
+            if world > 1 and not use_ddp:
+                grads = [p.grad for p in model.parameters()]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat)
+                flat /= world
+                for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(new)
             scaler.step(opt)
             scaler.update()
             sched.step()

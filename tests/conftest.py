@@ -1,0 +1,136 @@
+"""Shared test helpers: launching real rank processes, free ports, reading step logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port that is free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test process's environment without distributed/Slurm/rslurm variables, plus ``extra``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RSLURM_", "SLURM_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+    }
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class RankJob:
+    """N rank processes started together, like a local ``rslurm launch -n N``."""
+
+    procs: list[subprocess.Popen[bytes]]
+    logs: list[Path]
+
+    def wait(self, timeout: float = 300) -> list[int]:
+        """Wait for every rank; kill all and fail the test if any hangs."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail(f"rank process {p.pid} did not finish within {timeout}s; see {self.logs}")
+        return codes
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to every rank's process group (ranks and their DataLoader workers)."""
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def output(self, rank: int = 0) -> str:
+        """What a rank printed (stdout and stderr)."""
+        return self.logs[rank].read_text(errors="replace")
+
+
+def start_ranks(
+    argv: Sequence[str],
+    world_size: int,
+    workdir: Path,
+    env: Mapping[str, str] | None = None,
+    per_rank_env: Sequence[Mapping[str, str]] | None = None,
+) -> RankJob:
+    """Start ``world_size`` processes of ``python argv...`` with torch.distributed variables set."""
+    port = free_port()
+    procs, logs = [], []
+    for r in range(world_size):
+        e = clean_env(env)
+        if world_size > 1:
+            e.update(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if per_rank_env:
+            e.update(per_rank_env[r])
+        log = workdir / f"rank{r}.{time.monotonic_ns()}.out"
+        with open(log, "wb") as f:
+            procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=f, stderr=subprocess.STDOUT,
+                                          cwd=workdir, start_new_session=True))
+        logs.append(log)
+    return RankJob(procs, logs)
+
+
+def run_ranks(argv: Sequence[str], world_size: int, workdir: Path, *, timeout: float = 300,
+              env: Mapping[str, str] | None = None,
+              per_rank_env: Sequence[Mapping[str, str]] | None = None) -> RankJob:
+    """Start ranks and wait; fail with their output if any rank exits non-zero."""
+    job = start_ranks(argv, world_size, workdir, env, per_rank_env)
+    codes = job.wait(timeout)
+    if any(codes):
+        out = "\n".join(f"--- rank {r} (exit {c}) ---\n{job.output(r)[-4000:]}" for r, c in enumerate(codes))
+        pytest.fail(f"ranks failed: {codes}\n{out}")
+    return job
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Parse a JSON-lines file, tolerating a torn last line (the writer may have been SIGKILLed)."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def wait_for_step(log: Path, step: int, timeout: float = 120, job: RankJob | None = None) -> None:
+    """Block until a step log shows ``step`` completed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and any(e.get("step", -1) >= step and "loss" in e for e in read_jsonl(log)):
+            return
+        if job is not None and any(p.poll() not in (None, 0) for p in job.procs):
+            pytest.fail(f"a rank died before step {step}: {job.output(0)[-3000:]}")
+        time.sleep(0.01)
+    pytest.fail(f"step {step} not reached within {timeout}s ({log})")
