@@ -368,6 +368,10 @@ class Bench:
         self.cache = Cache()
         self.r: dict[str, Any] = {"errors": {}}
         self.notes: list[str] = [self.cache.note]
+        self.raw_buf: tuple[mmap.mmap, memoryview] | None = None
+        self.ck: Checkpointer | None = None
+        self.dcp_stager: Any = None
+        self.ours_step = 0
 
     def log(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -385,7 +389,7 @@ class Bench:
             self.r["errors"][name] = f"{type(exc).__name__}: {exc}"
         finally:
             load = foreign_load(c0, cpu_sample())
-            self.r.setdefault("foreign_cpu_load", {})[name] = round(load, 2)
+            self.r.setdefault("foreign_cpu_load", {}).setdefault(name, []).append(round(load, 2))
             release_memory()
             self.log(f"phase {name} done in {now() - t0:.1f}s (other processes kept {load:.2f} cores busy)")
 
@@ -450,198 +454,203 @@ class Bench:
             "xxh3_2threads_speedup": min(hashes) / par,
         }
 
+    # ---------------------------------------------------------------- interleaved rounds
+    # Each round runs every method once (order rotated per round), so load from other processes on a
+    # shared machine spreads over all methods instead of skewing whichever phase it happened to hit.
+    def measured(self, method: str, fn: Callable[[int], None], i: int) -> None:
+        if method in self.r["errors"]:
+            return
+        c0 = cpu_sample()
+        t0 = now()
+        try:
+            fn(i)
+        except Exception as exc:  # keep going: one broken method must not hide the others
+            import traceback
+
+            traceback.print_exc()
+            self.r["errors"][method] = f"{type(exc).__name__}: {exc}"
+        finally:
+            load = foreign_load(c0, cpu_sample())
+            self.r.setdefault("foreign_cpu_load", {}).setdefault(method, []).append(round(load, 2))
+            release_memory()
+            self.log(f"round {i} {method}: {now() - t0:.1f}s (other processes kept {load:.2f} cores busy)")
+
+    def add(self, section: str, key: str, value: Any) -> None:
+        self.r.setdefault(section, {}).setdefault(key, []).append(value)
+
     # ---------------------------------------------------------------- raw device
-    def raw(self) -> None:
-        n = fileio.round_up(self.nbytes, BLOCK)
-        mm, mv = page_buffer(n)
-        fill_from_state(mv, self.state_dict())
+    def raw_round(self, i: int) -> None:
+        if self.raw_buf is None:
+            n = fileio.round_up(self.nbytes, BLOCK)
+            self.raw_buf = page_buffer(n)
+            fill_from_state(self.raw_buf[1], self.state_dict())
+        mv = self.raw_buf[1]
+        n = len(mv)
         path = os.path.join(self.root, "raw.bin")
-        out: dict[str, Any] = {"bytes": n}
         for threads in sorted({1, self.threads}):
-            w, r = [], []
-            for _ in range(self.repeats):
-                remove(path)
-                dt, direct = raw_write(path, mv, threads)
-                w.append(dt)
-                self.cache.drop(path)
-                dt, _ = raw_read(path, mv, threads)
-                r.append(dt)
-            out[f"write_t{threads}_s"] = w
-            out[f"read_t{threads}_s"] = r
-            out[f"write_t{threads}_gbps"] = n / med(w) / GB
-            out[f"read_t{threads}_gbps"] = n / med(r) / GB
-            out["o_direct"] = direct
+            remove(path)
+            dt, direct = raw_write(path, mv, threads)
+            self.add("raw", f"write_t{threads}_s", dt)
+            self.cache.drop(path)
+            dt, _ = raw_read(path, mv, threads)
+            self.add("raw", f"read_t{threads}_s", dt)
         remove(path)
-        mv.release()
-        mm.close()
-        out["write_gbps"] = max(v for k, v in out.items() if k.startswith("write_t") and k.endswith("gbps"))
-        out["read_gbps"] = max(v for k, v in out.items() if k.startswith("read_t") and k.endswith("gbps"))
-        if not out["o_direct"]:
-            self.notes.append("O_DIRECT refused by the target filesystem: raw numbers are buffered I/O + fsync")
-        self.r["raw"] = out
+        self.r["raw"]["bytes"] = n
+        self.r["raw"]["o_direct"] = direct
 
     # ---------------------------------------------------------------- torch.save / torch.load
-    def torch_save_load(self) -> None:
+    def torch_round(self, i: int) -> None:
         path = os.path.join(self.root, "torch_save.pt")
-        saves, loads, applies = [], [], []
-        for i in range(self.repeats):
-            remove(path)
-            sd = self.state_dict()
-            t0 = now()
-            with open(path, "wb") as f:
-                torch.save(sd, f)
-                f.flush()
-                os.fsync(f.fileno())
-            saves.append(now() - t0)
-            del sd
-            self.cache.drop(path)
-            self.scramble_fresh()
-            t0 = now()
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
-            t1 = now()
-            self.fresh_model.load_state_dict(loaded["model"])
-            self.fresh_opt.load_state_dict(loaded["optim"])
-            t2 = now()
-            loads.append(t1 - t0)
-            applies.append(t2 - t0)
-            if i == 0:
-                self.r.setdefault("verified", {})["torch.load"] = same_state(
-                    self.state_dict(), state_dict_of(self.fresh_model, self.fresh_opt)
-                )
-            del loaded
-            release_memory()
-        self.r["torch"] = {
-            "file_bytes": os.path.getsize(path),
-            "save_fsync_s": saves,
-            "load_s": loads,
-            "load_and_apply_s": applies,
-        }
+        remove(path)
+        sd = self.state_dict()
+        t0 = now()
+        with open(path, "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+        self.add("torch", "save_fsync_s", now() - t0)
+        del sd
+        self.r["torch"]["file_bytes"] = os.path.getsize(path)
+        self.cache.drop(path)
+        self.scramble_fresh()
+        t0 = now()
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        t1 = now()
+        self.fresh_model.load_state_dict(loaded["model"])
+        self.fresh_opt.load_state_dict(loaded["optim"])
+        t2 = now()
+        self.add("torch", "load_s", t1 - t0)
+        self.add("torch", "load_and_apply_s", t2 - t0)
+        if i == 0:
+            self.r.setdefault("verified", {})["torch.load"] = same_state(
+                self.state_dict(), state_dict_of(self.fresh_model, self.fresh_opt)
+            )
+        del loaded
         remove(path)
 
     # ---------------------------------------------------------------- DCP
-    def dcp(self) -> None:
+    def dcp_round(self, i: int) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-        out: dict[str, Any] = {"writer": "FileSystemWriter(thread_count=1, sync_files=True) (defaults)"}
-        saves = []
-        d = ""
-        for i in range(self.repeats):
-            if d:
-                remove(d)
-            d = os.path.join(self.root, f"dcp_sync_{i}")
-            sd = self.state_dict()
-            t0 = now()
-            dcp.save(sd, storage_writer=FileSystemWriter(d), no_dist=True)
-            os.sync()  # FileSystemWriter fsyncs the data file; the directory entry is cheap
-            saves.append(now() - t0)
-            del sd
-        out["save_s"] = saves
-        loads = []
-        for i in range(self.repeats):
-            self.cache.drop(d)
-            self.scramble_fresh()
-            target = state_dict_of(self.fresh_model, self.fresh_opt)
-            t0 = now()
-            dcp.load(target, storage_reader=FileSystemReader(d), no_dist=True)
-            self.fresh_opt.load_state_dict(target["optim"])  # model tensors were loaded in place
-            loads.append(now() - t0)
-            if i == 0:
-                self.r.setdefault("verified", {})["dcp.load"] = same_state(
-                    self.state_dict(), state_dict_of(self.fresh_model, self.fresh_opt)
-                )
-            del target
-        out["load_s"] = loads
+        out = self.r.setdefault("dcp", {})
+        out["writer"] = "FileSystemWriter(thread_count=1, sync_files=True) (defaults)"
+        d = os.path.join(self.root, f"dcp_sync_{i}")
+        sd = self.state_dict()
+        t0 = now()
+        dcp.save(sd, storage_writer=FileSystemWriter(d), no_dist=True)
+        self.add("dcp", "save_s", now() - t0)
+        del sd
+        self.cache.drop(d)
+        self.scramble_fresh()
+        target = state_dict_of(self.fresh_model, self.fresh_opt)
+        t0 = now()
+        dcp.load(target, storage_reader=FileSystemReader(d), no_dist=True)
+        self.fresh_opt.load_state_dict(target["optim"])  # model tensors were loaded in place
+        self.add("dcp", "load_s", now() - t0)
+        if i == 0:
+            self.r.setdefault("verified", {})["dcp.load"] = same_state(
+                self.state_dict(), state_dict_of(self.fresh_model, self.fresh_opt)
+            )
+        del target
         remove(d)
-        release_memory()
 
-        # async_save with a reused stager (caches its CPU copy across saves, like our staging buffer).
-        stager = None
-        try:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        # async_save with a reused stager: it caches its CPU copy across saves, like our staging buffer.
+        if i == 0:
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            stager = DefaultStager(StagingOptions(False, False, False, False))
-            out["async_stager"] = "DefaultStager(no pin, no shm, sync staging), reused across saves"
-        except Exception:  # older torch: the writer stages (allocates a fresh copy every time)
-            out["async_stager"] = "FileSystemWriter.stage (fresh CPU copy per save)"
-        stalls, dones = [], []
-        prev = ""
-        for i in range(self.repeats + 1):
-            if prev:
-                remove(prev)
-            d = os.path.join(self.root, f"dcp_async_{i}")
+                self.dcp_stager = DefaultStager(StagingOptions(False, False, False, False))
+                out["async_stager"] = "DefaultStager(no pin, no shm, sync staging), reused across saves"
+            except Exception:  # older torch: the writer stages (allocates a fresh copy every time)
+                self.dcp_stager = None
+                out["async_stager"] = "FileSystemWriter.stage (fresh CPU copy per save)"
+        for first in ([True, False] if i == 0 else [False]):
+            d = os.path.join(self.root, f"dcp_async_{i}_{int(first)}")
             sd = self.state_dict()
-            kw: dict[str, Any] = {"async_stager": stager} if stager is not None else {}
+            kw: dict[str, Any] = {"async_stager": self.dcp_stager} if self.dcp_stager is not None else {}
             t0 = now()
             fut = dcp.async_save(sd, storage_writer=FileSystemWriter(d), no_dist=True, **kw)
             t1 = now()
             fut = getattr(fut, "upload_completion", fut)
             fut.result()
             t2 = now()
-            stalls.append(t1 - t0)
-            dones.append(t2 - t0)
-            prev = d
+            if first:
+                out["async_first_stall_s"] = t1 - t0
+                out["async_first_done_s"] = t2 - t0
+            else:
+                self.add("dcp", "async_stall_s", t1 - t0)
+                self.add("dcp", "async_done_s", t2 - t0)
             del sd, fut
-        if stager is not None:
-            stager.close()
-        remove(prev)
-        out["async_first_stall_s"] = stalls[0]
-        out["async_first_done_s"] = dones[0]
-        out["async_stall_s"] = stalls[1:]
-        out["async_done_s"] = dones[1:]
-        self.r["dcp"] = out
+            remove(d)
 
     # ---------------------------------------------------------------- ours
-    def ours(self) -> None:
+    def ours_round(self, i: int) -> None:
         local = os.path.join(self.root, "ours")
         state = {"model": self.model, "optim": self.opt}
-        saves = []
-        ck = Checkpointer(local_dir=local, run_id="bench", keep_last=2, io_threads=self.threads)
-        try:
-            for i in range(self.repeats + 1):
-                release_memory()
-                t0 = now()
-                ck.save(i + 1, state, blocking=False)
-                t1 = now()
-                stall = ck.last_stall_s
-                outcome = ck.wait()
-                t2 = now()
-                assert outcome is not None
-                saves.append({
-                    "stall_s": stall,
-                    "save_return_s": t1 - t0,
-                    "commit_s": t2 - t0,
-                    "write_s": outcome.write_s,
-                    "commit_phase_s": outcome.commit_s,
-                    "bytes_written": outcome.bytes_written,
-                })
-        finally:
-            ck.close()
-        restores = []
-        for i in range(self.repeats):
-            self.scramble_fresh()
-            self.cache.drop(local)
-            ck2 = Checkpointer(local_dir=local, run_id="bench", keep_last=2, io_threads=self.threads)
-            fresh = {"model": self.fresh_model, "optim": self.fresh_opt}
-            t0 = now()
-            step = ck2.restore(fresh)
-            restores.append(now() - t0)
-            ck2.close()
-            if step != self.repeats + 1:
-                raise RuntimeError(f"restore returned step {step}, expected {self.repeats + 1}")
-            if i == 0:
-                self.r.setdefault("verified", {})["ours"] = same_state(
-                    self.state_dict(), state_dict_of(self.fresh_model, self.fresh_opt)
-                )
+        if self.ck is None:
+            self.ck = Checkpointer(local_dir=local, run_id="bench", keep_last=2, io_threads=self.threads)
+        for first in ([True, False] if i == 0 else [False]):
             release_memory()
-        self.r["ours"] = {
-            "first": saves[0],
-            "steady": saves[1:],
-            "restore_s": restores,
-            "shard_bytes": saves[-1]["bytes_written"],
-        }
-        if not self.args.breakdown:
-            remove(local)
+            self.ours_step += 1
+            t0 = now()
+            self.ck.save(self.ours_step, state, blocking=False)
+            t1 = now()
+            stall = self.ck.last_stall_s
+            outcome = self.ck.wait()
+            t2 = now()
+            assert outcome is not None
+            rec = {
+                "stall_s": stall,
+                "save_return_s": t1 - t0,
+                "commit_s": t2 - t0,
+                "write_s": outcome.write_s,
+                "commit_phase_s": outcome.commit_s,
+                "bytes_written": outcome.bytes_written,
+            }
+            if first:
+                self.r.setdefault("ours", {})["first"] = rec
+            else:
+                self.add("ours", "steady", rec)
+            self.r["ours"]["shard_bytes"] = outcome.bytes_written
+        self.scramble_fresh()
+        self.cache.drop(local)
+        ck2 = Checkpointer(local_dir=local, run_id="bench", keep_last=2, io_threads=self.threads)
+        fresh = {"model": self.fresh_model, "optim": self.fresh_opt}
+        t0 = now()
+        step = ck2.restore(fresh)
+        self.add("ours", "restore_s", now() - t0)
+        ck2.close()
+        if step != self.ours_step:
+            raise RuntimeError(f"restore returned step {step}, expected {self.ours_step}")
+        if i == 0:
+            self.r.setdefault("verified", {})["ours"] = same_state(
+                self.state_dict(), state_dict_of(self.fresh_model, self.fresh_opt)
+            )
+
+    def teardown(self) -> None:
+        if self.ck is not None:
+            with contextlib.suppress(Exception):
+                self.ck.close()
+            self.ck = None
+        if self.dcp_stager is not None:
+            with contextlib.suppress(Exception):
+                self.dcp_stager.close()
+            self.dcp_stager = None
+        if self.raw_buf is not None:
+            mm, mv = self.raw_buf
+            mv.release()
+            mm.close()
+            self.raw_buf = None
+        remove(os.path.join(self.root, "ours"))
+        release_memory()
+        raw = self.r.get("raw", {})
+        for kind in ("write", "read"):
+            bws = [raw["bytes"] / med(v) / GB for k, v in raw.items() if k.startswith(kind + "_t")]
+            if bws:
+                raw[f"{kind}_gbps"] = max(bws)
+        if raw and not raw.get("o_direct", True):
+            self.notes.append("O_DIRECT refused by the target filesystem: raw numbers are buffered I/O + fsync")
 
     # ---------------------------------------------------------------- where our time goes
     def breakdown(self) -> None:
@@ -724,10 +733,15 @@ class Bench:
         try:
             self.setup()
             self.phase("micro", self.micro)
-            self.phase("raw", self.raw)
-            self.phase("torch", self.torch_save_load)
-            self.phase("dcp", self.dcp)
-            self.phase("ours", self.ours)
+            methods = [("raw", self.raw_round), ("torch", self.torch_round), ("dcp", self.dcp_round),
+                       ("ours", self.ours_round)]
+            try:
+                for i in range(self.repeats):
+                    k = i % len(methods)
+                    for name, fn in methods[k:] + methods[:k]:
+                        self.measured(name, fn, i)
+            finally:
+                self.teardown()
             if self.args.breakdown:
                 self.phase("breakdown", self.breakdown)
         finally:
@@ -829,9 +843,10 @@ def print_report(r: dict[str, Any]) -> None:
           f"io_threads {r['config']['io_threads']}")
     fl = r.get("foreign_cpu_load", {})
     if fl:
-        print("  other processes' CPU use during each phase (cores): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in fl.items())
-              + ("  <- NOISY: numbers are not trustworthy" if max(fl.values()) > 0.25 else ""))
+        worst = max(max(v) for v in fl.values())
+        print("  CPU cores kept busy by other processes while measuring (per round): "
+              + "; ".join(f"{k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in fl.items())
+              + ("  <- NOISY machine: compare ratios with care" if worst > 0.25 else ""))
     for note in r.get("notes", []):
         print(f"  note: {note}")
     if "micro" in r:

@@ -1,0 +1,192 @@
+"""``rslurm``: the command-line entry point. The only place that configures logging.
+
+Implemented now: inspection of the node-local tier (``ls``, ``show``, ``verify``) and the demo. The
+launcher, daemon, submit, gc, export, status and doctor commands arrive with their components.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__, config
+from .checkpoint.checkpointer import default_local_dir, default_run_id
+from .checkpoint.coordination import expand_local_dir, node_name
+from .checkpoint.verify import StepReport, verify_step_dir
+from .errors import ConfigError, ResilientSlurmError
+from .manifest import MANIFEST_NAME, Manifest, parse_step_dirname, step_dirname
+
+log = logging.getLogger("resilient_slurm.cli")
+
+
+def _root(args: argparse.Namespace) -> str:
+    cfg = config.resolve(["local_dir", "node_name", "log_level"], {"local_dir": args.local_dir},
+                         config_path=args.config)
+    return expand_local_dir(cfg["local_dir"] or default_local_dir(), node_name(cfg["node_name"]))
+
+
+def _runs(root: str, run_id: str | None) -> list[str]:
+    if run_id:
+        return [run_id]
+    try:
+        return sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)) and not d.startswith("."))
+    except FileNotFoundError:
+        return []
+
+
+def _steps(run_dir: str) -> list[int]:
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(s for n in names if (s := parse_step_dirname(n)) is not None)
+
+
+def _load(step_dir: str) -> Manifest | None:
+    try:
+        with open(os.path.join(step_dir, MANIFEST_NAME), "rb") as f:
+            return Manifest.from_json(f.read(), source=os.path.join(step_dir, MANIFEST_NAME))
+    except (OSError, ResilientSlurmError):
+        return None
+
+
+def _age(t: float) -> str:
+    s = max(0, int(time.time() - t))
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s // n}{unit}"
+    return f"{s}s"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    root = _root(args)
+    rows: list[dict[str, Any]] = []
+    for run in _runs(root, args.run_id):
+        for s in _steps(os.path.join(root, run)):
+            m = _load(os.path.join(root, run, step_dirname(s)))
+            rows.append({
+                "run_id": run, "step": s, "tier": "local", "state": "committed" if m else "invalid",
+                "reason": m.reason if m else None, "bytes": sum(x.size for x in m.shards_of_node(m.node)) if m else None,
+                "world_size": m.world_size if m else None, "created_at": m.created_at if m else None,
+            })
+    if args.json:
+        print(json.dumps({"root": root, "steps": rows}, indent=1))
+        return 0
+    if not rows:
+        print(f"no checkpoints under {root}")
+        return 0
+    print(f"{'RUN':<16} {'STEP':>10} {'TIER':<6} {'STATE':<10} {'REASON':<9} {'SIZE':>10} {'RANKS':>5} {'AGE':>5}")
+    for r in rows:
+        size = f"{r['bytes'] / 2**20:.1f} MiB" if r["bytes"] is not None else "-"
+        age = _age(r["created_at"]) if r["created_at"] else "-"
+        print(f"{r['run_id']:<16} {r['step']:>10} {r['tier']:<6} {r['state']:<10} {r['reason'] or '-':<9} "
+              f"{size:>10} {r['world_size'] or '-':>5} {age:>5}")
+    return 0
+
+
+def _step_dir(args: argparse.Namespace, step: int | None) -> tuple[str, list[int]]:
+    root = _root(args)
+    run = args.run_id or default_run_id()
+    run_dir = os.path.join(root, run)
+    steps = _steps(run_dir)
+    if not steps:
+        raise ConfigError(f"no checkpoints for run {run!r} in {root} (set --run-id or RSLURM_RUN_ID)")
+    if step is not None and step not in steps:
+        raise ConfigError(f"step {step} not found in {run_dir}; committed steps: {steps}")
+    return run_dir, steps if step is None else [step]
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    run_dir, steps = _step_dir(args, args.step)
+    d = os.path.join(run_dir, step_dirname(steps[-1]))
+    m = _load(d)
+    if m is None:
+        print(f"{d}: manifest missing or invalid; run `rslurm verify {steps[-1]}` for details", file=sys.stderr)
+        return 1
+    if args.json:
+        print(m.to_json())
+        return 0
+    print(f"{d}\n  run {m.run_id}  step {m.step}  reason {m.reason}  world size {m.world_size}  "
+          f"created {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created_at))}")
+    print(f"  torch {m.torch_version}  resilient_slurm {m.library_version}  format {m.format}  "
+          f"schema {m.schema_version}")
+    for dom, ranks in m.nodes.items():
+        print(f"  storage domain {dom}: ranks {list(ranks)}")
+    for s in m.shards:
+        here = "" if s.node == m.node else "  (on another node)"
+        print(f"  {s.path:<20} rank {s.rank:<4} {s.size / 2**20:9.2f} MiB  {s.algorithm}:{s.checksum}  "
+              f"{len(s.chunks)} items{here}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    run_dir, steps = _step_dir(args, args.step)
+    reports: list[StepReport] = [verify_step_dir(os.path.join(run_dir, step_dirname(s))) for s in steps]
+    if args.json:
+        print(json.dumps([{"path": r.path, "step": r.step, "ok": r.ok, "problems": r.problems,
+                           "bytes_checked": r.bytes_checked} for r in reports], indent=1))
+    else:
+        for r in reports:
+            status = "OK" if r.ok else "CORRUPT"
+            print(f"{status:<8} {r.path}  ({r.bytes_checked / 2**20:.1f} MiB checked)")
+            for p in r.problems:
+                print(f"         {p}")
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(list(args.demo_args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (also used to document the CLI)."""
+    p = argparse.ArgumentParser(prog="rslurm", description="Resilient checkpointing for PyTorch on Slurm.")
+    p.add_argument("--version", action="version", version=f"resilient_slurm {__version__}")
+    p.add_argument("--config", default=None, help="TOML config file (default: $RSLURM_CONFIG)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--local-dir", default=None, help="node-local root (RSLURM_LOCAL_DIR)")
+        sp.add_argument("--run-id", default=None, help="run to inspect (RSLURM_RUN_ID; default: job id)")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = sub.add_parser("ls", help="list runs and committed steps")
+    common(sp)
+    sp.set_defaults(func=cmd_ls)
+    sp = sub.add_parser("show", help="show a step's manifest")
+    common(sp)
+    sp.add_argument("step", type=int, nargs="?", default=None, help="step (default: newest)")
+    sp.set_defaults(func=cmd_show)
+    sp = sub.add_parser("verify", help="verify checksums of one step or all steps; exit 1 on any fault")
+    common(sp)
+    sp.add_argument("step", type=int, nargs="?", default=None, help="step (default: all)")
+    sp.set_defaults(func=cmd_verify)
+    sp = sub.add_parser("demo", help="train, SIGKILL, resume, compare (see python -m resilient_slurm.demo -h)")
+    sp.add_argument("demo_args", nargs=argparse.REMAINDER)
+    sp.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rslurm`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        level = config.resolve(["log_level"], {}, config_path=args.config)["log_level"]
+        logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return int(args.func(args))
+    except ResilientSlurmError as exc:
+        print(f"rslurm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The rslurm inspection commands over a real checkpoint directory (run as real subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from conftest import clean_env
+from resilient_slurm import Checkpointer
+
+
+def _rslurm(*args: str, root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args, "--local-dir", str(root),
+                           "--run-id", "cli"], capture_output=True, text=True, env=clean_env(), timeout=120)
+
+
+def _make(root: Path) -> None:
+    model = torch.nn.Linear(32, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    with Checkpointer(local_dir=str(root), run_id="cli") as ck:
+        for s in (1, 2):
+            ck.save(s, {"model": model, "opt": opt, "note": f"step {s}"})
+
+
+def test_ls_show_verify_json(tmp_path: Path) -> None:
+    _make(tmp_path)
+    ls = _rslurm("ls", "--json", root=tmp_path)
+    assert ls.returncode == 0, ls.stderr
+    steps = json.loads(ls.stdout)["steps"]
+    assert [(s["step"], s["state"], s["reason"]) for s in steps] == [(1, "committed", "manual"), (2, "committed", "manual")]
+    show = _rslurm("show", "2", "--json", root=tmp_path)
+    assert show.returncode == 0 and json.loads(show.stdout)["step"] == 2
+    ver = _rslurm("verify", "--json", root=tmp_path)
+    assert ver.returncode == 0 and all(r["ok"] for r in json.loads(ver.stdout))
+
+
+def test_verify_names_the_corrupt_shard_and_exits_nonzero(tmp_path: Path) -> None:
+    _make(tmp_path)
+    shard = tmp_path / "cli" / "step_000000000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    ver = _rslurm("verify", root=tmp_path)
+    assert ver.returncode == 1
+    assert "CORRUPT" in ver.stdout and str(shard) in ver.stdout
+    assert "OK" in ver.stdout  # step 1 is still fine
+    only1 = _rslurm("verify", "1", root=tmp_path)
+    assert only1.returncode == 0
+
+
+def test_unknown_step_is_a_clear_error(tmp_path: Path) -> None:
+    _make(tmp_path)
+    r = _rslurm("show", "7", root=tmp_path)
+    assert r.returncode == 2 and "step 7 not found" in r.stderr
