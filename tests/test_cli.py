@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import torch
-
 from conftest import clean_env
+
 from resilient_slurm import Checkpointer
 
 
