@@ -62,7 +62,7 @@ SETTINGS: dict[str, Setting] = {
     for s in [
         Setting("local_dir", str, None, "node-local checkpoint root; '%n' expands to the node name "
                 "(default: $TMPDIR/rslurm-<uid>/%n)", "checkpoint"),
-        Setting("durable", str, None, "durable tier URL: /path, file:///path or s3://bucket/prefix", "checkpoint"),
+        Setting("durable", str, None, "durable tier URL: /path, file:///path or s3://bucket/prefix (read by the drain daemon, which is not built yet; the Checkpointer only logs it)", "checkpoint"),
         Setting("run_id", str, None, "run identifier (default: Slurm job id, array-aware, else 'default')",
                 "checkpoint"),
         Setting("every_steps", _opt_int, None, "save every N optimizer steps", "checkpoint"),
