@@ -151,7 +151,7 @@ def resolve(
         elif name in file_values:
             v = file_values[name]
             try:
-                out[name] = s.parse(str(v)) if not isinstance(v, (int, float, bool)) or s.parse is str else v
+                out[name] = s.parse(str(v))  # the environment's parser: 2.5 or true is no int
             except ValueError as exc:
                 raise ConfigError(f"config key {name!r}={v!r}: {exc}") from exc
         else:

@@ -119,7 +119,7 @@ class Manifest:
         if not isinstance(d, dict):
             raise CorruptCheckpointError(f"{source}: expected a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
-        if not isinstance(version, int):
+        if not isinstance(version, int) or isinstance(version, bool):
             raise CorruptCheckpointError(f"{source}: field 'schema_version' missing or not an integer")
         if version > SCHEMA_VERSION:
             raise IncompatibleCheckpointError(
@@ -135,22 +135,22 @@ class Manifest:
                     size=_int(s, "size", source),
                     checksum=_str(s, "checksum", source),
                     algorithm=_str(s, "algorithm", source),
-                    chunks=tuple(ChunkEntry(**c) for c in s.get("chunks", ())),
+                    chunks=tuple(_chunk(c, "chunks", source) for c in _list(s, "chunks", source, ())),
                 )
-                for s in d["shards"]
+                for s in _list(d, "shards", source)
             )
             m = cls(
                 run_id=_str(d, "run_id", source),
                 step=_int(d, "step", source),
                 world_size=_int(d, "world_size", source),
-                created_at=float(d["created_at"]),
+                created_at=_float(d, "created_at", source),
                 reason=_str(d, "reason", source),
                 torch_version=_str(d, "torch_version", source),
                 library_version=_str(d, "library_version", source),
                 shards=shards,
-                nodes={str(k): tuple(int(r) for r in v) for k, v in d["nodes"].items()},
+                nodes=_nodes(d, source),
                 node=_str(d, "node", source),
-                dcp_metadata=ChunkEntry(**d["dcp_metadata"]),
+                dcp_metadata=_chunk(d["dcp_metadata"], "dcp_metadata", source),
                 format=_str(d, "format", source),
                 schema_version=version,
                 extra=dict(d.get("extra", {})),
@@ -165,6 +165,38 @@ class Manifest:
             if os.path.isabs(s.path) or ".." in s.path.split("/"):
                 raise CorruptCheckpointError(f"{source}: shard path {s.path!r} escapes the step directory")
         return m
+
+
+def _float(d: Mapping[str, Any], key: str, source: str) -> float:
+    v = d[key]
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise CorruptCheckpointError(f"{source}: field {key!r} must be a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _list(d: Mapping[str, Any], key: str, source: str, *default: Any) -> list[Any]:
+    v = d.get(key, *default) if default else d[key]
+    if not isinstance(v, (list, tuple)):
+        raise CorruptCheckpointError(f"{source}: field {key!r} must be a list, got {type(v).__name__}")
+    return list(v)
+
+
+def _chunk(c: Any, key: str, source: str) -> ChunkEntry:
+    if not isinstance(c, dict) or set(c) != {"offset", "length", "checksum"}:
+        raise CorruptCheckpointError(f"{source}: field {key!r}: expected {{offset, length, checksum}}, got {c!r}")
+    try:
+        return ChunkEntry(_int(c, "offset", source), _int(c, "length", source), _str(c, "checksum", source))
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{exc} (in field {key!r})") from None
+
+
+def _nodes(d: Mapping[str, Any], source: str) -> dict[str, tuple[int, ...]]:
+    v = d["nodes"]
+    if not isinstance(v, dict) or not all(
+        isinstance(rs, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in rs) for rs in v.values()
+    ):
+        raise CorruptCheckpointError(f"{source}: field 'nodes' must map node names to lists of ranks, got {v!r}")
+    return {str(k): tuple(rs) for k, rs in v.items()}
 
 
 def _str(d: Mapping[str, Any], key: str, source: str) -> str:

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, SavePlan, WriteIt
 from .. import __version__, failpoints
 from ..errors import (
     CheckpointError,
+    ConfigError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     InsufficientSpaceError,
@@ -157,6 +158,7 @@ class Engine:
         self._seq = 0
         self._cached_local_plan: SavePlan | None = None
         self._cached_global: GlobalSavePlan | None = None
+        self._cached_layout: ShardLayout | None = None
         self._staging: StagingBuffer | None = None
         self._pin = torch.cuda.is_available()
 
@@ -173,9 +175,11 @@ class Engine:
             all_plans = self.coord.all_gather(local_plan)
             self._cached_global = create_global_save_plan(all_plans, self.topo.domain_of_rank)
             self._cached_local_plan = local_plan
+            self._cached_layout = ShardLayout.build(self._cached_global.plans[self.topo.rank].items)
         plan = self._cached_global
         mine = plan.plans[self.topo.rank].items
-        layout = ShardLayout.build(mine)
+        layout = self._cached_layout
+        assert layout is not None
         if self._staging is None or self._staging.layout.key != layout.key:
             self._staging = None  # drop the old buffer before allocating the new one
             self._staging = StagingBuffer(layout, pin=self._pin)
@@ -186,7 +190,8 @@ class Engine:
             if it.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(it)
                 assert isinstance(data, io.BytesIO)
-                bytes_items.append((it, data.getvalue()))
+                raw = data.getvalue()
+                bytes_items.append((it, raw))
         self._seq += 1
         t1 = time.perf_counter()
         return PendingSave(
@@ -264,6 +269,17 @@ class Engine:
             chunks.append((s.offset, s.length))
             infos[s.item.index] = (fname, s.offset, s.length)
         if p.bytes_items:
+            for it, b in p.bytes_items:
+                # Restore loads plain values with weights_only=True: refuse now (off the training
+                # thread) what restore would refuse, so a committed step is always restorable.
+                try:
+                    torch.load(io.BytesIO(b), map_location="cpu", weights_only=True)
+                except Exception as exc:
+                    raise ConfigError(
+                        f"state value {it.index.fqn!r} cannot be restored safely (use tensors, numbers, "
+                        f"strings, bytes, None and lists/tuples/dicts/sets of them): {type(exc).__name__}; "
+                        "convert it, e.g. float(x) for a NumPy scalar, str(p) for a path"
+                    ) from exc
             total_b = sum(len(b) for _, b in p.bytes_items)
             bbuf = aligned_buffer(total_b)
             mv = memoryview(bbuf.numpy())
@@ -452,6 +468,9 @@ class Engine:
             return "incompatible", str(exc), None
         except (CorruptCheckpointError, OSError, CheckpointError) as exc:
             return "corrupt", f"rank {self.topo.rank}: {exc}", None
+        except Exception as exc:  # unexpected: every rank must still learn of it, or the others hang
+            log.exception("step %d: unexpected error while reading %s", step, step_dir)
+            return "incompatible", f"rank {self.topo.rank}: reading step {step} failed: {exc!r}", None
 
     def _read_step(self, step: int, step_dir: str, state: MutableMapping[str, Any]) -> _Loaded:
         mpath = os.path.join(step_dir, MANIFEST_NAME)
@@ -497,6 +516,7 @@ class Engine:
                 )
             needed.setdefault(info.relative_path, []).append((ri, info))
         buffers: dict[str, tuple[torch.Tensor, int]] = {}
+        decoded: dict[tuple[str, int], Any] = {}
         for rel, reqs in needed.items():
             path = os.path.join(step_dir, rel)
             entry = shards[rel]
@@ -521,8 +541,22 @@ class Engine:
                         f"{path}: checksum mismatch in {ri.storage_index.fqn} (bytes {info.offset}+{info.length}): "
                         "the file is corrupt"
                     )
+                if ri.type == LoadItemType.BYTE_IO:
+                    # Decode plain values now, before anything live is touched: a value the safe loader
+                    # refuses makes the step unusable; it must not half-restore the state.
+                    try:
+                        decoded[(rel, info.offset)] = torch.load(
+                            io.BytesIO(bytes(mv[info.offset : info.offset + info.length])),
+                            map_location="cpu",
+                            weights_only=True,
+                        )
+                    except Exception as exc:
+                        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+                        raise CorruptCheckpointError(
+                            f"{path}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
+                        ) from exc
             buffers[rel] = (buf, end)
-        return _Loaded(planner=planner, target=target, md=md, needed=needed, buffers=buffers)
+        return _Loaded(planner=planner, target=target, md=md, needed=needed, buffers=buffers, decoded=decoded)
 
 
 @dataclass
@@ -534,6 +568,7 @@ class _Loaded:
     md: Metadata
     needed: dict[str, list[Any]]
     buffers: dict[str, tuple[torch.Tensor, int]]
+    decoded: dict[tuple[str, int], Any] = field(default_factory=dict)
 
     def apply(self) -> None:
         for rel, reqs in self.needed.items():
@@ -541,7 +576,7 @@ class _Loaded:
             for ri, info in reqs:
                 blob = buf[info.offset : info.offset + info.length]
                 if ri.type == LoadItemType.BYTE_IO:
-                    self.planner.load_bytes(ri, io.BytesIO(blob.numpy().tobytes()))
+                    self.planner.set_value(ri, self.decoded[(rel, info.offset)])
                     continue
                 stored = self._stored_tensor(ri, blob)
                 part = narrow_tensor_by_index(stored, ri.storage_offsets, ri.lengths)

@@ -152,7 +152,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner that loads plain values with ``weights_only=True`` (no arbitrary code)."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
+        self.set_value(read_item, torch.load(value, weights_only=True))
+
+    def set_value(self, read_item: ReadItem, obj: Any) -> None:
+        """Put an already (safely) decoded plain value in place."""
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
