@@ -293,3 +293,10 @@ def test_checkpointer_reads_the_same_settings(home: Path, tmp_path: Path, monkey
     with pytest.raises(ConfigError, match="RSLURM_EVERY_STEPS"):
         Checkpointer(local_dir=str(tmp_path / "nvme"), run_id="cfg")
 
+
+
+def test_checkpointer_refuses_world_size_without_process_group(tmp_path: Path, monkeypatch: Any) -> None:
+    """Ranks that forgot init_distributed() must not overwrite each other's rank-0 shard."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="init_distributed"):
+        Checkpointer(local_dir=str(tmp_path), run_id="r")

@@ -117,6 +117,13 @@ class Checkpointer:
         self.retention = RetentionPolicy(cfg["keep_last"], cfg["keep_every"])
         self.cadence = Cadence(cfg["every_steps"], cfg["every_seconds"])
         self._coord = Coordinator(timeout_s=cfg["collective_timeout"])
+        if not self._coord.distributed and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            # Several ranks each acting as "rank 0" would write over one another's shards.
+            raise ConfigError(
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialized; call "
+                "resilient_slurm.init_distributed() (or torch.distributed.init_process_group) before "
+                "creating the Checkpointer"
+            )
         self.topology: Topology = discover_topology(
             self._coord, cfg["local_dir"] or default_local_dir(), node_name(cfg["node_name"])
         )
