@@ -54,3 +54,40 @@ class TransientStorageError(StorageError, TransientError):
 
 class DistributedError(CheckpointError):
     """Ranks disagreed or a collective failed while coordinating a save or restore."""
+
+
+class ControlError(ResilientSlurmError):
+    """The per-node control socket failed; the message names the socket path."""
+
+
+class ControlSetupError(ControlError, PermanentError):
+    """The control socket cannot be created: unsafe runtime directory, bad path, or path too long."""
+
+
+class ControlSocketInUseError(ControlSetupError):
+    """A live control server already answers at the socket path (another launcher for this job/node)."""
+
+
+class ControlUnavailableError(ControlError, TransientError):
+    """No control server answers at the socket path (not started yet, stopped, or the connection dropped)."""
+
+
+class ControlTimeoutError(ControlUnavailableError):
+    """The control server did not answer within the client's timeout."""
+
+
+class ControlProtocolError(ControlError, PermanentError):
+    """A frame or message breaks the control protocol; ``code`` names the rule that was broken."""
+
+    def __init__(self, message: str, *, code: str, request_id: object = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+class ControlRejectedError(ControlError, PermanentError):
+    """The control server answered a request with an error reply; ``code`` is that reply's code."""
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -27,7 +27,6 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -529,17 +528,15 @@ class Engine:
                     f"{path}: size {st.st_size} bytes, manifest says {entry.size} (truncated or overwritten)"
                 )
             end = max(info.offset + info.length for _, info in reqs)
-            buf = aligned_buffer(end, prefault=False)  # the read writes every page
-            read_file_into(path, memoryview(buf.numpy()), end, threads=self.io_threads)
-            mv = memoryview(buf.numpy())
             for _, info in reqs:
                 c = chunk_sums.get((rel, info.offset))
                 if c is None or c.length != info.length:
                     raise CorruptCheckpointError(f"{path}: no checksum recorded for bytes {info.offset}+{info.length}")
-            # xxh3 releases the GIL: hash the items in parallel.
-            ranges = [(info.offset, info.length) for _, info in reqs]
-            with ThreadPoolExecutor(max_workers=self.io_threads) as pool:
-                sums = list(pool.map(lambda r, view=mv: checksum(view[r[0] : r[0] + r[1]]), ranges))
+            buf = aligned_buffer(end, prefault=False)  # the read writes every page
+            mv = memoryview(buf.numpy())
+            sums = read_file_into(
+                path, mv, end, threads=self.io_threads, ranges=[(info.offset, info.length) for _, info in reqs]
+            )
             for (ri, info), got in zip(reqs, sums):
                 if got != chunk_sums[(rel, info.offset)].checksum:
                     raise CorruptCheckpointError(

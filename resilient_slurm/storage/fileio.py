@@ -171,8 +171,19 @@ def write_file(
     return WrittenFile(size=size, checksum=file_sum, chunk_checksums=chunk_sums)
 
 
-def read_file_into(path: str, buf: memoryview, size: int, *, threads: int = 4) -> None:
-    """Read the first ``size`` bytes of ``path`` into page-aligned ``buf`` (O_DIRECT when possible)."""
+def read_file_into(
+    path: str,
+    buf: memoryview,
+    size: int,
+    *,
+    threads: int = 4,
+    ranges: Sequence[tuple[int, int]] = (),
+) -> list[str]:
+    """Read the first ``size`` bytes of ``path`` into page-aligned ``buf`` (O_DIRECT when possible).
+
+    Returns the checksums of ``ranges`` ((offset, length) pairs), each computed as soon as the pieces
+    covering it have arrived, so hashing overlaps the remaining reads instead of following them.
+    """
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
     direct = bool(_O_DIRECT)
     try:
@@ -194,10 +205,23 @@ def read_file_into(path: str, buf: memoryview, size: int, *, threads: int = 4) -
                 got += r
             return got
 
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rslurm-read") as pool:
-            total = sum(pool.map(get, range(0, span, _IO_CHUNK)))
-        if total < size:
-            raise StorageError(f"{path}: short read ({total} of {size} bytes): the file is truncated")
+        workers = max(1, threads)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rslurm-read") as readers, \
+                ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rslurm-hash") as hashers:
+            pieces = [readers.submit(get, off) for off in range(0, span, _IO_CHUNK)]
+
+            def digest(r: tuple[int, int]) -> str:
+                off, n = r
+                last = min(len(pieces) - 1, (off + max(n, 1) - 1) // _IO_CHUNK)
+                for i in range(min(off // _IO_CHUNK, last), last + 1):
+                    pieces[i].result()  # wait for exactly the pieces this range lies in
+                return checksum(buf[off : off + n])
+
+            sums = [hashers.submit(digest, r) for r in ranges]
+            total = sum(f.result() for f in pieces)
+            if total < size:
+                raise StorageError(f"{path}: short read ({total} of {size} bytes): the file is truncated")
+            return [f.result() for f in sums]
     finally:
         os.close(fd)
 
