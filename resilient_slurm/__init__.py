@@ -1,21 +1,28 @@
-"""resilient_slurm: checkpoint-and-recovery for PyTorch training on Slurm."""
+"""resilient_slurm: checkpoint-and-recovery for PyTorch training on Slurm.
+
+Public names are imported lazily (PEP 562): tools that only need the control socket, the manifest or
+the CLI's argument parsing do not pay for importing torch.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from .checkpoint.checkpointer import Checkpointer  # noqa: E402
-from .checkpoint.sampler import ResumableSampler  # noqa: E402
-from .distributed import init_distributed  # noqa: E402
-from .errors import (  # noqa: E402
-    CheckpointError,
-    ConfigError,
-    CorruptCheckpointError,
-    IncompatibleCheckpointError,
-    InsufficientSpaceError,
-    ResilientSlurmError,
-    SaveError,
-)
+_LAZY = {
+    "Checkpointer": ".checkpoint.checkpointer",
+    "ResumableSampler": ".checkpoint.sampler",
+    "init_distributed": ".distributed",
+    "ResilientSlurmError": ".errors",
+    "ConfigError": ".errors",
+    "CheckpointError": ".errors",
+    "SaveError": ".errors",
+    "InsufficientSpaceError": ".errors",
+    "CorruptCheckpointError": ".errors",
+    "IncompatibleCheckpointError": ".errors",
+}
 
 __all__ = [
     "Checkpointer",
@@ -30,3 +37,30 @@ __all__ = [
     "IncompatibleCheckpointError",
     "__version__",
 ]
+
+if TYPE_CHECKING:
+    from .checkpoint.checkpointer import Checkpointer
+    from .checkpoint.sampler import ResumableSampler
+    from .distributed import init_distributed
+    from .errors import (
+        CheckpointError,
+        ConfigError,
+        CorruptCheckpointError,
+        IncompatibleCheckpointError,
+        InsufficientSpaceError,
+        ResilientSlurmError,
+        SaveError,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resilient_slurm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

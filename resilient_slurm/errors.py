@@ -91,3 +91,51 @@ class ControlRejectedError(ControlError, PermanentError):
     def __init__(self, message: str, *, code: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class SlurmError(ResilientSlurmError):
+    """A Slurm command (scontrol, scancel, sbatch) failed.
+
+    The message names the command, its exit code and stderr; the same facts are attributes so callers can
+    decide without parsing text. ``attempts`` is how many times the command ran before giving up.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        command: tuple[str, ...] = (),
+        returncode: int | None = None,
+        stderr: str = "",
+        attempts: int = 1,
+    ) -> None:
+        super().__init__(message)
+        self.command = command
+        self.returncode = returncode
+        self.stderr = stderr
+        self.attempts = attempts
+
+
+class TransientSlurmError(SlurmError, TransientError):
+    """A Slurm command failed in a way worth retrying: timeout, controller unreachable or busy."""
+
+
+class SlurmTimeoutError(TransientSlurmError):
+    """A Slurm command did not finish within its timeout and was killed."""
+
+
+class SlurmUnreachableError(TransientSlurmError):
+    """The Slurm controller refused or could not take the connection: the request was never delivered."""
+
+
+class PermanentSlurmError(SlurmError, PermanentError):
+    """A Slurm command failed in a way retrying cannot fix: bad job id, permission, invalid option."""
+
+
+class SlurmJobNotFoundError(PermanentSlurmError):
+    """The controller does not know the job id (never existed, or purged after MinJobAge)."""
+
+
+class SlurmJobStateError(PermanentSlurmError):
+    """The job is in a state that does not allow the operation (already finished, pending, not
+    requeueable)."""
