@@ -9,11 +9,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from slurm_cluster import SlurmCluster, missing_tools
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -134,3 +135,38 @@ def wait_for_step(log: Path, step: int, timeout: float = 120, job: RankJob | Non
             pytest.fail(f"a rank died before step {step}: {job.output(0)[-3000:]}")
         time.sleep(0.01)
     pytest.fail(f"step {step} not reached within {timeout}s ({log})")
+
+
+# --------------------------------------------------------------------------- the real Slurm test cluster
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """One private two-node Slurm cluster for the whole session; stopped (nothing left) at the end.
+
+    Needs Debian's slurm-wlm and munge (tests/slurm/install.sh) and root. Without them the tests that
+    use it are skipped, or fail when RSLURMTEST_REQUIRE_SLURM=1 (CI sets it).
+    """
+    missing = missing_tools()
+    msg = ""
+    if missing:
+        msg = f"Slurm not installed (missing {', '.join(missing)}): run tests/slurm/install.sh as root"
+    elif os.geteuid() != 0:
+        msg = "the Slurm test cluster needs root (SlurmUser=root)"
+    if msg:
+        if os.environ.get("RSLURMTEST_REQUIRE_SLURM") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    cluster = SlurmCluster()
+    cluster.start(timeout=120)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+    assert not cluster.marked_pids(), "processes of the test cluster survived stop()"
+
+
+@pytest.fixture
+def slurm(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The session cluster with an empty queue and idle nodes; whatever a test leaves is cancelled."""
+    slurm_cluster.reset(timeout=60)
+    yield slurm_cluster
+    slurm_cluster.reset(timeout=60)

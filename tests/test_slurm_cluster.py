@@ -4,55 +4,28 @@ launcher's end-to-end tests assume (two nodes, preemption with grace time and re
 They need Debian's slurm-wlm and munge (``tests/slurm/install.sh``, as root). Without them they are
 skipped, or fail when RSLURMTEST_REQUIRE_SLURM=1 (set it in CI where Slurm must be tested).
 
-The fixtures ``slurm_cluster`` (session) and ``slurm`` (per test, starts from an empty queue) live here
-for now; move them to tests/conftest.py when other test files need the cluster.
+The fixtures ``slurm_cluster`` (session) and ``slurm`` (per test, starts from an empty queue) live in
+tests/conftest.py.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SlurmCluster, missing_tools
+from slurm_cluster import SlurmCluster
 
 # Wall times of the phases, printed at the end of the session (pytest -s, or in the captured output).
 TIMINGS: dict[str, float] = {}
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    """A started private two-node Slurm cluster for the whole session; stopped (nothing left) at the end."""
-    missing = missing_tools()
-    msg = ""
-    if missing:
-        msg = f"Slurm not installed (missing {', '.join(missing)}): run tests/slurm/install.sh as root"
-    elif os.geteuid() != 0:
-        msg = "the Slurm test cluster needs root (SlurmUser=root)"
-    if msg:
-        if os.environ.get("RSLURMTEST_REQUIRE_SLURM") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    cluster = SlurmCluster()
-    cluster.start(timeout=120)
-    TIMINGS["cluster start"] = cluster.start_seconds or 0.0
-    try:
-        yield cluster
-    finally:
-        t = time.monotonic()
-        cluster.stop()
-        TIMINGS["cluster stop"] = time.monotonic() - t
+@pytest.fixture(scope="module", autouse=True)
+def _report_timings():  # type: ignore[no-untyped-def]
+    """Print the measured phases once the module is done (visible with -s or in captured output)."""
+    yield
+    if TIMINGS:
         print("\nslurm smoke timings (s): " + ", ".join(f"{k}={v:.1f}" for k, v in TIMINGS.items()))
-        assert not cluster.marked_pids(), "processes of the test cluster survived stop()"
-
-
-@pytest.fixture
-def slurm(slurm_cluster: SlurmCluster):
-    """The session cluster with an empty queue and idle nodes; whatever a test leaves is cancelled."""
-    slurm_cluster.reset(timeout=60)
-    yield slurm_cluster
-    slurm_cluster.reset(timeout=60)
 
 
 def _wait_file(path: Path, pattern: str, timeout: float, cluster: SlurmCluster) -> str:

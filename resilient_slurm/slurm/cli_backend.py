@@ -33,7 +33,7 @@ from typing import Protocol
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, stop_after_delay
 from tenacity.stop import stop_base
-from tenacity.wait import wait_base, wait_exponential_jitter
+from tenacity.wait import wait_base, wait_exponential, wait_random
 
 from ..errors import (
     PermanentSlurmError,
@@ -288,8 +288,9 @@ class CliSlurmClient(SlurmClient):
     - ``timeout``: seconds for one command. scontrol against an unreachable controller gives up by
       itself after 4-8 s (22.05, MessageTimeout 5), so 10 s leaves it room to say why.
     - ``retries``: extra attempts after a transient failure (so at most ``retries + 1`` runs).
-    - ``wait``: tenacity wait strategy between attempts (default: exponential 0.5 s .. 8 s with up to
-      0.5 s jitter); ``sleep``: how to wait (inject a no-op in tests).
+    - ``wait``: tenacity wait strategy between attempts (default: 0.5 s doubling up to 8 s, plus 0-0.5 s
+      of random jitter so that many nodes do not retry in lockstep).
+    - ``sleep``: how to wait between attempts (inject a recorder or a no-op in tests).
     - ``total_timeout``: stop retrying once this many seconds passed (a launcher near its deadline).
     - ``env``: environment for the commands (default: this process's at call time), e.g. SLURM_CONF.
     """
@@ -312,7 +313,8 @@ class CliSlurmClient(SlurmClient):
         self.runner = runner
         self.timeout = timeout
         self.retries = retries
-        self.wait = wait if wait is not None else wait_exponential_jitter(initial=0.5, max=8.0, jitter=0.5)
+        # exponential + random: the same jittered backoff in every tenacity >= 8.2
+        self.wait = wait if wait is not None else wait_exponential(multiplier=0.5, max=8.0) + wait_random(0, 0.5)
         self.sleep = sleep
         self.total_timeout = total_timeout
         self.env = dict(env) if env is not None else None
@@ -476,7 +478,11 @@ class CliSlurmClient(SlurmClient):
     def hostnames(self, nodelist: str) -> list[str]:
         if not nodelist.strip():
             return []
-        cp = self.run(["scontrol", "show", "hostnames", nodelist])
+        argv = ["scontrol", "show", "hostnames", nodelist]
+        cp = self.run(argv)
+        if "Invalid hostlist" in (cp.stderr or ""):  # 22.05 says so on stderr but exits 0
+            raise PermanentSlurmError(f"`{shlex.join(argv)}`: {cp.stderr.strip()}", command=tuple(argv),
+                                      returncode=cp.returncode, stderr=cp.stderr)
         return [line.strip() for line in cp.stdout.splitlines() if line.strip()]
 
 

@@ -218,7 +218,8 @@ def expand_hostlist(nodelist: str) -> list[str]:
     """Expand a Slurm host list (``n[1-2],gpu[01-03,7]-ib,login``) without asking Slurm.
 
     Handles comma lists, zero-padded ranges and several bracket groups in one name (expanded as a
-    product, like Slurm). ``SlurmClient.hostnames`` asks Slurm itself."""
+    product, like Slurm). More lenient than Slurm 22.05, which rejects text after the last bracket
+    (``a[1-2]-ib``). ``SlurmClient.hostnames`` asks Slurm itself."""
     s = nodelist.strip()
     if s in ("", "(null)", "None assigned"):
         return []
@@ -229,7 +230,9 @@ def expand_hostlist(nodelist: str) -> list[str]:
 
 
 def _split_top_level(s: str) -> list[str]:
-    items, depth, cur = [], 0, []
+    items: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in s:
         if ch == "[":
             depth += 1
@@ -258,6 +261,8 @@ def _expand_one(item: str) -> list[str]:
         lo, _, hi = part.partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
             raise ValueError(f"bad range {part!r} in host list {item!r}")
+        if hi and int(hi) < int(lo):
+            raise ValueError(f"reversed range {part!r} in host list {item!r}")
         width = len(lo)
         for n in range(int(lo), int(hi or lo) + 1):
             for rest in _expand_one(tail):
