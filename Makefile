@@ -18,6 +18,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check resilient_slurm tests bench
+	$(PY) -m mypy resilient_slurm
 	# A real Slurm (slurmctld + two slurmd + munge on loopback) for the end-to-end tests; needs root.
 	bash tests/slurm/install.sh || echo "make test: Slurm unavailable here; its end-to-end tests will be skipped (CI requires them)"
 	$(PY) -m pytest -q -rs tests

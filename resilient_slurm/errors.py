@@ -139,3 +139,13 @@ class SlurmJobNotFoundError(PermanentSlurmError):
 class SlurmJobStateError(PermanentSlurmError):
     """The job is in a state that does not allow the operation (already finished, pending, not
     requeueable)."""
+
+
+class ProgressHistoryError(PermanentError):
+    """The requeue progress history (a JSON file next to the checkpoints) is unreadable; the message names
+    the file and the field."""
+
+    def __init__(self, message: str, *, source: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.source = source
+        self.field = field

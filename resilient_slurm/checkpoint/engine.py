@@ -61,6 +61,7 @@ from ..manifest import (
 from ..storage.fileio import (
     BLOCK,
     aligned_buffer,
+    as_memoryview,
     atomic_write,
     check_free_space,
     checksum,
@@ -281,7 +282,7 @@ class Engine:
                     ) from exc
             total_b = sum(len(b) for _, b in p.bytes_items)
             bbuf = aligned_buffer(total_b)
-            mv = memoryview(bbuf.numpy())
+            mv = as_memoryview(bbuf)
             off = 0
             for it, b in p.bytes_items:
                 mv[off : off + len(b)] = b
@@ -533,7 +534,7 @@ class Engine:
                 if c is None or c.length != info.length:
                     raise CorruptCheckpointError(f"{path}: no checksum recorded for bytes {info.offset}+{info.length}")
             buf = aligned_buffer(end, prefault=False)  # the read writes every page
-            mv = memoryview(buf.numpy())
+            mv = as_memoryview(buf)
             sums = read_file_into(
                 path, mv, end, threads=self.io_threads, ranges=[(info.offset, info.length) for _, info in reqs]
             )

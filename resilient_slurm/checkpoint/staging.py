@@ -18,13 +18,14 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import IO, cast
 
 import torch
 import torch.serialization
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ..storage.fileio import BLOCK, aligned_buffer, round_up
+from ..storage.fileio import BLOCK, aligned_buffer, as_memoryview, round_up
 
 _ALIGN = 64  # blob start alignment: keeps each data region 64-byte aligned in memory and on disk
 
@@ -77,7 +78,7 @@ def framing_for(dtype: torch.dtype, shape: Sequence[int]) -> Framing:
     if fr is None:
         sink = _FramingSink()
         with torch.serialization.skip_data():
-            torch.save(torch.empty(shape, dtype=dtype), sink)  # untouched pages: no cost
+            torch.save(torch.empty(shape, dtype=dtype), cast(IO[bytes], sink))  # untouched pages: no cost
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         # Find the data hole: the gap skipped by seek between two writes.
         img = bytearray(sink.end)
@@ -200,7 +201,7 @@ class StagingBuffer:
 
     def memoryview(self) -> memoryview:
         """The buffer as a writable memoryview (for pwrite)."""
-        return memoryview(self.buf.numpy())
+        return as_memoryview(self.buf)
 
 
 def item_views(buf: torch.Tensor, slots: Sequence[TensorSlot]) -> dict[MetadataIndex, torch.Tensor]:

@@ -17,6 +17,7 @@ import shutil
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import xxhash
@@ -60,6 +61,11 @@ def aligned_buffer(nbytes: int, *, pin: bool = False, prefault: bool = True) -> 
     if prefault:
         t.zero_()
     return t
+
+
+def as_memoryview(t: torch.Tensor) -> memoryview:
+    """A writable, zero-copy memoryview of a contiguous uint8 CPU tensor (for pwrite/preadv)."""
+    return memoryview(cast(Any, t.numpy()))
 
 
 def checksum(data: memoryview | bytes) -> str:
