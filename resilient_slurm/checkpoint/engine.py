@@ -250,8 +250,9 @@ class Engine:
             failpoints.hit("after_commit_rename")
         total = sum(r["size"] for r in results)
         log.info(
-            "step %d committed (%s): %.1f MiB in all ranks, stall %.3fs, write %.3fs, commit %.3fs",
-            p.step, p.reason, total / 2**20, p.stall_s, t1 - t0, t2 - t1,
+            "step %d committed (%s): %.1f MiB in all ranks, stall %.3fs (plan %.3fs, copy %.3fs), write %.3fs, "
+            "commit %.3fs",
+            p.step, p.reason, total / 2**20, p.stall_s, p.stats["plan_s"], p.stats["copy_s"], t1 - t0, t2 - t1,
         )
         return SaveOutcome(p.step, p.reason, result["size"], p.stall_s, t1 - t0, t2 - t1)
 
