@@ -1,0 +1,422 @@
+"""Requeue policy: what the launcher does once a job incarnation ended. Small pure objects, no I/O.
+
+Who calls what, and when (the launcher, once per incarnation, after its ranks are gone and any emergency
+checkpoint committed or its deadline passed):
+
+1. build an ``Outcome`` (why the incarnation ended, the committed/restored steps, SLURM_RESTART_COUNT);
+2. read the ``ProgressHistory`` file next to the checkpoints (``ProgressHistory.parse``: a missing or
+   unreadable file is an empty history, with a warning; ``strict=True`` raises instead);
+3. ``decision = policy.decide(outcome, history)``;
+4. write ``history.record(outcome).to_json()`` back (atomically: temp name, fsync, rename);
+5. act: ``requeue`` -> ``SlurmClient.requeue``; ``hold`` -> ``SlurmClient.requeue_hold(job, message)``;
+   then (or for ``exit``) exit with ``decision.exit_code``. Step 4 comes before step 5 because requeueing a
+   running job kills the launcher: nothing after it is guaranteed to run.
+
+Rules (``RequeuePolicy``), first match wins:
+
+* ``completed`` -> exit 0.
+* ``user_error`` (a rank exited non-zero on its own) -> exit with that rank's exit code, never requeued:
+  an error in the program would repeat on every restart.
+* ``preempted``, ``time_limit``, ``node_failure``, ``cloud_termination`` -> requeue, unless a hold rule
+  fires: ``NoProgressRule`` (the last K incarnations in a row committed nothing past the step committed
+  before each of them) or ``MaxRestartsRule`` (requeueing once more would exceed ``max_restarts``).
+  Extra ``HoldRule`` callables can be composed in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol, TypeGuard
+
+from ..errors import ConfigError, ProgressHistoryError
+
+logger = logging.getLogger(__name__)
+
+# Non-zero on purpose: a batch script that exits 0 is recorded COMPLETED and never requeued, so if the
+# requeue call itself fails the job must not look successful. 75 is EX_TEMPFAIL ("try again later").
+REQUEUE_EXIT_CODE = 75
+# 78 is EX_CONFIG: the job cannot go on until a person changes something.
+HOLD_EXIT_CODE = 78
+# Bounds the history file; far more than any sensible no_progress_limit.
+HISTORY_MAX_ENTRIES = 64
+HISTORY_VERSION = 1
+
+
+class Reason(str, Enum):
+    """Why a job incarnation ended."""
+
+    PREEMPTED = "preempted"                  # Slurm preemption (SIGTERM with GraceTime)
+    TIME_LIMIT = "time_limit"                # the job's time limit (SIGUSR1 from --signal, or SIGTERM)
+    NODE_FAILURE = "node_failure"            # a rank vanished: killed by a signal we did not send
+    CLOUD_TERMINATION = "cloud_termination"  # the cloud provider announced the instance's end
+    USER_ERROR = "user_error"                # a rank exited non-zero on its own
+    COMPLETED = "completed"                  # every rank exited 0
+
+
+# Reasons caused by the environment, not the program: a restart can succeed.
+RESTARTABLE = frozenset({Reason.PREEMPTED, Reason.TIME_LIMIT, Reason.NODE_FAILURE, Reason.CLOUD_TERMINATION})
+
+
+class Action(str, Enum):
+    """What the launcher does after an incarnation."""
+
+    REQUEUE = "requeue"
+    HOLD = "hold"
+    EXIT = "exit"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one job incarnation ended.
+
+    ``committed_step``: the newest committed checkpoint step after this incarnation (None: none exists).
+    ``restored_step``: the step this incarnation resumed from (None: it started fresh).
+    ``restart_count``: SLURM_RESTART_COUNT of this incarnation (0 for the first run).
+    For ``user_error``: ``rank``, ``exit_code`` (1..255; None is read as 1) and ``error_location``
+    (``"train.py:57 in forward"``, see ``traceback_location``). For ``node_failure``: ``rank`` and
+    ``signal`` when known.
+    """
+
+    reason: Reason
+    committed_step: int | None = None
+    restored_step: int | None = None
+    restart_count: int = 0
+    rank: int | None = None
+    exit_code: int | None = None
+    error_location: str | None = None
+    signal: int | None = None
+    job_id: str | None = None
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        try:
+            reason = Reason(self.reason)
+        except ValueError:
+            raise ValueError(
+                f"unknown outcome reason {self.reason!r}; valid: " + ", ".join(r.value for r in Reason)
+            ) from None
+        object.__setattr__(self, "reason", reason)
+        if reason is Reason.USER_ERROR:
+            code = 1 if self.exit_code is None else self.exit_code
+            if not 1 <= code <= 255:
+                raise ValueError(f"a user_error needs an exit code in 1..255, got {self.exit_code}")
+            object.__setattr__(self, "exit_code", code)
+        if self.restart_count < 0:
+            raise ValueError(f"restart_count must be >= 0, got {self.restart_count}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do: ``action``, the launcher's ``exit_code``, a ``message`` naming the reason for people
+    (also the hold reason shown by ``scontrol show job``), and ``rule``, a short machine-readable name."""
+
+    action: Action
+    exit_code: int
+    message: str
+    rule: str
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    """One past incarnation as the history keeps it."""
+
+    restart_count: int
+    reason: str
+    restored_step: int | None
+    committed_step: int | None
+
+
+def _made_progress(committed: int | None, baseline: int | None) -> bool:
+    """Progress = a committed step past the baseline (the step committed before the incarnation)."""
+    if committed is None:
+        return False
+    return baseline is None or committed > baseline
+
+
+@dataclass(frozen=True)
+class ProgressHistory:
+    """Restored/committed steps of previous incarnations, oldest first; serialized as JSON.
+
+    It lives in a file next to the checkpoints so that consecutive restarts without progress can be
+    counted across requeues (each incarnation is a new process).
+    """
+
+    incarnations: tuple[Incarnation, ...] = ()
+
+    def record(self, outcome: Outcome, *, max_entries: int = HISTORY_MAX_ENTRIES) -> ProgressHistory:
+        """A new history with ``outcome`` appended (oldest entries dropped beyond ``max_entries``)."""
+        entry = Incarnation(outcome.restart_count, outcome.reason.value, outcome.restored_step,
+                            outcome.committed_step)
+        return ProgressHistory((*self.incarnations, entry)[-max_entries:])
+
+    def last_committed(self) -> int | None:
+        """The committed step after the most recent incarnation (None: no history or nothing committed)."""
+        return self.incarnations[-1].committed_step if self.incarnations else None
+
+    def no_progress_streak(self, outcome: Outcome | None = None) -> int:
+        """How many incarnations in a row, ending with ``outcome`` if given, made no progress.
+
+        An incarnation's baseline is the previous incarnation's committed step; for the oldest entry
+        (or a current outcome with no history) it is its own restored step.
+        """
+        entries = list(self.incarnations)
+        if outcome is not None:
+            entries = list(self.record(outcome, max_entries=len(entries) + 1).incarnations)
+        streak = 0
+        for i in range(len(entries) - 1, -1, -1):
+            baseline = entries[i - 1].committed_step if i > 0 else entries[i].restored_step
+            if _made_progress(entries[i].committed_step, baseline):
+                break
+            streak += 1
+        return streak
+
+    def to_json(self) -> str:
+        """The history as a JSON document (versioned)."""
+        return json.dumps({
+            "version": HISTORY_VERSION,
+            "incarnations": [
+                {"restart_count": e.restart_count, "reason": e.reason, "restored_step": e.restored_step,
+                 "committed_step": e.committed_step}
+                for e in self.incarnations
+            ],
+        }, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "<string>") -> ProgressHistory:
+        """Parse ``to_json`` output. Raises ProgressHistoryError naming ``source`` (the file) and field."""
+
+        def fail(what: str, fld: str | None) -> ProgressHistoryError:
+            where = f" field {fld!r}" if fld else ""
+            return ProgressHistoryError(
+                f"progress history {source}:{where} {what}; delete the file to start counting afresh "
+                "(only the no-progress hold count is lost)", source=source, field=fld)
+
+        try:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise fail(f"not valid JSON ({exc})", None) from exc
+        if not isinstance(doc, dict):
+            raise fail(f"expected a JSON object, got {type(doc).__name__}", None)
+        if doc.get("version") != HISTORY_VERSION:
+            raise fail(f"unsupported version {doc.get('version')!r} (this rslurm reads {HISTORY_VERSION})",
+                       "version")
+        items = doc.get("incarnations")
+        if not isinstance(items, list):
+            raise fail("missing or not a list", "incarnations")
+        out = []
+        for i, item in enumerate(items):
+            fld = f"incarnations[{i}]"
+            if not isinstance(item, dict):
+                raise fail("not an object", fld)
+            restart_count = item.get("restart_count")
+            if not _is_int(restart_count) or restart_count < 0:
+                raise fail(f"expected an integer >= 0, got {restart_count!r}", f"{fld}.restart_count")
+            reason = item.get("reason")
+            if reason not in {r.value for r in Reason}:
+                raise fail(f"unknown reason {reason!r}", f"{fld}.reason")
+            steps = []
+            for key in ("restored_step", "committed_step"):
+                v = item.get(key)
+                if v is not None and (not _is_int(v) or v < 0):
+                    raise fail(f"expected a step number or null, got {v!r}", f"{fld}.{key}")
+                steps.append(v)
+            out.append(Incarnation(restart_count, reason, steps[0], steps[1]))
+        return cls(tuple(out))
+
+    @classmethod
+    def parse(cls, text: str | None, *, source: str = "<string>", strict: bool = False) -> ProgressHistory:
+        """The launcher's reader: None (no file yet) is empty; unreadable text is empty with a warning
+        unless ``strict``.
+
+        Why lenient by default: the launcher reads this after a preemption, with the emergency checkpoint
+        committed; crashing there would leave the job un-requeued. Treating the file as empty only resets
+        the no-progress count (the file is rewritten with this incarnation), and ``max_restarts`` is counted
+        by Slurm, not by this file, so a runaway loop stays bounded when it is set.
+        """
+        if text is None:
+            return cls()
+        try:
+            return cls.from_json(text, source=source)
+        except ProgressHistoryError as exc:
+            if strict:
+                raise
+            logger.warning("%s; treating it as empty", exc)
+            return cls()
+
+
+def _is_int(v: Any) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class HoldRule(Protocol):
+    """A strategy that may hold a restartable job: returns the hold message, or None."""
+
+    def __call__(self, outcome: Outcome, history: ProgressHistory) -> str | None:
+        """The hold message, or None to let the job be requeued."""
+
+
+def _release_hint(outcome: Outcome) -> str:
+    return f"`scontrol release {outcome.job_id or '<jobid>'}`"
+
+
+@dataclass(frozen=True)
+class NoProgressRule:
+    """Hold when the last ``limit`` incarnations in a row (this one included) committed nothing new.
+
+    This stops the loop where a restart dies before its first new checkpoint every time (a checkpoint that
+    makes the program crash right after restore, a restore slower than the time left) instead of burning
+    the allocation forever.
+    """
+
+    limit: int = 3
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise ConfigError(f"no_progress_limit must be >= 1 (or unset to disable), got {self.limit}")
+
+    def __call__(self, outcome: Outcome, history: ProgressHistory) -> str | None:
+        """The hold message once the streak reaches ``limit``."""
+        streak = history.no_progress_streak(outcome)
+        if streak < self.limit:
+            return None
+        step = outcome.committed_step
+        where = f"past step {step} (last committed)" if step is not None else "to a first committed step"
+        return (f"held: {streak} restarts in a row made no progress {where}; the last ended by "
+                f"{_describe(outcome)}; fix the cause and {_release_hint(outcome)}")
+
+
+@dataclass(frozen=True)
+class MaxRestartsRule:
+    """Hold when requeueing once more would exceed ``limit`` restarts (SLURM_RESTART_COUNT + 1)."""
+
+    limit: int
+
+    def __post_init__(self) -> None:
+        if self.limit < 0:
+            raise ConfigError(f"max_restarts must be >= 0 (or unset for no limit), got {self.limit}")
+
+    def __call__(self, outcome: Outcome, history: ProgressHistory) -> str | None:
+        """The hold message once the restart budget is spent."""
+        if outcome.restart_count + 1 <= self.limit:
+            return None
+        return (f"held: the job was already restarted {outcome.restart_count} times (max_restarts="
+                f"{self.limit}) and ended again by {_describe(outcome)}; raise RSLURM_MAX_RESTARTS if more "
+                f"restarts are expected, then {_release_hint(outcome)}")
+
+
+def _describe(outcome: Outcome) -> str:
+    """A few words on why the incarnation ended, for messages."""
+    r = outcome.reason
+    if r is Reason.NODE_FAILURE:
+        who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
+        how = f" by {_signal_name(outcome.signal)}" if outcome.signal is not None else ""
+        return f"node failure ({who} was killed{how}, not by rslurm: out of memory or node lost?)"
+    if r is Reason.TIME_LIMIT:
+        return "the time limit"
+    if r is Reason.CLOUD_TERMINATION:
+        return "a cloud termination notice"
+    if r is Reason.PREEMPTED:
+        return "preemption"
+    return r.value
+
+
+def _signal_name(sig: int) -> str:
+    import signal as _signal
+
+    try:
+        return _signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+@dataclass(frozen=True)
+class RequeuePolicy:
+    """Decide requeue / hold / exit for an ended incarnation (see the module docstring for the rules).
+
+    ``max_restarts``: None for no limit. ``no_progress_limit``: K, None to disable. ``extra_rules`` are
+    further ``HoldRule`` strategies, consulted after the built-in ones.
+    """
+
+    max_restarts: int | None = None
+    no_progress_limit: int | None = 3
+    extra_rules: Sequence[HoldRule] = field(default=())
+
+    @property
+    def rules(self) -> tuple[HoldRule, ...]:
+        """The hold rules in the order they are consulted."""
+        rules: list[HoldRule] = []
+        if self.no_progress_limit is not None:
+            rules.append(NoProgressRule(self.no_progress_limit))
+        if self.max_restarts is not None:
+            rules.append(MaxRestartsRule(self.max_restarts))
+        return (*rules, *self.extra_rules)
+
+    def __post_init__(self) -> None:
+        _ = self.rules  # validates the limits now rather than at the first decision
+
+    def decide(self, outcome: Outcome, history: ProgressHistory) -> Decision:
+        """The decision for ``outcome``, given the incarnations before it (``history`` excludes it)."""
+        if outcome.reason is Reason.COMPLETED:
+            return Decision(Action.EXIT, 0, "completed: every rank exited 0", "completed")
+        if outcome.reason is Reason.USER_ERROR:
+            who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
+            at = f" at {outcome.error_location}" if outcome.error_location else ""
+            code = outcome.exit_code if outcome.exit_code is not None else 1
+            return Decision(
+                Action.EXIT, code,
+                f"not requeued: {who} failed with exit code {code}{at}; an error in the program "
+                "would repeat on every restart; fix it and resubmit", "user_error")
+        for rule in self.rules:
+            message = rule(outcome, history)
+            if message is not None:
+                return Decision(Action.HOLD, HOLD_EXIT_CODE, message, _rule_name(rule))
+        step = outcome.committed_step
+        return Decision(
+            Action.REQUEUE, REQUEUE_EXIT_CODE,
+            f"requeued after {_describe(outcome)}; resumes from "
+            + (f"step {step}" if step is not None else "the start (nothing committed)"),
+            outcome.reason.value)
+
+
+def _rule_name(rule: HoldRule) -> str:
+    if isinstance(rule, NoProgressRule):
+        return "no_progress"
+    if isinstance(rule, MaxRestartsRule):
+        return "max_restarts"
+    return getattr(rule, "__name__", type(rule).__name__)
+
+
+_TRACEBACK_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>\S+))?', re.M)
+
+
+def traceback_location(text: str) -> str | None:
+    """The innermost ``file:line in func`` of the last Python traceback in ``text`` (a rank's stderr)."""
+    matches = list(_TRACEBACK_LINE.finditer(text))
+    if not matches:
+        return None
+    m = matches[-1]
+    func = f" in {m['func']}" if m["func"] else ""
+    return f"{m['file']}:{m['line']}{func}"
+
+
+def replay(policy: RequeuePolicy, outcomes: Iterable[Outcome],
+           history: ProgressHistory | None = None) -> list[Decision]:
+    """Run ``outcomes`` through ``policy`` as successive incarnations would (decide, then record)."""
+    history = history or ProgressHistory()
+    decisions = []
+    for outcome in outcomes:
+        decisions.append(policy.decide(outcome, history))
+        history = history.record(outcome)
+    return decisions
+
+
+__all__ = [
+    "HOLD_EXIT_CODE", "REQUEUE_EXIT_CODE", "RESTARTABLE", "Action", "Decision", "HoldRule", "Incarnation",
+    "MaxRestartsRule", "NoProgressRule", "Outcome", "ProgressHistory", "Reason", "RequeuePolicy", "replay",
+    "traceback_location",
+]
