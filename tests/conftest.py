@@ -137,6 +137,18 @@ def wait_for_step(log: Path, step: int, timeout: float = 120, job: RankJob | Non
     pytest.fail(f"step {step} not reached within {timeout}s ({log})")
 
 
+def wait_for_text(path: Path, pattern: str, cluster: SlurmCluster, timeout: float = 60.0) -> str:
+    """Poll until ``path`` contains ``pattern`` (a marker a job writes); fail with the cluster's logs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = path.read_text() if path.exists() else ""
+        if pattern in text:
+            return text
+        if time.monotonic() > deadline:
+            pytest.fail(f"{pattern!r} not in {path} after {timeout}s: {text!r}\n{cluster.logs_tail()}")
+        time.sleep(0.05)
+
+
 # --------------------------------------------------------------------------- the real Slurm test cluster
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:

@@ -21,6 +21,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from conftest import wait_for_text
 from slurm_cluster import SlurmCluster
 from tenacity import wait_none
 
@@ -443,17 +444,6 @@ def _wait_job(client: CliSlurmClient, job: int, ok: Callable[[JobInfo], bool], w
         time.sleep(0.1)
 
 
-def _wait_text(path: Path, pattern: str, cluster: SlurmCluster, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        text = path.read_text() if path.exists() else ""
-        if pattern in text:
-            return text
-        if time.monotonic() > deadline:
-            pytest.fail(f"{pattern!r} not in {path} after {timeout}s: {text!r}\n{cluster.logs_tail()}")
-        time.sleep(0.05)
-
-
 # The batch shell logs its start (with the restart count) and the signals it gets; USR2 ends it (exit 0).
 # `sleep & wait` keeps the shell responsive: bash runs traps only between foreground commands.
 LOOP_SCRIPT = """\
@@ -480,7 +470,7 @@ def test_job_info_signal_and_completion(slurm: SlurmCluster, client: CliSlurmCli
     job = client.submit(LOOP_SCRIPT.format(marks=d),
                         ["-N2", "--exclusive", "--time=1", "-J", "rs client", "-o", str(d / "out")])
     info = _wait_job(client, job, lambda i: i.state == "RUNNING", "RUNNING", slurm)
-    _wait_text(d / "marks", "start 0", slurm)
+    wait_for_text(d / "marks", "start 0", slurm)
     assert info.job_id == job and info.name == "rs client"
     assert info.nodes == ("n1", "n2") and info.node_list == "n[1-2]" and info.batch_host in info.nodes
     assert info.partition == "low" and info.time_limit == 60
@@ -497,7 +487,7 @@ def test_job_info_signal_and_completion(slurm: SlurmCluster, client: CliSlurmCli
     time.sleep(1.0)
     assert "USR1" not in (d / "marks").read_text()
     client.signal(job, "USR1", batch=True)
-    _wait_text(d / "marks", f"USR1 {job}", slurm, timeout=10)
+    wait_for_text(d / "marks", f"USR1 {job}", slurm, timeout=10)
     client.signal(job, "USR2", batch=True)
     info = _wait_job(client, job, lambda i: i.finished, "finished", slurm)
     assert info.state == "COMPLETED" and (info.exit_code, info.exit_signal) == (0, 0)
@@ -507,13 +497,13 @@ def test_requeue_running_job_runs_again(slurm: SlurmCluster, client: CliSlurmCli
     d = _marks(slurm, "requeue")
     job = client.submit(LOOP_SCRIPT.format(marks=d), ["--requeue", "-N1", "--time=1", "-o", str(d / "out")])
     _wait_job(client, job, lambda i: i.state == "RUNNING", "RUNNING", slurm)
-    _wait_text(d / "marks", "start 0", slurm)
+    wait_for_text(d / "marks", "start 0", slurm)
     client.requeue(job)
     info = client.job_info(job)
     assert info.restarts == 1 and info.state in ("PENDING", "REQUEUED", "COMPLETING"), info
     assert not info.held
     # It starts again once requeue time + cred_expire + 1 s has passed, with SLURM_RESTART_COUNT=1.
-    _wait_text(d / "marks", "start 1", slurm, timeout=slurm.cred_expire + 30)
+    wait_for_text(d / "marks", "start 1", slurm, timeout=slurm.cred_expire + 30)
     info = _wait_job(client, job, lambda i: i.state == "RUNNING", "RUNNING again", slurm)
     assert info.restarts == 1
     client.cancel(job)
@@ -525,7 +515,7 @@ def test_requeue_hold_keeps_job_held_with_visible_reason(slurm: SlurmCluster, cl
     d = _marks(slurm, "hold")
     job = client.submit(LOOP_SCRIPT.format(marks=d), ["--requeue", "-N1", "--time=1", "-o", str(d / "out")])
     _wait_job(client, job, lambda i: i.state == "RUNNING", "RUNNING", slurm)
-    _wait_text(d / "marks", "start 0", slurm)
+    wait_for_text(d / "marks", "start 0", slurm)
     reason = "no progress past step 40 in 3 restarts (Restarts=3); see rslurm status"
     client.requeue_hold(job, reason)
     info = _wait_job(client, job, lambda i: i.state == "PENDING", "PENDING", slurm)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_for_text
 from slurm_cluster import SlurmCluster
 
 # Wall times of the phases, printed at the end of the session (pytest -s, or in the captured output).
@@ -26,18 +27,6 @@ def _report_timings():  # type: ignore[no-untyped-def]
     yield
     if TIMINGS:
         print("\nslurm smoke timings (s): " + ", ".join(f"{k}={v:.1f}" for k, v in TIMINGS.items()))
-
-
-def _wait_file(path: Path, pattern: str, timeout: float, cluster: SlurmCluster) -> str:
-    """Poll until ``path`` contains ``pattern``; return the file's text."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = path.read_text() if path.exists() else ""
-        if pattern in text:
-            return text
-        if time.monotonic() > deadline:
-            pytest.fail(f"{pattern!r} not in {path} after {timeout}s (content: {text!r})\n{cluster.logs_tail()}")
-        time.sleep(0.1)
 
 
 def _stamp(text: str, word: str) -> float:
@@ -135,7 +124,7 @@ def _start_low(slurm: SlurmCluster, marks: Path, *extra: str) -> int:
                        "-J", "low", "-o", str(marks / "low.out"), *extra)
     slurm.wait_state(low, "RUNNING", timeout=60)
     for n in ("n1", "n2"):
-        _wait_file(marks / f"task.{n}.0", "start", 30, slurm)
+        wait_for_text(marks / f"task.{n}.0", "start", slurm, 30)
     return low
 
 
@@ -150,7 +139,7 @@ def test_preemption_requeues_low_job_and_it_runs_again(slurm: SlurmCluster):
     high = slurm.sbatch(HIGH_SCRIPT.format(marks=marks), "-p", "high", "-N2", "--exclusive", "-J", "high",
                         "-o", str(marks / "high.out"))
     # Step tasks on both nodes get SIGTERM at the start of the grace time.
-    term = [_stamp(_wait_file(marks / f"task.{n}.0", "TERM", slurm.grace_time + 30, slurm), "TERM")
+    term = [_stamp(wait_for_text(marks / f"task.{n}.0", "TERM", slurm, slurm.grace_time + 30), "TERM")
             for n in ("n1", "n2")]
     TIMINGS["preempt->task SIGTERM"] = max(term) - t0
     assert max(term) - t0 < slurm.grace_time, "SIGTERM to the step tasks came after the grace time"
@@ -190,7 +179,7 @@ def test_preemption_sends_user_signal_to_batch_shell(slurm: SlurmCluster):
     t0 = time.time()
     high = slurm.sbatch(HIGH_SCRIPT.format(marks=marks), "-p", "high", "-N2", "--exclusive", "-J", "high",
                         "-o", str(marks / "high.out"))
-    batch = _wait_file(marks / "batch.log", "USR1", slurm.grace_time + 30, slurm)
+    batch = wait_for_text(marks / "batch.log", "USR1", slurm, slurm.grace_time + 30)
     usr1 = _stamp(batch, "USR1")
     TIMINGS["preempt->batch USR1"] = usr1 - t0
     assert usr1 - t0 < slurm.grace_time
