@@ -71,14 +71,6 @@ class Coordinator:
         """True if ``flag`` is true on every rank."""
         return self.all_max([0 if flag else 1], background=background)[0] == 0
 
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if not self.multi:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._fg)
-        return box[0]
-
     def barrier(self, *, background: bool = False) -> None:
         """Wait for every rank."""
         if self.multi:
@@ -110,11 +102,6 @@ class Topology:
     def is_leader(self) -> bool:
         """The lowest rank of the domain: it creates, commits and garbage-collects directories."""
         return self.domain_ranks[0] == self.rank
-
-    @property
-    def domains(self) -> list[str]:
-        """All domains, in order of their lowest rank."""
-        return list(dict.fromkeys(self.domain_of_rank))
 
 
 def expand_local_dir(template: str, node: str) -> str:

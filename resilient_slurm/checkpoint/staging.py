@@ -22,7 +22,6 @@ from typing import IO, cast
 
 import torch
 import torch.serialization
-from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from ..storage.fileio import BLOCK, aligned_buffer, as_memoryview, round_up
@@ -202,12 +201,3 @@ class StagingBuffer:
     def memoryview(self) -> memoryview:
         """The buffer as a writable memoryview (for pwrite)."""
         return as_memoryview(self.buf)
-
-
-def item_views(buf: torch.Tensor, slots: Sequence[TensorSlot]) -> dict[MetadataIndex, torch.Tensor]:
-    """Typed tensor views of each slot's data inside ``buf`` (used on restore, zero-copy)."""
-    out = {}
-    for s in slots:
-        raw = buf[s.data_offset : s.data_offset + s.nbytes]
-        out[s.item.index] = raw.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)
-    return out
