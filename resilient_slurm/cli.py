@@ -140,6 +140,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in reports) else 1
 
 
+# Settings `rslurm launch` takes as flags: every one that ranks or the launcher read. Each given flag is
+# checked here, then exported to the launcher and its ranks as the RSLURM_* variable of the same name.
+LAUNCH_FLAG_COMPONENTS = ("checkpoint", "rank", "launcher")
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from .launcher.launch import Launcher
+
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    env = dict(os.environ)
+    for name, s in config.SETTINGS.items():
+        value = getattr(args, f"set_{name}", None)
+        if s.component not in LAUNCH_FLAG_COMPONENTS or value is None:
+            continue
+        try:
+            s.parse(value)
+        except ValueError as exc:
+            raise ConfigError(f"--{name.replace('_', '-')}={value!r}: {exc}") from exc
+        env[s.env] = value
+    result = Launcher(command, nprocs=args.nprocs, env=env, config_path=args.config).run()
+    return result.exit_code
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main as demo_main
 
@@ -169,6 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("step", type=int, nargs="?", default=None, help="step (default: all)")
     sp.set_defaults(func=cmd_verify)
+    sp = sub.add_parser(
+        "launch", help="run a job resiliently: -- srun ... inside an allocation, or -n N -- cmd ... locally",
+        description="Run ranks, turn SIGTERM/SIGUSR1/SIGUSR2/SIGINT and cloud notices into an emergency "
+        "checkpoint, then requeue the job (Slurm) or exit 75 (local). Every option below is also an "
+        "RSLURM_* environment variable and a config key; ranks receive them as RSLURM_* variables.",
+        usage="rslurm launch [options] -- srun [srun args] cmd ... | rslurm launch -n N [options] -- cmd ...")
+    sp.add_argument("-n", "--nprocs", type=int, default=None,
+                    help="start N local ranks (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK set)")
+    for name, s in config.SETTINGS.items():
+        if s.component in LAUNCH_FLAG_COMPONENTS:
+            sp.add_argument(f"--{name.replace('_', '-')}", dest=f"set_{name}", default=None, metavar="V",
+                            help=f"{s.help} ({s.env})".replace("%", "%%"))
+    sp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command (srun ... or the program)")
+    sp.set_defaults(func=cmd_launch)
     sp = sub.add_parser("demo", help="train, SIGKILL, resume, compare (see python -m resilient_slurm.demo -h)")
     sp.add_argument("demo_args", nargs=argparse.REMAINDER)
     sp.set_defaults(func=cmd_demo)

@@ -41,6 +41,39 @@ def _opt_float(v: str) -> float | None:
     return None if v.strip().lower() in ("", "none", "0") else float(v)
 
 
+def _limit(v: str) -> int | None:
+    """A count where 0 is a real value (0 restarts allowed) and ``none`` means no limit."""
+    if v.strip().lower() in ("", "none", "unlimited"):
+        return None
+    n = int(v)
+    if n < 0:
+        raise ValueError(f"expected an integer >= 0 or 'none', got {v!r}")
+    return n
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(v: str) -> str:
+        s = v.strip().lower()
+        if s not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {v!r}")
+        return s
+
+    return parse
+
+
+def _signal_name(v: str) -> str:
+    """A signal name for ranks (``USR2``, ``SIGUSR2``, ``TERM``...) normalized to ``USR2``, or ``none``."""
+    s = v.strip().upper()
+    if s in ("", "NONE", "OFF"):
+        return "none"
+    name = s[3:] if s.startswith("SIG") else s
+    import signal as _signal
+
+    if not hasattr(_signal, "SIG" + name) or name in ("KILL", "STOP"):
+        raise ValueError(f"expected a catchable signal name such as USR2, TERM, URG or 'none', got {v!r}")
+    return name
+
+
 @dataclass(frozen=True)
 class Setting:
     """One configuration key: its name, parser, default and meaning."""
@@ -80,6 +113,35 @@ SETTINGS: dict[str, Setting] = {
         Setting("node_name", str, None, "storage node name (default: $SLURMD_NODENAME, else the hostname)",
                 "checkpoint"),
         Setting("free_space_margin", int, 64 << 20, "bytes that must stay free after a save", "checkpoint"),
+        Setting("control_socket", str, None, "control socket of this node's launcher; `rslurm launch` sets it "
+                "for its ranks, 'off' disables it (ranks then rely on signals alone)", "rank"),
+        Setting("control_timeout", float, 2.0, "seconds a rank waits for the control socket before it "
+                "carries on without it", "rank"),
+        Setting("trap_signals", _bool, True, "ranks turn SIGTERM and save_signal into an emergency save at "
+                "the next step (only where the program left the default handler in place)", "rank"),
+        Setting("save_signal", _signal_name, "USR2", "signal the launcher sends every rank to request an "
+                "emergency save (`scancel --signal` reaches other nodes), and ranks trap; 'none' disables. "
+                "Not USR1 under NCCL, which uses it", "launcher"),
+        Setting("control_dir", str, None, "directory of the launcher's control sockets (default: "
+                "$XDG_RUNTIME_DIR/rslurm, else /tmp/rslurm-<uid>/run)", "launcher"),
+        Setting("max_restarts", _limit, None, "requeue at most this many times (Slurm's restart count; "
+                "0 = never requeue, none = no limit)", "launcher"),
+        Setting("no_progress_limit", _opt_int, 3, "hold the job after this many restarts in a row that "
+                "committed no new step (0 or none disables)", "launcher"),
+        Setting("save_timeout", float, 300.0, "seconds the emergency save may take when Slurm gives no "
+                "deadline (local mode, no time limit)", "launcher"),
+        Setting("requeue_margin", float, 3.0, "seconds kept before the job's end (time limit or end of "
+                "GraceTime) for teardown and the requeue call", "launcher"),
+        Setting("term_grace", float, 10.0, "seconds between SIGTERM and SIGKILL when the launcher tears "
+                "the ranks' process trees down", "launcher"),
+        Setting("cloud_notice", _choice("off", "aws", "gce", "generic"), "off", "poll the instance "
+                "metadata service for a termination notice (aws, gce, generic URL) and save on one",
+                "launcher"),
+        Setting("cloud_notice_url", str, None, "metadata URL to poll (default: the provider's standard "
+                "URL; required for generic)", "launcher"),
+        Setting("cloud_notice_interval", float, 5.0, "seconds between metadata polls", "launcher"),
+        Setting("slurm_backend", _choice("cli", "pyslurm"), "cli", "how rslurm talks to Slurm: scontrol/"
+                "scancel commands, or libslurm through pyslurm when installed", "launcher"),
         Setting("config", str, None, "path of the TOML config file", "cli"),
         Setting("log_level", str, "INFO", "log level of rslurm commands and of the example programs", "cli"),
     ]

@@ -137,6 +137,24 @@ def wait_for_step(log: Path, step: int, timeout: float = 120, job: RankJob | Non
     pytest.fail(f"step {step} not reached within {timeout}s ({log})")
 
 
+def assert_same(a: object, b: object, path: str = "") -> None:
+    """Fail naming the first path where two nested states (tensors, dicts, lists, values) differ."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"tensor differs at {path}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"keys differ at {path}: {set(a) ^ set(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"length differs at {path}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"value differs at {path}: {a!r} vs {b!r}"
+
+
 def wait_for_text(path: Path, pattern: str, cluster: SlurmCluster, timeout: float = 60.0) -> str:
     """Poll until ``path`` contains ``pattern`` (a marker a job writes); fail with the cluster's logs."""
     deadline = time.monotonic() + timeout

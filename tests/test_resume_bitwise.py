@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_jsonl, run_ranks, start_ranks, wait_for_step
+from conftest import assert_same, read_jsonl, run_ranks, start_ranks, wait_for_step
 
 TOY = ["-m", "resilient_slurm.examples.train_toy"]
 
@@ -36,21 +36,6 @@ def _batches(log: Path) -> dict[int, dict]:
             )
         seen[e["step"]] = e
     return seen
-
-
-def _assert_same(a: object, b: object, path: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"tensor differs at {path}"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"keys differ at {path}: {set(a) ^ set(b)}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"length differs at {path}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"value differs at {path}: {a!r} vs {b!r}"
 
 
 @pytest.mark.parametrize(
@@ -91,7 +76,7 @@ def test_sigkill_at_random_step_then_resume_is_bitwise_identical(
     for r in range(world):
         a = torch.load(ref / f"out.{r}.pt", weights_only=True)
         b = torch.load(res / f"out.{r}.pt", weights_only=True)
-        _assert_same(a, b, f"rank{r}")
+        assert_same(a, b, f"rank{r}")
         ba, bb = _batches(ref / f"log.{r}.jsonl"), _batches(res / f"log.{r}.jsonl")
         assert sorted(ba) == list(range(1, steps + 1)) == sorted(bb)
         for s in ba:

@@ -30,9 +30,10 @@ from types import TracebackType
 from typing import Any
 
 from .. import config
+from ..control.rank import RankLink
 from ..errors import CheckpointError, ConfigError
 from .coordination import Coordinator, Topology, discover_topology, node_name
-from .engine import Engine, SaveOutcome
+from .engine import Engine, PendingSave, SaveOutcome
 from .policy import Cadence, RetentionPolicy
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,10 @@ _SETTINGS = [
     "collective_timeout",
     "node_name",
     "free_space_margin",
+    "control_socket",
+    "control_timeout",
+    "trap_signals",
+    "save_signal",
 ]
 
 
@@ -143,8 +148,19 @@ class Checkpointer:
         self._emergency = threading.Event()
         self._should_stop = False
         self._closed = False
+        # Newest step restored or handed to the writer. The same on every rank (saves are collective),
+        # so an emergency request at that step is skipped by all ranks alike, never by some.
+        self._saved_step: int | None = None
         self.last_outcome: SaveOutcome | None = None
         self.last_stall_s: float = 0.0
+        # Emergency requests: SIGTERM and save_signal (from Slurm or the launcher), and the launcher's
+        # control socket on this node. Built last: a signal from here on only sets a flag.
+        self._link = RankLink(
+            self.topology.rank, int(os.environ.get("LOCAL_RANK", "0") or 0),
+            on_request=self.request_emergency_save, socket_path=cfg["control_socket"],
+            timeout=cfg["control_timeout"], trap_signals=cfg["trap_signals"], save_signal=cfg["save_signal"],
+        )
+        self._hello_sent = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -174,6 +190,10 @@ class Checkpointer:
         self._finish_retention()
         step = self._engine.restore(state)
         self.cadence.saved()
+        if step:
+            self._saved_step = step
+        self._link.hello(step)
+        self._hello_sent = True
         return step
 
     def step(self, step: int, state: Mapping[str, Any]) -> None:
@@ -183,7 +203,12 @@ class Checkpointer:
         :attr:`should_stop`) when an emergency save was requested on any rank.
         """
         self._check_open()
+        if not self._hello_sent:
+            self._link.hello(0)
+            self._hello_sent = True
         due = self.cadence.due(step)
+        if step % self._sync_every == 0:
+            self._link.poll(step)  # a launcher request sets the emergency flag
         emergency = self._emergency.is_set()
         failed = self._inflight is not None and self._inflight.done() and self._inflight.exception() is not None
         if self._coord.multi:
@@ -198,9 +223,17 @@ class Checkpointer:
         if failed:
             self._finish_inflight()
         if emergency:
-            self.save(step, state, blocking=True, reason="emergency")
+            if step == self._saved_step:
+                # Already saved (the request arrived right after the restore, or at a step whose
+                # interval save is in flight): wait for that commit instead of writing it twice.
+                self._finish_inflight()
+                self._link.committed(step, "emergency")
+            else:
+                self.save(step, state, blocking=True, reason="emergency")
             self._emergency.clear()
             self._should_stop = True
+            log.warning("rank %d: emergency checkpoint of step %d committed; should_stop is set",
+                        self.rank, step)
         elif due:
             self.save(step, state, blocking=False, reason="interval")
 
@@ -215,8 +248,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._finish_inflight()  # back-pressure: at most one save in flight
         pending = self._engine.stage(step, state, reason)
+        self._saved_step = step
         self.last_stall_s = time.perf_counter() - t0
-        self._inflight = self._pool.submit(self._engine.write_and_commit, pending)
+        self._inflight = self._pool.submit(self._write_and_report, pending, step, reason)
         if self.topology.is_leader:
             # Retention runs after the commit is reported, on the same single writer thread: deleting
             # a large step can take as long as writing one (discard-mounted filesystems), and the
@@ -245,6 +279,7 @@ class Checkpointer:
             self._closed = True
             self._finish_retention()
             self._pool.shutdown(wait=True)
+            self._link.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -261,6 +296,12 @@ class Checkpointer:
             log.error("while closing after %s: %s", exc_type.__name__ if exc_type else "error", inner)
 
     # ------------------------------------------------------------------ internals
+    def _write_and_report(self, pending: PendingSave, step: int, reason: str) -> SaveOutcome:
+        """Writer thread: write and commit, then tell the launcher (if any) the step is committed."""
+        outcome = self._engine.write_and_commit(pending)
+        self._link.committed(step, reason)
+        return outcome
+
     def _finish_inflight(self) -> SaveOutcome | None:
         fut, self._inflight = self._inflight, None
         if fut is None:

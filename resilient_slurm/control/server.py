@@ -191,15 +191,20 @@ class ControlState:
                 log.debug("rank %d reported step %d, older than step %d; ignored", rank, step, last.step)
                 return
             elif reason != last.reason:
-                log.warning("rank %d reported step %d as %r, other ranks as %r", rank, step, reason,
-                            last.reason)
+                if reason == "emergency":
+                    # An emergency request that met a step already saved (or in flight) for another
+                    # reason: that step is the emergency checkpoint now.
+                    last.reason, last.first_reported_at = reason, now
+                else:
+                    log.debug("rank %d reported step %d as %r, which is already %r", rank, step, reason,
+                              last.reason)
             last.ranks.add(rank)
             save = self._save
             done = (save is not None and last.reason == save.reason
                     and last.first_reported_at >= save.requested_at and set(self._ranks) <= last.ranks)
             if done:
                 self._save = None
-        log.info("rank %d committed step %d (%s)", rank, step, reason)
+        log.debug("rank %d committed step %d (%s)", rank, step, reason)
         if done:
             log.info("%s save request satisfied: every registered rank committed step %d", reason, step)
 

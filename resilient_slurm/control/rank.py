@@ -1,0 +1,182 @@
+"""The rank's end of the launcher link: signal traps and the control-socket client, in one object.
+
+Who calls what, and when (the :class:`~resilient_slurm.checkpoint.checkpointer.Checkpointer` does all
+of it; user code never needs to):
+
+1. ``RankLink(...)`` when the Checkpointer is built: installs the signal traps (main thread only, and
+   only where the program kept the default handler) and, when the launcher published a control socket
+   for this node (``RSLURM_CONTROL_SOCKET``), prepares a client for it.
+2. :meth:`RankLink.hello` once the restore is done, with the step restored.
+3. :meth:`RankLink.poll` at step boundaries where ranks agree (every ``sync_every`` steps): True when a
+   trapped signal or the launcher asks for an emergency save.
+4. :meth:`RankLink.committed` after each committed step (the writer thread may call it).
+5. :meth:`RankLink.close` when the Checkpointer closes: restores the previous signal handlers.
+
+Two ways in, on purpose: the control socket reaches the ranks on the launcher's node without a signal
+(a signal can kill a helper process that does not expect it), and a signal reaches ranks on nodes the
+launcher does not run on (``scancel --signal``) and ranks that Slurm itself signals (on preemption,
+Slurm 22.05 sends SIGTERM to the step tasks, not to the batch shell). Ranks then agree on one step with
+their usual per-step collective, so one rank that heard the request is enough.
+
+Signal handlers only set a flag; the save happens at the next step boundary on the training thread.
+The link never stops training: if the socket stops answering, the rank logs it once and carries on
+with signals alone, retrying the socket now and then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from ..errors import ControlError, ControlRejectedError
+from . import protocol as p
+from .client import ControlClient
+
+log = logging.getLogger(__name__)
+
+_RETRY_AFTER_S = 30.0  # after a failed socket call, how long to rely on signals alone
+
+
+def _signal_number(name: str) -> int:
+    return int(getattr(signal, "SIG" + name))
+
+
+class RankLink:
+    """Signal traps plus an optional control-socket client for one rank.
+
+    ``on_request`` is called (possibly from a signal handler: it must only set a flag) when an
+    emergency save is requested. ``socket_path`` None or ``"off"``: signals only.
+    """
+
+    def __init__(self, rank: int, local_rank: int, *, on_request: Callable[[], None],
+                 socket_path: str | None = None, timeout: float = 2.0, trap_signals: bool = True,
+                 save_signal: str = "USR2", clock: Callable[[], float] = time.monotonic) -> None:
+        self.rank = rank
+        self.local_rank = local_rank
+        self._on_request = on_request
+        self._clock = clock
+        self._client: ControlClient | None = None
+        if socket_path and socket_path.lower() != "off":
+            try:
+                p.check_socket_path(socket_path)
+            except ControlError as exc:
+                log.warning("rank %d: ignoring control socket: %s", rank, exc)
+            else:
+                if os.path.exists(socket_path):
+                    self._client = ControlClient(socket_path, timeout=timeout)
+                else:
+                    # Normal on every node but the launcher's: the socket is node-local.
+                    log.debug("rank %d: no control socket at %s on this node; signals only", rank, socket_path)
+        self._registered = False
+        self._hello_step = 0
+        self._down_until = 0.0
+        self._warned = False
+        self._signals_seen: list[str] = []
+        self._previous: dict[int, Any] = {}
+        if trap_signals:
+            names = ["TERM"] + ([save_signal] if save_signal not in ("none", "TERM") else [])
+            self._install(names)
+
+    # ------------------------------------------------------------------ signals
+    def _install(self, names: list[str]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.info("rank %d: Checkpointer built off the main thread; signal traps not installed (the "
+                     "control socket still works)", self.rank)
+            return
+        for name in names:
+            num = _signal_number(name)
+            current = signal.getsignal(num)
+            if current is not signal.SIG_DFL:
+                # The program (or a framework) handles it; it stays in charge of this signal.
+                log.info("rank %d: SIG%s already has a handler; leaving it in place", self.rank, name)
+                continue
+            self._previous[num] = signal.signal(num, self._handler)
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        # Only set flags: the save runs at the next step boundary, on the training thread.
+        self._signals_seen.append(signal.Signals(signum).name)
+        self._on_request()
+
+    @property
+    def signals_seen(self) -> list[str]:
+        """Names of the trapped signals received so far (for logs and tests)."""
+        return list(self._signals_seen)
+
+    @property
+    def connected(self) -> bool:
+        """True when a control socket was found for this node."""
+        return self._client is not None
+
+    # ------------------------------------------------------------------ socket
+    def _usable(self) -> bool:
+        return self._client is not None and self._clock() >= self._down_until
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self._down_until = self._clock() + _RETRY_AFTER_S
+        self._registered = False
+        level = logging.DEBUG if self._warned else logging.WARNING
+        self._warned = True
+        log.log(level, "rank %d: control socket %s: %s failed (%s); relying on signals, retrying in %.0f s",
+                self.rank, self._client.path if self._client else "-", what, exc, _RETRY_AFTER_S)
+
+    def hello(self, step: int) -> None:
+        """Register with the node's launcher, reporting the step this rank resumed from."""
+        self._hello_step = step
+        if not self._usable():
+            return
+        assert self._client is not None
+        try:
+            self._client.hello(self.rank, self.local_rank, step=step)
+            self._registered = True
+        except ControlError as exc:
+            self._failed("hello", exc)
+
+    def poll(self, step: int) -> bool:
+        """Whether an emergency save is requested (by the launcher over the socket)."""
+        if not self._usable():
+            return False
+        assert self._client is not None
+        try:
+            if not self._registered:
+                self._client.hello(self.rank, self.local_rank, step=self._hello_step)
+                self._registered = True
+            reply = self._client.poll(self.rank, step)
+        except ControlRejectedError as exc:
+            if exc.code == p.ErrorCode.NOT_REGISTERED:  # the server restarted; register again next time
+                self._registered = False
+                return False
+            self._failed("poll", exc)
+            return False
+        except ControlError as exc:
+            self._failed("poll", exc)
+            return False
+        if reply.get("save_requested"):
+            self._on_request()
+            return True
+        return False
+
+    def committed(self, step: int, reason: str) -> None:
+        """Tell the launcher this rank's part of ``step`` is committed."""
+        if not self._usable() or not self._registered:
+            return
+        assert self._client is not None
+        try:
+            self._client.committed(self.rank, step, reason)
+        except ControlError as exc:
+            self._failed("committed", exc)
+
+    def close(self) -> None:
+        """Restore the signal handlers this link replaced and close the socket."""
+        if threading.current_thread() is threading.main_thread():
+            for num, prev in self._previous.items():
+                if signal.getsignal(num) == self._handler:
+                    signal.signal(num, prev)
+        self._previous.clear()
+        if self._client is not None:
+            self._client.close()

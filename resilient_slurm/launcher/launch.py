@@ -1,0 +1,489 @@
+"""``rslurm launch``: run the ranks, turn stop signals into an emergency checkpoint, then requeue.
+
+Call order (one ``Launcher`` per job incarnation, on the batch host; or one per local run):
+
+1. ``Launcher(command, nprocs=..., settings=...)`` resolves settings and decides the mode:
+   inside a Slurm job (``SLURM_JOB_ID``) it may requeue; ``command`` starting with ``srun`` runs as one
+   job step (ranks on every node), ``-n N`` starts N local ranks with torch.distributed variables set,
+   anything else runs as one process.
+2. :meth:`Launcher.run`: reads the newest committed step (the baseline), installs the signal traps,
+   starts the control server for this node, the optional cloud notice watcher, then the children, and
+   loops until they are gone:
+
+   * a trapped signal (or cloud notice) sets the stop reason and a deadline (the job's end from
+     ``scontrol``, minus ``requeue_margin``; ``save_timeout`` when Slurm gives none), asks this node's
+     ranks over the control socket and, when the job spans several nodes, every rank through
+     ``scancel --signal=<save_signal>``;
+   * once every registered rank reported the emergency commit, ranks get ``term_grace`` seconds to
+     exit on their own; after that, or at the deadline, their process trees are torn down;
+   * a rank that failed on its own bounds how long the others may linger (``PEER_EXIT_WAIT``).
+
+3. The outcome (why the incarnation ended) goes through :class:`~.policy.RequeuePolicy` with the
+   :class:`~.policy.ProgressHistory` stored next to the checkpoints; the history is written, then the
+   job is requeued, held, or the launcher exits with the rank's code. Requeueing kills the launcher,
+   so it is the last thing done.
+
+Every step is logged, and appended as a JSON line to ``<run dir>/launcher-events.jsonl`` (signal,
+save request, commit, ranks gone, decision) so that signal-to-commit and signal-to-requeue latencies
+can be measured from the outside.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import psutil
+
+from .. import config
+from ..checkpoint.checkpointer import default_local_dir, default_run_id
+from ..checkpoint.coordination import expand_local_dir, node_name
+from ..control import ControlServer, default_socket_path
+from ..errors import ConfigError, ResilientSlurmError, SlurmError
+from ..manifest import MANIFEST_NAME, Manifest, parse_step_dirname, step_dirname
+from ..slurm import JobInfo, SlurmClient, slurm_client
+from ..slurm.client import remaining_seconds
+from ..storage.fileio import atomic_write
+from .cloud import Notice, TerminationNoticeWatcher
+from .policy import (
+    HOLD_EXIT_CODE,
+    REQUEUE_EXIT_CODE,
+    Action,
+    Decision,
+    Outcome,
+    ProgressHistory,
+    Reason,
+    RequeuePolicy,
+    traceback_location,
+)
+from .processes import Children, LocalRanks, RankExit, SrunStep
+from .signals import SignalTrap, TrapEvent
+
+log = logging.getLogger(__name__)
+
+SETTINGS = ["local_dir", "run_id", "node_name", "control_dir", "save_signal", "max_restarts",
+            "no_progress_limit", "save_timeout", "requeue_margin", "term_grace", "cloud_notice",
+            "cloud_notice_url", "cloud_notice_interval", "slurm_backend"]
+HISTORY_FILE = "launcher-history.json"
+EVENTS_FILE = "launcher-events.jsonl"
+# After one rank failed on its own, how long the others may take to notice (a collective error) and
+# exit before the launcher tears them down.
+PEER_EXIT_WAIT = 30.0
+# A stop signal with the job's end this close is the time limit (USR1 from --signal, or SIGTERM at the
+# end); further away it is a preemption or an operator's request.
+TIME_LIMIT_WINDOW = 15 * 60.0
+INTERRUPT_EXIT_CODE = 130  # local mode, Ctrl-C: the shell convention
+
+
+def newest_committed(run_dir: str) -> tuple[int | None, str | None]:
+    """The newest step under ``run_dir`` with a readable manifest, and its reason."""
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return None, None
+    for step in sorted((s for n in names if (s := parse_step_dirname(n)) is not None), reverse=True):
+        path = os.path.join(run_dir, step_dirname(step), MANIFEST_NAME)
+        try:
+            with open(path, "rb") as f:
+                return step, Manifest.from_json(f.read(), source=path).reason
+        except (OSError, ResilientSlurmError):
+            continue
+    return None, None
+
+
+@dataclass
+class StopRequest:
+    """Why and by when the ranks were asked to stop."""
+
+    source: str  # SIGTERM, SIGUSR1, SIGUSR2, SIGINT, cloud
+    at: float
+    deadline: float
+    reason: Reason
+    job: JobInfo | None = None
+
+
+@dataclass
+class LaunchResult:
+    """What one launcher run ended with (the exit code is also the process's)."""
+
+    exit_code: int
+    outcome: Outcome
+    decision: Decision | None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Launcher:
+    """Runs one incarnation of a job (see the module docstring for the call order)."""
+
+    def __init__(self, command: Sequence[str], *, nprocs: int | None = None,
+                 settings: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+                 slurm: SlurmClient | None = None, config_path: str | None = None) -> None:
+        if not command:
+            raise ConfigError("rslurm launch: no command given; usage: rslurm launch [options] -- srun ... "
+                              "| -n N -- cmd ...")
+        self.env = dict(os.environ if env is None else env)
+        self.cfg = config.resolve(SETTINGS, dict(settings or {}), self.env, config_path=config_path)
+        if nprocs is not None and nprocs < 1:
+            raise ConfigError(f"rslurm launch: -n must be >= 1, got {nprocs}")
+        self.command = list(command)
+        self.srun = os.path.basename(self.command[0]) == "srun"
+        if self.srun and nprocs is not None:
+            raise ConfigError("rslurm launch: -n starts local ranks; with srun, give the task count to srun")
+        self.job_id: str | None = self.env.get("SLURM_JOB_ID") or None
+        if self.srun and not self.job_id:
+            raise ConfigError("rslurm launch -- srun ...: not inside a Slurm allocation (SLURM_JOB_ID is not "
+                              "set); submit it with sbatch, or run locally with `rslurm launch -n N -- cmd`")
+        self.nprocs = nprocs
+        self.node = node_name(self.cfg["node_name"])
+        self.run_id: str = self.cfg["run_id"] or default_run_id(self.env)
+        root = expand_local_dir(self.cfg["local_dir"] or default_local_dir(), self.node)
+        self.run_dir = os.path.join(root, self.run_id)
+        self.restart_count = int(self.env.get("SLURM_RESTART_COUNT", "0") or 0)
+        self.policy = RequeuePolicy(max_restarts=self.cfg["max_restarts"],
+                                    no_progress_limit=self.cfg["no_progress_limit"] or None)
+        self._slurm = slurm
+        sock_name = self.job_id or f"local-{os.getpid()}"
+        self.socket_path = default_socket_path(sock_name, self.node, runtime_dir=self.cfg["control_dir"],
+                                               env=self.env)
+        self.stop: StopRequest | None = None
+        self.timings: dict[str, float] = {}
+        self._children: Children | None = None
+        self._server: ControlServer | None = None
+        self._emergency_seen = False
+        self._interrupts = 0
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def slurm(self) -> SlurmClient:
+        """The Slurm client (built on first use)."""
+        if self._slurm is None:
+            self._slurm = slurm_client(self.cfg["slurm_backend"])
+        return self._slurm
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        rec = {"t": time.time(), "event": kind, "job_id": self.job_id, "restart_count": self.restart_count,
+               **fields}
+        try:
+            os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+            with open(os.path.join(self.run_dir, EVENTS_FILE), "a") as f:
+                f.write(json.dumps(rec, default=str) + "\n")
+        except OSError as exc:
+            log.warning("cannot append to %s: %s", os.path.join(self.run_dir, EVENTS_FILE), exc)
+
+    def _job_info(self) -> JobInfo | None:
+        if not self.job_id:
+            return None
+        try:
+            return self.slurm.job_info(self.job_id)
+        except SlurmError as exc:
+            log.warning("cannot read job %s from Slurm (%s); going on without its end time", self.job_id, exc)
+            return None
+
+    def _rank_env(self) -> dict[str, str]:
+        env = dict(self.env)
+        env["RSLURM_CONTROL_SOCKET"] = self.socket_path
+        env["RSLURM_RUN_ID"] = self.run_id  # ranks and launcher must name the same run
+        env["RSLURM_SAVE_SIGNAL"] = self.cfg["save_signal"]
+        return env
+
+    def _multi_node(self) -> bool:
+        try:
+            return int(self.env.get("SLURM_JOB_NUM_NODES") or self.env.get("SLURM_NNODES") or "1") > 1
+        except ValueError:
+            return True
+
+    def _warn_if_not_exec(self) -> None:
+        """``--signal=B:...`` reaches the batch shell only: a launcher under it never hears the signal."""
+        if not self.job_id:
+            return
+        try:
+            parent = psutil.Process(os.getppid()).cmdline()
+        except (psutil.Error, OSError):
+            return
+        if any(os.path.basename(a) == "slurm_script" for a in parent):
+            log.warning("rslurm launch runs as a child of the batch script: a `--signal=B:...` signal reaches "
+                        "the shell, not rslurm. Start it with `exec rslurm launch ...` (or `exec rsrun ...`)")
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> LaunchResult:
+        """Run the incarnation to its end and act on the decision; returns the exit code to use."""
+        baseline, _ = newest_committed(self.run_dir)
+        self.timings["start"] = time.time()
+        self._event("start", command=self.command, node=self.node, baseline_step=baseline,
+                    socket=self.socket_path)
+        self._warn_if_not_exec()
+        trap = SignalTrap().install()
+        server = self._server = ControlServer(self.socket_path)
+        watcher: TerminationNoticeWatcher | None = None
+        try:
+            server.start()
+            if self.cfg["cloud_notice"] != "off":
+                def on_notice(n: Notice) -> None:
+                    trap.notify("cloud", n.deadline_epoch)
+
+                watcher = TerminationNoticeWatcher(self.cfg["cloud_notice_url"], kind=self.cfg["cloud_notice"],
+                                                   interval=self.cfg["cloud_notice_interval"],
+                                                   on_notice=on_notice).start()
+            env = self._rank_env()
+            if self.srun:
+                children: Children = SrunStep(self.command, env)
+            elif self.nprocs is not None:
+                children = LocalRanks(self.command, self.nprocs, env, _free_port())
+            else:
+                children = LocalRanks(self.command, 1, env, 0, dist_env=False)
+            self._children = children
+            children.start()
+            self._loop(trap, children, server)
+            children.finish()
+        finally:
+            if watcher is not None:
+                watcher.stop()
+            status = server.status() if server.running else None
+            server.stop()
+        if status and (status.get("last_committed") or {}).get("reason") == "emergency":
+            self._emergency_seen = True
+        outcome = self._outcome(children, baseline)
+        try:
+            return self._act(outcome)
+        finally:
+            trap.restore()
+
+    def _loop(self, trap: SignalTrap, children: Children, server: ControlServer) -> None:
+        first_failure: float | None = None
+        committed_at: float | None = None
+        while not children.poll():
+            if trap.wait(0.05):
+                for ev in trap.pop():
+                    self._on_event(ev, children, server)
+            now = time.time()
+            if self._interrupts >= 2:
+                log.warning("second interrupt: tearing the ranks down now")
+                children.teardown(0)
+                break
+            stop = self.stop
+            if stop is not None and committed_at is None and server.state.save_request is None:
+                committed_at = now
+                self.timings["committed"] = now
+                last = server.status().get("last_committed") or {}
+                self._emergency_seen = True
+                log.info("emergency checkpoint of step %s committed %.2f s after %s", last.get("step"),
+                         now - stop.at, stop.source)
+                self._event("committed", step=last.get("step"), after_signal_s=now - stop.at)
+            if stop is not None and now >= stop.deadline:
+                log.error("ranks missed the deadline (%s + %.1f s): tearing their process trees down",
+                          stop.source, stop.deadline - stop.at)
+                self._event("deadline_missed", committed=committed_at is not None)
+                self._teardown(children, grace=0)
+                break
+            if committed_at is not None and now >= committed_at + self.cfg["term_grace"]:
+                log.warning("ranks did not exit within %.0f s of the committed emergency checkpoint; tearing "
+                            "them down", self.cfg["term_grace"])
+                self._teardown(children, grace=min(2.0, max(0.0, stop.deadline - now)) if stop else 2.0)
+                break
+            if first_failure is None and children.failures():
+                first_failure = now
+                log.warning("a rank failed: %s; the others get %.0f s to exit", children.failures()[0],
+                            PEER_EXIT_WAIT)
+            if first_failure is not None and now >= first_failure + PEER_EXIT_WAIT:
+                log.error("ranks still running %.0f s after a rank failed: tearing them down", PEER_EXIT_WAIT)
+                self._teardown(children, grace=self.cfg["term_grace"])
+                break
+        self.timings["ranks_exited"] = time.time()
+        self._event("ranks_exited", torn_down=children.torn_down)
+
+    def _teardown(self, children: Children, grace: float) -> None:
+        if self.srun and self.job_id:
+            try:  # every task on every node; srun then exits
+                self.slurm.signal(self.job_id, signal.SIGKILL)
+            except SlurmError as exc:
+                log.warning("could not kill the job's steps through Slurm: %s", exc)
+        children.teardown(grace)
+
+    def _on_event(self, ev: TrapEvent, children: Children, server: ControlServer) -> None:
+        log.warning("received %s", ev.source)
+        self._event("signal", source=ev.source, at=ev.at)
+        if ev.source == "SIGINT" or (ev.source == "SIGTERM" and not self.job_id):
+            self._interrupts += 1
+        if self.stop is not None:
+            if ev.deadline is not None or ev.source == "SIGTERM":
+                new = self._deadline(ev, self._job_info())
+                if new < self.stop.deadline:
+                    self.stop.deadline = new
+                    server.request_save("emergency", new)
+            return
+        job = self._job_info()
+        deadline = self._deadline(ev, job)
+        reason = self._reason(ev, job)
+        self.stop = StopRequest(ev.source, ev.at, deadline, reason, job)
+        self.timings["signal"] = ev.at
+        server.request_save("emergency", deadline)
+        self.timings["save_requested"] = time.time()
+        self._event("save_requested", source=ev.source, reason=reason.value, deadline=deadline,
+                    deadline_in_s=deadline - time.time())
+        log.warning("%s: emergency checkpoint requested (%s); deadline in %.1f s", ev.source, reason.value,
+                    deadline - time.time())
+        sig_name = self.cfg["save_signal"]
+        if sig_name != "none":
+            sig = int(getattr(signal, "SIG" + sig_name))
+            if self.srun and self.job_id and self._multi_node():
+                # Ranks on other nodes have no socket to this launcher: reach them through Slurm.
+                try:
+                    self.slurm.signal(self.job_id, sig)
+                except SlurmError as exc:
+                    log.warning("could not forward SIG%s to the job's tasks: %s; ranks on this node still got "
+                                "the request over the control socket", sig_name, exc)
+            elif not self.srun and not server.status()["ranks"]:
+                # No rank registered on the socket (yet, or a program without a Checkpointer): signal.
+                children.signal_ranks(sig)
+
+    def _deadline(self, ev: TrapEvent, job: JobInfo | None) -> float:
+        now = time.time()
+        deadline = now + self.cfg["save_timeout"]
+        margin = self.cfg["requeue_margin"]
+        if ev.deadline is not None:
+            deadline = min(deadline, ev.deadline - margin)
+        if job is not None:
+            rem = remaining_seconds(job, now)
+            if not math.isinf(rem):
+                deadline = min(deadline, now + rem - margin)
+        return max(deadline, now)
+
+    def _reason(self, ev: TrapEvent, job: JobInfo | None) -> Reason:
+        if ev.source == "cloud":
+            return Reason.CLOUD_TERMINATION
+        if job is not None:
+            if job.preempt_time is not None:
+                return Reason.PREEMPTED
+            rem = remaining_seconds(job, time.time())
+            if rem <= TIME_LIMIT_WINDOW:
+                return Reason.TIME_LIMIT
+        return Reason.PREEMPTED
+
+    # ------------------------------------------------------------------ outcome and action
+    def _outcome(self, children: Children, baseline: int | None) -> Outcome:
+        committed, newest_reason = newest_committed(self.run_dir)
+        if newest_reason == "emergency" and committed is not None and committed != baseline:
+            self._emergency_seen = True
+        exits = children.exits()
+        base = Outcome(Reason.COMPLETED, committed_step=committed, restored_step=baseline,
+                       restart_count=self.restart_count, job_id=self.job_id)
+        stop = self.stop
+        if stop is not None:
+            # We asked the ranks to stop (or tore them down): whatever their exit codes, the job was
+            # stopped from outside and can go on from the last commit.
+            return replace(base, reason=stop.reason, detail=f"stopped by {stop.source}")
+        killed = [e for e in exits if e.signal is not None]
+        failed = [e for e in exits if e.exit_code not in (None, 0)]
+        if self._emergency_seen and not failed:
+            # Slurm signalled the ranks directly (preemption without --signal): they saved and left.
+            job = self._job_info()
+            reason = Reason.PREEMPTED
+            if job is not None and job.preempt_time is None and remaining_seconds(job, time.time()) <= TIME_LIMIT_WINDOW:
+                reason = Reason.TIME_LIMIT
+            return replace(base, reason=reason, detail="ranks took an emergency checkpoint on a signal from Slurm")
+        if killed:
+            first = killed[0]
+            job = self._job_info()
+            if job is not None and job.preempt_time is not None:
+                return replace(base, reason=Reason.PREEMPTED, rank=first.rank, signal=first.signal)
+            return replace(base, reason=Reason.NODE_FAILURE, rank=first.rank, signal=first.signal,
+                           detail=f"rank {first.rank} on {first.node or self.node} killed by signal {first.signal}")
+        if failed:
+            first = failed[0]
+            return replace(base, reason=Reason.USER_ERROR, rank=first.rank, exit_code=first.exit_code,
+                           error_location=self._error_location(children, first))
+        return replace(base, reason=Reason.COMPLETED)
+
+    def _error_location(self, children: Children, failed: RankExit) -> str | None:
+        idx = failed.rank if isinstance(children, LocalRanks) and failed.rank is not None else 0
+        return traceback_location(children.stderr_tail(idx))
+
+    def _read_history(self) -> ProgressHistory:
+        path = os.path.join(self.run_dir, HISTORY_FILE)
+        try:
+            with open(path) as f:
+                text: str | None = f.read()
+        except FileNotFoundError:
+            text = None
+        except OSError as exc:
+            log.warning("cannot read %s (%s); counting restarts afresh", path, exc)
+            text = None
+        history = ProgressHistory.parse(text, source=path)
+        if self.restart_count == 0 and history.incarnations:
+            # A new submission that reuses the run id (not a requeue): old restarts do not count.
+            return ProgressHistory()
+        return history
+
+    def _act(self, outcome: Outcome) -> LaunchResult:
+        log.info("incarnation ended: %s (committed step %s, resumed from %s)", outcome.reason.value,
+                 outcome.committed_step, outcome.restored_step)
+        if not self.job_id:
+            return self._act_local(outcome)
+        history = self._read_history()
+        decision = self.policy.decide(outcome, history)
+        if decision.action is not Action.EXIT:
+            try:
+                os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+                atomic_write(os.path.join(self.run_dir, HISTORY_FILE), history.record(outcome).to_json().encode())
+            except OSError as exc:
+                log.warning("cannot write the progress history in %s: %s", self.run_dir, exc)
+        self._event("decision", action=decision.action.value, rule=decision.rule, message=decision.message,
+                    outcome=outcome.reason.value, committed_step=outcome.committed_step,
+                    restored_step=outcome.restored_step)
+        (log.error if decision.action is Action.HOLD or decision.exit_code not in (0, REQUEUE_EXIT_CODE)
+         else log.warning if decision.action is Action.REQUEUE else log.info)("%s", decision.message)
+        result = LaunchResult(decision.exit_code, outcome, decision, self.timings)
+        if decision.action is Action.EXIT:
+            return result
+        job = self._job_info()
+        if job is not None and not job.requeue:
+            log.error("job %s was submitted with --no-requeue (or JobRequeue=0): Slurm will not requeue it; "
+                      "resubmit it to resume from step %s", self.job_id, outcome.committed_step)
+            return result
+        self.timings["requeue"] = time.time()
+        self._event("requeue_call", action=decision.action.value,
+                    after_signal_s=(self.timings["requeue"] - self.stop.at) if self.stop else None)
+        sys.stderr.flush()
+        try:
+            if decision.action is Action.HOLD:
+                self.slurm.requeue_hold(self.job_id, decision.message)
+            else:
+                self.slurm.requeue(self.job_id)
+        except SlurmError as exc:
+            log.error("requeue of job %s failed: %s; exiting %d so the job is not recorded COMPLETED",
+                      self.job_id, exc, decision.exit_code)
+        return result
+
+    def _act_local(self, outcome: Outcome) -> LaunchResult:
+        if outcome.reason is Reason.COMPLETED:
+            return LaunchResult(0, outcome, None, self.timings)
+        if outcome.reason is Reason.USER_ERROR:
+            d = self.policy.decide(outcome, ProgressHistory())
+            log.error("%s", d.message)
+            return LaunchResult(d.exit_code, outcome, d, self.timings)
+        step = outcome.committed_step
+        code = INTERRUPT_EXIT_CODE if self.stop is not None and self.stop.source == "SIGINT" else REQUEUE_EXIT_CODE
+        msg = (f"stopped ({outcome.detail or outcome.reason.value}); "
+               + (f"step {step} is committed" if step is not None else "nothing is committed")
+               + ": run the same command again to resume")
+        log.warning("%s", msg)
+        return LaunchResult(code, outcome, Decision(Action.EXIT, code, msg, outcome.reason.value), self.timings)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+__all__ = ["EVENTS_FILE", "HISTORY_FILE", "HOLD_EXIT_CODE", "LaunchResult", "Launcher", "StopRequest",
+           "newest_committed"]

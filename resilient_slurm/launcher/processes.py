@@ -1,0 +1,306 @@
+"""The launcher's children: N local ranks, or one ``srun``; how they ended; tearing their trees down.
+
+Who calls what, and when: the launcher builds :class:`LocalRanks` (``rslurm launch -n N``) or
+:class:`SrunStep` (``rslurm launch -- srun ...``), calls ``start()``, then ``poll()`` in its loop
+(True once every child exited), ``failures()`` while running (ranks known to have failed, to bound
+how long the others may linger), ``signal_ranks()`` to reach ranks on this node, ``teardown()`` when
+the ranks must go, and ``exits()`` at the end.
+
+Every child's stderr passes through a thread that copies it to the launcher's stderr and keeps the
+last 64 KiB, so the launcher can name where a failing rank's traceback points. For srun it also reads
+srun's own per-task lines (``srun: error: n2: task 1: Killed``), which are the only report of how each
+remote task ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+TAIL_BYTES = 64 << 10
+
+# strsignal() text -> signal number, as srun prints task ends ("Killed", "Terminated", ...).
+_BY_DESCRIPTION = {}
+for _s in signal.Signals:
+    _d = signal.strsignal(_s)
+    if _d:
+        _BY_DESCRIPTION[_d.lower()] = int(_s)
+_BY_DESCRIPTION.setdefault("out of memory", int(signal.SIGKILL))  # srun's own wording for OOM kills
+
+# "srun: error: n2: task 1: Killed", "srun: error: n1: tasks 0-1: Exited with exit code 3"
+_TASK_END = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+?)\s*$")
+_EXITED = re.compile(r"Exited with exit code (\d+)")
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How one rank ended: ``exit_code`` (0..255) or ``signal`` (number), where known."""
+
+    rank: int | None
+    exit_code: int | None
+    signal: int | None
+    node: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Exited 0."""
+        return self.exit_code == 0 and self.signal is None
+
+
+def parse_task_line(line: str) -> list[RankExit]:
+    """The task ends that one ``srun: error: ...`` line reports (empty if it is not such a line)."""
+    m = _TASK_END.search(line)
+    if not m:
+        return []
+    ranks: list[int] = []
+    for part in m["tasks"].split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            ranks.extend(range(int(lo), int(hi) + 1))
+        elif part:
+            ranks.append(int(part))
+    what = m["what"]
+    em = _EXITED.search(what)
+    if em:
+        return [RankExit(r, int(em.group(1)), None, m["node"]) for r in ranks]
+    sig = _BY_DESCRIPTION.get(what.split(" (core dumped)")[0].strip().lower())
+    if sig is None:
+        return []  # another kind of srun error line, not a task end
+    return [RankExit(r, None, sig, m["node"]) for r in ranks]
+
+
+class _Tee(threading.Thread):
+    """Copies a child's stderr to ``sink`` line by line, keeps the tail, and parses srun task lines."""
+
+    def __init__(self, src: IO[bytes], sink: IO[bytes], name: str, parse_tasks: bool) -> None:
+        super().__init__(name=name, daemon=True)
+        self._src = src
+        self._sink = sink
+        self._parse = parse_tasks
+        self._lock = threading.Lock()
+        self._tail = bytearray()
+        self.task_exits: list[RankExit] = []
+
+    def run(self) -> None:
+        for line in iter(self._src.readline, b""):
+            try:
+                self._sink.write(line)
+                self._sink.flush()
+            except (OSError, ValueError):  # our stderr is gone; keep draining so the child never blocks
+                pass
+            with self._lock:
+                self._tail += line
+                if len(self._tail) > TAIL_BYTES:
+                    del self._tail[: len(self._tail) - TAIL_BYTES]
+                if self._parse:
+                    self.task_exits.extend(parse_task_line(line.decode(errors="replace")))
+        self._src.close()
+
+    def tail(self) -> str:
+        with self._lock:
+            return self._tail.decode(errors="replace")
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_trees(pids: Sequence[int], grace: float, *, first: int = signal.SIGTERM) -> int:
+    """Send ``first`` to each process tree rooted at ``pids``, SIGKILL what is left after ``grace``
+    seconds; return how many processes needed the SIGKILL. Descendants are collected before any
+    signal, so children that are re-parented when their parent dies are still reached."""
+    procs: list[psutil.Process] = []
+    for pid in pids:
+        procs.extend(_tree(pid))
+    for p in procs:
+        try:
+            p.send_signal(first)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=max(0.0, grace)) if grace > 0 and first != signal.SIGKILL else ([], procs)
+    killed = 0
+    for p in alive:
+        try:
+            p.kill()
+            killed += 1
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return killed
+
+
+class Children:
+    """Common part of the launcher's children (see the module docstring for the call order)."""
+
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._tees: list[_Tee] = []
+        self.torn_down = False
+
+    def _spawn(self, argv: Sequence[str], env: Mapping[str, str], name: str, parse_tasks: bool) -> None:
+        proc = subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                # Own session: a Ctrl-C in the terminal reaches the launcher only, which
+                                # turns it into an emergency save instead of a KeyboardInterrupt mid-step.
+                                start_new_session=True)
+        assert proc.stderr is not None
+        tee = _Tee(proc.stderr, sys.stderr.buffer, f"rslurm-tee:{name}", parse_tasks)
+        tee.start()
+        self._procs.append(proc)
+        self._tees.append(tee)
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the direct children."""
+        return [p.pid for p in self._procs]
+
+    def poll(self) -> bool:
+        """True once every child exited."""
+        return all(p.poll() is not None for p in self._procs)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every child; True if all exited."""
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    def teardown(self, grace: float) -> None:
+        """Terminate every child's whole process tree: SIGTERM, then SIGKILL after ``grace`` s."""
+        self.torn_down = True
+        live = [p.pid for p in self._procs if p.poll() is None]
+        if live:
+            n = kill_trees(live, grace)
+            log.warning("tore down %d child process tree(s)%s", len(live),
+                        f"; {n} process(es) needed SIGKILL" if n else "")
+        self.wait(10)
+
+    def finish(self) -> None:
+        """Join the stderr threads (after the children exited)."""
+        for t in self._tees:
+            t.join(timeout=5)
+
+    def stderr_tail(self, index: int = 0) -> str:
+        """The last 64 KiB a child wrote to stderr."""
+        return self._tees[index].tail() if index < len(self._tees) else ""
+
+    def start(self) -> None:
+        """Start the children."""
+        raise NotImplementedError
+
+    def failures(self) -> list[RankExit]:
+        """Ranks known to have ended badly so far."""
+        raise NotImplementedError
+
+    def exits(self) -> list[RankExit]:
+        """How each rank ended (after :meth:`poll` returned True)."""
+        raise NotImplementedError
+
+    def signal_ranks(self, sig: int) -> None:
+        """Send ``sig`` to the ranks this launcher started directly (not to remote ones)."""
+        raise NotImplementedError
+
+
+class LocalRanks(Children):
+    """``nprocs`` ranks of ``argv`` on this machine, with torch.distributed variables set (unless
+    ``dist_env`` is False: one plain process, e.g. a torchrun that sets them itself)."""
+
+    def __init__(self, argv: Sequence[str], nprocs: int, env: Mapping[str, str], master_port: int, *,
+                 dist_env: bool = True) -> None:
+        super().__init__()
+        self.argv = list(argv)
+        self.nprocs = nprocs
+        self.env = dict(env)
+        self.master_port = master_port
+        self.dist_env = dist_env
+
+    def start(self) -> None:
+        for r in range(self.nprocs):
+            env = dict(self.env)
+            if self.dist_env:
+                env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(self.nprocs),
+                           LOCAL_WORLD_SIZE=str(self.nprocs), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(self.master_port))
+            self._spawn(self.argv, env, f"rank{r}", parse_tasks=False)
+        log.info("started %d local rank(s): %s", self.nprocs, " ".join(self.argv))
+
+    def _exit_of(self, rank: int, code: int) -> RankExit:
+        return RankExit(rank, None, -code) if code < 0 else RankExit(rank, code, None)
+
+    def failures(self) -> list[RankExit]:
+        out = []
+        for r, p in enumerate(self._procs):
+            code = p.poll()
+            if code is not None and code != 0:
+                out.append(self._exit_of(r, code))
+        return out
+
+    def exits(self) -> list[RankExit]:
+        return [self._exit_of(r, p.returncode if p.returncode is not None else -int(signal.SIGKILL))
+                for r, p in enumerate(self._procs)]
+
+    def signal_ranks(self, sig: int) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def rank_stderr_tail(self, rank: int) -> str:
+        """The last 64 KiB rank ``rank`` wrote to stderr."""
+        return self.stderr_tail(rank)
+
+
+class SrunStep(Children):
+    """One ``srun ...`` job step: ranks on every node of the allocation."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
+        super().__init__()
+        self.argv = list(argv)
+        self.env = dict(env)
+
+    def start(self) -> None:
+        self._spawn(self.argv, self.env, "srun", parse_tasks=True)
+        log.info("started job step: %s", " ".join(self.argv))
+
+    @property
+    def returncode(self) -> int | None:
+        """srun's exit code (negative: killed by that signal), None while running."""
+        return self._procs[0].poll() if self._procs else None
+
+    def failures(self) -> list[RankExit]:
+        return [e for e in self._tees[0].task_exits if not e.ok] if self._tees else []
+
+    def exits(self) -> list[RankExit]:
+        reported = self.failures()
+        if reported:
+            return reported
+        rc = self.returncode
+        if rc is None or rc == 0:
+            return [RankExit(None, 0, None)]
+        # srun ended badly without naming a task (killed itself, or could not launch).
+        return [RankExit(None, None, -rc)] if rc < 0 else [RankExit(None, rc, None)]
+
+    def signal_ranks(self, sig: int) -> None:
+        # Tasks are children of slurmstepd, not of srun: only Slurm reaches them (SlurmClient.signal).
+        return None

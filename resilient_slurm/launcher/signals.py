@@ -1,0 +1,77 @@
+"""Signal traps for the launcher: handlers only record what arrived; the main loop acts on it.
+
+Who calls what, and when: the launcher builds one ``SignalTrap`` before it starts the ranks,
+:meth:`SignalTrap.install` s it on the main thread, calls :meth:`SignalTrap.wait` in its loop (which
+wakes on a signal, a :meth:`SignalTrap.notify` from another thread such as the cloud watcher, or the
+timeout) and :meth:`SignalTrap.pop` to take the events, and :meth:`SignalTrap.restore` at the end.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+# What the launcher traps (design.md): preemption and time-limit signals, and Ctrl-C.
+TRAPPED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+
+
+@dataclass(frozen=True)
+class TrapEvent:
+    """One thing that asks the launcher to stop: a signal name (``SIGTERM``...) or another ``source``
+    (``cloud``), when it arrived (epoch seconds), and an optional deadline it announced."""
+
+    source: str
+    at: float
+    deadline: float | None = None
+
+
+class SignalTrap:
+    """Records trapped signals and notifications; thread-safe, async-signal-safe enough for CPython
+    (a handler appends to a deque and sets an Event, both of which are safe to call from a handler)."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = TRAPPED) -> None:
+        self._signals = signals
+        self._events: deque[TrapEvent] = deque()
+        self._wake = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> SignalTrap:
+        """Install the handlers (main thread only)."""
+        for sig in self._signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before :meth:`install`."""
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous.clear()
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self._events.append(TrapEvent(signal.Signals(signum).name, time.time()))
+        self._wake.set()
+
+    def notify(self, source: str, deadline: float | None = None) -> None:
+        """Record a stop request from another thread (e.g. a cloud termination notice)."""
+        self._events.append(TrapEvent(source, time.time(), deadline))
+        self._wake.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for an event; True if one is pending."""
+        if self._events:
+            return True
+        self._wake.wait(timeout)
+        self._wake.clear()
+        return bool(self._events)
+
+    def pop(self) -> list[TrapEvent]:
+        """Take every pending event, oldest first."""
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
