@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Checkpointer": ".checkpoint.checkpointer",
     "ResumableSampler": ".checkpoint.sampler",
+    "protect_dataloader": ".checkpoint.workers",
     "init_distributed": ".distributed",
     "ResilientSlurmError": ".errors",
     "ConfigError": ".errors",
@@ -27,6 +28,7 @@ _LAZY = {
 __all__ = [
     "Checkpointer",
     "ResumableSampler",
+    "protect_dataloader",
     "init_distributed",
     "ResilientSlurmError",
     "ConfigError",
@@ -41,6 +43,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .checkpoint.checkpointer import Checkpointer
     from .checkpoint.sampler import ResumableSampler
+    from .checkpoint.workers import protect_dataloader
     from .distributed import init_distributed
     from .errors import (
         CheckpointError,

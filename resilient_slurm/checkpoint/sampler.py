@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
+from resilient_slurm.checkpoint.workers import protect_dataloader
 from resilient_slurm.errors import ConfigError, IncompatibleCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class ResumableSampler(Sampler[int]):
         # would shift every later dropout mask. Keep iterator creation RNG-neutral instead: the global
         # stream then depends only on the training steps, with or without a restart in between.
         rng_state = torch.get_rng_state()
+        protect_dataloader(loader)  # workers must outlive the signal that asks their rank to save
         batches = iter(loader)
         torch.set_rng_state(rng_state)
         for batch in batches:

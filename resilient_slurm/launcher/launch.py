@@ -291,8 +291,7 @@ class Launcher:
                 break
             if first_failure is None and children.failures():
                 first_failure = now
-                log.warning("a rank failed: %s; the others get %.0f s to exit", children.failures()[0],
-                            PEER_EXIT_WAIT)
+                log.warning("%s; the others get %.0f s to exit", children.failures()[0].describe(), PEER_EXIT_WAIT)
             if first_failure is not None and now >= first_failure + PEER_EXIT_WAIT:
                 log.error("ranks still running %.0f s after a rank failed: tearing them down", PEER_EXIT_WAIT)
                 self._teardown(children, grace=self.cfg["term_grace"])
@@ -405,7 +404,7 @@ class Launcher:
 
     def _error_location(self, children: Children, failed: RankExit) -> str | None:
         idx = failed.rank if isinstance(children, LocalRanks) and failed.rank is not None else 0
-        return traceback_location(children.stderr_tail(idx))
+        return traceback_location(children.stderr_tail(idx), failed.rank)
 
     def _read_history(self) -> ProgressHistory:
         path = os.path.join(self.run_dir, HISTORY_FILE)

@@ -391,12 +391,21 @@ def _rule_name(rule: HoldRule) -> str:
     return getattr(rule, "__name__", type(rule).__name__)
 
 
-_TRACEBACK_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>\S+))?', re.M)
+# Optional per-line prefixes: torch's "[rank1]: " and srun --label's "1: ".
+_TRACEBACK_LINE = re.compile(
+    r'^(?:\[rank(?P<rank>\d+)\]:|(?P<label>\d+): )?\s*File "(?P<file>[^"]+)", line (?P<line>\d+)'
+    r'(?:, in (?P<func>\S+))?', re.M)
 
 
-def traceback_location(text: str) -> str | None:
-    """The innermost ``file:line in func`` of the last Python traceback in ``text`` (a rank's stderr)."""
+def traceback_location(text: str, rank: int | None = None) -> str | None:
+    """The innermost ``file:line in func`` of the last Python traceback in ``text`` (a rank's stderr).
+
+    With ``rank``, lines prefixed for that rank (``[rank1]: ``, ``1: ``) are preferred when there are any,
+    so the failing rank's own traceback is named when several ranks print one."""
     matches = list(_TRACEBACK_LINE.finditer(text))
+    if rank is not None:
+        own = [m for m in matches if str(rank) in (m["rank"], m["label"])]
+        matches = own or matches
     if not matches:
         return None
     m = matches[-1]

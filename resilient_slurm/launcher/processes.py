@@ -59,6 +59,18 @@ class RankExit:
         """Exited 0."""
         return self.exit_code == 0 and self.signal is None
 
+    def describe(self) -> str:
+        """``rank 1 on n2 was killed by SIGKILL`` / ``rank 0 exited with code 3``."""
+        who = "a rank" if self.rank is None else f"rank {self.rank}"
+        where = f" on {self.node}" if self.node else ""
+        if self.signal is not None:
+            try:
+                name = signal.Signals(self.signal).name
+            except ValueError:
+                name = f"signal {self.signal}"
+            return f"{who}{where} was killed by {name}"
+        return f"{who}{where} exited with code {self.exit_code}"
+
 
 def parse_task_line(line: str) -> list[RankExit]:
     """The task ends that one ``srun: error: ...`` line reports (empty if it is not such a line)."""

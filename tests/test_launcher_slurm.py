@@ -1,0 +1,245 @@
+"""The launcher end to end on the real two-node Slurm test cluster (tests/slurm_cluster.py).
+
+Every job runs two ranks, one per node (n1, n2), each with its own node-local directory
+(``RSLURM_LOCAL_DIR=<work>/nvme/%n``), training ``resilient_slurm.examples.train_toy`` under
+``exec rslurm launch -- srun ...`` in the batch script. The ways a job ends, and what must follow:
+
+* time limit (``--signal=B:USR1@<s>``): save, requeue, resume, finish bitwise identical to a run
+  never interrupted;
+* preemption by a job in the ``high`` partition, both with ``--signal`` (the launcher hears USR1) and
+  without (Slurm sends SIGTERM to the ranks themselves): the same, with no step lost beyond the one
+  the request arrived at;
+* a rank SIGKILLed: requeued, resumed from the last committed step;
+* an exception in the program: FAILED with the rank's exit code, not requeued;
+* a checkpoint that kills the program right after every restore: held after K restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, assert_same, read_jsonl, run_ranks, wait_for_step
+from slurm_cluster import SlurmCluster
+
+PY = sys.executable
+TOY = [PY, "-m", "resilient_slurm.examples.train_toy"]
+
+
+def _toy_args(work: Path, steps: int, sleep: float) -> list[str]:
+    return ["--steps", str(steps), "--every-steps", "4", "--workers", "1", "--step-sleep", str(sleep),
+            "--log", str(work / "log.%r.jsonl"), "--out", str(work / "out.%r.pt")]
+
+
+def _script(work: Path, program: list[str], *, extra_env: dict[str, str] | None = None,
+            before: str = "") -> str:
+    # MASTER_ADDR: the emulated nodes n1 and n2 are names for this host that only Slurm knows.
+    env = {"MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
+           "RSLURM_RUN_ID": "toy", "RSLURM_LOG_LEVEL": "INFO", **(extra_env or {})}
+    exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
+    cmd = " ".join([PY, "-m", "resilient_slurm.cli", "launch", "--", "srun", "-N2", "-n2", *program])
+    return (f"#!/bin/bash\n{exports}"
+            f'echo "incarnation ${{SLURM_RESTART_COUNT:-0}} start $(date +%s.%N)" >> {work}/batch.log\n'
+            f"{before}"
+            # exec: the launcher becomes the batch shell, so `--signal=B:...` reaches it.
+            f"exec {cmd}\n")
+
+
+def _submit(slurm: SlurmCluster, work: Path, script: str, *args: str) -> int:
+    return slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--exclusive", "--open-mode=append",
+                        "-o", str(work / "job.out"), *args)
+
+
+def _reference(tmp_path: Path, steps: int) -> Path:
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    run_ranks(["-m", "resilient_slurm.examples.train_toy", *_toy_args(ref, steps, 0.0)], 2, ref,
+              env={"RSLURM_LOCAL_DIR": str(ref / "nvme"), "RSLURM_RUN_ID": "toy"})
+    return ref
+
+
+def _assert_identical_to(ref: Path, work: Path, steps: int) -> None:
+    for r in range(2):
+        a = torch.load(ref / f"out.{r}.pt", weights_only=True)
+        b = torch.load(work / f"out.{r}.pt", weights_only=True)
+        assert_same(a, b, f"rank{r}")
+        seen: dict[int, dict] = {}
+        for e in read_jsonl(work / f"log.{r}.jsonl"):
+            if "loss" in e:
+                if e["step"] in seen:  # a step re-done after a resume must repeat itself exactly
+                    assert (seen[e["step"]]["batch"], seen[e["step"]]["loss"]) == (e["batch"], e["loss"]), e
+                seen[e["step"]] = e
+        want = {e["step"]: e for e in read_jsonl(ref / f"log.{r}.jsonl") if "loss" in e}
+        assert sorted(seen) == list(range(1, steps + 1)) == sorted(want)
+        for s in want:
+            assert (seen[s]["batch"], seen[s]["loss"]) == (want[s]["batch"], want[s]["loss"]), f"rank {r} step {s}"
+
+
+def _events(work: Path, node: str = "n1") -> list[dict]:
+    return read_jsonl(work / "nvme" / node / "toy" / "launcher-events.jsonl")
+
+
+def _job_text(work: Path) -> str:
+    p = work / "job.out"
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def _starts(work: Path) -> list[dict]:
+    return [e for e in read_jsonl(work / "log.0.jsonl") if e.get("event") == "start"]
+
+
+def _exits(work: Path) -> list[dict]:
+    return [e for e in read_jsonl(work / "log.0.jsonl") if e.get("event") == "exit"]
+
+
+def _wait_done(slurm: SlurmCluster, job: int, work: Path, timeout: float) -> dict[str, str]:
+    try:
+        return slurm.wait_state(job, "COMPLETED", timeout=timeout)
+    except BaseException:
+        print(_job_text(work)[-6000:])
+        raise
+
+
+def _high_job(slurm: SlurmCluster, work: Path) -> int:
+    return slurm.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
+                        "-o", str(work / "high.out"))
+
+
+@pytest.mark.parametrize("user_signal", [True, False], ids=["signal-to-launcher", "sigterm-to-ranks"])
+def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path, user_signal: bool):
+    """A `high` job preempts the training job. With ``--signal=B:USR1@5`` the launcher hears USR1 and asks
+    the ranks; without it Slurm sends SIGTERM to the ranks themselves. Either way the ranks commit an
+    emergency checkpoint at the step they were at, the job is requeued, waits for the high job, resumes
+    from exactly that step and ends bitwise identical to an uninterrupted run."""
+    steps = 60
+    work = slurm.work_dir / f"preempt-{'usr1' if user_signal else 'term'}"
+    work.mkdir()
+    ref = _reference(tmp_path, steps)
+    job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)]),
+                  *(["--signal=B:USR1@5"] if user_signal else []))
+    wait_for_step(work / "log.0.jsonl", 8, timeout=90)
+    t0 = time.time()
+    high = _high_job(slurm, work)
+    slurm.wait_state(high, "COMPLETED", timeout=120)
+    info = _wait_done(slurm, job, work, timeout=180)
+    assert int(info["Restarts"]) == 1, info
+    starts, exits = _starts(work), _exits(work)
+    assert len(starts) == 2 and len(exits) == 2, (starts, exits, _job_text(work)[-3000:])
+    # The first incarnation stopped on the emergency checkpoint; the second resumed from that very step.
+    assert exits[0]["stopped"] is True and starts[1]["step"] == exits[0]["step"] > 8, (starts, exits)
+    events = _events(work)
+    decision = [e for e in events if e["event"] == "decision"]
+    assert decision and decision[0]["action"] == "requeue" and decision[0]["outcome"] == "preempted", decision
+    if user_signal:
+        sig = [e for e in events if e["event"] == "signal"]
+        committed = [e for e in events if e["event"] == "committed"]
+        assert sig and sig[0]["source"] == "SIGUSR1", events
+        assert committed and committed[0]["after_signal_s"] < 5, events
+    print(f"preemption cycle: {time.time() - t0:.1f} s")
+    _assert_identical_to(ref, work, steps)
+
+
+def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path):
+    """``--time=1 --signal=B:USR1@50``: USR1 reaches the launcher 10-40 s after the start (slurmctld checks
+    every 30 s); the ranks save, the job requeues itself before the limit, and the requeued incarnation
+    (given a longer limit by the test, as a user would with a real time budget) finishes bitwise
+    identical to an uninterrupted run."""
+    steps = 400
+    work = slurm.work_dir / "timelimit"
+    work.mkdir()
+    ref = _reference(tmp_path, steps)
+    # Restarted incarnations get 5 minutes: the test needs exactly one time-limit stop.
+    longer = ('if [ "${SLURM_RESTART_COUNT:-0}" -ge 1 ]; then '
+              "scontrol update JobId=$SLURM_JOB_ID TimeLimit=5; fi\n")
+    job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.1)], before=longer),
+                  "--time=1", "--signal=B:USR1@50")
+    info = _wait_done(slurm, job, work, timeout=240)
+    assert int(info["Restarts"]) == 1, info
+    starts, exits = _starts(work), _exits(work)
+    assert len(starts) == 2 and exits[0]["stopped"] is True and starts[1]["step"] == exits[0]["step"] > 0, (
+        starts, exits)
+    decision = [e for e in _events(work) if e["event"] == "decision"]
+    assert decision[0]["outcome"] == "time_limit" and decision[0]["action"] == "requeue", decision
+    _assert_identical_to(ref, work, steps)
+
+
+def test_rank_sigkill_requeues_and_resumes_from_last_commit(slurm: SlurmCluster, tmp_path: Path):
+    """Rank 1 (on n2) is SIGKILLed mid-run, as the OOM killer or a dying node would: srun reports the task
+    killed, the launcher classifies a node failure, requeues, and the job resumes from the last committed
+    step and still ends bitwise identical."""
+    steps = 60
+    work = slurm.work_dir / "sigkill"
+    work.mkdir()
+    ref = _reference(tmp_path, steps)
+    job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.1)]))
+    wait_for_step(work / "log.1.jsonl", 14, timeout=90)
+    pid = [e for e in read_jsonl(work / "log.1.jsonl") if e.get("event") == "start"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    info = _wait_done(slurm, job, work, timeout=180)
+    assert int(info["Restarts"]) == 1, info
+    decision = [e for e in _events(work) if e["event"] == "decision"]
+    assert decision[0]["outcome"] == "node_failure" and decision[0]["action"] == "requeue", decision
+    starts = _starts(work)
+    assert starts[1]["step"] > 0 and starts[1]["step"] % 4 == 0, starts  # an interval checkpoint
+    _assert_identical_to(ref, work, steps)
+
+
+def test_user_error_fails_the_job_without_requeue(slurm: SlurmCluster):
+    """An exception in the training script: the job ends FAILED with the rank's exit code, is not
+    requeued, and the output names the error and where it was raised."""
+    work = slurm.work_dir / "usererror"
+    work.mkdir()
+    job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, 40, 0.0), "--fail-at-step", "6"]))
+    info = slurm.wait_state(job, "FAILED", timeout=120)
+    assert info["ExitCode"] == "1:0" and int(info["Restarts"]) == 0, info
+    text = _job_text(work)
+    assert "deliberate failure at step 6" in text
+    assert "not requeued: rank" in text and "train_toy.py:" in text, text[-3000:]
+
+
+CRASH_AFTER_RESTORE = """\
+import os, signal, sys, torch
+from resilient_slurm import Checkpointer, init_distributed
+rank, world, _ = init_distributed(backend="gloo")
+model = torch.nn.Linear(4, 4)
+ckpt = Checkpointer()
+step = ckpt.restore({"model": model})
+print(f"rank {rank} restored step {step}", flush=True)
+if step > 0:
+    os.kill(os.getpid(), signal.SIGKILL)  # e.g. out of memory right after loading the checkpoint
+for s in range(step + 1, 4):
+    ckpt.step(s, {"model": model})
+ckpt.save(3, {"model": model})
+ckpt.close()
+os.kill(os.getpid(), signal.SIGKILL)  # the first incarnation dies too, after committing step 3
+"""
+
+
+def test_no_progress_loop_is_held(slurm: SlurmCluster):
+    """A program that is killed right after every restore makes no progress past the checkpoint: with
+    ``no_progress_limit=2`` the job is requeued after the first deaths, then held (not looped) with a
+    reason naming the cause, visible in the job's Comment."""
+    work = slurm.work_dir / "noprogress"
+    work.mkdir()
+    (work / "crash.py").write_text(CRASH_AFTER_RESTORE)
+    job = _submit(slurm, work, _script(work, [PY, str(work / "crash.py")],
+                                       extra_env={"RSLURM_NO_PROGRESS_LIMIT": "2"}))
+    deadline = time.monotonic() + 180
+    while True:
+        info = slurm.job_info(job)
+        assert info is not None
+        if int(info["Restarts"]) >= 2 and info["JobState"] == "PENDING" and (
+                info.get("Reason") == "job_requeued_in_held_state" or info.get("Priority") == "0"):
+            break
+        assert time.monotonic() < deadline, (info, _job_text(work)[-3000:])
+        assert info["JobState"] not in ("COMPLETED", "FAILED", "CANCELLED"), (info, _job_text(work)[-3000:])
+        time.sleep(0.5)
+    assert "no progress" in info.get("Comment", ""), info
+    decisions = [e for e in _events(work) if e["event"] == "decision"]
+    assert [d["action"] for d in decisions] == ["requeue", "requeue", "hold"], decisions
+    slurm.scancel(job)
