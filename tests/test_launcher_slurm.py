@@ -110,17 +110,22 @@ def _high_job(slurm: SlurmCluster, work: Path) -> int:
                         "-o", str(work / "high.out"))
 
 
-@pytest.mark.parametrize("user_signal", [True, False], ids=["signal-to-launcher", "sigterm-to-ranks"])
-def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path, user_signal: bool):
+@pytest.mark.parametrize(("user_signal", "socket"), [(True, True), (True, False), (False, True)],
+                         ids=["signal-to-launcher", "scancel-signal-only", "sigterm-to-ranks"])
+def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path, user_signal: bool,
+                                                       socket: bool):
     """A `high` job preempts the training job. With ``--signal=B:USR1@5`` the launcher hears USR1 and asks
-    the ranks; without it Slurm sends SIGTERM to the ranks themselves. Either way the ranks commit an
-    emergency checkpoint at the step they were at, the job is requeued, waits for the high job, resumes
-    from exactly that step and ends bitwise identical to an uninterrupted run."""
+    the ranks (over the control socket, and with ``scancel --signal=USR2`` for other nodes; with the socket
+    off, the signal alone must do); without ``--signal`` Slurm sends SIGTERM to the ranks themselves.
+    Either way the ranks commit an emergency checkpoint at the step they were at, the job is requeued,
+    waits for the high job, resumes from exactly that step and ends bitwise identical to an
+    uninterrupted run."""
     steps = 60
-    work = slurm.work_dir / f"preempt-{'usr1' if user_signal else 'term'}"
+    work = slurm.work_dir / f"preempt-{'usr1' if user_signal else 'term'}-{'sock' if socket else 'nosock'}"
     work.mkdir()
     ref = _reference(tmp_path, steps)
-    job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)]),
+    env = {} if socket else {"RSLURM_CONTROL_SOCKET": "off"}
+    job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)], extra_env=env),
                   *(["--signal=B:USR1@5"] if user_signal else []))
     wait_for_step(work / "log.0.jsonl", 8, timeout=90)
     t0 = time.time()
@@ -137,8 +142,9 @@ def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     assert decision and decision[0]["action"] == "requeue" and decision[0]["outcome"] == "preempted", decision
     if user_signal:
         sig = [e for e in events if e["event"] == "signal"]
-        committed = [e for e in events if e["event"] == "committed"]
         assert sig and sig[0]["source"] == "SIGUSR1", events
+    if user_signal and socket:
+        committed = [e for e in events if e["event"] == "committed"]
         assert committed and committed[0]["after_signal_s"] < 5, events
     print(f"preemption cycle: {time.time() - t0:.1f} s")
     _assert_identical_to(ref, work, steps)

@@ -190,7 +190,8 @@ class Launcher:
 
     def _rank_env(self) -> dict[str, str]:
         env = dict(self.env)
-        env["RSLURM_CONTROL_SOCKET"] = self.socket_path
+        if env.get("RSLURM_CONTROL_SOCKET", "").strip().lower() != "off":  # off: signals only (tests, policy)
+            env["RSLURM_CONTROL_SOCKET"] = self.socket_path
         env["RSLURM_RUN_ID"] = self.run_id  # ranks and launcher must name the same run
         env["RSLURM_SAVE_SIGNAL"] = self.cfg["save_signal"]
         return env
