@@ -249,3 +249,25 @@ def test_no_progress_loop_is_held(slurm: SlurmCluster):
     decisions = [e for e in _events(work) if e["event"] == "decision"]
     assert [d["action"] for d in decisions] == ["requeue", "requeue", "hold"], decisions
     slurm.scancel(job)
+
+
+def test_scancel_is_not_undone_by_a_requeue(slurm: SlurmCluster):
+    """`scancel` sends SIGTERM to the launcher like a preemption would, but the user meant it: the ranks
+    still take their emergency checkpoint within KillWait, and the job stays CANCELLED instead of being
+    requeued (the launcher sees it COMPLETING: Slurm is already killing it)."""
+    work = slurm.work_dir / "scancel"
+    work.mkdir()
+    job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, 400, 0.1)]))
+    wait_for_step(work / "log.0.jsonl", 6, timeout=90)
+    slurm.scancel(job)
+    slurm.wait_state(job, "CANCELLED", timeout=60)
+    deadline = time.monotonic() + 30
+    while not any(e["event"] in ("not_requeued", "decision") for e in _events(work)):
+        assert time.monotonic() < deadline, (_events(work), _job_text(work)[-3000:])
+        time.sleep(0.2)
+    time.sleep(slurm.cred_expire + 3)  # a requeued job would be PENDING or running again by now
+    info = slurm.job_info(job)
+    assert info is not None and info["JobState"] == "CANCELLED" and int(info["Restarts"]) == 0, info
+    assert [e["state"] for e in _events(work) if e["event"] == "not_requeued"] == ["COMPLETING"], "\n".join(map(str, _events(work))) + _job_text(work)[-4000:]
+    exits = _exits(work)
+    assert exits and exits[0]["stopped"] is True, (exits, _job_text(work)[-3000:])

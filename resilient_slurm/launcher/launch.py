@@ -160,6 +160,7 @@ class Launcher:
         self._server: ControlServer | None = None
         self._emergency_seen = False
         self._interrupts = 0
+        self._kill_wait_s: float | None = None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -351,11 +352,25 @@ class Launcher:
         margin = self.cfg["requeue_margin"]
         if ev.deadline is not None:
             deadline = min(deadline, ev.deadline - margin)
+        if job is not None and _ending(job):
+            # Slurm is already killing the job (scancel, the time limit without --signal, the end of a
+            # preemption's grace): its SIGKILL follows the SIGTERM after KillWait. Save within that;
+            # no requeue is possible any more, so no margin is kept for one.
+            return max(now, ev.at + self._kill_wait() - 1.0)
         if job is not None:
             rem = remaining_seconds(job, now)
             if not math.isinf(rem):
                 deadline = min(deadline, now + rem - margin)
         return max(deadline, now)
+
+    def _kill_wait(self) -> float:
+        if self._kill_wait_s is None:
+            try:
+                self._kill_wait_s = self.slurm.config_seconds("KillWait") or 30.0
+            except SlurmError as exc:
+                log.warning("cannot read KillWait from Slurm (%s); assuming 30 s", exc)
+                self._kill_wait_s = 30.0
+        return self._kill_wait_s
 
     def _reason(self, ev: TrapEvent, job: JobInfo | None) -> Reason:
         if ev.source == "cloud":
@@ -445,6 +460,18 @@ class Launcher:
         if decision.action is Action.EXIT:
             return result
         job = self._job_info()
+        if job is not None and _ending(job):
+            # scancel, a time limit that struck before rslurm heard of it, or the end of a preemption's
+            # grace: Slurm is ending the job and `requeue Incomplete` would not touch it.
+            if job.preempt_time is not None:
+                hint = "; Slurm requeues a preempted job itself when the partition's PreemptMode is REQUEUE"
+            else:
+                hint = ("; if this was the time limit, ask for a warning signal so rslurm can requeue in "
+                        "time: #SBATCH --signal=B:USR1@300")
+            log.warning("job %s is already ending (%s): not requeued by rslurm%s. The last committed step is %s",
+                        self.job_id, job.state, hint, outcome.committed_step)
+            self._event("not_requeued", state=job.state)
+            return result
         if job is not None and not job.requeue:
             log.error("job %s was submitted with --no-requeue (or JobRequeue=0): Slurm will not requeue it; "
                       "resubmit it to resume from step %s", self.job_id, outcome.committed_step)
@@ -477,6 +504,11 @@ class Launcher:
                + ": run the same command again to resume")
         log.warning("%s", msg)
         return LaunchResult(code, outcome, Decision(Action.EXIT, code, msg, outcome.reason.value), self.timings)
+
+
+def _ending(job: JobInfo) -> bool:
+    """Slurm is killing the job or has ended it: a requeue request would be ignored."""
+    return job.finished or job.state == "COMPLETING"
 
 
 def _free_port() -> int:
