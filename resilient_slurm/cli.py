@@ -13,14 +13,15 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__, config
-from .checkpoint.checkpointer import default_local_dir, default_run_id
-from .checkpoint.coordination import expand_local_dir, node_name
-from .checkpoint.verify import StepReport, verify_step_dir
 from .errors import ConfigError, ResilientSlurmError
 from .manifest import MANIFEST_NAME, Manifest, parse_step_dirname, step_dirname
+from .paths import default_local_dir, default_run_id, expand_local_dir, node_name
+
+if TYPE_CHECKING:
+    from .checkpoint.verify import StepReport
 
 log = logging.getLogger("resilient_slurm.cli")
 
@@ -126,6 +127,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from .checkpoint.verify import verify_step_dir  # imports torch; `rslurm launch` must stay light
+
     run_dir, steps = _step_dir(args, args.step)
     reports: list[StepReport] = [verify_step_dir(os.path.join(run_dir, step_dirname(s))) for s in steps]
     if args.json:

@@ -58,3 +58,11 @@ def test_unknown_step_is_a_clear_error(tmp_path: Path) -> None:
     _make(tmp_path)
     r = _rslurm("show", "7", root=tmp_path)
     assert r.returncode == 2 and "step 7 not found" in r.stderr
+
+
+def test_cli_and_launcher_do_not_import_torch() -> None:
+    """`rslurm launch` is a small process on the batch host: it must not pay torch's import (seconds on a
+    busy node) nor its memory; only `verify`, `demo` and the ranks need torch."""
+    code = ("import sys, resilient_slurm.cli, resilient_slurm.launcher.launch, resilient_slurm.control; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=clean_env())

@@ -40,7 +40,10 @@ def _script(work: Path, program: list[str], *, extra_env: dict[str, str] | None 
             before: str = "") -> str:
     # MASTER_ADDR: the emulated nodes n1 and n2 are names for this host that only Slurm knows.
     env = {"MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
-           "RSLURM_RUN_ID": "toy", "RSLURM_LOG_LEVEL": "INFO", **(extra_env or {})}
+           "RSLURM_RUN_ID": "toy", "RSLURM_LOG_LEVEL": "INFO",
+           # Every test cluster numbers its jobs from 1: keep the sockets of clusters that run at the same
+           # time (another pytest, a benchmark) apart. work = <cluster root>/work/<test>.
+           "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl"), **(extra_env or {})}
     exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
     cmd = " ".join([PY, "-m", "resilient_slurm.cli", "launch", "--", "srun", "-N2", "-n2", *program])
     return (f"#!/bin/bash\n{exports}"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, MutableMapping
@@ -32,7 +31,8 @@ from typing import Any
 from .. import config
 from ..control.rank import RankLink
 from ..errors import CheckpointError, ConfigError
-from .coordination import Coordinator, Topology, discover_topology, node_name
+from ..paths import default_local_dir, default_run_id, node_name
+from .coordination import Coordinator, Topology, discover_topology
 from .engine import Engine, PendingSave, SaveOutcome
 from .policy import Cadence, RetentionPolicy
 
@@ -60,17 +60,8 @@ _SETTINGS = [
 ]
 
 
-def default_run_id(env: Mapping[str, str] | None = None) -> str:
-    """Slurm job id (``<array job>_<task>`` for array tasks); ``default`` outside Slurm."""
-    env = os.environ if env is None else env
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return env.get("SLURM_JOB_ID") or "default"
 
 
-def default_local_dir() -> str:
-    """Per-user directory under $TMPDIR, one sub-directory per node."""
-    return os.path.join(tempfile.gettempdir(), f"rslurm-{os.getuid()}", "%n")
 
 
 class Checkpointer:
@@ -145,6 +136,7 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-ckpt")
         self._inflight: Future[SaveOutcome] | None = None
         self._retention: Future[list[int]] | None = None
+        self._prepared: Future[Any] | None = None
         self._emergency = threading.Event()
         self._should_stop = False
         self._closed = False
@@ -192,6 +184,11 @@ class Checkpointer:
         self.cadence.saved()
         if step:
             self._saved_step = step
+            # Plan now and allocate the staging buffer in the background: an emergency save that comes
+            # before the first interval save (preemption soon after a restart) then pays only the copy.
+            # Only after a real restore: a fresh optimizer has no state yet, so its plan would change.
+            layout = self._engine.plan_layout(state)
+            self._prepared = self._pool.submit(self._engine.ensure_staging, layout)
         self._link.hello(step)
         self._hello_sent = True
         return step
@@ -247,6 +244,7 @@ class Checkpointer:
             raise ConfigError(f"step must be >= 0, got {step}")
         t0 = time.perf_counter()
         self._finish_inflight()  # back-pressure: at most one save in flight
+        self._finish_prepared()
         pending = self._engine.stage(step, state, reason)
         self._saved_step = step
         self.last_stall_s = time.perf_counter() - t0
@@ -277,6 +275,7 @@ class Checkpointer:
             self._finish_inflight()
         finally:
             self._closed = True
+            self._finish_prepared()
             self._finish_retention()
             self._pool.shutdown(wait=True)
             self._link.close()
@@ -309,6 +308,15 @@ class Checkpointer:
         outcome = fut.result()  # re-raises the background error here, on the training thread
         self.last_outcome = outcome
         return outcome
+
+    def _finish_prepared(self) -> None:
+        fut, self._prepared = self._prepared, None
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except Exception as exc:  # the save allocates the buffer itself, and reports a real failure
+            log.warning("pre-allocating the staging buffer failed: %s", exc)
 
     def _finish_retention(self) -> None:
         fut, self._retention = self._retention, None

@@ -16,19 +16,15 @@ import datetime
 import logging
 import os
 import secrets
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..paths import expand_local_dir
+
 log = logging.getLogger(__name__)
-
-
-def node_name(explicit: str | None = None) -> str:
-    """This process's node name: explicit > $SLURMD_NODENAME > hostname."""
-    return explicit or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 class Coordinator:
@@ -102,11 +98,6 @@ class Topology:
     def is_leader(self) -> bool:
         """The lowest rank of the domain: it creates, commits and garbage-collects directories."""
         return self.domain_ranks[0] == self.rank
-
-
-def expand_local_dir(template: str, node: str) -> str:
-    """Expand ``%n`` (node name) and ``~`` in a local_dir template."""
-    return os.path.abspath(os.path.expanduser(template.replace("%n", node)))
 
 
 def discover_topology(coord: Coordinator, local_dir_template: str, node: str) -> Topology:

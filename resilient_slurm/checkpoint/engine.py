@@ -164,9 +164,22 @@ class Engine:
         self._pin = torch.cuda.is_available()
 
     # ------------------------------------------------------------------ save, foreground
-    def stage(self, step: int, state: Mapping[str, Any], reason: str) -> PendingSave:
-        """Plan and copy ``state`` into staging buffers. Collective (foreground group)."""
-        t0 = time.perf_counter()
+    def plan_layout(self, state: Mapping[str, Any]) -> ShardLayout:
+        """Plan a save of ``state`` now (cached for the next :meth:`stage`) and return this rank's shard
+        layout, so the staging buffer can be allocated ahead of the first save. Collective (foreground)."""
+        return self._plan(state)[2]
+
+    def ensure_staging(self, layout: ShardLayout) -> StagingBuffer:
+        """The staging buffer for ``layout``, allocated and pre-faulted if it is not there yet.
+
+        Thread-safe with respect to :meth:`stage` only if the caller waits for it before staging (the
+        Checkpointer runs it on its writer thread after a restore and waits before the next save)."""
+        if self._staging is None or self._staging.layout.key != layout.key:
+            self._staging = None  # drop the old buffer before allocating the new one
+            self._staging = StagingBuffer(layout, pin=self._pin)
+        return self._staging
+
+    def _plan(self, state: Mapping[str, Any]) -> tuple[DefaultSavePlanner, GlobalSavePlan, ShardLayout]:
         sd = state_mod.build_state_dict(state, rank=self.topo.rank, capture_rng=self.capture_rng)
         planner = DefaultSavePlanner()
         planner.set_up_planner(sd, is_coordinator=self.topo.rank == 0)
@@ -177,15 +190,17 @@ class Engine:
             self._cached_global = create_global_save_plan(all_plans, self.topo.domain_of_rank)
             self._cached_local_plan = local_plan
             self._cached_layout = ShardLayout.build(self._cached_global.plans[self.topo.rank].items)
-        plan = self._cached_global
+        assert self._cached_layout is not None
+        return planner, self._cached_global, self._cached_layout
+
+    def stage(self, step: int, state: Mapping[str, Any], reason: str) -> PendingSave:
+        """Plan and copy ``state`` into staging buffers. Collective (foreground group)."""
+        t0 = time.perf_counter()
+        planner, plan, layout = self._plan(state)
         mine = plan.plans[self.topo.rank].items
-        layout = self._cached_layout
-        assert layout is not None
-        if self._staging is None or self._staging.layout.key != layout.key:
-            self._staging = None  # drop the old buffer before allocating the new one
-            self._staging = StagingBuffer(layout, pin=self._pin)
+        staging = self.ensure_staging(layout)
         t_plan = time.perf_counter()
-        self._staging.stage(planner.resolve_data)  # type: ignore[arg-type]
+        staging.stage(planner.resolve_data)  # type: ignore[arg-type]
         bytes_items = []
         for it in mine:
             if it.type == WriteItemType.BYTE_IO:
@@ -202,7 +217,7 @@ class Engine:
             created_at=time.time(),
             bytes_items=bytes_items,
             plan=plan,
-            staging=self._staging,
+            staging=staging,
             stall_s=t1 - t0,
             stats={"plan_s": t_plan - t0, "copy_s": t1 - t_plan},
         )

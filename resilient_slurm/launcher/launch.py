@@ -45,11 +45,10 @@ from typing import Any
 import psutil
 
 from .. import config
-from ..checkpoint.checkpointer import default_local_dir, default_run_id
-from ..checkpoint.coordination import expand_local_dir, node_name
 from ..control import ControlServer, default_socket_path
-from ..errors import ConfigError, ResilientSlurmError, SlurmError
+from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError
 from ..manifest import MANIFEST_NAME, Manifest, parse_step_dirname, step_dirname
+from ..paths import default_local_dir, default_run_id, expand_local_dir, node_name
 from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import remaining_seconds
 from ..storage.fileio import atomic_write
@@ -227,7 +226,12 @@ class Launcher:
         server = self._server = ControlServer(self.socket_path)
         watcher: TerminationNoticeWatcher | None = None
         try:
-            server.start()
+            try:
+                server.start()
+            except ControlSetupError as exc:
+                # The socket is a convenience, not a requirement: signals still reach every rank.
+                log.error("control socket unavailable (%s); ranks get save requests by signal only", exc)
+                self.env["RSLURM_CONTROL_SOCKET"] = "off"
             if self.cfg["cloud_notice"] != "off":
                 def on_notice(n: Notice) -> None:
                     trap.notify("cloud", n.deadline_epoch)
@@ -335,14 +339,16 @@ class Launcher:
         sig_name = self.cfg["save_signal"]
         if sig_name != "none":
             sig = int(getattr(signal, "SIG" + sig_name))
-            if self.srun and self.job_id and self._multi_node():
-                # Ranks on other nodes have no socket to this launcher: reach them through Slurm.
+            registered = bool(server.status()["ranks"])
+            if self.srun and self.job_id and (self._multi_node() or not registered):
+                # Ranks on other nodes have no socket to this launcher (and on this node, none may have
+                # registered): reach them through Slurm.
                 try:
                     self.slurm.signal(self.job_id, sig)
                 except SlurmError as exc:
                     log.warning("could not forward SIG%s to the job's tasks: %s; ranks on this node still got "
                                 "the request over the control socket", sig_name, exc)
-            elif not self.srun and not server.status()["ranks"]:
+            elif not self.srun and not registered:
                 # No rank registered on the socket (yet, or a program without a Checkpointer): signal.
                 children.signal_ranks(sig)
 

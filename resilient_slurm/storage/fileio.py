@@ -17,12 +17,14 @@ import shutil
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import torch
 import xxhash
 
 from ..errors import InsufficientSpaceError, StorageError
+
+if TYPE_CHECKING:  # torch is imported where buffers are made, so the launcher can use this module without it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ def aligned_buffer(nbytes: int, *, pin: bool = False, prefault: bool = True) -> 
     itself writes every page. ``pin`` uses CUDA pinned memory (page aligned too) for device-to-host
     staging.
     """
+    import torch
+
     size = max(round_up(nbytes), BLOCK)
     if pin and torch.cuda.is_available():
         t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
