@@ -247,7 +247,11 @@ class Launcher:
             else:
                 children = LocalRanks(self.command, 1, env, 0, dist_env=False)
             self._children = children
-            children.start()
+            try:
+                children.start()
+            except OSError as exc:
+                children.teardown(0)  # ranks started before the one that failed
+                raise ConfigError(f"rslurm launch: cannot start {self.command[0]!r}: {exc.strerror or exc}") from exc
             self._loop(trap, children, server)
             children.finish()
         finally:
@@ -349,8 +353,11 @@ class Launcher:
                     log.warning("could not forward SIG%s to the job's tasks: %s; ranks on this node still got "
                                 "the request over the control socket", sig_name, exc)
             elif not self.srun and not registered:
-                # No rank registered on the socket (yet, or a program without a Checkpointer): signal.
-                children.signal_ranks(sig)
+                # No rank registered on the socket (still starting, socket off, or a program without a
+                # Checkpointer): forward SIGTERM, which a Checkpointer traps like the save signal and
+                # which means "stop" to any other program (a rank still importing torch just ends,
+                # with nothing lost since nothing was trained yet).
+                children.signal_ranks(signal.SIGTERM)
 
     def _deadline(self, ev: TrapEvent, job: JobInfo | None) -> float:
         now = time.time()

@@ -207,7 +207,15 @@ class Children:
         self.wait(10)
 
     def finish(self) -> None:
-        """Join the stderr threads (after the children exited)."""
+        """Kill what the exited children left in their process groups, then join the stderr threads."""
+        for p in self._procs:
+            # Every child leads its own process group (start_new_session=True): helpers it left behind
+            # (a killed rank's DataLoader workers, a crashed rank's subprocesses) are still in it. They
+            # would outlive the launcher, and hold the stderr pipe open so the relay never ends.
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for t in self._tees:
             t.join(timeout=5)
 

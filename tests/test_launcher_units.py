@@ -1,0 +1,374 @@
+"""Launcher building blocks, in process: srun task lines, the signal trap, the rank's link (signals and
+control socket), ControlState's emergency bookkeeping, and finding the newest committed step."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from resilient_slurm.control.rank import RankLink
+from resilient_slurm.control.server import ControlServer, ControlState
+from resilient_slurm.launcher.launch import newest_committed
+from resilient_slurm.launcher.processes import RankExit, parse_task_line
+from resilient_slurm.launcher.signals import TRAPPED, SignalTrap, TrapEvent
+from resilient_slurm.manifest import ChunkEntry, Manifest, ShardEntry, step_dirname
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR2"), reason="POSIX signals")
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+
+
+@pytest.fixture
+def default_handlers() -> Iterator[None]:
+    """SIGTERM/USR1/USR2 at SIG_DFL during the test (as in a fresh rank), whatever was there restored after.
+
+    With SIG_DFL in place a stray signal would end pytest, so every test checks that a handler is
+    installed before it signals itself."""
+    saved = {s: signal.getsignal(s) for s in SIGNALS}
+    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+@pytest.fixture
+def sock_path() -> Iterator[str]:
+    """A socket path in a short private directory (tmp_path can exceed the Unix socket path limit)."""
+    base = tempfile.mkdtemp(prefix="rsl-", dir="/tmp")
+    yield os.path.join(base, "run", "7.n1.sock")
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def kill_self(sig: int) -> None:
+    assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None), (
+        f"no handler for {signal.Signals(sig).name}: signalling ourselves would end the test run")
+    os.kill(os.getpid(), sig)
+    time.sleep(0.01)  # Python runs the handler at the next bytecode boundary of the main thread
+
+
+# --------------------------------------------------------------------------- parse_task_line
+@pytest.mark.parametrize(("line", "expected"), [
+    ("srun: error: n2: task 1: Killed", [RankExit(1, None, signal.SIGKILL, "n2")]),
+    ("srun: error: n2: task 1: Killed\n", [RankExit(1, None, signal.SIGKILL, "n2")]),
+    ("srun: error: n1: tasks 0-1: Exited with exit code 3",
+     [RankExit(0, 3, None, "n1"), RankExit(1, 3, None, "n1")]),
+    ("srun: error: node-7: tasks 0,2-3: Terminated",
+     [RankExit(r, None, signal.SIGTERM, "node-7") for r in (0, 2, 3)]),
+    ("srun: error: n1: task 0: Segmentation fault (core dumped)", [RankExit(0, None, signal.SIGSEGV, "n1")]),
+    ("srun: error: n1: task 0: Segmentation fault", [RankExit(0, None, signal.SIGSEGV, "n1")]),
+    ("srun: error: n1: task 0: Aborted (core dumped)", [RankExit(0, None, signal.SIGABRT, "n1")]),
+    ("srun: error: n1: task 0: Out Of Memory", [RankExit(0, None, signal.SIGKILL, "n1")]),
+    ("srun: error: gpu-a100-12: task 15: Exited with exit code 1", [RankExit(15, 1, None, "gpu-a100-12")]),
+])
+def test_parse_task_line_reads_srun_task_ends(line: str, expected: list[RankExit]) -> None:
+    got = parse_task_line(line)
+    assert got == expected
+    assert all(isinstance(e.signal, (int, type(None))) and not e.ok for e in got)
+
+
+@pytest.mark.parametrize("line", [
+    "srun: error: Unable to create step for job 42: Job/step already completing or completed",
+    "srun: error: Timed out waiting for job step to complete",
+    "srun: Job step aborted: Waiting up to 32 seconds for job step to finish.",
+    "slurmstepd: error: *** STEP 42.0 ON n1 CANCELLED AT 2024-05-01T10:00:00 DUE TO PREEMPTION ***",
+    "slurmstepd: error: Detected 1 oom_kill event in StepId=42.0. Some of the step tasks have been OOM Killed.",
+    "srun: error: n1: task 0: launch failed: Error configuring interconnect",
+    "srun: launch/slurm: _step_signal: Terminating StepId=42.0",
+    "srun: forcing job termination",
+    "Traceback (most recent call last):",
+    "",
+])
+def test_parse_task_line_ignores_other_lines(line: str) -> None:
+    assert parse_task_line(line) == []
+
+
+# --------------------------------------------------------------------------- SignalTrap
+def test_signal_trap_records_signals_and_restores_the_previous_handlers(default_handlers: None) -> None:
+    seen: list[int] = []
+
+    def previous_usr1(signum: int, frame: object) -> None:
+        seen.append(signum)
+
+    signal.signal(signal.SIGUSR1, previous_usr1)
+    before = {s: signal.getsignal(s) for s in TRAPPED}
+    trap = SignalTrap().install()
+    try:
+        assert all(signal.getsignal(s) not in (before[s], signal.SIG_DFL) for s in TRAPPED)
+        assert trap.wait(0.05) is False and trap.pop() == []
+        t0 = time.time()
+        kill_self(signal.SIGUSR1)
+        assert trap.wait(5) is True
+        events = trap.pop()
+        assert [e.source for e in events] == ["SIGUSR1"]
+        assert t0 <= events[0].at <= time.time() and events[0].deadline is None
+        assert seen == [], "the trap must replace the previous handler while installed"
+        assert trap.pop() == [] and trap.wait(0.01) is False
+    finally:
+        trap.restore()
+    assert {s: signal.getsignal(s) for s in TRAPPED} == before
+    kill_self(signal.SIGUSR1)
+    assert seen == [signal.SIGUSR1]
+    assert trap.pop() == []
+
+
+def test_signal_trap_wait_wakes_on_a_signal_sent_while_it_blocks(default_handlers: None) -> None:
+    trap = SignalTrap().install()
+    try:
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR2))
+        t0 = time.monotonic()
+        timer.start()
+        assert trap.wait(10) is True
+        assert time.monotonic() - t0 < 5, "wait() slept through the signal"
+        assert [e.source for e in trap.pop()] == ["SIGUSR2"]
+    finally:
+        timer.join()
+        trap.restore()
+
+
+def test_signal_trap_notify_from_another_thread_wakes_wait_and_keeps_order(default_handlers: None) -> None:
+    trap = SignalTrap().install()
+    try:
+        timer = threading.Timer(0.1, trap.notify, ("cloud", 1234.5))
+        t0 = time.monotonic()
+        timer.start()
+        assert trap.wait(10) is True
+        assert time.monotonic() - t0 < 5
+        kill_self(signal.SIGTERM)
+        events = trap.pop()
+        assert [(e.source, e.deadline) for e in events] == [("cloud", 1234.5), ("SIGTERM", None)]
+        assert isinstance(events[0], TrapEvent)
+    finally:
+        timer.join()
+        trap.restore()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+# --------------------------------------------------------------------------- RankLink: signals
+def test_rank_link_traps_term_and_the_save_signal_and_close_restores_the_default(default_handlers: None) -> None:
+    calls: list[str] = []
+    link = RankLink(0, 0, on_request=lambda: calls.append("request"), socket_path=None, trap_signals=True,
+                    save_signal="USR2")
+    try:
+        assert not link.connected
+        kill_self(signal.SIGUSR2)
+        assert calls == ["request"]
+        assert link.signals_seen == ["SIGUSR2"]
+        assert link.poll(1) is False  # no socket: only signals request a save
+        kill_self(signal.SIGTERM)
+        assert link.signals_seen == ["SIGUSR2", "SIGTERM"] and len(calls) == 2
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL, "USR1 is not the save signal here"
+    finally:
+        link.close()
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_rank_link_leaves_a_handler_the_program_installed(default_handlers: None) -> None:
+    mine: list[int] = []
+
+    def program_handler(signum: int, frame: object) -> None:
+        mine.append(signum)
+
+    signal.signal(signal.SIGUSR2, program_handler)
+    calls: list[str] = []
+    link = RankLink(0, 0, on_request=lambda: calls.append("request"), trap_signals=True, save_signal="USR2")
+    try:
+        assert signal.getsignal(signal.SIGUSR2) is program_handler
+        kill_self(signal.SIGUSR2)
+        assert mine == [signal.SIGUSR2] and calls == [] and link.signals_seen == []
+        kill_self(signal.SIGTERM)  # TERM had the default handler: trapped
+        assert calls == ["request"] and link.signals_seen == ["SIGTERM"]
+    finally:
+        link.close()
+    assert signal.getsignal(signal.SIGUSR2) is program_handler
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize(("save_signal", "trapped"), [("none", {signal.SIGTERM}), ("TERM", {signal.SIGTERM}),
+                                                      ("USR1", {signal.SIGTERM, signal.SIGUSR1})])
+def test_rank_link_traps_only_term_and_the_configured_save_signal(
+        default_handlers: None, save_signal: str, trapped: set[int]) -> None:
+    link = RankLink(0, 0, on_request=lambda: None, trap_signals=True, save_signal=save_signal)
+    try:
+        got = {s for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2) if signal.getsignal(s) is not signal.SIG_DFL}
+        assert got == trapped
+    finally:
+        link.close()
+    assert all(signal.getsignal(s) is signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2))
+
+
+def test_rank_link_without_trap_signals_installs_nothing(default_handlers: None) -> None:
+    link = RankLink(0, 0, on_request=lambda: None, trap_signals=False)
+    assert all(signal.getsignal(s) is signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGUSR2))
+    link.close()
+
+
+# --------------------------------------------------------------------------- RankLink: control socket
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rank_link_over_a_real_control_server(sock_path: str) -> None:
+    calls: list[str] = []
+    with ControlServer(sock_path) as server:
+        assert oct(os.stat(os.path.dirname(sock_path)).st_mode & 0o777) == "0o700"
+        link = RankLink(1, 1, on_request=lambda: calls.append("request"), socket_path=sock_path, timeout=2.0,
+                        trap_signals=False)
+        try:
+            assert link.connected
+            link.hello(3)
+            ranks = server.status()["ranks"]
+            assert list(ranks) == ["1"] and ranks["1"]["step"] == 3 and ranks["1"]["pid"] == os.getpid()
+            assert link.poll(4) is False and calls == []
+            assert server.status()["ranks"]["1"]["step"] == 4
+            server.request_save("emergency", time.time() + 60)
+            assert link.poll(5) is True
+            assert calls == ["request"]
+            assert server.state.save_request is not None
+            link.committed(5, "emergency")
+            assert server.state.save_request is None, "the only registered rank committed the emergency step"
+            last = server.status()["last_committed"]
+            assert last == {"step": 5, "reason": "emergency", "ranks_reported": [1], "complete": True}
+            assert link.poll(6) is False and calls == ["request"]
+        finally:
+            link.close()
+
+
+def test_rank_link_carries_on_when_the_server_goes_away_and_retries_later(sock_path: str) -> None:
+    clock = Clock()
+    calls: list[str] = []
+    server = ControlServer(sock_path)
+    server.start()
+    link = RankLink(0, 0, on_request=lambda: calls.append("request"), socket_path=sock_path, timeout=1.0,
+                    trap_signals=False, clock=clock)
+    try:
+        link.hello(2)
+        assert link.poll(3) is False
+        server.stop()
+        t0 = time.monotonic()
+        assert link.poll(4) is False  # must not raise
+        link.committed(4, "interval")
+        assert time.monotonic() - t0 < 3.0, "a dead socket held the training thread up"
+        t0 = time.monotonic()
+        for step in range(5, 25):  # backing off: no socket call at all for a while
+            assert link.poll(step) is False
+        assert time.monotonic() - t0 < 0.5
+        assert calls == []
+
+        # A new server at the same path (a restarted launcher) is found again after the back-off.
+        server = ControlServer(sock_path)
+        server.start()
+        server.request_save("emergency", time.time() + 60)
+        assert link.poll(25) is False, "still backing off"
+        clock.now += 31
+        assert link.poll(26) is True
+        assert calls == ["request"]
+        assert server.status()["ranks"]["0"]["step"] == 26, "the link registered again before polling"
+    finally:
+        link.close()
+        server.stop()
+
+
+def test_rank_link_ignores_an_unusable_socket_path(tmp_path: Path) -> None:
+    for path in ("off", "OFF", "relative/x.sock", str(tmp_path / "missing.sock"), "/" + "x" * 200 + ".sock"):
+        link = RankLink(0, 0, on_request=lambda: None, socket_path=path, trap_signals=False)
+        assert not link.connected
+        assert link.poll(1) is False
+        link.close()
+
+
+# --------------------------------------------------------------------------- ControlState
+def test_an_emergency_request_that_meets_an_interval_step_is_satisfied_by_its_emergency_reports() -> None:
+    clock = Clock()
+    st = ControlState(clock=clock)
+    st.hello(0, 0, 100, 0)
+    st.hello(1, 1, 101, 0)
+    st.committed(0, 8, "interval")
+    st.committed(1, 8, "interval")
+    clock.now += 1
+    st.request_save("emergency", clock.now + 60)
+    clock.now += 1
+    assert st.save_request is not None, "step 8 was an interval save, committed before the request"
+    st.committed(0, 8, "emergency")
+    st.committed(1, 8, "emergency")
+    assert st.save_request is None
+    last = st.status()["last_committed"]
+    assert last == {"step": 8, "reason": "emergency", "ranks_reported": [0, 1], "complete": True}
+
+
+def test_interval_reports_after_an_emergency_request_do_not_satisfy_it() -> None:
+    clock = Clock()
+    st = ControlState(clock=clock)
+    st.hello(0, 0, 100, 0)
+    st.hello(1, 1, 101, 0)
+    st.request_save("emergency", clock.now + 60)
+    clock.now += 1
+    st.committed(0, 8, "interval")  # the save in flight when the request came, finishing after it
+    st.committed(1, 8, "interval")
+    assert st.save_request is not None, "the ranks have not stopped: an interval commit is no emergency save"
+    assert st.status()["last_committed"]["reason"] == "interval"
+    clock.now += 1
+    st.committed(0, 8, "emergency")
+    st.committed(1, 8, "emergency")
+    assert st.save_request is None
+    assert st.status()["last_committed"]["reason"] == "emergency"
+
+
+def test_an_emergency_request_waits_for_every_registered_rank() -> None:
+    st = ControlState(clock=Clock())
+    st.hello(0, 0, 100, 0)
+    st.hello(1, 1, 101, 0)
+    st.request_save("emergency", 1e12)
+    st.committed(1, 9, "emergency")
+    assert st.save_request is not None
+    assert st.status()["last_committed"]["complete"] is False
+
+
+# --------------------------------------------------------------------------- newest_committed
+def _manifest(step: int, reason: str) -> str:
+    return Manifest(run_id="toy", step=step, world_size=1, created_at=1700000000.0, reason=reason,
+                    torch_version="2.13.0", library_version="0.1.0",
+                    shards=(ShardEntry("__0_0.distcp", 0, "n1", 16, "00" * 8),), nodes={"n1": (0,)},
+                    node="n1", dcp_metadata=ChunkEntry(0, 10, "11" * 8)).to_json()
+
+
+def _step(run_dir: Path, step: int, manifest: str | None) -> None:
+    d = run_dir / step_dirname(step)
+    d.mkdir(parents=True)
+    if manifest is not None:
+        (d / "manifest.json").write_text(manifest)
+
+
+def test_newest_committed_skips_steps_without_a_readable_manifest(tmp_path: Path) -> None:
+    run = tmp_path / "toy"
+    assert newest_committed(str(run)) == (None, None)  # no directory yet
+    run.mkdir()
+    assert newest_committed(str(run)) == (None, None)
+    _step(run, 4, _manifest(4, "interval"))
+    assert newest_committed(str(run)) == (4, "interval")
+    _step(run, 8, _manifest(8, "emergency"))
+    _step(run, 12, None)  # not committed (no manifest)
+    _step(run, 10, "{ torn")  # unreadable manifest
+    _step(run, 11, _manifest(11, "bogus-reason"))  # invalid manifest
+    (run / (step_dirname(16) + ".tmp-abc")).mkdir()  # a save in progress
+    (run / (step_dirname(16) + ".tmp-abc") / "manifest.json").write_text(_manifest(16, "interval"))
+    (run / "launcher-events.jsonl").write_text("{}\n")
+    (run / "step_99").mkdir()  # not a step directory name
+    assert newest_committed(str(run)) == (8, "emergency")
+    _step(run, 100, _manifest(100, "interval"))
+    assert newest_committed(str(run)) == (100, "interval")
