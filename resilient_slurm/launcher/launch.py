@@ -320,7 +320,7 @@ class Launcher:
     def _on_event(self, ev: TrapEvent, children: Children, server: ControlServer) -> None:
         log.warning("received %s", ev.source)
         self._event("signal", source=ev.source, at=ev.at)
-        if ev.source == "SIGINT" or (ev.source == "SIGTERM" and not self.job_id):
+        if ev.source == "SIGINT" or (ev.source in ("SIGTERM", "SIGHUP") and not self.job_id):
             self._interrupts += 1
         if self.stop is not None:
             if ev.deadline is not None or ev.source == "SIGTERM":

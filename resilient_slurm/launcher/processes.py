@@ -14,6 +14,7 @@ remote task ended.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -126,6 +127,21 @@ class _Tee(threading.Thread):
             return self._tail.decode(errors="replace")
 
 
+_PR_SET_PDEATHSIG = 1
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - not Linux
+    _LIBC = None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies (even by SIGKILL), so that a
+    killed launcher never leaves ranks running unsupervised; a rank's Checkpointer turns that SIGTERM
+    into an emergency save like any other."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
 def _tree(pid: int) -> list[psutil.Process]:
     try:
         root = psutil.Process(pid)
@@ -170,7 +186,7 @@ class Children:
         proc = subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 # Own session: a Ctrl-C in the terminal reaches the launcher only, which
                                 # turns it into an emergency save instead of a KeyboardInterrupt mid-step.
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
         assert proc.stderr is not None
         tee = _Tee(proc.stderr, sys.stderr.buffer, f"rslurm-tee:{name}", parse_tasks)
         tee.start()

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-# What the launcher traps (design.md): preemption and time-limit signals, and Ctrl-C.
-TRAPPED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+# What the launcher traps (design.md): preemption and time-limit signals, and Ctrl-C; plus SIGHUP (the
+# terminal of a local run went away), which would otherwise end the launcher and orphan its ranks.
+TRAPPED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
