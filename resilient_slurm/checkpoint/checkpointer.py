@@ -310,23 +310,25 @@ class Checkpointer:
         return outcome
 
     def _finish_prepared(self) -> None:
+        # A failure here is not fatal: the save allocates the buffer itself, and reports a real failure.
         fut, self._prepared = self._prepared, None
-        if fut is None:
-            return
-        try:
-            fut.result()
-        except Exception as exc:  # the save allocates the buffer itself, and reports a real failure
-            log.warning("pre-allocating the staging buffer failed: %s", exc)
+        _settle(fut, "pre-allocating the staging buffer")
 
     def _finish_retention(self) -> None:
+        # Retention failing must not fail training; it is retried after the next save.
         fut, self._retention = self._retention, None
-        if fut is None:
-            return
-        try:
-            fut.result()
-        except Exception as exc:  # retention failing must not fail training; it is retried next save
-            log.warning("retention in %s failed: %s", self.run_dir, exc)
+        _settle(fut, f"retention in {self.run_dir}")
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
+
+
+def _settle(fut: Future[Any] | None, what: str) -> None:
+    """Wait for a best-effort background task; log (do not raise) its failure."""
+    if fut is None:
+        return
+    try:
+        fut.result()
+    except Exception as exc:
+        log.warning("%s failed: %s", what, exc)
