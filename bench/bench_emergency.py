@@ -1,11 +1,13 @@
 """Emergency checkpoint benchmark: stop signal -> committed checkpoint, and -> requeue, against the budget.
 
     .venv/bin/python bench/bench_emergency.py [--size-gib 1.0] [--repeats 3] [--step-s 0.05] [--slurm]
-                                              [--modes cold,warm] [--dir DIR] [--json OUT]
+                                              [--modes cold,warm,restored] [--settle-s 3] [--dir DIR]
+                                              [--json OUT] [--wait-quiet S]
 
 A training program (bench/emergency_worker.py: ~``--size-gib`` of model + Adam state, a fixed step of
-``--step-s``) runs under ``rslurm launch``. Once it is stepping, the launcher gets a stop signal; the
-launcher's ``launcher-events.jsonl`` and the worker's own log give the latencies:
+``--step-s``) runs under ``rslurm launch``. Once it has trained ``--settle-s`` seconds (and at least 5
+steps), the launcher gets a stop signal; the launcher's ``launcher-events.jsonl`` and the worker's own log
+give the latencies:
 
 * local (``rslurm launch -n 1 -- python bench/emergency_worker.py``): SIGTERM to the launcher, which must
   exit 75 after the emergency commit;
@@ -14,8 +16,16 @@ launcher's ``launcher-events.jsonl`` and the worker's own log give the latencies
   ``scancel --batch --signal=USR1``; the launcher must save, then call ``scontrol requeue``, and the job
   must go back to PENDING. The requeued job is cancelled.
 
-Modes: ``cold`` = the emergency save is the process's first save (it allocates the staging buffer);
-``warm`` = one blocking save at step 1 came first, as in a job with periodic checkpoints.
+Modes: ``cold`` = the emergency save is the process's first save and nothing was restored (it allocates
+the staging buffer); ``warm`` = one blocking save at step 1 came first, as in a job with periodic
+checkpoints; ``restored`` = the emergency save is the first save of a process that restored a committed
+step at start, as in a job requeued after a preemption and preempted again before its first interval save.
+For ``restored``, a priming run (the same launch, worker ``--save-and-exit``: a few steps, one blocking
+save, exit 0; under Slurm a job pinned to the same node) first commits a step in the same local dir and
+run id; its ``launcher-events.jsonl`` is moved aside. The measured worker (``--expect-restore``) then
+restores that step; ``Checkpointer.restore()`` plans the save and allocates + pre-faults the staging
+buffer on its writer thread in the background, and the worker logs how long ``restore()`` took, when
+training started and when that background allocation finished.
 
 Baselines in the same run, on the same directory, in rounds that rotate the order of the methods: raw
 write + fsync of the state's byte count from a page-aligned buffer (O_DIRECT where the filesystem allows,
@@ -29,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import random
@@ -71,7 +82,7 @@ from resilient_slurm.storage import fileio  # noqa: E402
 PY = sys.executable
 WORKER = os.path.join(HERE, "emergency_worker.py")
 REQUEUE_EXIT_CODE = 75  # rslurm launch, local mode, stopped by a signal: "run again to resume"
-MODES = ("cold", "warm")
+MODES = ("cold", "warm", "restored")
 
 
 def now() -> float:
@@ -107,14 +118,21 @@ def tail(path: str, n: int = 4000) -> str:
 
 
 def git_facts() -> dict[str, Any]:
+    """HEAD, and a digest of the library's working-tree sources: the code the launched processes import."""
     def git(*a: str) -> str:
         cp = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30)
         return cp.stdout.strip()
 
+    out: dict[str, Any] = {}
     with contextlib.suppress(Exception):
-        return {"head": git("rev-parse", "--short", "HEAD"),
-                "dirty_files_in_resilient_slurm": len(git("status", "--porcelain", "resilient_slurm").splitlines())}
-    return {}
+        out = {"head": git("rev-parse", "--short", "HEAD"),
+               "dirty_files_in_resilient_slurm": len(git("status", "--porcelain", "resilient_slurm").splitlines())}
+    h = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(REPO, "resilient_slurm", "**", "*.py"), recursive=True)):
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            h.update(path.encode() + b"\0" + f.read())
+    out["sources_sha256"] = h.hexdigest()[:16]
+    return out
 
 
 class Bench:
@@ -203,9 +221,25 @@ class Bench:
             env["RSLURM_IO_THREADS"] = str(self.args.ranks_io_threads)
         return env
 
-    def worker_argv(self, wlog: str, mode: str) -> list[str]:
+    def worker_argv(self, wlog: str, mode: str, prime: bool = False) -> list[str]:
+        """The worker's command line; ``prime``: the priming run of ``restored`` (save once, exit 0)."""
         a = [PY, WORKER, "--size-gib", str(self.args.size_gib), "--step-s", str(self.args.step_s), "--log", wlog]
-        return a + (["--prime-save"] if mode == "warm" else [])
+        if prime:
+            return a + ["--save-and-exit"]
+        a += ["--ready-s", str(self.args.settle_s)]
+        return a + {"warm": ["--prime-save"], "restored": ["--expect-restore"]}.get(mode, [])
+
+    def set_prime_events_aside(self, pattern: str) -> None:
+        """The priming run's launcher events would be read as the measured run's: move them aside."""
+        for path in glob.glob(pattern):
+            os.replace(path, path.removesuffix(".jsonl") + ".prime.jsonl")
+
+    def prime_facts(self, rec: dict[str, Any], plog: str, t0: float) -> None:
+        saved = first(read_jsonl(plog), "saved")
+        rec["priming_run_wall_s"] = now() - t0
+        if saved is not None:
+            rec["priming_run_step"] = saved.get("step")
+            rec["priming_run_save_s"] = saved.get("save_s")
 
     def wait_ready(self, wlog: str, alive: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -255,6 +289,15 @@ class Bench:
         p = first(wlog, "primed")
         if p is not None:
             rec["prime_save_s"] = p.get("save_s")
+        rs = first(wlog, "restored")
+        if rs is not None:
+            rec["restored_step"] = rs.get("step")
+            rec["worker_restore_s"] = rs.get("restore_s") if rs.get("step") else None
+        tr = first(wlog, "training")
+        if tr is not None:
+            rec["training_before_signal_s"] = at - tr["t"]
+        if mode == "restored" and not (rs or {}).get("step"):
+            self.problem(f"{where}/{mode}/{i}: the worker restored nothing")
         em = first(wlog, "emergency")
         if em is None:
             self.problem(f"{where}/{mode}/{i}: the worker logged no emergency save")
@@ -266,6 +309,12 @@ class Bench:
             rec["rank_commit_phase_s"] = em.get("commit_phase_s")
             rec["rank_bytes_written"] = em.get("bytes_written")
             rec["signal_to_rank_save_returned_s"] = em["t_return"] - at
+            if em.get("prepared_done_t") is not None and rs is not None:
+                # restore() returned just before the 'restored' line: this is the background allocation's time
+                rec["prepared_after_restore_s"] = em["prepared_done_t"] - rs["t"]
+                rec["prepared_before_signal"] = em["prepared_done_t"] < at
+            elif mode == "restored":
+                self.problem(f"{where}/{mode}/{i}: the worker saw no background staging allocation")
             ex = first(wlog, "exit")
             if ex is not None:  # after ckpt.close(); the interpreter's own shutdown (torch) follows
                 rec["signal_to_worker_closed_s"] = ex["t"] - at
@@ -279,6 +328,19 @@ class Bench:
         wlog = os.path.join(d, "worker.jsonl")
         out_path = os.path.join(d, "launcher.out")
         env = {**os.environ, **self.worker_env(os.path.join(d, "nvme", "%n"), "bench")}
+        events_glob = os.path.join(d, "nvme", "*", "bench", "launcher-events.jsonl")
+        prime: dict[str, Any] = {}
+        if mode == "restored":  # a first incarnation that commits a step and ends normally
+            plog = os.path.join(d, "prime.jsonl")
+            t0 = now()
+            with open(os.path.join(d, "prime.out"), "wb") as out:
+                cp = subprocess.run([PY, "-m", "resilient_slurm.cli", "launch", "-n", "1", "--",
+                                     *self.worker_argv(plog, mode, prime=True)], env=env, cwd=REPO, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=300)
+            if cp.returncode != 0:
+                raise RuntimeError(f"priming run exited {cp.returncode}:\n{tail(os.path.join(d, 'prime.out'))}")
+            self.prime_facts(prime, plog, t0)
+            self.set_prime_events_aside(events_glob)
         cmd = [PY, "-m", "resilient_slurm.cli", "launch", "-n", "1", "--", *self.worker_argv(wlog, mode)]
         with open(out_path, "wb") as out:
             p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
@@ -300,8 +362,9 @@ class Bench:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(p.pid, signal.SIGKILL)
                     p.wait(timeout=30)
-        events = read_jsonl(next(iter(glob.glob(os.path.join(d, "nvme", "*", "bench", "launcher-events.jsonl"))), ""))
+        events = read_jsonl(next(iter(glob.glob(events_glob)), ""))
         rec = self.analyse("local", mode, i, events, read_jsonl(wlog), t_sent)
+        rec.update(prime)
         rec["exit_code"] = rc
         sig = first(events, "signal")
         if sig is not None:
@@ -337,18 +400,37 @@ class Bench:
         run_id = f"bench-{mode}-{i}"
         env = self.worker_env(os.path.join(d, "nvme", "%n"), run_id)
         exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
-        launch = " ".join([PY, "-m", "resilient_slurm.cli", "launch", "--", "srun", "-N1", "-n1",
-                           *self.worker_argv(wlog, mode)])
-        script = f"#!/bin/bash\n{exports}cd {REPO}\nexec {launch}\n"
-        job = c.sbatch(script, "-p", "low", "--requeue", "-N1", "-n1", "--open-mode=append", "-o", out_path,
-                       "-J", f"emerg-{mode}")
+
+        def script(argv: list[str]) -> str:
+            launch = " ".join([PY, "-m", "resilient_slurm.cli", "launch", "--", "srun", "-N1", "-n1", *argv])
+            return f"#!/bin/bash\n{exports}cd {REPO}\nexec {launch}\n"
+
+        events_glob = os.path.join(d, "nvme", "*", run_id, "launcher-events.jsonl")
+        pin: list[str] = []
+        prime: dict[str, Any] = {}
+        if mode == "restored":  # a first job that commits a step and completes; the measured job restores it
+            pin = ["-w", c.nodes[0]]  # the same node, so the same node-local directory
+            plog = os.path.join(d, "prime.jsonl")
+            t0 = now()
+            pjob = c.sbatch(script(self.worker_argv(plog, mode, prime=True)), "-p", "low", "-N1", "-n1", *pin,
+                            "-o", os.path.join(d, "prime.out"), "-J", "emerg-prime")
+            try:
+                c.wait_state(pjob, "COMPLETED", timeout=300)
+                c.wait_queue_empty(timeout=60)
+            except Exception:
+                self.problem(f"slurm/{mode}/{i}: priming job {pjob} failed:\n{tail(os.path.join(d, 'prime.out'))}")
+                raise
+            self.prime_facts(prime, plog, t0)
+            self.set_prime_events_aside(events_glob)
+        job = c.sbatch(script(self.worker_argv(wlog, mode)), "-p", "low", "--requeue", "-N1", "-n1", *pin,
+                       "--open-mode=append", "-o", out_path, "-J", f"emerg-{mode}")
 
         def alive() -> bool:
             info = c.job_info(job)
             return info is not None and info.get("JobState") in ("PENDING", "RUNNING", "CONFIGURING")
 
         def events() -> list[dict[str, Any]]:
-            return read_jsonl(next(iter(glob.glob(os.path.join(d, "nvme", "*", run_id, "launcher-events.jsonl"))), ""))
+            return read_jsonl(next(iter(glob.glob(events_glob)), ""))
 
         try:
             self.wait_ready(wlog, alive, timeout=180)
@@ -392,6 +474,7 @@ class Bench:
                 c.wait_queue_empty(timeout=60)
         ev = events()
         rec = self.analyse("slurm", mode, i, ev, read_jsonl(wlog), t_sent)
+        rec.update(prime)
         sig = first(ev, "signal")
         if sig is not None:
             at = float(sig["at"])
@@ -444,11 +527,18 @@ class Bench:
                 self.log(f"kept {self.root}")
             else:
                 shutil.rmtree(self.root, ignore_errors=True)
+        end = git_facts()
+        if end.get("sources_sha256") != self.r.get("git", {}).get("sources_sha256"):
+            # Every launch imports the library from the working tree: a commit or an edit during the run
+            # means the runs did not all measure the same code.
+            self.problem(f"the code changed during the run: {self.r.get('git')} at the start, {end} at the end")
+        self.r["git_at_end"] = end
         raw = self.r.get("raw", {})
         bws = [raw["bytes"] / med(v) / GB for k, v in raw.items() if k.startswith("write_t")]
         raw["write_gbps"] = max(bws) if bws else None
         self.r["config"] = {k: getattr(self.args, k) for k in ("size_gib", "repeats", "slurm_repeats", "step_s",
-                                                                 "io_threads", "ranks_io_threads", "modes", "poll_s")}
+                                                                 "io_threads", "ranks_io_threads", "modes", "poll_s",
+                                                                 "settle_s")}
         self.r["summary"] = summarize(self.r)
         return self.r
 
@@ -465,6 +555,9 @@ METRICS = [
     ("signal_to_launcher_exit_s", "signal -> launcher exited (local)"),
     ("signal_to_requeue_call_s", "signal -> scontrol requeue issued"),
     ("signal_to_pending_s", "signal -> job PENDING again (scontrol poll)"),
+    ("training_before_signal_s", "(before the signal) training time"),
+    ("worker_restore_s", "(before the signal) restore() at start"),
+    ("prepared_after_restore_s", "(before) background staging done after restore()"),
 ]
 
 
@@ -552,13 +645,16 @@ def print_report(r: dict[str, Any]) -> None:
                   + ("" if met is None else ("  MET (max <= budget)" if met else "  MISSED (max > budget)")))
     print()
     print("per run:")
-    keys = ["signal_to_step_boundary_s", "rank_save_s", "signal_to_commit_s", "launcher_notice_lag_s",
-            "signal_to_worker_closed_s", "signal_to_ranks_exited_s", "signal_to_launcher_exit_s", "signal_to_requeue_call_s", "signal_to_pending_s"]
+    keys = ["signal_to_step_boundary_s", "rank_save_s", "rank_stall_s", "signal_to_commit_s", "launcher_notice_lag_s",
+            "signal_to_worker_closed_s", "signal_to_ranks_exited_s", "signal_to_launcher_exit_s",
+            "signal_to_requeue_call_s", "signal_to_pending_s", "worker_restore_s", "prepared_after_restore_s"]
     for rec in r["runs"]:
         parts = " ".join(f"{k.replace('signal_to_', '->').removesuffix('_s')}={rec[k]:.3f}" for k in keys
                          if rec.get(k) is not None)
         print(f"  {rec['where']}/{rec['mode']}/{rec['round']}: {parts} step={rec.get('step_s') or 0:.3f}"
               + (f" exit={rec['exit_code']}" if "exit_code" in rec else "")
+              + (f" restored_step={rec['restored_step']} prepared_before_signal={rec.get('prepared_before_signal')}"
+                 if rec.get("restored_step") else "")
               + (f" states={ {k: round(v, 3) for k, v in rec['job_states_seen_s'].items()} }"
                  if rec.get("job_states_seen_s") else ""))
     for p in r["problems"]:
@@ -574,7 +670,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slurm", action="store_true", help="also measure under a private Slurm cluster (root)")
     ap.add_argument("--no-local", dest="local", action="store_false", help="skip the local launcher runs")
     ap.add_argument("--slurm-repeats", type=int, default=2, help="Slurm rounds (each: every mode)")
-    ap.add_argument("--modes", default="cold,warm", help="cold (first save of the process), warm (after one save)")
+    ap.add_argument("--modes", default="cold,warm,restored",
+                    help="cold (first save of the process), warm (after one save), restored (first save after a "
+                         "restore at start)")
+    ap.add_argument("--settle-s", type=float, default=3.0,
+                    help="seconds the worker trains (and at least 5 steps) before the signal, in every mode")
     ap.add_argument("--step-s", type=float, default=0.05, help="the worker's training step")
     ap.add_argument("--io-threads", type=int, default=4, help="threads of the multi-thread raw write")
     ap.add_argument("--ranks-io-threads", type=int, default=None,

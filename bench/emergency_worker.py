@@ -1,6 +1,7 @@
 """Training program for bench/bench_emergency.py: ~1 GiB of state, a fixed short step, a Checkpointer.
 
-    python bench/emergency_worker.py --size-gib 1.0 --step-s 0.05 --log worker.jsonl [--prime-save]
+    python bench/emergency_worker.py --size-gib 1.0 --step-s 0.05 --log worker.jsonl
+                                     [--prime-save | --save-and-exit] [--expect-restore] [--ready-s S]
 
 Run under ``rslurm launch``. It builds the same transformer-shaped model + Adam (moments created) as
 bench_checkpoint.py, then trains: every step runs a small forward/backward on a head that is part of the
@@ -9,11 +10,23 @@ and calls ``ckpt.step(step, state)``. ``Checkpointer(every_steps=None)``: no int
 emergency save the launcher requests is the only save unless ``--prime-save`` asks for one blocking save
 at step 1 (the staging buffer is then allocated before the signal, as in a job with periodic saves).
 
+Before training it always calls ``ckpt.restore(state)``. In an empty run directory that returns 0. When
+the run directory holds a committed step (the benchmark's ``restored`` mode: a priming run with
+``--save-and-exit`` saved one step and exited 0), training resumes from that step, and the Checkpointer
+plans the save and allocates + pre-faults the staging buffer on its writer thread in the background. The
+worker logs when that background allocation finished (a done-callback on the Checkpointer's private
+``_prepared`` future: read only, for the log), so a benchmark can tell whether the emergency save found
+the buffer ready. ``--expect-restore`` makes a run that restored nothing exit 4.
+
 It appends JSON lines to ``--log`` (wall-clock ``time.time()`` stamps, comparable with the launcher's
-events on the same host): ``built``, ``ready`` (after ``--ready-steps`` steps), one ``step`` line per
-step with its duration, ``emergency`` (when ``ckpt.step`` was entered on the step that saved, when it
-returned, and the save's outcome) and ``exit``. It exits 0 once ``ckpt.should_stop`` is set, or after
-``--max-seconds`` without a stop request (exit 3: the benchmark never signalled).
+events on the same host): ``built``, ``restored`` (step, how long ``restore()`` took, whether the
+background allocation was started), ``training`` (the first step starts), ``prepared`` (the background
+allocation finished; logged at the next step boundary with the time it finished), ``ready`` (after
+``--ready-steps`` steps and ``--ready-s`` seconds of training), one ``step`` line per step with its
+duration, ``emergency`` (when ``ckpt.step`` was entered on the step that saved, when it returned, and the
+save's outcome) and ``exit``. It exits 0 once ``ckpt.should_stop`` is set (or after the save of
+``--save-and-exit``), or after ``--max-seconds`` without a stop request (exit 3: the benchmark never
+signalled).
 """
 
 from __future__ import annotations
@@ -51,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-s", type=float, default=0.05, help="duration of one training step")
     ap.add_argument("--log", required=True, help="JSON-lines log")
     ap.add_argument("--prime-save", action="store_true", help="one blocking save at step 1 (warm staging)")
+    ap.add_argument("--save-and-exit", action="store_true",
+                    help="after --ready-steps steps, one blocking save, then exit 0 (primes a run directory)")
+    ap.add_argument("--expect-restore", action="store_true", help="exit 4 if restore() finds no committed step")
     ap.add_argument("--ready-steps", type=int, default=5, help="steps before logging 'ready'")
+    ap.add_argument("--ready-s", type=float, default=0.0, help="also at least this much training before 'ready'")
     ap.add_argument("--max-seconds", type=float, default=300.0, help="give up without a stop request")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RSLURM_LOG_LEVEL", "WARNING"), stream=sys.stderr,
@@ -71,10 +88,29 @@ def main(argv: list[str] | None = None) -> int:
         torch_threads=torch.get_num_threads())
 
     ckpt = Checkpointer(every_steps=None)
+    t_r = time.perf_counter()
     step = ckpt.restore(state)
-    log("restored", step=step)
+    restore_s = time.perf_counter() - t_r
+    restored_at = time.time()
+    prepared_at: list[float] = []  # set on the writer thread when the background allocation is done
+    fut = getattr(ckpt, "_prepared", None)
+    if fut is not None:
+        fut.add_done_callback(lambda _f: prepared_at.append(time.time()))
+    log("restored", step=step, restore_s=restore_s, preparing=fut is not None)
+    if args.expect_restore and step == 0:
+        log("nothing_restored")
+        ckpt.close()
+        return 4
     started = time.time()
+    log("training", step=step)
+    prepared_logged = ready_logged = False
+    primed = not args.prime_save
+    trained = 0  # steps of this process that were logged as training steps
     while True:
+        if prepared_at and not prepared_logged:
+            log("prepared", t_done=prepared_at[0], after_restore_s=prepared_at[0] - restored_at,
+                after_training_start_s=prepared_at[0] - started)
+            prepared_logged = True
         t_step = time.perf_counter()
         loss = torch.nn.functional.mse_loss(head(x), y)
         head_opt.zero_grad(set_to_none=True)
@@ -87,13 +123,19 @@ def main(argv: list[str] | None = None) -> int:
         rest = args.step_s - (time.perf_counter() - t_step)
         if rest > 0:
             time.sleep(rest)
-        if args.prime_save and step == 1:
+        if not primed:
             t = time.time()
             ckpt.save(step, state, blocking=True, reason="interval")
             o = ckpt.last_outcome
             log("primed", step=step, save_s=time.time() - t, stall_s=ckpt.last_stall_s,
                 write_s=o.write_s if o else None, commit_s=o.commit_s if o else None)
+            primed = True
             continue  # the save is not a training step: keep it out of the step times
+        if args.save_and_exit and trained >= args.ready_steps:
+            t = time.time()
+            ckpt.save(step, state, blocking=True, reason="interval")
+            log("saved", step=step, save_s=time.time() - t, stall_s=ckpt.last_stall_s)
+            break
         t_call = time.time()
         ckpt.step(step, state)
         t_ret = time.time()
@@ -102,11 +144,13 @@ def main(argv: list[str] | None = None) -> int:
             log("emergency", step=step, t_call=t_call, t_return=t_ret, save_s=t_ret - t_call,
                 stall_s=ckpt.last_stall_s, write_s=o.write_s if o else None,
                 commit_phase_s=o.commit_s if o else None, bytes_written=o.bytes_written if o else None,
-                saved_step=o.step if o else None)
+                saved_step=o.step if o else None, prepared_done_t=prepared_at[0] if prepared_at else None)
             break
         log("step", step=step, dt=time.perf_counter() - t_step)
-        if step == args.ready_steps + (1 if args.prime_save else 0):
-            log("ready", step=step)
+        trained += 1
+        if not ready_logged and trained >= args.ready_steps and time.time() - started >= args.ready_s:
+            log("ready", step=step, trained_s=time.time() - started)
+            ready_logged = True
         if time.time() - started > args.max_seconds:
             log("timeout", step=step)
             ckpt.close()
