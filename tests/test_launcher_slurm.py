@@ -124,7 +124,7 @@ def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     waits for the high job, resumes from exactly that step and ends bitwise identical to an
     uninterrupted run."""
     steps = 60
-    work = slurm.work_dir / f"preempt-{'usr1' if user_signal else 'term'}-{'sock' if socket else 'nosock'}"
+    work = slurm.work_dir / f"launch-preempt-{'usr1' if user_signal else 'term'}-{'sock' if socket else 'nosock'}"
     work.mkdir()
     ref = _reference(tmp_path, steps)
     env = {} if socket else {"RSLURM_CONTROL_SOCKET": "off"}
@@ -159,7 +159,7 @@ def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     (given a longer limit by the test, as a user would with a real time budget) finishes bitwise
     identical to an uninterrupted run."""
     steps = 400
-    work = slurm.work_dir / "timelimit"
+    work = slurm.work_dir / "launch-timelimit"
     work.mkdir()
     ref = _reference(tmp_path, steps)
     # Restarted incarnations get 5 minutes: the test needs exactly one time-limit stop.
@@ -182,7 +182,7 @@ def test_rank_sigkill_requeues_and_resumes_from_last_commit(slurm: SlurmCluster,
     killed, the launcher classifies a node failure, requeues, and the job resumes from the last committed
     step and still ends bitwise identical."""
     steps = 60
-    work = slurm.work_dir / "sigkill"
+    work = slurm.work_dir / "launch-sigkill"
     work.mkdir()
     ref = _reference(tmp_path, steps)
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.1)]))
@@ -201,7 +201,7 @@ def test_rank_sigkill_requeues_and_resumes_from_last_commit(slurm: SlurmCluster,
 def test_user_error_fails_the_job_without_requeue(slurm: SlurmCluster):
     """An exception in the training script: the job ends FAILED with the rank's exit code, is not
     requeued, and the output names the error and where it was raised."""
-    work = slurm.work_dir / "usererror"
+    work = slurm.work_dir / "launch-usererror"
     work.mkdir()
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, 40, 0.0), "--fail-at-step", "6"]))
     info = slurm.wait_state(job, "FAILED", timeout=120)
@@ -233,7 +233,7 @@ def test_no_progress_loop_is_held(slurm: SlurmCluster):
     """A program that is killed right after every restore makes no progress past the checkpoint: with
     ``no_progress_limit=2`` the job is requeued after the first deaths, then held (not looped) with a
     reason naming the cause, visible in the job's Comment."""
-    work = slurm.work_dir / "noprogress"
+    work = slurm.work_dir / "launch-noprogress"
     work.mkdir()
     (work / "crash.py").write_text(CRASH_AFTER_RESTORE)
     job = _submit(slurm, work, _script(work, [PY, str(work / "crash.py")],
@@ -258,7 +258,7 @@ def test_scancel_is_not_undone_by_a_requeue(slurm: SlurmCluster):
     """`scancel` sends SIGTERM to the launcher like a preemption would, but the user meant it: the ranks
     still take their emergency checkpoint within KillWait, and the job stays CANCELLED instead of being
     requeued (the launcher sees it COMPLETING: Slurm is already killing it)."""
-    work = slurm.work_dir / "scancel"
+    work = slurm.work_dir / "launch-scancel"
     work.mkdir()
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, 400, 0.1)]))
     wait_for_step(work / "log.0.jsonl", 6, timeout=90)

@@ -137,6 +137,7 @@ class Checkpointer:
         self._inflight: Future[SaveOutcome] | None = None
         self._retention: Future[list[int]] | None = None
         self._prepared: Future[Any] | None = None
+        self._staging_planned = False  # the same on every rank: _prepare is collective
         self._emergency = threading.Event()
         self._should_stop = False
         self._closed = False
@@ -184,11 +185,9 @@ class Checkpointer:
         self.cadence.saved()
         if step:
             self._saved_step = step
-            # Plan now and allocate the staging buffer in the background: an emergency save that comes
-            # before the first interval save (preemption soon after a restart) then pays only the copy.
-            # Only after a real restore: a fresh optimizer has no state yet, so its plan would change.
-            layout = self._engine.plan_layout(state)
-            self._prepared = self._pool.submit(self._engine.ensure_staging, layout)
+            # Only after a real restore: a fresh optimizer has no state yet, so its plan would change;
+            # a fresh run prepares at its first step() instead.
+            self._prepare(state)
         self._link.hello(step)
         self._hello_sent = True
         return step
@@ -203,6 +202,8 @@ class Checkpointer:
         if not self._hello_sent:
             self._link.hello(0)
             self._hello_sent = True
+        if not self._staging_planned:
+            self._prepare(state)
         due = self.cadence.due(step)
         if step % self._sync_every == 0:
             self._link.poll(step)  # a launcher request sets the emergency flag
@@ -308,6 +309,17 @@ class Checkpointer:
         outcome = fut.result()  # re-raises the background error here, on the training thread
         self.last_outcome = outcome
         return outcome
+
+    def _prepare(self, state: Mapping[str, Any]) -> None:
+        """Plan a save of ``state`` now (collective) and allocate the staging buffer in the background.
+
+        An emergency save that comes before the first interval save (a preemption soon after the start
+        or a restart) then pays only the copy, not the allocation and page faults of a buffer as large
+        as the state (about 1.3 s per GiB here); and the memory is reserved while training, not at
+        the moment the job is told to leave."""
+        self._staging_planned = True
+        layout = self._engine.plan_layout(state)
+        self._prepared = self._pool.submit(self._engine.ensure_staging, layout)
 
     def _finish_prepared(self) -> None:
         # A failure here is not fatal: the save allocates the buffer itself, and reports a real failure.
