@@ -1,2 +1,8 @@
-"""Storage tiers: node-local directory (NVMe), POSIX parallel filesystems, S3 (durable tiers come with
-the daemon). ``fileio`` holds the fast, aligned, checksummed file primitives the engine writes with."""
+"""Storage tiers: the node-local directory (NVMe, written by the checkpoint engine through ``fileio``) and
+durable tiers behind one :class:`~.tier.StorageTier` interface: POSIX directories (Lustre or any shared
+filesystem) and S3. :func:`~.registry.open_tier` maps a URL to a tier, importing backends lazily."""
+
+from .registry import open_tier, parse_url
+from .tier import ObjectInfo, RateLimiter, StorageTier, TransferStats, join_key
+
+__all__ = ["ObjectInfo", "RateLimiter", "StorageTier", "TransferStats", "join_key", "open_tier", "parse_url"]

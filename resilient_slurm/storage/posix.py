@@ -1,0 +1,281 @@
+"""``PosixTier``: a durable tier on any POSIX directory (Lustre, GPFS, NFS, a local disk).
+
+Writes go to ``<key>.tmp-rslurm-<token>`` with parallel pread/pwrite pieces (a shared filesystem
+wants many requests in flight), are fsynced, tagged with the checksum in the ``user.rslurm.xxh3``
+extended attribute where the filesystem supports it, renamed into place and the directory fsynced.
+The source's xxh3 is computed on the same buffers, in order, while the pieces are in flight; a
+mismatch deletes the temp file and publishes nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import xxhash
+
+from ..errors import CorruptCheckpointError, InsufficientSpaceError, ObjectNotFoundError, StorageError
+from .fileio import fsync_dir
+from .tier import ObjectInfo, Progress, RateLimiter, StorageTier, TransferStats
+
+log = logging.getLogger(__name__)
+
+TMP_MARK = ".tmp-rslurm-"
+XATTR = "user.rslurm.xxh3"
+PIECE = 16 << 20
+
+
+def _safe_key(key: str) -> str:
+    parts = [p for p in key.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise StorageError(f"invalid key {key!r}: empty or escapes the tier root")
+    return "/".join(parts)
+
+
+class PosixTier(StorageTier):
+    """A directory tree as a durable tier (see the module docstring)."""
+
+    def __init__(self, root: str, *, threads: int = 8, limiter: RateLimiter | None = None,
+                 piece_size: int = PIECE) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.url = self.root
+        self.threads = max(1, threads)
+        self.limiter = limiter or RateLimiter(None)
+        self.piece_size = piece_size
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="rslurm-posix")
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"durable tier {self.root}: cannot create it ({exc.strerror}); check the path "
+                               "and permissions (RSLURM_DURABLE)") from exc
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, _safe_key(key))
+
+    # ------------------------------------------------------------------ transfers
+    def _copy(self, src: str, dst: str, size: int, checksum: str, progress: Progress | None,
+              what: str, key: str) -> TransferStats:
+        """Copy ``src`` to a temp name next to ``dst``, verify, fsync, rename. ``what`` names the side
+        whose bytes are checked ("local shard" or "durable object")."""
+        t0 = time.perf_counter()
+        stats = TransferStats(key=key)
+        try:
+            fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise ObjectNotFoundError(f"{src}: does not exist") from exc
+        tmp = f"{dst}{TMP_MARK}{secrets.token_hex(4)}"
+        try:
+            actual = os.fstat(fin).st_size
+            if actual != size:
+                raise CorruptCheckpointError(f"{src}: {what} is {actual} bytes, the manifest says {size}")
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                h = xxhash.xxh3_64()
+                window: deque[tuple[Future[memoryview], int]] = deque()
+                free: list[bytearray] = []
+                limit = self.limiter
+
+                def move(buf: bytearray, off: int, n: int) -> memoryview:
+                    mv = memoryview(buf)[:n]
+                    got = 0
+                    while got < n:
+                        r = os.preadv(fin, [mv[got:]], off + got)
+                        if r == 0:
+                            raise CorruptCheckpointError(f"{src}: {what} shrank while being copied")
+                        got += r
+                    limit.acquire(n)
+                    done = 0
+                    while done < n:
+                        done += os.pwrite(fout, mv[done:], off + done)
+                    return mv
+
+                def drain_one() -> None:
+                    fut, n = window.popleft()
+                    mv = fut.result()
+                    h.update(mv)
+                    free.append(mv.obj)  # type: ignore[arg-type]
+                    mv.release()
+                    stats.bytes += n
+                    if progress:
+                        progress(n)
+
+                for off in range(0, size, self.piece_size):
+                    n = min(self.piece_size, size - off)
+                    if len(window) >= self.threads * 2:
+                        drain_one()
+                    buf = free.pop() if free else bytearray(self.piece_size)
+                    window.append((self._pool.submit(move, buf, off, n), n))
+                while window:
+                    drain_one()
+                if h.hexdigest() != checksum:
+                    raise CorruptCheckpointError(
+                        f"{src}: {what} does not match its checksum in the manifest (xxh3 {h.hexdigest()} != "
+                        f"{checksum}); it was not copied"
+                    )
+                os.fsync(fout)
+                try:
+                    os.setxattr(fout, XATTR, checksum.encode())
+                except OSError:  # no user xattrs here: a restarted daemon re-sends instead of trusting
+                    pass
+            finally:
+                os.close(fout)
+            os.replace(tmp, dst)
+            fsync_dir(os.path.dirname(dst))
+        except BaseException as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientSpaceError(f"{dst}: no space left ({exc.strerror}); free space there. "
+                                             "Nothing partial was published.") from exc
+            if isinstance(exc, OSError):
+                raise StorageError(f"copying {src} to {dst} failed: {exc}") from exc
+            raise
+        finally:
+            os.close(fin)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def put_file(self, src: str, key: str, *, size: int, checksum: str,
+                 progress: Progress | None = None) -> TransferStats:
+        """See :meth:`StorageTier.put_file`."""
+        return self._copy(src, self._path(key), size, checksum, progress, "local shard", key)
+
+    def get_file(self, key: str, dest: str, *, size: int, checksum: str,
+                 progress: Progress | None = None) -> TransferStats:
+        """See :meth:`StorageTier.get_file`."""
+        return self._copy(self._path(key), os.path.abspath(dest), size, checksum, progress, "durable object", key)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """See :meth:`StorageTier.put_bytes`."""
+        path = self._path(key)
+        tmp = f"{path}{TMP_MARK}{secrets.token_hex(4)}"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(os.path.dirname(path))
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientSpaceError(f"{path}: no space left to write it; free space there") from exc
+            raise StorageError(f"{path}: write failed: {exc}") from exc
+
+    def get_bytes(self, key: str) -> bytes:
+        """See :meth:`StorageTier.get_bytes`."""
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError as exc:
+            raise ObjectNotFoundError(f"{path}: does not exist") from exc
+        except OSError as exc:
+            raise StorageError(f"{path}: read failed: {exc}") from exc
+
+    # ------------------------------------------------------------------ listing
+    def stat(self, key: str) -> ObjectInfo | None:
+        """See :meth:`StorageTier.stat`."""
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        try:
+            recorded: str | None = os.getxattr(path, XATTR).decode()
+        except OSError:
+            recorded = None
+        return ObjectInfo(key=_safe_key(key), size=st.st_size, checksum=recorded, mtime=st.st_mtime)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """See :meth:`StorageTier.list`."""
+        base = self._path(prefix) if prefix.strip("/") else self.root
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                if TMP_MARK in name:
+                    continue
+                path = os.path.join(dirpath, name)
+                info = self.stat(os.path.relpath(path, self.root))
+                if info is not None:
+                    yield info
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """See :meth:`StorageTier.list_dirs`."""
+        base = self._path(prefix) if prefix.strip("/") else self.root
+        try:
+            return sorted(e.name for e in os.scandir(base) if e.is_dir() and TMP_MARK not in e.name)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StorageError(f"{base}: cannot list it: {exc}") from exc
+
+    # ------------------------------------------------------------------ deletion
+    def delete(self, keys: Sequence[str]) -> None:
+        """See :meth:`StorageTier.delete`."""
+        dirs = set()
+        for k in keys:
+            path = self._path(k)
+            try:
+                os.unlink(path)
+                dirs.add(os.path.dirname(path))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise StorageError(f"{path}: cannot delete it: {exc}") from exc
+        for d in dirs:
+            try:
+                fsync_dir(d)
+            except OSError:
+                pass
+
+    def delete_prefix(self, prefix: str) -> int:
+        """See :meth:`StorageTier.delete_prefix`."""
+        base = self._path(prefix)
+        n = sum(len(files) for _, _, files in os.walk(base))
+        shutil.rmtree(base, ignore_errors=True)
+        if os.path.exists(base):
+            raise StorageError(f"{base}: could not delete all of it; check permissions")
+        return n
+
+    def cleanup_incomplete(self, prefix: str = "", *, older_than: float = 0.0,
+                           keep: Callable[[str], bool] | None = None) -> int:
+        """See :meth:`StorageTier.cleanup_incomplete`: removes ``*.tmp-rslurm-*`` files."""
+        base = self._path(prefix) if prefix.strip("/") else self.root
+        now = time.time()
+        removed = 0
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                if TMP_MARK not in name:
+                    continue
+                path = os.path.join(dirpath, name)
+                key = os.path.relpath(path, self.root).split(TMP_MARK)[0]
+                try:
+                    if now - os.stat(path).st_mtime < older_than or (keep and keep(key)):
+                        continue
+                    os.unlink(path)
+                    removed += 1
+                    log.info("removed an interrupted transfer's temp file %s", path)
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    def close(self) -> None:
+        """See :meth:`StorageTier.close`."""
+        self._pool.shutdown(wait=True)
+
+
+__all__ = ["PosixTier", "TMP_MARK", "XATTR"]

@@ -1,0 +1,63 @@
+"""URL -> storage tier, with lazily imported backends (fsspec-style): ``/path`` and ``file:///path`` open a
+:class:`~.posix.PosixTier`, ``s3://bucket/prefix`` an :class:`~.s3.S3Tier` (boto3 imported on first use,
+with an install hint when it is missing)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from ..errors import ConfigError
+from .tier import RateLimiter, StorageTier
+
+# scheme -> (module, class, pip extra that provides its dependency)
+_BACKENDS: dict[str, tuple[str, str, str | None]] = {
+    "file": ("resilient_slurm.storage.posix", "PosixTier", None),
+    "s3": ("resilient_slurm.storage.s3", "S3Tier", "s3"),
+}
+
+
+def register(scheme: str, module: str, cls: str, extra: str | None = None) -> None:
+    """Register a backend for ``scheme://`` URLs (imported on first use)."""
+    _BACKENDS[scheme] = (module, cls, extra)
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``(scheme, location)``: ``file`` and an absolute path, or ``s3`` and ``bucket/prefix``."""
+    if not url or not url.strip():
+        raise ConfigError("durable: empty URL; use /path, file:///path or s3://bucket/prefix (RSLURM_DURABLE)")
+    u = urlparse(url)
+    if u.scheme in ("", "file"):
+        path = unquote(u.path) if u.scheme == "file" else url
+        if u.scheme == "file" and u.netloc not in ("", "localhost"):
+            raise ConfigError(f"durable={url!r}: file URLs name a local path (file:///path), not a host")
+        return "file", path
+    if u.scheme not in _BACKENDS:
+        raise ConfigError(f"durable={url!r}: unknown scheme {u.scheme!r}; use one of "
+                          + ", ".join(f"{s}://" for s in sorted(_BACKENDS)) + " or a plain path")
+    if u.scheme == "s3" and not u.netloc:
+        raise ConfigError(f"durable={url!r}: no bucket; use s3://bucket/prefix")
+    return u.scheme, (u.netloc + u.path).rstrip("/")
+
+
+def open_tier(url: str, *, threads: int = 8, bandwidth: float | None = None,
+              limiter: RateLimiter | None = None, **options: Any) -> StorageTier:
+    """Open the tier for ``url``. ``bandwidth`` (bytes/s) caps every transfer of the tier together;
+    ``options`` go to the backend (S3: ``endpoint_url``, ``part_size``, ``max_attempts``, ...)."""
+    scheme, location = parse_url(url)
+    module, cls, extra = _BACKENDS[scheme]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        hint = f" (pip install 'resilient_slurm[{extra}]')" if extra else ""
+        raise ConfigError(f"durable={url!r} needs {exc.name or 'a missing module'}{hint}") from exc
+    factory: Callable[..., StorageTier] = getattr(mod, cls)
+    limiter = limiter or RateLimiter(bandwidth)
+    if scheme == "file":
+        return factory(location, threads=threads, limiter=limiter)
+    return factory(location, threads=threads, limiter=limiter, **options)
+
+
+__all__ = ["open_tier", "parse_url", "register"]

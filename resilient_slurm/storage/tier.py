@@ -1,0 +1,178 @@
+"""The ``StorageTier`` interface: one durable store (a POSIX directory or an S3 prefix) seen as keys.
+
+Keys are ``/``-separated paths relative to the tier's root (``<run_id>/step_<N>/__0_0.distcp``). The
+tier knows nothing about checkpoints: the drain daemon (:mod:`resilient_slurm.daemon`) decides what
+goes where and in which order, and restore decides what to fetch.
+
+Who calls what, and when:
+
+1. A process opens a tier with :func:`resilient_slurm.storage.open_tier` (url -> tier, lazily
+   imported). Instances are thread-safe: the daemon calls every method from its worker threads.
+2. The drain daemon, per committed local step and storage domain: :meth:`StorageTier.stat` each shard
+   key (a key whose recorded checksum matches is not sent again), :meth:`StorageTier.put_file` for the
+   others, then :meth:`StorageTier.put_bytes` of the domain marker, and, once every domain's marker is
+   there, :meth:`StorageTier.put_bytes` of the step's manifest: that write is the durable commit.
+3. Restore (a domain leader): :meth:`StorageTier.list_dirs` / :meth:`StorageTier.get_bytes` to find
+   durable steps and read manifests, :meth:`StorageTier.get_file` for shards (verified on arrival).
+4. Retention: :meth:`StorageTier.delete` of the manifest first (uncommits the step), then
+   :meth:`StorageTier.delete_prefix` of the rest.
+5. On start-up the daemon calls :meth:`StorageTier.cleanup_incomplete`: temp files (POSIX) or
+   multipart uploads (S3) left by a killed daemon.
+
+Atomicity: :meth:`put_file` and :meth:`put_bytes` are atomic per key: a reader sees the old object,
+no object, or the complete new one, never a prefix. Nothing is atomic across keys; the commit protocol
+gets that from writing the manifest last.
+
+Verification: :meth:`put_file` checksums (xxh3) the bytes it reads from the local file and refuses to
+publish a file that does not match the manifest (a corrupt local shard is never made durable); the
+store's own check on what arrived is the tier's business (S3: Content-MD5 per part; POSIX: fsync and
+size). :meth:`get_file` checksums what it received and refuses a mismatch. The checksum is recorded
+with the object (S3 metadata, POSIX extended attribute) so a restarted daemon can tell verified
+objects from stale ones without reading them back.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+Progress = Callable[[int], None]
+"""Called with a number of bytes each time that many more bytes were transferred."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a tier knows about one stored object."""
+
+    key: str
+    size: int
+    checksum: str | None  # xxh3 recorded at upload; None when the store kept none
+    mtime: float
+
+
+@dataclass
+class TransferStats:
+    """What one transfer did (for logs, status and benchmarks)."""
+
+    key: str
+    bytes: int = 0
+    seconds: float = 0.0
+    retries: int = 0
+    reused_bytes: int = 0  # bytes already in the store (resumed upload) and not sent again
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second actually moved."""
+        return (self.bytes - self.reused_bytes) / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class RateLimiter:
+    """Token bucket shared by every transfer of one process: at most ``rate`` bytes/s on average.
+
+    ``clock`` and ``sleep`` are injected so tests need not wait. ``rate=None`` means no limit."""
+
+    rate: float | None
+    burst: float = 0.0
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    _tokens: float = field(default=0.0, init=False)
+    _last: float = field(default=0.0, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def __post_init__(self) -> None:
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError(f"rate must be > 0 bytes/s or None, got {self.rate}")
+        self.burst = self.burst or (self.rate or 0.0) * 0.25
+        self._tokens = self.burst
+        self._last = self.clock()
+
+    def acquire(self, n: int) -> None:
+        """Block until ``n`` bytes may be sent."""
+        if self.rate is None or n <= 0:
+            return
+        with self._lock:
+            now = self.clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= n
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            self.sleep(wait)
+
+
+class StorageTier(abc.ABC):
+    """A durable store addressed by keys (see the module docstring for the call order)."""
+
+    #: The URL the tier was opened with (for messages).
+    url: str
+
+    @abc.abstractmethod
+    def put_file(self, src: str, key: str, *, size: int, checksum: str,
+                 progress: Progress | None = None) -> TransferStats:
+        """Copy local file ``src`` to ``key`` atomically, checking its bytes against ``checksum`` (xxh3)
+        as they are read; raise :class:`~resilient_slurm.errors.CorruptCheckpointError` (nothing is
+        published) when ``src`` does not match, :class:`~resilient_slurm.errors.StorageError` when the
+        store fails (transient failures are retried first)."""
+
+    @abc.abstractmethod
+    def get_file(self, key: str, dest: str, *, size: int, checksum: str,
+                 progress: Progress | None = None) -> TransferStats:
+        """Download ``key`` into local file ``dest`` (created or truncated, fsynced) and check it against
+        ``size`` and ``checksum``; raise :class:`~resilient_slurm.errors.CorruptCheckpointError` on a
+        mismatch, :class:`~resilient_slurm.errors.ObjectNotFoundError` if the key is absent."""
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Store a small object atomically (markers, manifests, metadata)."""
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """Read a small object; :class:`~resilient_slurm.errors.ObjectNotFoundError` if absent."""
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectInfo | None:
+        """Size, recorded checksum and time of ``key``; None if it does not exist."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every complete object under ``prefix/`` (recursive), in no particular order."""
+
+    @abc.abstractmethod
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names of the immediate sub-"directories" of ``prefix`` (``""`` is the root), sorted."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[str]) -> None:
+        """Delete these keys; keys that do not exist are ignored. In the order given."""
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete everything under ``prefix/``; return how many objects were removed."""
+
+    @abc.abstractmethod
+    def cleanup_incomplete(self, prefix: str = "", *, older_than: float = 0.0,
+                           keep: Callable[[str], bool] | None = None) -> int:
+        """Remove what interrupted transfers left under ``prefix`` (temp files, multipart uploads)
+        started more than ``older_than`` seconds ago, except those whose key ``keep`` returns True
+        for (uploads this process will resume); return how many were removed."""
+
+    def close(self) -> None:  # noqa: B027 -- optional hook
+        """Release connections and thread pools."""
+
+    def __enter__(self) -> StorageTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def join_key(*parts: str) -> str:
+    """Join key parts with ``/``, ignoring empty parts and stray slashes."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+__all__ = ["ObjectInfo", "Progress", "RateLimiter", "StorageTier", "TransferStats", "join_key"]
