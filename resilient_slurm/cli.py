@@ -1,7 +1,7 @@
 """``rslurm``: the command-line entry point. The only place that configures logging.
 
-Implemented now: inspection of the node-local tier (``ls``, ``show``, ``verify``) and the demo. The
-launcher, daemon, submit, gc, export, status and doctor commands arrive with their components.
+Implemented now: ``launch``, ``daemon``, ``status``, inspection of the node-local tier (``ls``, ``show``,
+``verify``) and the demo. ``submit``, ``gc``, ``export`` and ``doctor`` arrive with the CLI issue.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from . import __version__, config
 from .errors import ConfigError, ResilientSlurmError
 from .manifest import MANIFEST_NAME, Manifest, parse_step_dirname, step_dirname
 from .paths import default_local_dir, default_run_id, expand_local_dir, node_name
+from .storage.registry import DURABLE_SETTINGS
 
 if TYPE_CHECKING:
     from .checkpoint.verify import StepReport
@@ -168,6 +169,73 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+DAEMON_SETTINGS = ["local_dir", "node_name", "run_id", "keep_last", "keep_every", "local_min_free",
+                   "drain_poll_interval", *DURABLE_SETTINGS]
+
+
+def _flag_settings(args: argparse.Namespace, components: tuple[str, ...]) -> dict[str, Any]:
+    """Settings given as ``--name`` flags (parsed and checked like their environment variables)."""
+    out: dict[str, Any] = {}
+    for name, s in config.SETTINGS.items():
+        value = getattr(args, f"set_{name}", None)
+        if s.component not in components or value is None:
+            continue
+        try:
+            out[name] = s.parse(value)
+        except ValueError as exc:
+            raise ConfigError(f"--{name.replace('_', '-')}={value!r}: {exc}") from exc
+    return out
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from .checkpoint.policy import RetentionPolicy
+    from .daemon import Daemon, DaemonRunningError, daemon_running
+    from .storage import open_durable
+
+    given = _flag_settings(args, ("storage",))
+    given.update(local_dir=args.local_dir, durable=args.durable, run_id=args.run_id)
+    cfg = config.resolve(DAEMON_SETTINGS, given, config_path=args.config)
+    node = node_name(cfg["node_name"])
+    root = expand_local_dir(cfg["local_dir"] or default_local_dir(), node)
+    if not cfg["durable"]:
+        raise ConfigError("rslurm daemon: no durable tier; give --durable URL or set RSLURM_DURABLE "
+                          "(/path, file:///path or s3://bucket/prefix)")
+    if args.job_step and daemon_running(root):
+        log.info("a rslurm daemon already drains %s on %s; this job step has nothing to do", root, node)
+        return 0
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    tier = open_durable(cfg)
+    assert tier is not None
+    daemon = Daemon(root, tier, node=node, retention=RetentionPolicy(cfg["keep_last"], cfg["keep_every"]),
+                    run_ids=[cfg["run_id"]] if cfg["run_id"] else None, min_free=cfg["local_min_free"],
+                    poll_interval=cfg["drain_poll_interval"])
+    try:
+        return daemon.run(once=args.once)
+    except DaemonRunningError as exc:
+        if args.job_step:
+            log.info("%s; this job step has nothing to do", exc)
+            return 0
+        raise
+    finally:
+        tier.close()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .daemon.status import collect_status, format_status
+
+    cfg = config.resolve(["local_dir", "node_name", "run_id", *DURABLE_SETTINGS],
+                         {"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run_id},
+                         config_path=args.config)
+    node = node_name(cfg["node_name"])
+    root = expand_local_dir(cfg["local_dir"] or default_local_dir(), node)
+    report = collect_status(root, cfg, run_id=cfg["run_id"])
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_status(report))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main as demo_main
 
@@ -211,6 +279,29 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"{s.help} ({s.env})".replace("%", "%%"))
     sp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command (srun ... or the program)")
     sp.set_defaults(func=cmd_launch)
+    sp = sub.add_parser(
+        "daemon", help="drain committed steps from the node-local tier to the durable tier",
+        description="Per node: watch the local tier, drain committed steps (emergency first) to the durable "
+        "tier with verification, commit them there once every node's shards are in, apply retention on both "
+        "tiers and keep the local tier above local_min_free. Runs until SIGTERM, or with --once until "
+        "nothing is left to do. Exit codes: 0 ok, 1 a step could not be drained, 2 bad settings or another "
+        "daemon already drains this directory.")
+    sp.add_argument("--local-dir", default=None, help="node-local root (RSLURM_LOCAL_DIR)")
+    sp.add_argument("--durable", default=None, help="durable tier URL (RSLURM_DURABLE)")
+    sp.add_argument("--run-id", default=None, help="drain only this run (RSLURM_RUN_ID; default: every run)")
+    sp.add_argument("--once", action="store_true", help="drain what is there, then exit")
+    sp.add_argument("--job-step", action="store_true",
+                    help="started by the launcher: exit 0 at once if a daemon service already drains this node")
+    for name, s in config.SETTINGS.items():
+        if s.component == "storage":
+            sp.add_argument(f"--{name.replace('_', '-')}", dest=f"set_{name}", default=None, metavar="V",
+                            help=f"{s.help} ({s.env})".replace("%", "%%"))
+    sp.set_defaults(func=cmd_daemon)
+    sp = sub.add_parser("status", help="each step's state per tier (in progress, local, draining, durable) "
+                        "and the drain lag")
+    common(sp)
+    sp.add_argument("--durable", default=None, help="durable tier URL (RSLURM_DURABLE)")
+    sp.set_defaults(func=cmd_status)
     sp = sub.add_parser("demo", help="train, SIGKILL, resume, compare (see python -m resilient_slurm.demo -h)")
     sp.add_argument("demo_args", nargs=argparse.REMAINDER)
     sp.set_defaults(func=cmd_demo)

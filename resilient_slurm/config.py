@@ -51,6 +51,39 @@ def _limit(v: str) -> int | None:
     return n
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(v: str) -> int:
+    """A byte count: ``1048576``, ``64M``, ``64MiB``, ``1.5G`` (binary units)."""
+    s = v.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = s[-1] if s and s[-1] in _UNITS else ""
+    num = s[: len(s) - len(unit)].strip()
+    try:
+        n = float(num) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"expected a size such as 1048576, 64M or 1.5G, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"expected a size >= 0, got {v!r}")
+    return int(n)
+
+
+def _opt_size(v: str) -> int | None:
+    return None if v.strip().lower() in ("", "none", "0", "off") else parse_size(v)
+
+
+def _free_space(v: str) -> str:
+    """A free-space watermark: a percentage of the filesystem (``10%``) or a size (``50G``)."""
+    s = v.strip()
+    if s.endswith("%"):
+        pct = float(s[:-1])
+        if not 0 <= pct < 100:
+            raise ValueError(f"expected a percentage in [0, 100), got {v!r}")
+        return s
+    parse_size(s)
+    return s
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def parse(v: str) -> str:
         s = v.strip().lower()
@@ -95,7 +128,9 @@ SETTINGS: dict[str, Setting] = {
     for s in [
         Setting("local_dir", str, None, "node-local checkpoint root; '%n' expands to the node name "
                 "(default: $TMPDIR/rslurm-<uid>/%n)", "checkpoint"),
-        Setting("durable", str, None, "durable tier URL: /path, file:///path or s3://bucket/prefix (read by the drain daemon, which is not built yet; the Checkpointer only logs it)", "checkpoint"),
+        Setting("durable", str, None, "durable tier URL: /path, file:///path (Lustre or any shared "
+                "filesystem) or s3://bucket/prefix; `rslurm daemon` drains committed steps there and restore "
+                "falls back to it", "checkpoint"),
         Setting("run_id", str, None, "run identifier (default: Slurm job id, array-aware, else 'default')",
                 "checkpoint"),
         Setting("every_steps", _opt_int, None, "save every N optimizer steps", "checkpoint"),
@@ -142,6 +177,28 @@ SETTINGS: dict[str, Setting] = {
         Setting("cloud_notice_interval", float, 5.0, "seconds between metadata polls", "launcher"),
         Setting("slurm_backend", _choice("cli", "pyslurm"), "cli", "how rslurm talks to Slurm: scontrol/"
                 "scancel commands, or libslurm through pyslurm when installed", "launcher"),
+        Setting("durable_wait", float, 300.0, "seconds the launcher waits, after the emergency commit (bounded "
+                "by the job's deadline) or at the end of a completed job, for the newest step to become "
+                "durable before it requeues or exits; 0 = do not wait", "launcher"),
+        Setting("daemon", _choice("auto", "off"), "auto", "auto: with a durable tier set and no `rslurm daemon` "
+                "service on a node, the launcher runs one as a job step (srun --overlap) or a local process; "
+                "off: never", "launcher"),
+        Setting("drain_threads", int, 8, "parallel transfers (file pieces, S3 parts) per node to and from the "
+                "durable tier", "storage"),
+        Setting("drain_bandwidth", _opt_size, None, "cap on the daemon's upload bandwidth in bytes/s (e.g. "
+                "200M), to protect shared storage; unset = no cap", "storage"),
+        Setting("local_min_free", _free_space, "10%", "the daemon keeps at least this much free in the local "
+                "tier (a percentage or a size) by evicting durable steps first, never the newest step that "
+                "is not yet durable", "storage"),
+        Setting("drain_poll_interval", float, 5.0, "seconds between the daemon's rescans of the local tier "
+                "(it also reacts at once to filesystem events through watchdog)", "storage"),
+        Setting("s3_endpoint_url", str, None, "S3 endpoint for any S3-compatible store (default: AWS, or "
+                "$AWS_ENDPOINT_URL_S3)", "storage"),
+        Setting("s3_region", str, None, "S3 region (default: boto3's usual chain)", "storage"),
+        Setting("s3_part_size", parse_size, 64 << 20, "multipart part size for S3 transfers (>= 5M)",
+                "storage"),
+        Setting("s3_max_attempts", int, 8, "attempts per S3 request on transient errors (503 SlowDown, "
+                "resets, timeouts), with jittered exponential backoff", "storage"),
         Setting("config", str, None, "path of the TOML config file", "cli"),
         Setting("log_level", str, "INFO", "log level of rslurm commands and of the example programs", "cli"),
     ]

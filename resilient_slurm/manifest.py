@@ -1,9 +1,22 @@
 """Manifest schema, on-disk layout names and validation (the contract that tools read).
 
-Layout of one tier::
+Layout of the node-local tier (one per storage domain)::
 
     <root>/<run_id>/step_<step:012d>/            committed: manifest.json present (written last)
     <root>/<run_id>/step_<step:012d>.tmp-<tok>/  in progress or abandoned; never read, removed by GC
+
+Layout of a durable tier (every domain's shards in one place)::
+
+    <root>/<run_id>/step_<step:012d>/__<rank>_0.distcp       every rank's shard (names are unique)
+    <root>/<run_id>/step_<step:012d>/domains/<d>/.metadata   domain d's DCP metadata
+    <root>/<run_id>/step_<step:012d>/domains/<d>/manifest.json
+                                            domain d's manifest: its marker, written after its shards
+    <root>/<run_id>/step_<step:012d>/.metadata               the first domain's DCP metadata
+    <root>/<run_id>/step_<step:012d>/manifest.json           written LAST: the step is durable
+
+The durable manifest is the first domain's manifest with ``extra["durable"]`` listing the domains; its
+bytes depend only on the step, so every node's daemon writes the same object (idempotent commit). The
+root ``.metadata`` maps every item to a file in the step directory, so plain ``dcp.load`` reads it.
 
 The manifest is JSON (never pickle), versioned by ``schema_version``. A reader refuses versions newer
 than it knows, and names the file and the field when anything is malformed.
@@ -28,6 +41,19 @@ REASONS = ("interval", "emergency", "final", "manual")
 
 _STEP_RE = re.compile(r"^step_(\d{12})$")
 _TMP_RE = re.compile(r"^step_(\d{12})\.tmp-[A-Za-z0-9_.-]+$")
+
+
+DOMAINS_DIR = "domains"
+
+
+def durable_step_key(run_id: str, step: int) -> str:
+    """Key prefix of ``step`` of ``run_id`` in a durable tier."""
+    return f"{run_id}/{step_dirname(step)}"
+
+
+def domain_key(run_id: str, step: int, domain: str, name: str) -> str:
+    """Key of a domain's own ``manifest.json`` or ``.metadata`` in a durable step."""
+    return f"{durable_step_key(run_id, step)}/{DOMAINS_DIR}/{domain}/{name}"
 
 
 def step_dirname(step: int) -> str:
@@ -93,6 +119,22 @@ class Manifest:
     format: str = "dcp-torch_save"
     schema_version: int = SCHEMA_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def first_domain(self) -> str:
+        """The domain of the lowest rank: its manifest and metadata become the durable step's."""
+        return min(self.nodes, key=lambda d: min(self.nodes[d]) if self.nodes[d] else 1 << 30)
+
+    @property
+    def save_id(self) -> tuple[str, int, float]:
+        """Identifies one save across domains (a re-save of the same step has another ``created_at``)."""
+        return (self.run_id, self.step, self.created_at)
+
+    def as_durable(self) -> Manifest:
+        """The durable step's manifest: this (first) domain's, marked durable (deterministic bytes)."""
+        from dataclasses import replace
+
+        return replace(self, extra={**dict(self.extra), "durable": {"domains": sorted(self.nodes)}})
 
     def shards_of_node(self, node: str) -> list[ShardEntry]:
         """Shards stored in storage domain ``node``."""

@@ -1,5 +1,5 @@
 """Retention: the pure policy, and the engine applying it to real step directories (including a step
-that a reader holds open with the shared lock of ``engine.reading``)."""
+that a reader holds open with the shared lock of ``fileio.reading_step``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from resilient_slurm import Checkpointer, ConfigError
-from resilient_slurm.checkpoint.engine import reading
 from resilient_slurm.checkpoint.policy import RetentionPolicy
 from resilient_slurm.manifest import Manifest
+from resilient_slurm.storage.fileio import reading_step as reading
 
 RUN = "ret"
 

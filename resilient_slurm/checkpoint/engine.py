@@ -19,14 +19,13 @@ partial step is skipped with a warning naming the file and the reason.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import io
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +66,7 @@ from ..storage.fileio import (
     checksum,
     fsync_dir,
     read_file_into,
+    reading_step,
     remove_tree,
     round_up,
     write_file,
@@ -117,21 +117,6 @@ class SaveOutcome:
     stall_s: float
     write_s: float
     commit_s: float
-
-
-@contextlib.contextmanager
-def reading(step_dir: str) -> Iterator[None]:
-    """Hold a shared lock on a step while reading it, so retention never deletes it underneath."""
-    try:
-        fd = os.open(os.path.join(step_dir, MANIFEST_NAME), os.O_RDONLY)
-    except OSError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)
 
 
 class Engine:
@@ -478,7 +463,7 @@ class Engine:
     def _try_read(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
         step_dir = os.path.join(self.run_dir, step_dirname(step))
         try:
-            with reading(step_dir):
+            with reading_step(step_dir):
                 return "ok", "", self._read_step(step, step_dir, state)
         except IncompatibleCheckpointError as exc:
             return "incompatible", str(exc), None

@@ -9,12 +9,14 @@ parts of torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -268,6 +270,23 @@ def atomic_write(path: str, data: bytes) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise InsufficientSpaceError(f"{path}: no space left to write it; free space there") from exc
         raise StorageError(f"{path}: atomic write failed: {exc}") from exc
+
+
+@contextlib.contextmanager
+def reading_step(step_dir: str) -> Iterator[bool]:
+    """Hold a shared lock on a committed step's manifest while reading it, so retention and eviction
+    (which take the lock exclusively, without waiting) never delete it underneath. Yields False when
+    the step has no manifest (gone or never committed)."""
+    try:
+        fd = os.open(os.path.join(step_dir, "manifest.json"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield True
+    finally:
+        os.close(fd)
 
 
 def remove_tree(path: str) -> None:

@@ -9,6 +9,7 @@ mismatch deletes the temp file and publishes nothing.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import logging
 import os
@@ -213,7 +214,7 @@ class PosixTier(StorageTier):
                 if info is not None:
                     yield info
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         """See :meth:`StorageTier.list_dirs`."""
         base = self._path(prefix) if prefix.strip("/") else self.root
         try:

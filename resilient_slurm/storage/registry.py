@@ -5,7 +5,7 @@ with an install hint when it is missing)."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -60,4 +60,29 @@ def open_tier(url: str, *, threads: int = 8, bandwidth: float | None = None,
     return factory(location, threads=threads, limiter=limiter, **options)
 
 
-__all__ = ["open_tier", "parse_url", "register"]
+#: Settings that say how to reach the durable tier (resolve them with :func:`resilient_slurm.config.resolve`).
+DURABLE_SETTINGS = ["durable", "drain_threads", "drain_bandwidth", "s3_endpoint_url", "s3_region",
+                    "s3_part_size", "s3_max_attempts"]
+
+
+def open_durable(cfg: Mapping[str, Any], *, upload_cap: bool = True) -> StorageTier | None:
+    """The durable tier named by resolved settings ``cfg`` (:data:`DURABLE_SETTINGS`); None if unset.
+
+    ``upload_cap`` applies ``drain_bandwidth`` (the daemon); restore passes False: a job waiting to
+    resume should not be throttled by a cap meant for background drains."""
+    url = cfg.get("durable")
+    if not url:
+        return None
+    scheme, _ = parse_url(url)
+    options: dict[str, Any] = {}
+    if scheme == "s3":
+        options = {"endpoint_url": cfg.get("s3_endpoint_url"), "region": cfg.get("s3_region"),
+                   "part_size": cfg.get("s3_part_size") or 64 << 20,
+                   "max_attempts": cfg.get("s3_max_attempts") or 8}
+        if options["part_size"] < 5 << 20:
+            raise ConfigError(f"s3_part_size={options['part_size']}: S3 needs parts of at least 5 MiB (5M)")
+    return open_tier(url, threads=cfg.get("drain_threads") or 8,
+                     bandwidth=cfg.get("drain_bandwidth") if upload_cap else None, **options)
+
+
+__all__ = ["DURABLE_SETTINGS", "open_durable", "open_tier", "parse_url", "register"]

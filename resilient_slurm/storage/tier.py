@@ -34,6 +34,7 @@ objects from stale ones without reading them back.
 from __future__ import annotations
 
 import abc
+import builtins
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -142,7 +143,7 @@ class StorageTier(abc.ABC):
         """Every complete object under ``prefix/`` (recursive), in no particular order."""
 
     @abc.abstractmethod
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         """Names of the immediate sub-"directories" of ``prefix`` (``""`` is the root), sorted."""
 
     @abc.abstractmethod

@@ -1,0 +1,266 @@
+"""Moving one committed local step to the durable tier, and the durable commit across nodes.
+
+Who calls what (one node's daemon, one step at a time, on its main thread; each transfer runs its
+pieces on the tier's threads):
+
+1. :func:`scan_local` lists committed steps under the local root (the daemon does this on every
+   filesystem event and every poll interval).
+2. :meth:`StepDrainer.drain` for the step chosen by :func:`drain_order`, holding a shared lock on the
+   local manifest so retention and eviction cannot delete the step underneath:
+
+   a. the durable manifest already there for this save -> nothing to do (``durable``);
+   b. this domain's marker already there for this save -> skip to (e);
+   c. every shard of this domain: skipped if the tier already holds it with the same size and
+      recorded checksum (a restarted daemon does not re-send verified data), else ``put_file``
+      (verified against the manifest's xxh3 as it is read);
+   d. this domain's ``.metadata`` then its ``manifest.json`` (the marker: "my shards are there");
+   e. :meth:`StepDrainer.try_commit`: if every domain's marker is there *for the same save*, write the
+      root ``.metadata`` and then the durable ``manifest.json``: the commit. Every node that finishes
+      runs it, so whichever finishes last commits; the bytes are the same from any node.
+
+A step is never durable unless every domain's shards were verified and their markers written before
+the manifest. A partial step (markers missing) has no root manifest and is never restored from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ..errors import ObjectNotFoundError, ResilientSlurmError
+from ..manifest import (
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    Manifest,
+    domain_key,
+    durable_step_key,
+    parse_step_dirname,
+    step_dirname,
+)
+from ..storage.fileio import checksum, reading_step
+from ..storage.tier import StorageTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """A committed step in the node-local tier."""
+
+    run_id: str
+    step: int
+    path: str
+    manifest: Manifest
+
+    @property
+    def domain(self) -> str:
+        """The storage domain this local copy belongs to."""
+        return self.manifest.node
+
+    @property
+    def local_bytes(self) -> int:
+        """Bytes of this domain's shards."""
+        return sum(s.size for s in self.manifest.shards_of_node(self.domain))
+
+
+def read_manifest(step_dir: str) -> Manifest:
+    """Parse a local step's manifest (raises CorruptCheckpointError / OSError)."""
+    path = os.path.join(step_dir, MANIFEST_NAME)
+    with open(path, "rb") as f:
+        return Manifest.from_json(f.read(), source=path)
+
+
+def scan_local(root: str, run_ids: Iterable[str] | None = None,
+               invalid: Callable[[str, str], None] | None = None) -> list[LocalStep]:
+    """Committed steps under ``root`` (every run, or ``run_ids``). A step whose manifest cannot be read
+    is reported through ``invalid(path, reason)`` and left out: it is never drained."""
+    out: list[LocalStep] = []
+    try:
+        runs = sorted(run_ids) if run_ids is not None else sorted(
+            d for d in os.listdir(root) if not d.startswith(".") and os.path.isdir(os.path.join(root, d)))
+    except FileNotFoundError:
+        return out
+    for run in runs:
+        run_dir = os.path.join(root, run)
+        try:
+            names = os.listdir(run_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for n in names:
+            step = parse_step_dirname(n)
+            if step is None:
+                continue
+            path = os.path.join(run_dir, n)
+            try:
+                m = read_manifest(path)
+            except FileNotFoundError:
+                continue  # deleted between listdir and open
+            except (OSError, ResilientSlurmError) as exc:
+                if invalid:
+                    invalid(path, str(exc))
+                continue
+            if m.step != step or m.run_id != run:
+                if invalid:
+                    invalid(path, f"manifest says run {m.run_id!r} step {m.step}")
+                continue
+            out.append(LocalStep(run, step, path, m))
+    return out
+
+
+def durable_steps(tier: StorageTier, run_id: str) -> list[int]:
+    """Steps of ``run_id`` committed in the durable tier (root manifest present), ascending."""
+    steps = []
+    for name in tier.list_dirs(run_id):
+        s = parse_step_dirname(name)
+        if s is not None and tier.stat(f"{run_id}/{name}/{MANIFEST_NAME}") is not None:
+            steps.append(s)
+    return sorted(steps)
+
+
+def read_durable_manifest(tier: StorageTier, run_id: str, step: int, domain: str | None = None) -> Manifest:
+    """The durable step's manifest, or one domain's marker manifest when ``domain`` is given."""
+    key = (domain_key(run_id, step, domain, MANIFEST_NAME) if domain
+           else f"{durable_step_key(run_id, step)}/{MANIFEST_NAME}")
+    return Manifest.from_json(tier.get_bytes(key), source=f"{tier.url}/{key}")
+
+
+@dataclass
+class DrainResult:
+    """What :meth:`StepDrainer.drain` did for one step."""
+
+    run_id: str
+    step: int
+    state: str  # durable | waiting (other nodes' shards missing) | preempted (a more urgent step) | superseded
+    bytes_sent: int = 0
+    bytes_reused: int = 0
+    seconds: float = 0.0
+    retries: int = 0
+    missing_domains: list[str] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second sent."""
+        return self.bytes_sent / self.seconds if self.seconds > 0 else 0.0
+
+
+class StepDrainer:
+    """Drains local steps of one node into one durable tier (see the module docstring)."""
+
+    def __init__(self, tier: StorageTier, *, should_yield: Callable[[LocalStep], bool] | None = None,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.tier = tier
+        self.should_yield = should_yield  # asked between shards: a more urgent step is waiting
+        self.progress = progress
+
+    def drain(self, ls: LocalStep) -> DrainResult:
+        """Drain ``ls`` (this node's share of it) and try the durable commit."""
+        t0 = time.perf_counter()
+        res = DrainResult(ls.run_id, ls.step, "waiting")
+        with reading_step(ls.path) as present:
+            if not present:
+                res.state = "superseded"  # deleted by retention or eviction before we got to it
+                return res
+            m = read_manifest(ls.path)  # re-read under the lock: the step may have been re-saved
+            if m.save_id != ls.manifest.save_id:
+                ls = LocalStep(ls.run_id, ls.step, ls.path, m)
+            durable = self._durable_manifest(ls)
+            if durable is not None:
+                if durable.save_id != m.save_id:
+                    log.info("run %s step %d is already durable from an earlier save of the same step; the local "
+                             "re-save is not drained again", ls.run_id, ls.step)
+                res.state = "durable"
+                return res
+            if not self._marker_matches(ls, ls.domain):
+                for s in m.shards_of_node(ls.domain):
+                    if self.should_yield is not None and self.should_yield(ls):
+                        res.state = "preempted"
+                        res.seconds = time.perf_counter() - t0
+                        return res
+                    key = f"{durable_step_key(ls.run_id, ls.step)}/{s.path}"
+                    info = self.tier.stat(key)
+                    if info is not None and info.size == s.size and info.checksum == s.checksum:
+                        res.bytes_reused += s.size
+                        continue
+                    st = self.tier.put_file(os.path.join(ls.path, s.path), key, size=s.size, checksum=s.checksum,
+                                            progress=self.progress)
+                    res.bytes_sent += st.bytes - st.reused_bytes
+                    res.bytes_reused += st.reused_bytes
+                    res.retries += st.retries
+                md_path = os.path.join(ls.path, DCP_METADATA_NAME)
+                with open(md_path, "rb") as f:
+                    md = f.read()
+                if len(md) != m.dcp_metadata.length or checksum(md) != m.dcp_metadata.checksum:
+                    from ..errors import CorruptCheckpointError
+
+                    raise CorruptCheckpointError(f"{md_path}: size or checksum does not match the manifest; "
+                                                 "this step is not drained")
+                self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, DCP_METADATA_NAME), md)
+                self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, MANIFEST_NAME), m.to_json().encode())
+        res.missing_domains = self.try_commit(ls.run_id, ls.step, m)
+        res.state = "durable" if not res.missing_domains else "waiting"
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    def _durable_manifest(self, ls: LocalStep) -> Manifest | None:
+        try:
+            return read_durable_manifest(self.tier, ls.run_id, ls.step)
+        except ObjectNotFoundError:
+            return None
+        except ResilientSlurmError as exc:
+            # A garbage durable manifest is not a commit: overwrite it with a good one.
+            log.warning("durable manifest of run %s step %d is unreadable (%s); draining it again",
+                        ls.run_id, ls.step, exc)
+            return None
+
+    def _marker_matches(self, ls: LocalStep, domain: str) -> bool:
+        try:
+            return read_durable_manifest(self.tier, ls.run_id, ls.step, domain).save_id == ls.manifest.save_id
+        except (ObjectNotFoundError, ResilientSlurmError):
+            return False
+
+    def try_commit(self, run_id: str, step: int, m: Manifest) -> list[str]:
+        """Commit the durable step if every domain's marker is there for save ``m``; return the domains
+        still missing (empty: the step is durable)."""
+        missing = []
+        markers: dict[str, Manifest] = {}
+        for d in sorted(m.nodes):
+            try:
+                mk = read_durable_manifest(self.tier, run_id, step, d)
+            except (ObjectNotFoundError, ResilientSlurmError):
+                missing.append(d)
+                continue
+            if mk.save_id != m.save_id:
+                missing.append(d)  # that node drained another save of this step; it will drain this one
+                continue
+            markers[d] = mk
+        if missing:
+            return missing
+        first = m.first_domain
+        md = self.tier.get_bytes(domain_key(run_id, step, first, DCP_METADATA_NAME))
+        if checksum(md) != markers[first].dcp_metadata.checksum:
+            from ..errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(f"{self.tier.url}/{domain_key(run_id, step, first, DCP_METADATA_NAME)}: "
+                                         "does not match its domain manifest; the step is not committed")
+        prefix = durable_step_key(run_id, step)
+        self.tier.put_bytes(f"{prefix}/{DCP_METADATA_NAME}", md)
+        self.tier.put_bytes(f"{prefix}/{MANIFEST_NAME}", markers[first].as_durable().to_json().encode())
+        return []
+
+
+def drain_order(steps: Iterable[LocalStep]) -> list[LocalStep]:
+    """The order in which pending steps are drained: emergency checkpoints first, then newest first
+    (an older step is likely to be superseded, and the newest is what a resume needs)."""
+    return sorted(steps, key=lambda s: (s.manifest.reason != "emergency", -s.manifest.created_at, -s.step))
+
+
+def step_path(root: str, run_id: str, step: int) -> str:
+    """Local directory of a committed step."""
+    return os.path.join(root, run_id, step_dirname(step))
+
+
+__all__ = ["DrainResult", "LocalStep", "StepDrainer", "drain_order", "durable_steps", "read_durable_manifest",
+           "read_manifest", "scan_local", "step_path"]

@@ -1,0 +1,464 @@
+"""``rslurm daemon``: the per-node drain loop (a system service that outlives jobs, or a job step).
+
+Call order: ``Daemon(...)`` then :meth:`Daemon.run` on the main thread. ``run`` takes the node's
+daemon lock (``<local root>/.rslurm/daemon.lock``, ``flock``; a second daemon on the same directory
+gets :class:`DaemonRunningError`), starts a watchdog observer on the local root (events only wake the
+loop; a rescan every ``poll_interval`` seconds is the fallback when inotify is unavailable), removes
+what an earlier daemon killed mid-transfer left behind, then loops:
+
+1. scan the local root for committed steps; decide each one's state against the durable tier;
+2. drain the most urgent pending step (:func:`~.drain.drain_order`: emergency first, then newest),
+   yielding between shard files when a more urgent step appears or a stop is requested;
+3. apply retention on the durable tier (per ``keep_last``/``keep_every``; never the newest durable step);
+4. keep the local tier above ``local_min_free``: evict durable steps first, oldest first; then older
+   non-durable ones, never the newest step that is not yet durable;
+5. write the status file (``<local root>/.rslurm/daemon.json``) that ``rslurm status`` reads.
+
+``--once`` runs passes until nothing is left that this node can do, then exits.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from ..checkpoint.policy import RetentionPolicy
+from ..errors import CorruptCheckpointError, ResilientSlurmError, StorageError
+from ..manifest import MANIFEST_NAME, durable_step_key, tmp_dirname
+from ..storage.fileio import atomic_write, fsync_dir, remove_tree
+from ..storage.tier import StorageTier
+from .drain import DrainResult, LocalStep, StepDrainer, drain_order, durable_steps, scan_local
+
+log = logging.getLogger(__name__)
+
+STATE_DIR = ".rslurm"
+LOCK_FILE = "daemon.lock"
+STATUS_FILE = "daemon.json"
+# Incomplete uploads (S3 multipart, POSIX temp files) older than this belong to nobody any more.
+STALE_UPLOAD_AGE = 6 * 3600.0
+
+
+class DaemonRunningError(ResilientSlurmError):
+    """Another daemon already drains this local directory."""
+
+
+def status_path(root: str) -> str:
+    """Where a node's daemon writes its status."""
+    return os.path.join(root, STATE_DIR, STATUS_FILE)
+
+
+def daemon_running(root: str) -> bool:
+    """True when a daemon holds the lock of ``root`` (a service, or another job's step)."""
+    path = os.path.join(root, STATE_DIR, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def min_free_bytes(spec: str, path: str) -> int:
+    """Bytes ``local_min_free`` asks for on the filesystem of ``path``."""
+    from ..config import parse_size
+
+    if spec.strip().endswith("%"):
+        st = os.statvfs(path)
+        return int(st.f_blocks * st.f_frsize * float(spec.strip()[:-1]) / 100.0)
+    return parse_size(spec)
+
+
+@dataclass
+class StepStatus:
+    """One step as the daemon sees it (what ``rslurm status`` prints)."""
+
+    run_id: str
+    step: int
+    reason: str
+    bytes: int
+    created_at: float
+    state: str  # local | draining | waiting | durable | failed
+    durable_at: float | None = None
+    drain_s: float | None = None
+    throughput: float | None = None
+    retries: int = 0
+    waiting_for: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+class Daemon:
+    """Drains one node's local tier into one durable tier (see the module docstring)."""
+
+    def __init__(self, root: str, tier: StorageTier, *, node: str, retention: RetentionPolicy,
+                 run_ids: Iterable[str] | None = None, min_free: str = "10%", poll_interval: float = 5.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.root = root
+        self.tier = tier
+        self.node = node
+        self.retention = retention
+        self.run_ids = sorted(run_ids) if run_ids else None
+        self.min_free = min_free
+        self.poll_interval = poll_interval
+        self.clock = clock
+        self.stop_requested = threading.Event()
+        self._wake = threading.Event()
+        self._status: dict[tuple[str, int], StepStatus] = {}
+        self._durable: dict[str, list[int]] = {}  # run -> durable steps, refreshed each pass
+        self._current: dict[str, Any] | None = None
+        self._lock_fd: int | None = None
+        self._last_status_write = 0.0
+        self._failures: dict[tuple[str, int, float], int] = {}
+        self.drained: list[DrainResult] = []
+        self.started_at = clock()
+
+    # ------------------------------------------------------------------ lifecycle
+    def acquire(self) -> None:
+        """Take the node's daemon lock or raise :class:`DaemonRunningError`."""
+        d = os.path.join(self.root, STATE_DIR)
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(d, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise DaemonRunningError(f"another rslurm daemon already drains {self.root} (lock "
+                                         f"{os.path.join(d, LOCK_FILE)})") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Give the lock back."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def request_stop(self, *_: object) -> None:
+        """Stop after the current shard file (safe from a signal handler)."""
+        self.stop_requested.set()
+        self._wake.set()
+
+    def run(self, *, once: bool = False, install_signals: bool = True) -> int:
+        """Run until stopped (or, with ``once``, until nothing is left to do); return an exit code:
+        0, or 1 when some step could not be drained."""
+        self.acquire()
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, self._on_signal)
+        observer = None if once else self._watch()
+        log.info("rslurm daemon on %s: draining %s -> %s%s", self.node, self.root, self.tier.url,
+                 f" (runs {', '.join(self.run_ids)})" if self.run_ids else "")
+        try:
+            self._cleanup_incomplete()
+            failed = False
+            while not self.stop_requested.is_set():
+                self._wake.clear()
+                busy, failed = self.run_pass()
+                if once and not busy:
+                    break
+                if not busy:
+                    self._wake.wait(self.poll_interval)
+            return 1 if failed else 0
+        finally:
+            if observer is not None:
+                observer.stop()
+                observer.join(timeout=5)
+            self._write_status(force=True)
+            self.release()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        log.warning("rslurm daemon: %s received; stopping after the current file", signal.Signals(signum).name)
+        self.request_stop()
+
+    def _watch(self) -> Any:
+        try:
+            from watchdog.events import FileSystemEvent, FileSystemEventHandler
+            from watchdog.observers import Observer
+        except ImportError:  # pragma: no cover - watchdog is a core dependency
+            log.warning("watchdog is not installed; rescanning every %.0f s", self.poll_interval)
+            return None
+        wake = self._wake
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                path = str(getattr(event, "dest_path", "") or event.src_path)
+                if STATE_DIR not in path.split(os.sep):
+                    wake.set()
+
+        try:
+            observer = Observer()
+            observer.schedule(Handler(), self.root, recursive=True)
+            observer.start()
+            return observer
+        except (OSError, RuntimeError) as exc:  # inotify limits, unsupported filesystem
+            log.warning("cannot watch %s (%s); rescanning every %.0f s instead", self.root, exc, self.poll_interval)
+            return None
+
+    # ------------------------------------------------------------------ one pass
+    def run_pass(self) -> tuple[bool, bool]:
+        """Scan, drain one step, retention, eviction, status. Returns (more work may be pending now,
+        some step failed)."""
+        steps = scan_local(self.root, self.run_ids, invalid=self._invalid)
+        runs = sorted({s.run_id for s in steps} | set(self.run_ids or ()))
+        for run in runs:
+            try:
+                self._durable[run] = durable_steps(self.tier, run)
+            except StorageError as exc:
+                log.warning("cannot list the durable tier for run %s: %s", run, exc)
+        pending = []
+        for s in steps:
+            st = self._step_status(s)
+            if s.step in self._durable.get(s.run_id, ()):
+                if st.state != "durable":
+                    st.state, st.waiting_for = "durable", []
+                    st.durable_at = st.durable_at or self.clock()
+                continue
+            if not self._worth_draining(s):
+                st.state = "local"
+                continue
+            if self._failures.get(s.manifest.save_id, 0) >= 3:
+                st.state = "failed"
+                continue
+            pending.append(s)
+        present = {(x.run_id, x.step) for x in steps}
+        for key in [k for k in self._status if k not in present]:
+            del self._status[key]
+        busy = False
+        failed = any(st.state == "failed" for st in self._status.values())
+        order = drain_order(pending)
+        if order:
+            ls = order[0]
+            result = self._drain_one(ls, order)
+            busy = result is not None and result.state in ("durable", "preempted")
+            if result is not None and result.state == "durable":
+                self._durable.setdefault(ls.run_id, [])
+                if ls.step not in self._durable[ls.run_id]:
+                    self._durable[ls.run_id] = sorted([*self._durable[ls.run_id], ls.step])
+            # Steps waiting for other nodes are retried on the next pass; the others are drained now.
+            busy = busy or any(self._status[(s.run_id, s.step)].state not in ("waiting", "failed") for s in order[1:])
+            failed = failed or result is None
+        for run in runs:
+            self._apply_durable_retention(run)
+        self._evict_if_needed(steps)
+        self._write_status(force=True)
+        return busy and not self.stop_requested.is_set(), failed
+
+    def _step_status(self, s: LocalStep) -> StepStatus:
+        key = (s.run_id, s.step)
+        st = self._status.get(key)
+        if st is None or st.created_at != s.manifest.created_at:
+            st = StepStatus(s.run_id, s.step, s.manifest.reason, s.local_bytes, s.manifest.created_at, "local")
+            self._status[key] = st
+        return st
+
+    def _worth_draining(self, s: LocalStep) -> bool:
+        """Drain only steps that retention would keep in the durable tier next to what is there."""
+        durable = set(self._durable.get(s.run_id, ()))
+        return s.step in self.retention.keep(durable | {s.step})
+
+    def _invalid(self, path: str, reason: str) -> None:
+        log.error("not draining %s: %s (run `rslurm verify` on it)", path, reason)
+
+    def _drain_one(self, ls: LocalStep, order: list[LocalStep]) -> DrainResult | None:
+        st = self._step_status(ls)
+        st.state, st.error = "draining", None
+        self._current = {"run_id": ls.run_id, "step": ls.step, "bytes_total": ls.local_bytes, "bytes_done": 0,
+                         "started_at": self.clock()}
+        self._write_status(force=True)
+
+        def progress(n: int) -> None:
+            if self._current is not None:
+                self._current["bytes_done"] += n
+            self._write_status()
+
+        def should_yield(cur: LocalStep) -> bool:
+            if self.stop_requested.is_set():
+                return True
+            if cur.manifest.reason == "emergency" or not self._wake.is_set():
+                return False
+            fresh = scan_local(self.root, self.run_ids)
+            return any(s.manifest.reason == "emergency" and s.step not in self._durable.get(s.run_id, ())
+                       and (s.run_id, s.step) != (cur.run_id, cur.step) for s in fresh)
+
+        drainer = StepDrainer(self.tier, should_yield=should_yield, progress=progress)
+        try:
+            result = drainer.drain(ls)
+        except CorruptCheckpointError as exc:
+            log.error("run %s step %d cannot be drained: %s", ls.run_id, ls.step, exc)
+            st.state, st.error = "failed", str(exc)
+            self._failures[ls.manifest.save_id] = 3  # corrupt data does not heal by retrying
+            return None
+        except (ResilientSlurmError, OSError) as exc:
+            n = self._failures.get(ls.manifest.save_id, 0) + 1
+            self._failures[ls.manifest.save_id] = n
+            log.error("draining run %s step %d failed (attempt %d of 3): %s", ls.run_id, ls.step, n, exc)
+            st.state, st.error = ("failed" if n >= 3 else "local"), str(exc)
+            return None
+        finally:
+            self._current = None
+        st.retries += result.retries
+        if result.state == "preempted":
+            st.state = "local"
+            log.info("run %s step %d: paused for a more urgent step", ls.run_id, ls.step)
+            return result
+        if result.bytes_sent or result.bytes_reused:
+            st.drain_s, st.throughput = result.seconds, result.throughput
+            log.info("run %s step %d (%s): %.1f MiB sent, %.1f MiB already there, %.2f s, %.1f MiB/s, %d retries",
+                     ls.run_id, ls.step, ls.manifest.reason, result.bytes_sent / 2**20, result.bytes_reused / 2**20,
+                     result.seconds, result.throughput / 2**20, result.retries)
+        if result.state == "durable":
+            st.state, st.waiting_for = "durable", []
+            st.durable_at = self.clock()
+            log.info("run %s step %d is durable in %s", ls.run_id, ls.step, self.tier.url)
+            try:  # every domain is done: nothing may still be uploading for this step
+                self.tier.cleanup_incomplete(durable_step_key(ls.run_id, ls.step))
+            except StorageError as exc:
+                log.warning("could not clean incomplete uploads of run %s step %d: %s", ls.run_id, ls.step, exc)
+        elif result.state == "waiting":
+            st.state, st.waiting_for = "waiting", result.missing_domains
+            log.info("run %s step %d: this node's shards are durable; waiting for %s", ls.run_id, ls.step,
+                     ", ".join(result.missing_domains))
+        self.drained.append(result)
+        return result
+
+    # ------------------------------------------------------------------ cleanup, retention, eviction
+    def _cleanup_incomplete(self) -> None:
+        steps = scan_local(self.root, self.run_ids)
+        mine = {f"{durable_step_key(s.run_id, s.step)}/{sh.path}" for s in steps
+                for sh in s.manifest.shards_of_node(s.domain)}
+        for run in sorted({s.run_id for s in steps} | set(self.run_ids or ())):
+            try:
+                # Ours: resumed by the next put_file. Others': only when nobody can still be writing them.
+                n = self.tier.cleanup_incomplete(run, older_than=STALE_UPLOAD_AGE, keep=mine.__contains__)
+                if n:
+                    log.info("removed %d incomplete uploads of run %s", n, run)
+            except StorageError as exc:
+                log.warning("cannot clean incomplete uploads of run %s: %s", run, exc)
+
+    def _apply_durable_retention(self, run: str) -> None:
+        steps = self._durable.get(run, [])
+        for s in self.retention.deletable(steps):
+            prefix = durable_step_key(run, s)
+            try:
+                self.tier.delete([f"{prefix}/{MANIFEST_NAME}"])  # uncommit first: never a half step that looks durable
+                self.tier.delete_prefix(prefix)
+                log.info("retention: removed run %s step %d from %s", run, s, self.tier.url)
+            except StorageError as exc:
+                log.warning("retention on %s: cannot remove run %s step %d: %s", self.tier.url, run, s, exc)
+                continue
+            self._durable[run] = [x for x in self._durable[run] if x != s]
+
+    def _evict_if_needed(self, steps: list[LocalStep]) -> None:
+        try:
+            need = min_free_bytes(self.min_free, self.root)
+            st = os.statvfs(self.root)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot check free space of %s: %s", self.root, exc)
+            return
+        free = st.f_bavail * st.f_frsize
+        if free >= need:
+            return
+        by_run: dict[str, list[LocalStep]] = {}
+        for s in steps:
+            by_run.setdefault(s.run_id, []).append(s)
+        first: list[LocalStep] = []  # durable, not the run's newest local step
+        second: list[LocalStep] = []  # durable, the run's newest
+        third: list[LocalStep] = []  # not durable, but not the newest non-durable step of its run
+        for run, ss in by_run.items():
+            durable = set(self._durable.get(run, ()))
+            newest = max(s.step for s in ss)
+            non_durable = [s for s in ss if s.step not in durable]
+            newest_nd = max((s.step for s in non_durable), default=None)
+            for s in ss:
+                if s.step in durable:
+                    (second if s.step == newest else first).append(s)
+                elif s.step != newest_nd:
+                    third.append(s)
+        for group in (first, second, third):
+            for s in sorted(group, key=lambda x: x.step):
+                if free >= need:
+                    return
+                if self._evict(s):
+                    free = os.statvfs(self.root).f_bavail * st.f_frsize
+        if free < need:
+            log.warning("local tier %s: %.1f GiB free, below local_min_free=%s, and nothing more can be evicted "
+                        "(the newest step that is not yet durable is kept)", self.root, free / 2**30, self.min_free)
+
+    def _evict(self, s: LocalStep) -> bool:
+        try:
+            fd = os.open(os.path.join(s.path, MANIFEST_NAME), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # being read (restore, drain): keep it for now
+            gone = os.path.join(os.path.dirname(s.path), tmp_dirname(s.step, f"evict-{secrets.token_hex(4)}"))
+            os.rename(s.path, gone)
+        finally:
+            os.close(fd)
+        fsync_dir(os.path.dirname(s.path))
+        try:
+            remove_tree(gone)
+        except OSError as exc:
+            log.warning("could not remove %s: %s", gone, exc)
+        durable = s.step in self._durable.get(s.run_id, ())
+        log.warning("local tier below local_min_free=%s: evicted run %s step %d (%s)", self.min_free, s.run_id,
+                    s.step, "durable" if durable else "older than the newest step, not durable")
+        self._status.pop((s.run_id, s.step), None)
+        return True
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        """The status document (also written to :func:`status_path`)."""
+        now = self.clock()
+        pending = [st for st in self._status.values() if st.state not in ("durable",)]
+        lag = max((now - st.created_at for st in pending), default=0.0)
+        return {
+            "version": 1, "node": self.node, "pid": os.getpid(), "local_root": self.root, "durable": self.tier.url,
+            "started_at": self.started_at, "updated_at": now, "drain_lag_s": lag, "current": self._current,
+            "steps": [vars(st) for st in sorted(self._status.values(), key=lambda x: (x.run_id, x.step))],
+        }
+
+    def _write_status(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_status_write < 1.0:
+            return
+        self._last_status_write = now
+        try:
+            atomic_write(status_path(self.root), json.dumps(self.status(), indent=1).encode())
+        except (OSError, ResilientSlurmError) as exc:
+            log.warning("cannot write the daemon status: %s", exc)
+
+
+def read_status(root: str) -> dict[str, Any] | None:
+    """The status a node's daemon last wrote, or None."""
+    try:
+        with open(status_path(root)) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+__all__ = ["Daemon", "DaemonRunningError", "StepStatus", "daemon_running", "min_free_bytes", "read_status",
+           "status_path"]

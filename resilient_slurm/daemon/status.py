@@ -1,0 +1,166 @@
+"""``rslurm status``: every step's state per tier, from the local tier, the daemon's status file and the
+durable tier. Read-only; works with or without a daemon running.
+
+States of a step:
+
+* local tier: ``in_progress`` (a ``step_X.tmp-*`` directory: a save being written, or abandoned),
+  ``committed`` (manifest present), ``-`` (not on this node: evicted, or never here);
+* drain: the daemon's view: ``draining`` (transfer under way), ``waiting`` (this node's shards are
+  durable, other nodes' are not yet), ``failed`` (with the error), ``local`` (not drained: retention
+  would not keep it in the durable tier);
+* durable tier: ``durable`` (its manifest is there), ``partial k/n`` (markers of k of n domains),
+  ``-`` (nothing there).
+
+The drain lag is the age of the oldest committed local step newer than the newest durable step: how far
+the durable tier trails this node.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ResilientSlurmError
+from ..manifest import DOMAINS_DIR, is_tmp_dirname, parse_step_dirname
+from .drain import durable_steps, scan_local
+from .service import daemon_running, read_status
+
+
+def _tmp_steps(root: str, run: str) -> list[int]:
+    try:
+        names = os.listdir(os.path.join(root, run))
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        if is_tmp_dirname(n) and "-gc-" not in n and "-evict-" not in n and "replaced-" not in n:
+            s = parse_step_dirname(n.split(".tmp-")[0])
+            if s is not None:
+                out.append(s)
+    return out
+
+
+def collect_status(root: str, cfg: Mapping[str, Any], *, run_id: str | None = None,
+                   now: float | None = None) -> dict[str, Any]:
+    """The status report as a JSON-able dict."""
+    now = time.time() if now is None else now
+    local = scan_local(root, [run_id] if run_id else None)
+    daemon = read_status(root)
+    alive = daemon_running(root)
+    dstate = {(s["run_id"], s["step"]): s for s in (daemon or {}).get("steps", [])}
+    runs = sorted({s.run_id for s in local} | ({run_id} if run_id else set()))
+    if not run_id:
+        try:
+            runs = sorted(set(runs) | {d for d in os.listdir(root) if not d.startswith(".")
+                                        and os.path.isdir(os.path.join(root, d))})
+        except FileNotFoundError:
+            pass
+    tier = None
+    errors: list[str] = []
+    if cfg.get("durable"):
+        from ..storage import open_durable
+
+        try:
+            tier = open_durable(cfg, upload_cap=False)
+        except ResilientSlurmError as exc:
+            errors.append(f"durable tier {cfg['durable']}: {exc}")
+    rows: list[dict[str, Any]] = []
+    lags: dict[str, float] = {}
+    try:
+        for run in runs:
+            by_step: dict[int, dict[str, Any]] = {}
+
+            def row(step: int, by_step: dict[int, dict[str, Any]] = by_step, run: str = run) -> dict[str, Any]:
+                return by_step.setdefault(step, {"run_id": run, "step": step, "local": "-", "drain": None,
+                                                 "durable": "-", "reason": None, "bytes": None, "created_at": None})
+
+            for s in local:
+                if s.run_id == run:
+                    r = row(s.step)
+                    r.update(local="committed", reason=s.manifest.reason, bytes=s.local_bytes,
+                             created_at=s.manifest.created_at, domains=len(s.manifest.nodes))
+            for step in _tmp_steps(root, run):
+                if by_step.get(step, {}).get("local") != "committed":
+                    row(step)["local"] = "in_progress"
+            durable: list[int] = []
+            if tier is not None:
+                try:
+                    durable = durable_steps(tier, run)
+                    for step in durable:
+                        row(step)["durable"] = "durable"
+                    for name in tier.list_dirs(run):
+                        step_n = parse_step_dirname(name)
+                        if step_n is None or step_n in durable:
+                            continue
+                        marks = tier.list_dirs(f"{run}/{name}/{DOMAINS_DIR}")
+                        r = row(step_n)
+                        n = r.get("domains") or "?"
+                        r["durable"] = f"partial {len(marks)}/{n}"
+                except ResilientSlurmError as exc:
+                    errors.append(f"durable tier {tier.url}, run {run}: {exc}")
+            for step, r in by_step.items():
+                d = dstate.get((run, step))
+                if d is not None and d.get("created_at") == r.get("created_at"):
+                    r["drain"] = d.get("state")
+                    if d.get("waiting_for"):
+                        r["waiting_for"] = d["waiting_for"]
+                    if d.get("error"):
+                        r["error"] = d["error"]
+                    if d.get("throughput"):
+                        r["drain_mib_s"] = round(d["throughput"] / 2**20, 1)
+            newest_durable = max(durable, default=-1)
+            behind = [r["created_at"] for r in by_step.values()
+                      if r["local"] == "committed" and r["step"] > newest_durable and r["created_at"]]
+            if tier is not None:
+                lags[run] = max(0.0, now - min(behind)) if behind else 0.0
+            rows.extend(by_step[s] for s in sorted(by_step))
+    finally:
+        if tier is not None:
+            tier.close()
+    return {"local_root": root, "durable": cfg.get("durable"), "daemon": {
+        "running": alive, "pid": (daemon or {}).get("pid"), "updated_at": (daemon or {}).get("updated_at"),
+        "current": (daemon or {}).get("current")}, "drain_lag_s": lags, "steps": rows, "errors": errors}
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def format_status(report: Mapping[str, Any]) -> str:
+    """A readable table of :func:`collect_status`'s report."""
+    d = report["daemon"]
+    lines = [f"local tier   {report['local_root']}", f"durable tier {report['durable'] or '(not set)'}"]
+    if d["running"]:
+        cur = d.get("current")
+        doing = (f"draining run {cur['run_id']} step {cur['step']}: {_size(cur['bytes_done'])} of "
+                 f"{_size(cur['bytes_total'])}" if cur else "idle")
+        lines.append(f"daemon       running (pid {d['pid']}), {doing}")
+    else:
+        lines.append("daemon       not running on this node" + (" (status from its last run below)"
+                                                               if d.get("updated_at") else ""))
+    for run, lag in sorted(report["drain_lag_s"].items()):
+        lines.append(f"drain lag    run {run}: {lag:.0f} s")
+    lines.append("")
+    lines.append(f"{'RUN':<16} {'STEP':>10} {'REASON':<9} {'SIZE':>10} {'LOCAL':<11} {'DRAIN':<9} {'DURABLE':<12} AGE")
+    now = time.time()
+    for r in report["steps"]:
+        age = f"{max(0, int(now - r['created_at']))}s" if r.get("created_at") else "-"
+        drain = r.get("drain") or "-"
+        lines.append(f"{r['run_id']:<16} {r['step']:>10} {r.get('reason') or '-':<9} {_size(r.get('bytes')):>10} "
+                     f"{r['local']:<11} {drain:<9} {r['durable']:<12} {age}")
+        if r.get("waiting_for"):
+            lines.append(f"{'':<28}waiting for nodes: {', '.join(r['waiting_for'])}")
+        if r.get("error"):
+            lines.append(f"{'':<28}error: {r['error']}")
+    if not report["steps"]:
+        lines.append("(no checkpoints)")
+    for e in report["errors"]:
+        lines.append(f"error: {e}")
+    return "\n".join(lines)
+
+
+__all__ = ["collect_status", "format_status"]
