@@ -32,6 +32,7 @@ from .. import config
 from ..control.rank import RankLink
 from ..errors import CheckpointError, ConfigError
 from ..paths import default_local_dir, default_run_id, node_name
+from ..storage.registry import open_durable
 from .coordination import Coordinator, Topology, discover_topology
 from .engine import Engine, PendingSave, SaveOutcome
 from .policy import Cadence, RetentionPolicy
@@ -57,11 +58,13 @@ _SETTINGS = [
     "control_timeout",
     "trap_signals",
     "save_signal",
+    "drain_threads",
+    "drain_bandwidth",
+    "s3_endpoint_url",
+    "s3_region",
+    "s3_part_size",
+    "s3_max_attempts",
 ]
-
-
-
-
 
 
 class Checkpointer:
@@ -104,12 +107,10 @@ class Checkpointer:
         if cfg["io_threads"] < 1:
             raise ConfigError(f"io_threads must be >= 1, got {cfg['io_threads']}")
         self.durable: str | None = cfg["durable"]
-        if self.durable:
-            log.info(
-                "durable tier %s: committed steps are drained there by `rslurm daemon`; this process "
-                "writes and restores the node-local tier",
-                self.durable,
-            )
+        # Restore reads the durable tier when a step is missing or corrupt locally; `rslurm daemon`
+        # writes it. Opening it makes no request (S3: the client only), so a dead endpoint costs nothing
+        # until a restore needs it, and then it is a warning, not a failure.
+        self._durable_tier = open_durable(cfg, upload_cap=False) if self.durable else None
         self.retention = RetentionPolicy(cfg["keep_last"], cfg["keep_every"])
         self.cadence = Cadence(cfg["every_steps"], cfg["every_seconds"])
         self._coord = Coordinator(timeout_s=cfg["collective_timeout"])
@@ -131,6 +132,7 @@ class Checkpointer:
             io_threads=cfg["io_threads"],
             free_space_margin=cfg["free_space_margin"],
             capture_rng=cfg["capture_rng"],
+            durable=self._durable_tier,
         )
         self._sync_every: int = cfg["sync_every"]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-ckpt")
@@ -280,6 +282,8 @@ class Checkpointer:
             self._finish_retention()
             self._pool.shutdown(wait=True)
             self._link.close()
+            if self._durable_tier is not None:
+                self._durable_tier.close()
 
     def __enter__(self) -> Checkpointer:
         return self

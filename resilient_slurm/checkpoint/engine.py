@@ -19,6 +19,7 @@ partial step is skipped with a warning naming the file and the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import io
@@ -71,6 +72,7 @@ from ..storage.fileio import (
     round_up,
     write_file,
 )
+from ..storage.tier import StorageTier
 from . import state as state_mod
 from .coordination import Coordinator, Topology
 from .planning import (
@@ -132,6 +134,7 @@ class Engine:
         io_threads: int = 4,
         free_space_margin: int = 64 << 20,
         capture_rng: bool = True,
+        durable: StorageTier | None = None,
     ) -> None:
         self.topo = topo
         self.coord = coord
@@ -140,6 +143,7 @@ class Engine:
         self.io_threads = io_threads
         self.free_space_margin = free_space_margin
         self.capture_rng = capture_rng
+        self.durable = durable
         self.run_dir = os.path.join(topo.root, run_id)
         self._seq = 0
         self._cached_local_plan: SavePlan | None = None
@@ -411,54 +415,174 @@ class Engine:
     def restore(self, state: MutableMapping[str, Any]) -> int:
         """Restore the newest step that every rank can read and verify; return it (0 if none).
 
-        Collective (foreground group). Corrupt steps are skipped with a warning; an incompatible
-        checkpoint (missing key, shape mismatch, newer schema) raises on every rank.
+        Collective (foreground group). Candidates are the steps committed in every domain's local tier
+        and the steps committed in the durable tier, newest first. A domain that lacks a candidate, or
+        whose copy fails verification, fetches its part from the durable tier into its local tier
+        (verified, then committed there) and the ranks read again. Corrupt steps are skipped with a
+        warning; an incompatible checkpoint (missing key, shape mismatch, newer schema) raises on every
+        rank.
         """
-        if self.topo.is_leader:
+        topo = self.topo
+        if topo.is_leader:
             self.clean_stale()
-        mine = self.committed_steps() if self.topo.is_leader else None
-        lists = self.coord.all_gather(mine)
-        leaders = [r for r in range(self.topo.world_size) if lists[r] is not None]
+        mine = self.committed_steps() if topo.is_leader else None
+        durable: list[int] | None = None
+        if topo.rank == 0 and self.durable is not None:
+            durable = self._durable_steps()
+        gathered = self.coord.all_gather((mine, durable))
+        lists = [g[0] for g in gathered]
+        durable_set = set(gathered[0][1] or [])
+        leaders = [r for r in range(topo.world_size) if lists[r] is not None]
         common = set.intersection(*[set(lists[r]) for r in leaders]) if leaders else set()
         union = set().union(*[set(lists[r]) for r in leaders]) if leaders else set()
-        if union - common and self.topo.rank == 0:
+        if union - common - durable_set and topo.rank == 0:
             lacking = {
-                self.topo.domain_of_rank[r]: sorted(union - set(lists[r])) for r in leaders if union - set(lists[r])
+                topo.domain_of_rank[r]: sorted(union - set(lists[r])) for r in leaders if union - set(lists[r])
             }
             log.warning(
-                "steps %s are committed in some storage domains but missing in others (%s); they cannot be "
-                "restored from the node-local tier",
-                sorted(union - common),
+                "steps %s are committed in some storage domains but missing in others (%s)%s",
+                sorted(union - common - durable_set),
                 ", ".join(f"{d} lacks {s}" for d, s in lacking.items()),
+                "" if self.durable is not None else "; they cannot be restored without a durable tier",
             )
         initialized = [
             v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state
         ]
         try:
-            for step in sorted(common, reverse=True):
+            for step in sorted(common | durable_set, reverse=True):
+                fetched = False
+                if step not in common:
+                    # Some domain lacks it locally: its leader fetches it from the durable tier.
+                    need = topo.is_leader and step not in (mine or [])
+                    if not self._fetch_round(step, need):
+                        continue
+                    fetched = need
                 status, message, loaded = self._try_read(step, state)
                 verdicts = self.coord.all_gather((status, message))
+                if not any(s == "incompatible" for s, _ in verdicts) and step in durable_set:
+                    bad_here = any(verdicts[r][0] != "ok" for r in topo.domain_ranks)
+                    if any(v != "ok" for v, _ in verdicts):
+                        # A local copy failed verification: the domains concerned fetch the step again
+                        # from the durable tier, then every rank reads again.
+                        if topo.rank == 0:
+                            for m in (m for v, m in verdicts if v != "ok"):
+                                log.warning("step %d: %s; fetching it from the durable tier", step, m)
+                        need = topo.is_leader and bad_here and not fetched
+                        if self._fetch_round(step, need):
+                            status, message, loaded = self._try_read(step, state)
+                            verdicts = self.coord.all_gather((status, message))
                 incompatible = [m for s, m in verdicts if s == "incompatible"]
                 if incompatible:
                     raise IncompatibleCheckpointError(incompatible[0])
                 bad = [m for s, m in verdicts if s != "ok"]
                 if bad:
-                    if self.topo.rank == 0:
+                    if topo.rank == 0:
                         for m in bad:
                             log.warning("skipping step %d: %s; trying the previous step", step, m)
                     continue
                 assert loaded is not None
                 loaded.apply()
-                state_mod.apply_loaded(state, loaded.target, rank=self.topo.rank)
+                state_mod.apply_loaded(state, loaded.target, rank=topo.rank)
                 initialized = []
-                log.info("restored step %d from %s", step, self.run_dir)
+                log.info("restored step %d from %s%s", step, self.run_dir,
+                         " (fetched from the durable tier)" if step not in common else "")
                 return step
         finally:
             for opt in initialized:  # nothing restored: give back a pristine optimizer
                 opt.state.clear()
-        if union and self.topo.rank == 0:
-            log.warning("no checkpoint that every rank can restore in %s; starting from step 0", self.run_dir)
+        if (union or durable_set) and topo.rank == 0:
+            log.warning("no checkpoint that every rank can restore in %s%s; starting from step 0", self.run_dir,
+                        f" or {self.durable.url}" if self.durable is not None else "")
         return 0
+
+    def _durable_steps(self) -> list[int]:
+        from ..daemon.drain import durable_steps
+
+        assert self.durable is not None
+        try:
+            return durable_steps(self.durable, self.run_id)
+        except ResilientSlurmError as exc:
+            log.warning("cannot list the durable tier %s (%s); restoring from the node-local tier only",
+                        self.durable.url, exc)
+            return []
+
+    def _fetch_round(self, step: int, need: bool) -> bool:
+        """Collective: leaders with ``need`` fetch ``step`` from the durable tier; True if all succeeded."""
+        err: str | None = None
+        if need:
+            try:
+                t0 = time.perf_counter()
+                n = self._fetch(step)
+                dt = time.perf_counter() - t0
+                log.info("step %d: fetched %.1f MiB for %s from %s in %.2f s (%.1f MiB/s)", step, n / 2**20,
+                         self.topo.domain, self.durable.url if self.durable else "?", dt, n / 2**20 / max(dt, 1e-9))
+            except Exception as exc:  # every rank must learn of it, or the others hang
+                err = f"{self.topo.domain}: fetching step {step} from the durable tier failed: {exc}"
+                log.error("%s", err)
+        errors = [e for e in self.coord.all_gather(err) if e]
+        if errors and self.topo.rank == 0:
+            for e in errors:
+                log.warning("skipping step %d: %s", step, e)
+        return not errors
+
+    def _fetch(self, step: int) -> int:
+        """Leader: copy this domain's part of ``step`` from the durable tier into the local tier (verified,
+        then committed like a save: temp directory, manifest last, rename). Returns bytes fetched."""
+        from ..daemon.drain import read_durable_manifest
+        from ..manifest import domain_key
+
+        tier = self.durable
+        assert tier is not None
+        topo = self.topo
+        root_m = read_durable_manifest(tier, self.run_id, step)
+        src = topo.domain if topo.domain in root_m.nodes else root_m.first_domain
+        dm = read_durable_manifest(tier, self.run_id, step, src)
+        if dm.save_id != root_m.save_id:
+            raise CorruptCheckpointError(f"{tier.url}: step {step}: the marker of {src} belongs to another save")
+        md_bytes = tier.get_bytes(domain_key(self.run_id, step, src, DCP_METADATA_NAME))
+        if len(md_bytes) != dm.dcp_metadata.length or checksum(md_bytes) != dm.dcp_metadata.checksum:
+            raise CorruptCheckpointError(f"{tier.url}: step {step}: {src}'s .metadata does not match its manifest")
+        md = load_metadata(md_bytes, source=f"{tier.url}/{domain_key(self.run_id, step, src, DCP_METADATA_NAME)}")
+        same_layout = (src == topo.domain and dm.world_size == topo.world_size
+                       and tuple(dm.nodes.get(src, ())) == tuple(topo.domain_ranks))
+        if same_layout:  # the ranks here are the ones that wrote this domain's shards: they need only those
+            wanted = {s.path for s in dm.shards_of_node(src)}
+        else:  # other nodes or another world size: every file this metadata points at
+            wanted = {info.relative_path for info in md.storage_data.values()}
+        by_path = {s.path: s for s in dm.shards}
+        missing = wanted - set(by_path)
+        if missing:
+            raise CorruptCheckpointError(f"{tier.url}: step {step}: files {sorted(missing)} are not in the manifest")
+        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+        total = sum(by_path[p].size for p in wanted)
+        check_free_space(self.run_dir, total + self.free_space_margin, what=f"fetching step {step}")
+        tmp = os.path.join(self.run_dir, tmp_dirname(step, f"fetch-{topo.nonce}"))
+        _remove_quietly(tmp)
+        os.makedirs(tmp, mode=0o700)
+        prefix = f"{self.run_id}/{step_dirname(step)}"
+        try:
+            for p in sorted(wanted):
+                e = by_path[p]
+                tier.get_file(f"{prefix}/{p}", os.path.join(tmp, p), size=e.size, checksum=e.checksum)
+            atomic_write(os.path.join(tmp, DCP_METADATA_NAME), md_bytes)
+            shards = tuple(dataclasses.replace(s, node=topo.domain) if s.path in wanted else s for s in dm.shards)
+            local = dataclasses.replace(dm, node=topo.domain, shards=shards)
+            atomic_write(os.path.join(tmp, MANIFEST_NAME), local.to_json().encode())
+            fsync_dir(tmp)
+            final = os.path.join(self.run_dir, step_dirname(step))
+            if os.path.exists(final):  # a corrupt local copy: replace it, other steps untouched
+                aside = os.path.join(self.run_dir, tmp_dirname(step, f"replaced-fetch-{topo.nonce}"))
+                os.rename(final, aside)
+                os.rename(tmp, final)
+                fsync_dir(self.run_dir)
+                _remove_quietly(aside)
+            else:
+                os.rename(tmp, final)
+                fsync_dir(self.run_dir)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        return total
 
     def _try_read(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
         step_dir = os.path.join(self.run_dir, step_dirname(step))
