@@ -179,6 +179,8 @@ class Daemon:
             return 1 if failed else 0
         finally:
             if observer is not None:
+                # Events racing the observer's shutdown are logged by watchdog as errors; they mean nothing.
+                logging.getLogger("watchdog.observers.inotify").setLevel(logging.CRITICAL)
                 observer.stop()
                 observer.join(timeout=5)
             self._write_status(force=True)

@@ -52,7 +52,9 @@ from ..paths import default_local_dir, default_run_id, expand_local_dir, node_na
 from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import remaining_seconds
 from ..storage.fileio import atomic_write
+from ..storage.registry import DURABLE_SETTINGS
 from .cloud import Notice, TerminationNoticeWatcher
+from .durability import JobDrain
 from .policy import (
     HOLD_EXIT_CODE,
     REQUEUE_EXIT_CODE,
@@ -71,7 +73,8 @@ log = logging.getLogger(__name__)
 
 SETTINGS = ["local_dir", "run_id", "node_name", "control_dir", "save_signal", "max_restarts",
             "no_progress_limit", "save_timeout", "requeue_margin", "term_grace", "cloud_notice",
-            "cloud_notice_url", "cloud_notice_interval", "slurm_backend"]
+            "cloud_notice_url", "cloud_notice_interval", "slurm_backend", "daemon", "durable_wait",
+            *DURABLE_SETTINGS]
 HISTORY_FILE = "launcher-history.json"
 EVENTS_FILE = "launcher-events.jsonl"
 # After one rank failed on its own, how long the others may take to notice (a collective error) and
@@ -160,6 +163,11 @@ class Launcher:
         self._emergency_seen = False
         self._interrupts = 0
         self._kill_wait_s: float | None = None
+        self.drain: JobDrain | None = None
+        if self.cfg["durable"]:
+            self.drain = JobDrain(self.cfg, self.env, root=root, run_id=self.run_id,
+                                  slurm_nodes=self._num_nodes() if self.srun else None,
+                                  enabled=self.cfg["daemon"] == "auto")
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -195,6 +203,12 @@ class Launcher:
         env["RSLURM_RUN_ID"] = self.run_id  # ranks and launcher must name the same run
         env["RSLURM_SAVE_SIGNAL"] = self.cfg["save_signal"]
         return env
+
+    def _num_nodes(self) -> int:
+        try:
+            return int(self.env.get("SLURM_JOB_NUM_NODES") or self.env.get("SLURM_NNODES") or "1")
+        except ValueError:
+            return 1
 
     def _multi_node(self) -> bool:
         try:
@@ -247,6 +261,8 @@ class Launcher:
             else:
                 children = LocalRanks(self.command, 1, env, 0, dist_env=False)
             self._children = children
+            if self.drain is not None:
+                self.drain.start()
             try:
                 children.start()
             except OSError as exc:
@@ -263,8 +279,11 @@ class Launcher:
             self._emergency_seen = True
         outcome = self._outcome(children, baseline)
         try:
+            self._await_durable(outcome)
             return self._act(outcome)
         finally:
+            if self.drain is not None:
+                self.drain.stop()
             trap.restore()
 
     def _loop(self, trap: SignalTrap, children: Children, server: ControlServer) -> None:
@@ -430,6 +449,32 @@ class Launcher:
             return replace(base, reason=Reason.USER_ERROR, rank=first.rank, exit_code=first.exit_code,
                            error_location=self._error_location(children, first))
         return replace(base, reason=Reason.COMPLETED)
+
+    def _await_durable(self, outcome: Outcome) -> None:
+        """Give the newest committed step a bounded chance to become durable before the requeue (or the
+        end of a completed job): within the deadline when stopped, ``durable_wait`` at most."""
+        step = outcome.committed_step
+        if self.drain is None or step is None or outcome.reason in (Reason.USER_ERROR, Reason.NODE_FAILURE):
+            return
+        now = time.time()
+        timeout = float(self.cfg["durable_wait"])
+        if self.stop is not None:
+            timeout = min(timeout, self.stop.deadline - now)
+        elif outcome.reason is not Reason.COMPLETED:
+            job = self._job_info()
+            if job is not None and not math.isinf(rem := remaining_seconds(job, now)):
+                timeout = min(timeout, rem - self.cfg["requeue_margin"])
+        t0 = time.time()
+        ok = timeout > 0 and self.drain.wait_durable(step, timeout)
+        waited = time.time() - t0
+        self.timings["durable" if ok else "not_durable"] = time.time()
+        self._event("durable" if ok else "not_durable", step=step, waited_s=waited,
+                    after_signal_s=(time.time() - self.stop.at) if self.stop else None)
+        if ok:
+            log.info("step %d is durable in %s (waited %.2f s)", step, self.cfg["durable"], waited)
+        else:
+            log.warning("step %d is not durable yet after %.1f s; going ahead with the local commit (the daemon "
+                        "drains it later; a resume on other nodes uses the newest durable step)", step, waited)
 
     def _error_location(self, children: Children, failed: RankExit) -> str | None:
         idx = failed.rank if isinstance(children, LocalRanks) and failed.rank is not None else 0

@@ -1,0 +1,136 @@
+"""The launcher's side of the durable tier: run a drain daemon for the job when no service does, and
+wait (bounded) for a step to become durable before the job is requeued or ends.
+
+Who calls what: the :class:`~.launch.Launcher` builds one :class:`JobDrain` when a durable tier is set,
+calls :meth:`JobDrain.start` before starting the ranks, :meth:`JobDrain.wait_durable` once the ranks
+are gone (with the time left before the job's deadline), and :meth:`JobDrain.stop` last.
+
+* Inside a Slurm allocation the daemon runs as one job step with a task per node
+  (``srun --overlap --ntasks-per-node=1``; ``--overlap`` so it never takes CPUs the ranks' step
+  needs). On a node where a daemon service already holds the lock, that task exits at once.
+* Locally it is one ``rslurm daemon --job-step`` process, unless a daemon already runs there.
+* A daemon service (systemd) outlives the job and keeps draining after it; a job-step daemon dies with
+  the job, and whatever it did not drain is drained by the next incarnation's daemon or a service.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..daemon.service import daemon_running
+from ..errors import ResilientSlurmError
+from ..manifest import MANIFEST_NAME, durable_step_key
+from ..storage.registry import open_durable
+from ..storage.tier import StorageTier
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+
+
+class JobDrain:
+    """A job's drain daemon and durability checks (see the module docstring)."""
+
+    def __init__(self, cfg: Mapping[str, Any], env: Mapping[str, str], *, root: str, run_id: str,
+                 slurm_nodes: int | None, enabled: bool) -> None:
+        self.cfg = cfg
+        self.env = dict(env)
+        self.root = root
+        self.run_id = run_id
+        self.slurm_nodes = slurm_nodes  # None: local mode
+        self.enabled = enabled
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._tier: StorageTier | None = None
+
+    @property
+    def tier(self) -> StorageTier | None:
+        """The durable tier (opened on first use; None when it cannot be opened)."""
+        if self._tier is None:
+            try:
+                self._tier = open_durable(self.cfg, upload_cap=False)
+            except ResilientSlurmError as exc:
+                log.error("durable tier %s: %s", self.cfg.get("durable"), exc)
+        return self._tier
+
+    def start(self) -> None:
+        """Start the job's daemon (job step or local process) unless a service already drains."""
+        if not self.enabled:
+            return
+        daemon = [sys.executable, "-m", "resilient_slurm.cli", "daemon", "--job-step", "--run-id", self.run_id]
+        env = {**self.env, "RSLURM_RUN_ID": self.run_id}
+        env.pop("RSLURM_CONTROL_SOCKET", None)
+        if self.slurm_nodes is None:
+            if daemon_running(self.root):
+                log.info("a rslurm daemon already drains %s; not starting one for this run", self.root)
+                return
+            cmd = daemon
+        else:
+            cmd = ["srun", "--overlap", f"--nodes={self.slurm_nodes}", "--ntasks-per-node=1",
+                   f"--ntasks={self.slurm_nodes}", "--kill-on-bad-exit=0", "--job-name=rslurm-daemon", *daemon]
+        try:
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            log.error("cannot start the drain daemon (%s): %s; committed steps stay on the local tier until a "
+                      "daemon drains them", " ".join(cmd[:2]), exc)
+            return
+        log.info("drain daemon started for run %s (%s, pid %d)", self.run_id,
+                 "job step" if self.slurm_nodes is not None else "local process", self.proc.pid)
+
+    def is_durable(self, step: int) -> bool:
+        """True when ``step`` of this run is committed in the durable tier."""
+        tier = self.tier
+        if tier is None:
+            return False
+        try:
+            return tier.stat(f"{durable_step_key(self.run_id, step)}/{MANIFEST_NAME}") is not None
+        except ResilientSlurmError as exc:
+            log.warning("cannot check the durable tier: %s", exc)
+            return False
+
+    def wait_durable(self, step: int, timeout: float, *, interrupted: Callable[[], bool] = lambda: False) -> bool:
+        """Wait up to ``timeout`` seconds for ``step`` to be durable; True if it is."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        if self.proc is None and not daemon_running(self.root) and not self.is_durable(step):
+            log.warning("no drain daemon runs for %s: step %d stays on the local tier until one does "
+                        "(`rslurm daemon`, or --daemon auto)", self.root, step)
+            return False
+        while True:
+            if self.is_durable(step):
+                return True
+            if time.monotonic() >= deadline or interrupted():
+                return False
+            if self.proc is not None and self.proc.poll() is not None and not daemon_running(self.root):
+                log.warning("the drain daemon exited (code %s) before step %d was durable", self.proc.returncode,
+                            step)
+                return self.is_durable(step)
+            time.sleep(POLL_S)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop the job's daemon (it is restart-safe: an interrupted transfer resumes next time)."""
+        proc, self.proc = self.proc, None
+        if self._tier is not None:
+            self._tier.close()
+            self._tier = None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace)
+        except (ProcessLookupError, PermissionError):
+            pass
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+
+__all__ = ["JobDrain"]
