@@ -216,8 +216,9 @@ class Daemon:
 
     # ------------------------------------------------------------------ one pass
     def run_pass(self) -> tuple[bool, bool]:
-        """Scan, drain one step, retention, eviction, status. Returns (more work may be pending now,
-        some step failed)."""
+        """Scan, drain the pending steps in :func:`drain_order` (stopping early to rescan when the local
+        tier changed), retention, eviction, status. Returns (more work may be pending now, some step
+        failed). Steps waiting for other nodes cost a few small reads per pass."""
         steps = scan_local(self.root, self.run_ids, invalid=self._invalid)
         runs = sorted({s.run_id for s in steps} | set(self.run_ids or ()))
         for run in runs:
@@ -243,20 +244,23 @@ class Daemon:
         present = {(x.run_id, x.step) for x in steps}
         for key in [k for k in self._status if k not in present]:
             del self._status[key]
-        busy = False
         failed = any(st.state == "failed" for st in self._status.values())
-        order = drain_order(pending)
-        if order:
-            ls = order[0]
-            result = self._drain_one(ls, order)
-            busy = result is not None and result.state in ("durable", "preempted")
-            if result is not None and result.state == "durable":
-                self._durable.setdefault(ls.run_id, [])
-                if ls.step not in self._durable[ls.run_id]:
-                    self._durable[ls.run_id] = sorted([*self._durable[ls.run_id], ls.step])
-            # Steps waiting for other nodes are retried on the next pass; the others are drained now.
-            busy = busy or any(self._status[(s.run_id, s.step)].state not in ("waiting", "failed") for s in order[1:])
-            failed = failed or result is None
+        busy = False
+        for i, ls in enumerate(drain_order(pending)):
+            if self.stop_requested.is_set():
+                break
+            if i and self._wake.is_set() and ls.manifest.reason != "emergency":
+                busy = True  # something changed on disk (maybe an emergency step): rescan first
+                break
+            result = self._drain_one(ls)
+            if result is None:
+                failed = True
+                continue
+            if result.state == "preempted":
+                busy = True
+                break
+            if result.state == "durable" and ls.step not in self._durable.setdefault(ls.run_id, []):
+                self._durable[ls.run_id] = sorted([*self._durable[ls.run_id], ls.step])
         for run in runs:
             self._apply_durable_retention(run)
         self._evict_if_needed(steps)
@@ -279,7 +283,7 @@ class Daemon:
     def _invalid(self, path: str, reason: str) -> None:
         log.error("not draining %s: %s (run `rslurm verify` on it)", path, reason)
 
-    def _drain_one(self, ls: LocalStep, order: list[LocalStep]) -> DrainResult | None:
+    def _drain_one(self, ls: LocalStep) -> DrainResult | None:
         st = self._step_status(ls)
         st.state, st.error = "draining", None
         self._current = {"run_id": ls.run_id, "step": ls.step, "bytes_total": ls.local_bytes, "bytes_done": 0,
