@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -206,11 +207,13 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     os.makedirs(root, mode=0o700, exist_ok=True)
     tier = open_durable(cfg)
     assert tier is not None
+    save_signal = config.resolve(["save_signal"], {}, config_path=args.config)["save_signal"]
     daemon = Daemon(root, tier, node=node, retention=RetentionPolicy(cfg["keep_last"], cfg["keep_every"]),
                     run_ids=[cfg["run_id"]] if cfg["run_id"] else None, min_free=cfg["local_min_free"],
-                    poll_interval=cfg["drain_poll_interval"])
+                    poll_interval=cfg["drain_poll_interval"],
+                    ignore_signals=[] if save_signal == "none" else [getattr(signal, "SIG" + save_signal)])
     try:
-        return daemon.run(once=args.once)
+        return daemon.run(once=args.once, job_step=args.job_step)
     except DaemonRunningError as exc:
         if args.job_step:
             log.info("%s; this job step has nothing to do", exc)

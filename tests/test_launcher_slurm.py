@@ -274,3 +274,41 @@ def test_scancel_is_not_undone_by_a_requeue(slurm: SlurmCluster):
     assert [e["state"] for e in _events(work) if e["event"] == "not_requeued"] == ["COMPLETING"], "\n".join(map(str, _events(work))) + _job_text(work)[-4000:]
     exits = _exits(work)
     assert exits and exits[0]["stopped"] is True, (exits, _job_text(work)[-3000:])
+
+
+def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: SlurmCluster, tmp_path: Path):
+    """A durable tier is set: the launcher runs the drain daemon as a job step (``srun --overlap``, one
+    task per node). A `high` job preempts the training job; the ranks commit an emergency checkpoint,
+    both nodes' daemons drain it (they ignore the SIGTERM Slurm sends every step) and the launcher
+    requeues only once the step is durable. The requeued incarnation finds n2's NVMe wiped: n2's rank
+    restores from the durable tier, n1's from its local tier, and the run ends bitwise identical."""
+    steps = 60
+    work = slurm.work_dir / "launch-durable-node-loss"
+    work.mkdir()
+    ref = _reference(tmp_path, steps)
+    lustre = work / "lustre"
+    wipe = f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 1 ]; then rm -rf {work}/nvme/n2; fi\n'
+    job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)],
+                                       extra_env={"RSLURM_DURABLE": str(lustre)}, before=wipe),
+                  "--signal=B:USR1@5")
+    wait_for_step(work / "log.0.jsonl", 8, timeout=90)
+    high = _high_job(slurm, work)
+    slurm.wait_state(high, "COMPLETED", timeout=120)
+    info = _wait_done(slurm, job, work, timeout=180)
+    (tmp_path / "job.out").write_text(_job_text(work))  # kept by pytest after the cluster is gone
+    assert int(info["Restarts"]) == 1, info
+    starts, exits = _starts(work), _exits(work)
+    assert len(starts) == 2 and exits[0]["stopped"] is True, (starts, exits, _job_text(work)[-3000:])
+    step = exits[0]["step"]
+    assert starts[1]["step"] == step, (starts, exits, _job_text(work)[-8000:])
+    events = _events(work)
+    kinds = [e["event"] for e in events]
+    durable = [e for e in events if e["event"] == "durable"]
+    assert durable and durable[0]["step"] == step, events
+    assert kinds.index("durable") < kinds.index("requeue_call"), kinds
+    # The run went on to the end: durable retention (keep_last=3) kept the newest steps, the last included.
+    assert (lustre / "toy" / f"step_{steps:012d}" / "manifest.json").exists()
+    text = _job_text(work)
+    assert "SIGTERM received; draining on" in text, text[-4000:]
+    assert "fetched from the durable tier" in text, text[-4000:]
+    _assert_identical_to(ref, work, steps)

@@ -35,7 +35,7 @@ from typing import Any
 
 from ..checkpoint.policy import RetentionPolicy
 from ..errors import CorruptCheckpointError, ResilientSlurmError, StorageError
-from ..manifest import MANIFEST_NAME, durable_step_key, tmp_dirname
+from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname, tmp_dirname
 from ..storage.fileio import atomic_write, fsync_dir, remove_tree
 from ..storage.tier import StorageTier
 from .drain import DrainResult, LocalStep, StepDrainer, drain_order, durable_steps, scan_local
@@ -47,6 +47,7 @@ LOCK_FILE = "daemon.lock"
 STATUS_FILE = "daemon.json"
 # Incomplete uploads (S3 multipart, POSIX temp files) older than this belong to nobody any more.
 STALE_UPLOAD_AGE = 6 * 3600.0
+MIN_PASS_INTERVAL = 0.05
 
 
 class DaemonRunningError(ResilientSlurmError):
@@ -107,8 +108,9 @@ class Daemon:
 
     def __init__(self, root: str, tier: StorageTier, *, node: str, retention: RetentionPolicy,
                  run_ids: Iterable[str] | None = None, min_free: str = "10%", poll_interval: float = 5.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, ignore_signals: Iterable[int] = ()) -> None:
         self.root = root
+        self.ignore_signals = set(ignore_signals)
         self.tier = tier
         self.node = node
         self.retention = retention
@@ -156,13 +158,21 @@ class Daemon:
         self.stop_requested.set()
         self._wake.set()
 
-    def run(self, *, once: bool = False, install_signals: bool = True) -> int:
+    def run(self, *, once: bool = False, install_signals: bool = True, job_step: bool = False) -> int:
         """Run until stopped (or, with ``once``, until nothing is left to do); return an exit code:
-        0, or 1 when some step could not be drained."""
+        0, or 1 when some step could not be drained.
+
+        ``job_step``: SIGTERM is logged and ignored (Slurm sends it to every step on preemption, when the
+        emergency checkpoint most needs draining); SIGINT and SIGHUP stop the daemon."""
         self.acquire()
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, self._on_signal)
+            if job_step:
+                # Slurm signals every step of the job: SIGTERM on preemption, and the launcher's
+                # `scancel --signal=<save_signal>` meant for the ranks. None of them may stop the drain.
+                for num in {int(signal.SIGTERM), int(signal.SIGUSR1), int(signal.SIGUSR2), *self.ignore_signals}:
+                    signal.signal(num, self._on_term_in_job_step)
         observer = None if once else self._watch()
         log.info("rslurm daemon on %s: draining %s -> %s%s", self.node, self.root, self.tier.url,
                  f" (runs {', '.join(self.run_ids)})" if self.run_ids else "")
@@ -176,6 +186,7 @@ class Daemon:
                     break
                 if not busy:
                     self._wake.wait(self.poll_interval)
+                    time.sleep(MIN_PASS_INTERVAL)  # let a burst of events (a commit, a fetch) settle
             return 1 if failed else 0
         finally:
             if observer is not None:
@@ -190,6 +201,11 @@ class Daemon:
         log.warning("rslurm daemon: %s received; stopping after the current file", signal.Signals(signum).name)
         self.request_stop()
 
+    def _on_term_in_job_step(self, signum: int, frame: FrameType | None) -> None:
+        log.warning("rslurm daemon (job step): %s received; draining on until the launcher stops this step "
+                    "(SIGINT) or Slurm ends the job", signal.Signals(signum).name)
+        self._wake.set()
+
     def _watch(self) -> Any:
         try:
             from watchdog.events import FileSystemEvent, FileSystemEventHandler
@@ -201,8 +217,11 @@ class Daemon:
 
         class Handler(FileSystemEventHandler):
             def on_any_event(self, event: FileSystemEvent) -> None:
+                # A commit is a directory renamed to step_<N> (or a manifest appearing); the many other
+                # writes (shards in temp dirs, event logs, our own status) need no rescan.
                 path = str(getattr(event, "dest_path", "") or event.src_path)
-                if STATE_DIR not in path.split(os.sep):
+                name = os.path.basename(path.rstrip(os.sep))
+                if parse_step_dirname(name) is not None or name == MANIFEST_NAME:
                     wake.set()
 
         try:
@@ -339,8 +358,9 @@ class Daemon:
             except StorageError as exc:
                 log.warning("could not clean incomplete uploads of run %s step %d: %s", ls.run_id, ls.step, exc)
         elif result.state == "waiting":
+            changed = st.state != "waiting" or st.waiting_for != result.missing_domains
             st.state, st.waiting_for = "waiting", result.missing_domains
-            log.info("run %s step %d: this node's shards are durable; waiting for %s", ls.run_id, ls.step,
+            (log.info if changed else log.debug)("run %s step %d: this node's shards are durable; waiting for %s", ls.run_id, ls.step,
                      ", ".join(result.missing_domains))
         self.drained.append(result)
         return result

@@ -11,6 +11,9 @@ are gone (with the time left before the job's deadline), and :meth:`JobDrain.sto
 * Locally it is one ``rslurm daemon --job-step`` process, unless a daemon already runs there.
 * A daemon service (systemd) outlives the job and keeps draining after it; a job-step daemon dies with
   the job, and whatever it did not drain is drained by the next incarnation's daemon or a service.
+* A job-step daemon ignores SIGTERM: on preemption Slurm sends it to every step, and the daemon must
+  go on draining the emergency checkpoint the ranks are writing. :meth:`JobDrain.stop` ends it with
+  SIGINT (twice for srun, which then forwards it to the tasks and ends the step).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ..errors import ResilientSlurmError
 from ..manifest import MANIFEST_NAME, durable_step_key
 from ..storage.registry import open_durable
 from ..storage.tier import StorageTier
+from .processes import die_with_parent_by_sigint
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,8 @@ class JobDrain:
             cmd = ["srun", "--overlap", f"--nodes={self.slurm_nodes}", "--ntasks-per-node=1",
                    f"--ntasks={self.slurm_nodes}", "--kill-on-bad-exit=0", "--job-name=rslurm-daemon", *daemon]
         try:
-            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=die_with_parent_by_sigint)
         except OSError as exc:
             log.error("cannot start the drain daemon (%s): %s; committed steps stay on the local tier until a "
                       "daemon drains them", " ".join(cmd[:2]), exc)
@@ -121,7 +126,13 @@ class JobDrain:
         if proc is None or proc.poll() is not None:
             return
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            # SIGINT stops a job-step daemon (SIGTERM, which Slurm sends every step on preemption, does
+            # not: the daemon keeps draining the emergency step). srun turns a second SIGINT within a
+            # second into "forward to the tasks and end the step".
+            os.kill(proc.pid, signal.SIGINT)
+            if self.slurm_nodes is not None:
+                time.sleep(0.2)
+                os.kill(proc.pid, signal.SIGINT)
             proc.wait(timeout=grace)
         except (ProcessLookupError, PermissionError):
             pass

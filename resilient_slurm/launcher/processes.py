@@ -134,12 +134,17 @@ except OSError:  # pragma: no cover - not Linux
     _LIBC = None
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies (even by SIGKILL), so that a
+def _die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In the child, before exec: get ``sig`` when the launcher dies (even by SIGKILL), so that a
     killed launcher never leaves ranks running unsupervised; a rank's Checkpointer turns that SIGTERM
     into an emergency save like any other."""
     if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def die_with_parent_by_sigint() -> None:
+    """``preexec_fn`` for a job's local drain daemon: SIGINT (its stop signal) when the launcher dies."""
+    _die_with_parent(signal.SIGINT)
 
 
 def _tree(pid: int) -> list[psutil.Process]:
