@@ -109,7 +109,7 @@ def _interrupted_run(root: Path, durable: dict[str, str]) -> int:
 def _drain_both(root: Path, durable: dict[str, str], step: int) -> None:
     first = _daemon(root, "n1", durable)
     assert first.returncode == 0, first.stderr
-    assert f"waiting for n2" in first.stderr, "n1 alone must not make the step durable:\n" + first.stderr
+    assert "waiting for n2" in first.stderr, "n1 alone must not make the step durable:\n" + first.stderr
     second = _daemon(root, "n2", durable)
     assert second.returncode == 0, second.stderr
     assert f"step {step} is durable" in second.stderr, second.stderr
@@ -137,7 +137,7 @@ def test_node_loss_resumes_from_the_durable_tier_bitwise(
     starts = [[e for e in read_jsonl(tmp_path / f"log.{r}.jsonl") if e.get("event") == "start"] for r in range(2)]
     assert [s[-1]["step"] for s in starts] == [step, step], starts
     assert "fetched from the durable tier" in job.output(1)
-    assert f"for n2 from" in job.output(1), job.output(1)[-2000:]
+    assert "for n2 from" in job.output(1), job.output(1)[-2000:]
     # The fetched copy is a committed local step again, verified on arrival.
     assert (tmp_path / "nvme" / "n2" / RUN / step_dirname(step) / "manifest.json").exists()
     _assert_identical(tmp_path, reference)
