@@ -308,6 +308,8 @@ def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: Slurm
     assert kinds.index("durable") < kinds.index("requeue_call"), kinds
     # The run went on to the end: durable retention (keep_last=3) kept the newest steps, the last included.
     assert (lustre / "toy" / f"step_{steps:012d}" / "manifest.json").exists()
+    # The requeue history follows the run to the durable tier (a requeue may land on another batch host).
+    assert '"incarnations"' in (lustre / "toy" / "launcher-history.json").read_text()
     text = _job_text(work)
     assert "SIGTERM received; draining on" in text, text[-4000:]
     assert "fetched from the durable tier" in text, text[-4000:]

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..daemon.service import daemon_running
-from ..errors import ResilientSlurmError
+from ..errors import ObjectNotFoundError, ResilientSlurmError
 from ..manifest import MANIFEST_NAME, durable_step_key
 from ..storage.registry import open_durable
 from ..storage.tier import StorageTier
@@ -116,6 +116,29 @@ class JobDrain:
                             step)
                 return self.is_durable(step)
             time.sleep(POLL_S)
+
+    def read_object(self, name: str) -> str | None:
+        """A small run-level file kept in the durable tier (``<run_id>/<name>``), or None."""
+        tier = self.tier
+        if tier is None:
+            return None
+        try:
+            return tier.get_bytes(f"{self.run_id}/{name}").decode("utf-8", errors="replace")
+        except ObjectNotFoundError:
+            return None
+        except ResilientSlurmError as exc:
+            log.warning("cannot read %s from the durable tier: %s", name, exc)
+            return None
+
+    def write_object(self, name: str, data: bytes) -> None:
+        """Keep a small run-level file in the durable tier too (best effort)."""
+        tier = self.tier
+        if tier is None:
+            return
+        try:
+            tier.put_bytes(f"{self.run_id}/{name}", data)
+        except ResilientSlurmError as exc:
+            log.warning("cannot write %s to the durable tier: %s", name, exc)
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop the job's daemon (it is restart-safe: an interrupted transfer resumes next time)."""

@@ -490,6 +490,11 @@ class Launcher:
         except OSError as exc:
             log.warning("cannot read %s (%s); counting restarts afresh", path, exc)
             text = None
+        if text is None and self.drain is not None:
+            # Requeued onto another batch host: the history follows the run in the durable tier.
+            text = self.drain.read_object(HISTORY_FILE)
+            if text is not None:
+                path = f"{self.cfg['durable']}/{self.run_id}/{HISTORY_FILE}"
         history = ProgressHistory.parse(text, source=path)
         if self.restart_count == 0 and history.incarnations:
             # A new submission that reuses the run id (not a requeue): old restarts do not count.
@@ -506,9 +511,13 @@ class Launcher:
         if decision.action is not Action.EXIT:
             try:
                 os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
-                atomic_write(os.path.join(self.run_dir, HISTORY_FILE), history.record(outcome).to_json().encode())
+                data = history.record(outcome).to_json().encode()
+                atomic_write(os.path.join(self.run_dir, HISTORY_FILE), data)
             except OSError as exc:
                 log.warning("cannot write the progress history in %s: %s", self.run_dir, exc)
+            else:
+                if self.drain is not None:
+                    self.drain.write_object(HISTORY_FILE, data)
         self._event("decision", action=decision.action.value, rule=decision.rule, message=decision.message,
                     outcome=outcome.reason.value, committed_step=outcome.committed_step,
                     restored_step=outcome.restored_step)
