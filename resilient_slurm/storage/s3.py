@@ -111,17 +111,18 @@ _LOADER_LOCK = threading.Lock()
 _LOADER: Any = None
 
 
-def _new_session() -> Any:
-    """A botocore session of our own (the default one is not safe to create clients from in several
-    threads), sharing one model loader per process: parsing the S3 service model costs ~0.1 s per
-    session otherwise. Credentials and configuration are still resolved afresh for every tier."""
+def _new_client(**kwargs: Any) -> Any:
+    """An S3 client from a botocore session of our own (the default one is not safe to create clients
+    from in several threads). Sessions share one model loader per process, since parsing the S3 service
+    model costs ~0.1 s each time otherwise; credentials and configuration are still resolved afresh for
+    every tier. The lock covers the loader's cache; the client itself is thread-safe."""
     global _LOADER
     with _LOADER_LOCK:
         if _LOADER is None:
             _LOADER = botocore.loaders.create_loader()
         session = botocore.session.get_session()
         session.register_component("data_loader", _LOADER)
-    return session
+        return session.create_client("s3", **kwargs)
 
 
 class _Retryable(Exception):
@@ -172,6 +173,11 @@ def _describe(exc: BaseException | None) -> str:
         msg = err.get("Message") or ""
         return f"HTTP {_http_status(exc)} {err.get('Code', '?')}" + (f": {msg}" if msg else "")
     return f"{type(exc).__name__}: {exc}"
+
+
+def _md5(data: bytes | bytearray) -> bytes:
+    # MD5 here is S3's integrity check, not security: say so, or FIPS-mode hosts refuse it.
+    return hashlib.md5(data, usedforsecurity=False).digest()
 
 
 def _md5_b64(digest: bytes) -> str:
@@ -268,8 +274,7 @@ class S3Tier(StorageTier):
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
             )
-            client = _new_session().create_client("s3", endpoint_url=endpoint_url, region_name=region,
-                                                  config=config)
+            client = _new_client(endpoint_url=endpoint_url, region_name=region, config=config)
         self._client = client
         self._lock = threading.Lock()  # guards TransferStats counters updated from worker threads
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="rslurm-s3")
@@ -351,8 +356,8 @@ class S3Tier(StorageTier):
         if is_transient(exc):
             return TransientStorageError(
                 f"S3 {what} {where} failed after {attempts} attempt(s) ({_describe(exc)}): the store at "
-                f"{self.endpoint} is throttling or unreachable. Nothing partial was published; try again "
-                "later, or check the network and the endpoint (max_attempts raises the retry budget)."
+                f"{self.endpoint} is throttling or unreachable. Try again later, or check the network and "
+                "the endpoint (max_attempts raises the retry budget)."
             )
         if code in NOT_FOUND_CODES:
             return ObjectNotFoundError(f"{where}: does not exist")
@@ -442,7 +447,7 @@ class S3Tier(StorageTier):
         if actual != checksum:
             raise CorruptCheckpointError(f"{src}: local shard does not match its checksum in the manifest (xxh3 "
                                          f"{actual} != {checksum}); it was not uploaded to {self._where(full)}")
-        md5 = hashlib.md5(data).digest()
+        md5 = _md5(data)
 
         def once() -> dict[str, Any]:
             self.limiter.acquire(size)  # per attempt: a re-sent body uses bandwidth too
@@ -560,7 +565,7 @@ class S3Tier(StorageTier):
                     raise _Cancelled
                 n = len(buf)
                 self._read(fd, src, buf, off)
-                md5 = hashlib.md5(buf).digest()
+                md5 = _md5(buf)
                 # A part already in the store is kept only if it is byte for byte ours: same size and
                 # same MD5 (its ETag). Anything else is sent again, which replaces it.
                 if existing.get(number) == (n, md5.hex()):
@@ -623,9 +628,16 @@ class S3Tier(StorageTier):
             for _ in window:
                 self._budget.release()
             real = _first_cause(exc, list(window))
-            if isinstance(real, TransientStorageError) or not isinstance(real, Exception):
+            gone = isinstance(real.__cause__, ClientError) and _error_code(real.__cause__) == "NoSuchUpload"
+            if isinstance(real, TransientStorageError) and not gone:
                 log.info("left upload %s of %s for a later put_file to resume (%d part(s) verified)",
                          upload_id, where, len(done))
+                raise TransientStorageError(f"{real} Nothing was published; the upload is kept and the next "
+                                            "put_file of this key resumes it.") from real
+            if gone:
+                raise real from None
+            if not isinstance(real, Exception):
+                log.info("left upload %s of %s for a later put_file to resume (interrupted)", upload_id, where)
             else:  # corrupt source or a permanent error: nothing to resume
                 try:
                     self._abort(full, upload_id, stats)
@@ -640,7 +652,7 @@ class S3Tier(StorageTier):
     def _complete(self, full: str, upload_id: str, parts: list[_Part], size: int, checksum: str,
                   stats: TransferStats) -> None:
         where = self._where(full)
-        expected_etag = hashlib.md5(b"".join(p.md5 for p in parts)).hexdigest() + f"-{len(parts)}"
+        expected_etag = _md5(b"".join(p.md5 for p in parts)).hex() + f"-{len(parts)}"
         attempts = 0
 
         def once() -> dict[str, Any]:
@@ -801,7 +813,7 @@ class S3Tier(StorageTier):
     def put_bytes(self, key: str, data: bytes) -> None:
         """See :meth:`StorageTier.put_bytes` (one PUT with Content-MD5 and the xxh3 metadata)."""
         full = self._full(key)
-        md5 = hashlib.md5(data).digest()
+        md5 = _md5(data)
         meta = {META: xxhash.xxh3_64_hexdigest(data)}
 
         def once() -> dict[str, Any]:
