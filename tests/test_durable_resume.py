@@ -26,10 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import s3_support
 import torch
 from conftest import assert_same, clean_env, read_jsonl, run_ranks, start_ranks, wait_for_step
 
 from resilient_slurm.manifest import step_dirname
+
+moto_server = s3_support.moto_server
 
 STEPS = 16
 EVERY = 5
@@ -74,20 +77,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[int, 
             [torch.load(root / f"out.{r}.pt", weights_only=True) for r in range(2)])
 
 
-def _s3_durable() -> Iterator[dict[str, str]]:
-    s3_support = pytest.importorskip("s3_support")
-    with s3_support.running_moto_server() as server:
-        bucket = server.create_bucket()
-        yield {"RSLURM_DURABLE": f"s3://{bucket}/ckpt", "RSLURM_S3_ENDPOINT_URL": server.url,
-               "RSLURM_S3_PART_SIZE": "5M", **server.credentials_env()}
-
-
 @pytest.fixture(params=["posix", "s3"])
 def durable(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """The durable tier's settings: a POSIX directory, or a bucket on moto's S3 server over real HTTP
+    (the server runs in this process; its fake credentials are in the environment the ranks inherit)."""
     if request.param == "posix":
         yield {"RSLURM_DURABLE": f"file://{tmp_path / 'lustre'}"}
-    else:
-        yield from _s3_durable()
+        return
+    server = request.getfixturevalue("moto_server")
+    yield {"RSLURM_DURABLE": f"s3://{server.new_bucket()}/ckpt", "RSLURM_S3_ENDPOINT_URL": server.endpoint,
+           "RSLURM_S3_PART_SIZE": "5M"}
 
 
 def _interrupted_run(root: Path, durable: dict[str, str]) -> int:

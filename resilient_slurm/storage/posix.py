@@ -228,8 +228,7 @@ class PosixTier(StorageTier):
     def delete(self, keys: Sequence[str]) -> None:
         """See :meth:`StorageTier.delete`."""
         dirs = set()
-        for k in keys:
-            path = self._path(k)
+        for path in [self._path(k) for k in keys]:  # every key checked before anything is deleted
             try:
                 os.unlink(path)
                 dirs.add(os.path.dirname(path))
@@ -265,7 +264,7 @@ class PosixTier(StorageTier):
                 path = os.path.join(dirpath, name)
                 key = os.path.relpath(path, self.root).split(TMP_MARK)[0]
                 try:
-                    if now - os.stat(path).st_mtime < older_than or (keep and keep(key)):
+                    if (older_than > 0 and now - os.stat(path).st_mtime < older_than) or (keep and keep(key)):
                         continue
                     os.unlink(path)
                     removed += 1
