@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..errors import ObjectNotFoundError, ResilientSlurmError
+from ..errors import CorruptCheckpointError, ObjectNotFoundError, ResilientSlurmError
 from ..manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -127,6 +127,17 @@ def read_durable_manifest(tier: StorageTier, run_id: str, step: int, domain: str
     return Manifest.from_json(tier.get_bytes(key), source=f"{tier.url}/{key}")
 
 
+class DrainPreempted(BaseException):  # noqa: N818 -- a control-flow signal, not an error
+    """Raised from a transfer's progress callback to pause it for a more urgent step (or a stop).
+
+    A BaseException so that tiers treat it as an interruption: an S3 multipart upload is kept and
+    resumed by the next ``put_file`` (its verified parts are not sent again); a POSIX temp file is
+    removed."""
+
+
+YIELD_CHECK_S = 0.5  # how often a transfer in progress asks whether to yield
+
+
 @dataclass
 class DrainResult:
     """What :meth:`StepDrainer.drain` did for one step."""
@@ -174,6 +185,7 @@ class StepDrainer:
                 res.state = "durable"
                 return res
             if not self._marker_matches(ls, ls.domain):
+                progress = self._progress(ls)
                 for s in m.shards_of_node(ls.domain):
                     if self.should_yield is not None and self.should_yield(ls):
                         res.state = "preempted"
@@ -184,8 +196,13 @@ class StepDrainer:
                     if info is not None and info.size == s.size and info.checksum == s.checksum:
                         res.bytes_reused += s.size
                         continue
-                    st = self.tier.put_file(os.path.join(ls.path, s.path), key, size=s.size, checksum=s.checksum,
-                                            progress=self.progress)
+                    try:
+                        st = self.tier.put_file(os.path.join(ls.path, s.path), key, size=s.size,
+                                                checksum=s.checksum, progress=progress)
+                    except DrainPreempted:
+                        res.state = "preempted"
+                        res.seconds = time.perf_counter() - t0
+                        return res
                     res.bytes_sent += st.bytes - st.reused_bytes
                     res.bytes_reused += st.reused_bytes
                     res.retries += st.retries
@@ -193,8 +210,6 @@ class StepDrainer:
                 with open(md_path, "rb") as f:
                     md = f.read()
                 if len(md) != m.dcp_metadata.length or checksum(md) != m.dcp_metadata.checksum:
-                    from ..errors import CorruptCheckpointError
-
                     raise CorruptCheckpointError(f"{md_path}: size or checksum does not match the manifest; "
                                                  "this step is not drained")
                 self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, DCP_METADATA_NAME), md)
@@ -204,12 +219,28 @@ class StepDrainer:
         res.seconds = time.perf_counter() - t0
         return res
 
+    def _progress(self, ls: LocalStep) -> Callable[[int], None]:
+        """The progress callback for ``ls``'s transfers: reports bytes, and every ``YIELD_CHECK_S``
+        asks ``should_yield``, pausing the transfer (``DrainPreempted``) when told to."""
+        last = [time.monotonic()]
+
+        def progress(n: int) -> None:
+            if self.progress is not None:
+                self.progress(n)
+            now = time.monotonic()
+            if self.should_yield is not None and now - last[0] >= YIELD_CHECK_S:
+                last[0] = now
+                if self.should_yield(ls):
+                    raise DrainPreempted()
+
+        return progress
+
     def _durable_manifest(self, ls: LocalStep) -> Manifest | None:
         try:
             return read_durable_manifest(self.tier, ls.run_id, ls.step)
         except ObjectNotFoundError:
             return None
-        except ResilientSlurmError as exc:
+        except CorruptCheckpointError as exc:  # a storage failure propagates: it is not a bad manifest
             # A garbage durable manifest is not a commit: overwrite it with a good one.
             log.warning("durable manifest of run %s step %d is unreadable (%s); draining it again",
                         ls.run_id, ls.step, exc)
@@ -218,7 +249,7 @@ class StepDrainer:
     def _marker_matches(self, ls: LocalStep, domain: str) -> bool:
         try:
             return read_durable_manifest(self.tier, ls.run_id, ls.step, domain).save_id == ls.manifest.save_id
-        except (ObjectNotFoundError, ResilientSlurmError):
+        except (ObjectNotFoundError, CorruptCheckpointError):
             return False
 
     def try_commit(self, run_id: str, step: int, m: Manifest) -> list[str]:
@@ -229,8 +260,8 @@ class StepDrainer:
         for d in sorted(m.nodes):
             try:
                 mk = read_durable_manifest(self.tier, run_id, step, d)
-            except (ObjectNotFoundError, ResilientSlurmError):
-                missing.append(d)
+            except (ObjectNotFoundError, CorruptCheckpointError):
+                missing.append(d)  # not there yet, or a torn marker that its node will write again
                 continue
             if mk.save_id != m.save_id:
                 missing.append(d)  # that node drained another save of this step; it will drain this one
@@ -241,8 +272,6 @@ class StepDrainer:
         first = m.first_domain
         md = self.tier.get_bytes(domain_key(run_id, step, first, DCP_METADATA_NAME))
         if checksum(md) != markers[first].dcp_metadata.checksum:
-            from ..errors import CorruptCheckpointError
-
             raise CorruptCheckpointError(f"{self.tier.url}/{domain_key(run_id, step, first, DCP_METADATA_NAME)}: "
                                          "does not match its domain manifest; the step is not committed")
         prefix = durable_step_key(run_id, step)
@@ -262,5 +291,5 @@ def step_path(root: str, run_id: str, step: int) -> str:
     return os.path.join(root, run_id, step_dirname(step))
 
 
-__all__ = ["DrainResult", "LocalStep", "StepDrainer", "drain_order", "durable_steps", "read_durable_manifest",
+__all__ = ["DrainPreempted", "DrainResult", "LocalStep", "StepDrainer", "drain_order", "durable_steps", "read_durable_manifest",
            "read_manifest", "scan_local", "step_path"]

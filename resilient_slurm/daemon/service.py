@@ -126,6 +126,7 @@ class Daemon:
         self._lock_fd: int | None = None
         self._last_status_write = 0.0
         self._failures: dict[tuple[str, int, float], int] = {}
+        self._invalid_paths: set[str] = set()  # committed-looking steps whose manifest is unreadable
         self.drained: list[DrainResult] = []
         self.started_at = clock()
 
@@ -238,6 +239,7 @@ class Daemon:
         """Scan, drain the pending steps in :func:`drain_order` (stopping early to rescan when the local
         tier changed), retention, eviction, status. Returns (more work may be pending now, some step
         failed). Steps waiting for other nodes cost a few small reads per pass."""
+        self._invalid_paths.clear()
         steps = scan_local(self.root, self.run_ids, invalid=self._invalid)
         runs = sorted({s.run_id for s in steps} | set(self.run_ids or ()))
         for run in runs:
@@ -263,7 +265,7 @@ class Daemon:
         present = {(x.run_id, x.step) for x in steps}
         for key in [k for k in self._status if k not in present]:
             del self._status[key]
-        failed = any(st.state == "failed" for st in self._status.values())
+        failed = any(st.state == "failed" for st in self._status.values()) or bool(self._invalid_paths)
         busy = False
         for i, ls in enumerate(drain_order(pending)):
             if self.stop_requested.is_set():
@@ -271,6 +273,9 @@ class Daemon:
             if i and self._wake.is_set() and ls.manifest.reason != "emergency":
                 busy = True  # something changed on disk (maybe an emergency step): rescan first
                 break
+            if not self._worth_draining(ls):  # newer steps drained in this pass may have made it redundant
+                self._step_status(ls).state = "local"
+                continue
             result = self._drain_one(ls)
             if result is None:
                 failed = True
@@ -300,7 +305,9 @@ class Daemon:
         return s.step in self.retention.keep(durable | {s.step})
 
     def _invalid(self, path: str, reason: str) -> None:
-        log.error("not draining %s: %s (run `rslurm verify` on it)", path, reason)
+        if path not in self._invalid_paths:
+            log.error("not draining %s: %s (run `rslurm verify` on it)", path, reason)
+        self._invalid_paths.add(path)
 
     def _drain_one(self, ls: LocalStep) -> DrainResult | None:
         st = self._step_status(ls)
@@ -315,13 +322,21 @@ class Daemon:
             self._write_status()
 
         def should_yield(cur: LocalStep) -> bool:
+            """Pause ``cur`` for a stop request, or for an emergency step this node has not drained yet."""
             if self.stop_requested.is_set():
                 return True
-            if cur.manifest.reason == "emergency" or not self._wake.is_set():
+            if cur.manifest.reason == "emergency":
                 return False
-            fresh = scan_local(self.root, self.run_ids)
-            return any(s.manifest.reason == "emergency" and s.step not in self._durable.get(s.run_id, ())
-                       and (s.run_id, s.step) != (cur.run_id, cur.step) for s in fresh)
+            for s in scan_local(self.root, self.run_ids):
+                if s.manifest.reason != "emergency" or (s.run_id, s.step) == (cur.run_id, cur.step):
+                    continue
+                known = self._status.get((s.run_id, s.step))
+                done = known is not None and known.created_at == s.manifest.created_at and known.state in (
+                    "waiting", "durable", "failed")
+                if not done and s.step not in self._durable.get(s.run_id, ()):
+                    log.info("run %s step %d: pausing it for emergency step %d", cur.run_id, cur.step, s.step)
+                    return True
+            return False
 
         drainer = StepDrainer(self.tier, should_yield=should_yield, progress=progress)
         try:
@@ -343,6 +358,7 @@ class Daemon:
         if result.state == "preempted":
             st.state = "local"
             log.info("run %s step %d: paused for a more urgent step", ls.run_id, ls.step)
+            self.drained.append(result)
             return result
         if result.bytes_sent or result.bytes_reused:
             st.drain_s, st.throughput = result.seconds, result.throughput

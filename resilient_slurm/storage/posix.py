@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 
 import xxhash
 
@@ -127,6 +128,11 @@ class PosixTier(StorageTier):
                 except OSError:  # no user xattrs here: a restarted daemon re-sends instead of trusting
                     pass
             finally:
+                # On a failure (a bad piece, an interrupted transfer) pieces may still be in flight: they
+                # must finish before the descriptors they use are closed (and perhaps reused).
+                for fut, _ in window:
+                    fut.cancel()
+                wait_futures([fut for fut, _ in window])
                 os.close(fout)
             os.replace(tmp, dst)
             fsync_dir(os.path.dirname(dst))
