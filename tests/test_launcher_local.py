@@ -499,3 +499,38 @@ def test_a_program_that_cannot_be_started_is_a_clear_error(sandbox: Sandbox) -> 
     assert "Traceback" not in err, err[-3000:]
     assert str(missing) in err
     assert_nothing_survives(sb, run)
+
+
+def test_with_a_durable_tier_the_emergency_step_is_durable_before_exit_and_a_lost_disk_resumes_bitwise(
+        sandbox: Sandbox, reference: Sandbox) -> None:
+    """``RSLURM_DURABLE`` set, no daemon service: the launcher runs ``rslurm daemon --job-step`` next to
+    the ranks. SIGTERM: the emergency step is durable before the launcher exits 75, and the daemon is
+    gone with it. The node's local disk is then lost: the rerun restores from the durable tier,
+    finishes bitwise identical, and its final step is durable before the launcher exits 0."""
+    sb = sandbox
+    durable = sb.root / "lustre"
+    env = {"RSLURM_DURABLE": str(durable), "RSLURM_LOG_LEVEL": "INFO"}
+    run = sb.launch(sb.toy(), env=env)
+    wait_for_steps(sb, run, 6)
+    run.signal(signal.SIGTERM)
+    rc = run.wait(60)
+    assert rc == REQUEUE, f"exit code {rc}:\n{run.stderr()[-4000:]}"
+    assert_nothing_survives(sb, run)  # the job's daemon included
+    step = assert_emergency_at_last_logged_step(sb)
+    events = read_jsonl(sb.run_dir / "launcher-events.jsonl")
+    durable_events = [e for e in events if e["event"] == "durable"]
+    assert durable_events and durable_events[0]["step"] == step, events
+    assert (durable / "toy" / step_dirname(step) / "manifest.json").exists()
+    assert "drain daemon started" in run.stderr()
+
+    shutil.rmtree(sb.nvme)  # the node's NVMe is gone
+    again = sb.launch(sb.toy(), env=env)
+    rc = again.wait(120)
+    assert rc == 0, again.stderr()[-4000:]
+    assert_nothing_survives(sb, again)
+    assert "fetched from the durable tier" in again.stderr(), again.stderr()[-4000:]
+    for r in range(2):
+        s = starts(sb.log(r))
+        assert [e["step"] for e in s] == [0, step], f"rank {r} did not resume from the emergency step: {s}"
+    assert_same_as_reference(sb, reference)
+    assert (durable / "toy" / step_dirname(STEPS) / "manifest.json").exists(), "the final step is not durable"
