@@ -343,11 +343,17 @@ class Engine:
         atomic_write(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
         fsync_dir(tmp)
         failpoints.hit("after_manifest")
-        final = os.path.join(self.run_dir, step_dirname(p.step))
+        self._install(tmp, p.step, p.token)
+
+    def _install(self, tmp: str, step: int, token: str) -> None:
+        """Rename a complete temp directory to ``step_X/`` (the local commit) and fsync the run directory.
+
+        An existing copy of the step (a re-save right after a restore, or a corrupt copy replaced by a
+        fetch from the durable tier) is swapped atomically enough that no other step is ever affected,
+        then removed."""
+        final = os.path.join(self.run_dir, step_dirname(step))
         if os.path.exists(final):
-            # Re-saving a step (e.g. an emergency save right after a restore): swap atomically enough
-            # that an older committed step is never affected, then drop the replaced copy.
-            aside = os.path.join(self.run_dir, tmp_dirname(p.step, f"replaced-{p.token}"))
+            aside = os.path.join(self.run_dir, tmp_dirname(step, f"replaced-{token}"))
             os.rename(final, aside)
             os.rename(tmp, final)
             fsync_dir(self.run_dir)
@@ -569,16 +575,7 @@ class Engine:
             local = dataclasses.replace(dm, node=topo.domain, shards=shards)
             atomic_write(os.path.join(tmp, MANIFEST_NAME), local.to_json().encode())
             fsync_dir(tmp)
-            final = os.path.join(self.run_dir, step_dirname(step))
-            if os.path.exists(final):  # a corrupt local copy: replace it, other steps untouched
-                aside = os.path.join(self.run_dir, tmp_dirname(step, f"replaced-fetch-{topo.nonce}"))
-                os.rename(final, aside)
-                os.rename(tmp, final)
-                fsync_dir(self.run_dir)
-                _remove_quietly(aside)
-            else:
-                os.rename(tmp, final)
-                fsync_dir(self.run_dir)
+            self._install(tmp, step, f"fetch-{topo.nonce}")
         except BaseException:
             _remove_quietly(tmp)
             raise

@@ -247,11 +247,32 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp name, fsync, rename, fsync of the directory."""
-    d = os.path.dirname(path) or "."
-    tmp = f"{path}.tmp-{os.getpid()}"
+@contextlib.contextmanager
+def unpublished_on_error(tmp: str, what: str) -> Iterator[None]:
+    """Around writing ``tmp`` and renaming it into place: on any failure (or interruption) remove
+    ``tmp``, and turn OS errors into :class:`InsufficientSpaceError` / :class:`StorageError` that name
+    ``what``. Nothing partial is ever left under the final name."""
     try:
+        yield
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise InsufficientSpaceError(f"{what}: no space left ({exc.strerror}); free space there. Nothing "
+                                         "partial was published.") from exc
+        if isinstance(exc, OSError):
+            raise StorageError(f"{what} failed: {exc}") from exc
+        raise
+
+
+def atomic_write(path: str, data: bytes, *, tmp: str | None = None) -> None:
+    """Write ``data`` to ``path`` atomically: temp name (``tmp``, default ``<path>.tmp-<pid>``), fsync,
+    rename, fsync of the directory."""
+    d = os.path.dirname(path) or "."
+    tmp = tmp or f"{path}.tmp-{os.getpid()}"
+    with unpublished_on_error(tmp, f"writing {path}"):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             view = memoryview(data)
@@ -262,14 +283,6 @@ def atomic_write(path: str, data: bytes) -> None:
             os.close(fd)
         os.replace(tmp, path)
         fsync_dir(d)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise InsufficientSpaceError(f"{path}: no space left to write it; free space there") from exc
-        raise StorageError(f"{path}: atomic write failed: {exc}") from exc
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ mismatch deletes the temp file and publishes nothing.
 from __future__ import annotations
 
 import builtins
-import errno
 import logging
 import os
 import secrets
@@ -23,8 +22,8 @@ from concurrent.futures import wait as wait_futures
 
 import xxhash
 
-from ..errors import CorruptCheckpointError, InsufficientSpaceError, ObjectNotFoundError, StorageError
-from .fileio import fsync_dir
+from ..errors import CorruptCheckpointError, ObjectNotFoundError, StorageError
+from .fileio import atomic_write, fsync_dir, unpublished_on_error
 from .tier import ObjectInfo, Progress, RateLimiter, StorageTier, TransferStats
 
 log = logging.getLogger(__name__)
@@ -74,79 +73,69 @@ class PosixTier(StorageTier):
             raise ObjectNotFoundError(f"{src}: does not exist") from exc
         tmp = f"{dst}{TMP_MARK}{secrets.token_hex(4)}"
         try:
-            actual = os.fstat(fin).st_size
-            if actual != size:
-                raise CorruptCheckpointError(f"{src}: {what} is {actual} bytes, the manifest says {size}")
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                h = xxhash.xxh3_64()
-                window: deque[tuple[Future[memoryview], int]] = deque()
-                free: list[bytearray] = []
-                limit = self.limiter
-
-                def move(buf: bytearray, off: int, n: int) -> memoryview:
-                    mv = memoryview(buf)[:n]
-                    got = 0
-                    while got < n:
-                        r = os.preadv(fin, [mv[got:]], off + got)
-                        if r == 0:
-                            raise CorruptCheckpointError(f"{src}: {what} shrank while being copied")
-                        got += r
-                    limit.acquire(n)
-                    done = 0
-                    while done < n:
-                        done += os.pwrite(fout, mv[done:], off + done)
-                    return mv
-
-                def drain_one() -> None:
-                    fut, n = window.popleft()
-                    mv = fut.result()
-                    h.update(mv)
-                    free.append(mv.obj)  # type: ignore[arg-type]
-                    mv.release()
-                    stats.bytes += n
-                    if progress:
-                        progress(n)
-
-                for off in range(0, size, self.piece_size):
-                    n = min(self.piece_size, size - off)
-                    if len(window) >= self.threads * 2:
-                        drain_one()
-                    buf = free.pop() if free else bytearray(self.piece_size)
-                    window.append((self._pool.submit(move, buf, off, n), n))
-                while window:
-                    drain_one()
-                if h.hexdigest() != checksum:
-                    raise CorruptCheckpointError(
-                        f"{src}: {what} does not match its checksum in the manifest (xxh3 {h.hexdigest()} != "
-                        f"{checksum}); it was not copied"
-                    )
-                os.fsync(fout)
+            with unpublished_on_error(tmp, f"copying {src} to {dst}"):
+                actual = os.fstat(fin).st_size
+                if actual != size:
+                    raise CorruptCheckpointError(f"{src}: {what} is {actual} bytes, the manifest says {size}")
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
                 try:
-                    os.setxattr(fout, XATTR, checksum.encode())
-                except OSError:  # no user xattrs here: a restarted daemon re-sends instead of trusting
-                    pass
-            finally:
-                # On a failure (a bad piece, an interrupted transfer) pieces may still be in flight: they
-                # must finish before the descriptors they use are closed (and perhaps reused).
-                for fut, _ in window:
-                    fut.cancel()
-                wait_futures([fut for fut, _ in window])
-                os.close(fout)
-            os.replace(tmp, dst)
-            fsync_dir(os.path.dirname(dst))
-        except BaseException as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise InsufficientSpaceError(f"{dst}: no space left ({exc.strerror}); free space there. "
-                                             "Nothing partial was published.") from exc
-            if isinstance(exc, OSError):
-                raise StorageError(f"copying {src} to {dst} failed: {exc}") from exc
-            raise
+                    h = xxhash.xxh3_64()
+                    window: deque[tuple[Future[memoryview], int]] = deque()
+                    free: list[bytearray] = []
+                    limit = self.limiter
+
+                    def move(buf: bytearray, off: int, n: int) -> memoryview:
+                        mv = memoryview(buf)[:n]
+                        got = 0
+                        while got < n:
+                            r = os.preadv(fin, [mv[got:]], off + got)
+                            if r == 0:
+                                raise CorruptCheckpointError(f"{src}: {what} shrank while being copied")
+                            got += r
+                        limit.acquire(n)
+                        done = 0
+                        while done < n:
+                            done += os.pwrite(fout, mv[done:], off + done)
+                        return mv
+
+                    def drain_one() -> None:
+                        fut, n = window.popleft()
+                        mv = fut.result()
+                        h.update(mv)
+                        free.append(mv.obj)  # type: ignore[arg-type]
+                        mv.release()
+                        stats.bytes += n
+                        if progress:
+                            progress(n)
+
+                    for off in range(0, size, self.piece_size):
+                        n = min(self.piece_size, size - off)
+                        if len(window) >= self.threads * 2:
+                            drain_one()
+                        buf = free.pop() if free else bytearray(self.piece_size)
+                        window.append((self._pool.submit(move, buf, off, n), n))
+                    while window:
+                        drain_one()
+                    if h.hexdigest() != checksum:
+                        raise CorruptCheckpointError(
+                            f"{src}: {what} does not match its checksum in the manifest (xxh3 {h.hexdigest()} != "
+                            f"{checksum}); it was not copied"
+                        )
+                    os.fsync(fout)
+                    try:
+                        os.setxattr(fout, XATTR, checksum.encode())
+                    except OSError:  # no user xattrs here: a restarted daemon re-sends instead of trusting
+                        pass
+                finally:
+                    # On a failure (a bad piece, an interrupted transfer) pieces may still be in flight: they
+                    # must finish before the descriptors they use are closed (and perhaps reused).
+                    for fut, _ in window:
+                        fut.cancel()
+                    wait_futures([fut for fut, _ in window])
+                    os.close(fout)
+                os.replace(tmp, dst)
+                fsync_dir(os.path.dirname(dst))
         finally:
             os.close(fin)
         stats.seconds = time.perf_counter() - t0
@@ -165,23 +154,11 @@ class PosixTier(StorageTier):
     def put_bytes(self, key: str, data: bytes) -> None:
         """See :meth:`StorageTier.put_bytes`."""
         path = self._path(key)
-        tmp = f"{path}{TMP_MARK}{secrets.token_hex(4)}"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            fsync_dir(os.path.dirname(path))
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise InsufficientSpaceError(f"{path}: no space left to write it; free space there") from exc
-            raise StorageError(f"{path}: write failed: {exc}") from exc
+            raise StorageError(f"{os.path.dirname(path)}: cannot create it: {exc}") from exc
+        atomic_write(path, data, tmp=f"{path}{TMP_MARK}{secrets.token_hex(4)}")
 
     def get_bytes(self, key: str) -> bytes:
         """See :meth:`StorageTier.get_bytes`."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import builtins
-import errno
 import hashlib
 import logging
 import math
@@ -43,13 +42,12 @@ from tenacity.wait import wait_random_exponential
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
-    InsufficientSpaceError,
     ObjectNotFoundError,
     ResilientSlurmError,
     StorageError,
     TransientStorageError,
 )
-from .fileio import fsync_dir
+from .fileio import fsync_dir, unpublished_on_error
 from .posix import TMP_MARK
 from .tier import ObjectInfo, Progress, RateLimiter, StorageTier, TransferStats, join_key
 
@@ -720,7 +718,7 @@ class S3Tier(StorageTier):
         tmp = f"{dest}{TMP_MARK}{secrets.token_hex(4)}"
         psize = self._part_size_for(size)
         cancel = threading.Event()
-        try:
+        with unpublished_on_error(tmp, f"downloading {where} to {dest}"):
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
@@ -795,17 +793,6 @@ class S3Tier(StorageTier):
                 os.close(fout)
             os.replace(tmp, dest)
             fsync_dir(os.path.dirname(dest))
-        except BaseException as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise InsufficientSpaceError(f"{dest}: no space left to download {where} ({exc.strerror}); "
-                                             "free space there") from exc
-            if isinstance(exc, OSError):
-                raise StorageError(f"downloading {where} to {dest} failed: {exc}") from exc
-            raise
         stats.seconds = time.perf_counter() - t0
         return stats
 
