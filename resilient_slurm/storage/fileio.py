@@ -16,7 +16,7 @@ import logging
 import mmap
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -121,6 +121,9 @@ def write_file(
     chunks: Sequence[tuple[int, int]],
     *,
     threads: int = 4,
+    before_piece: Callable[[int], None] | None = None,
+    after_piece: Callable[[int], None] | None = None,
+    piece: int = _IO_CHUNK,
 ) -> WrittenFile:
     """Write ``segments`` back to back into ``path``, fsync it, and checksum the file and each chunk.
 
@@ -128,7 +131,9 @@ def write_file(
     bytes; every segment but the last must have a block-multiple length, so each O_DIRECT request is
     aligned (the last segment's padding is written, then truncated away). Writes are issued as parallel
     pwrite calls; checksums are computed on the same memory while the writes run. ``chunks`` are
-    (file offset, length) ranges, each inside one segment.
+    (file offset, length) ranges, each inside one segment. ``before_piece(n)`` runs on a writer thread
+    before each piece (a bandwidth cap); ``after_piece(n)`` on the calling thread after each piece, in
+    order (progress; an exception there stops the write, and the caller removes the file).
     """
     fd, direct = _open_for_write(path)
     starts = []
@@ -148,10 +153,12 @@ def write_file(
         pieces = []
         for (_, length), start in zip(segments, starts):
             span = round_up(length) if direct else length
-            pieces += [(start + o, min(_IO_CHUNK, span - o)) for o in range(0, span, _IO_CHUNK)]
+            pieces += [(start + o, min(piece, span - o)) for o in range(0, span, piece)]
 
         def put(piece: tuple[int, int]) -> None:
             off, n = piece
+            if before_piece is not None:  # e.g. a bandwidth cap: runs on the writer thread
+                before_piece(n)
             v = view(off, n)
             done = 0
             while done < n:
@@ -165,8 +172,16 @@ def write_file(
 
         with ThreadPoolExecutor(max_workers=max(1, threads) + 1, thread_name_prefix="rslurm-write") as pool:
             sums = pool.submit(digest)
-            for f in [pool.submit(put, p) for p in pieces]:
-                f.result()
+            futs = [(pool.submit(put, p), p) for p in pieces]
+            try:
+                for f, (off, n) in futs:
+                    f.result()
+                    if after_piece is not None:  # on the calling thread: it may raise to interrupt the write
+                        after_piece(max(0, min(n, size - off)))
+            except BaseException:
+                for f, _ in futs:
+                    f.cancel()
+                raise
             file_sum, chunk_sums = sums.result()
         if direct and round_up(size) != size:
             os.ftruncate(fd, size)

