@@ -16,8 +16,8 @@ POSIX, into a fresh durable directory per method and repeat (removed and synced 
 S3, against a moto server in its own process, over HTTP on loopback (one endpoint for all):
   s5cmd   ``s5cmd --numworkers T cp --concurrency T --part-size P`` (skipped, with the reason, if it cannot run)
   boto3   ``upload_file`` with ``TransferConfig(multipart_chunksize=P, max_concurrency=T)``
-  ours    ``StepDrainer(S3Tier(...)).drain(step)``: xxh3 of the source, Content-MD5 on every part, each
-          returned ETag compared with the part's MD5, markers, durable commit
+  ours    ``StepDrainer(S3Tier(...)).drain(step)``: xxh3 of the source, Content-MD5 and a CRC32 flexible
+          checksum on every part, each returned ETag compared with the part's MD5, markers, durable commit
 Restore: ``Checkpointer.restore`` into a fresh model + optimizer, with the page cache dropped first, (a) from
 the local tier, (b) with the local run directory deleted, from the durable POSIX directory and from S3
 (list, fetch + verify into the local tier, then the local read). Checkpointer construction is not timed.

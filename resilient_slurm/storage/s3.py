@@ -6,9 +6,22 @@ computed on the same buffers, in order, while the parts are in flight; an upload
 match the manifest is aborted and nothing is published. Objects carry their xxh3 in the ``xxh3`` user
 metadata so a restarted daemon can :meth:`~S3Tier.stat` instead of reading them back.
 
+Multipart uploads also use S3's flexible checksums, as plain headers (never aws-chunked bodies with
+trailers): the upload is created with ``ChecksumAlgorithm=CRC32``, every part carries the CRC32 computed
+here (``x-amz-checksum-crc32``) next to its Content-MD5, and CompleteMultipartUpload lists each part's
+CRC32, so the store checks every part twice and records a composite CRC32 for the object. Without an
+algorithm, AWS (and moto, which imitates it) computes a full-object CRC64NVME when the upload completes;
+moto does it by copying the whole object twice more and hashing it, which doubled its CPU per upload in
+bench/bench_drain.py. A store that refuses these headers (some S3-compatible ones answer NotImplemented or
+InvalidArgument) is detected on the first multipart upload: the tier logs it once, aborts that upload and
+goes on with Content-MD5 alone. Bodies that carry Content-MD5 (parts, single PUTs) are sent with
+``UNSIGNED-PAYLOAD`` also over plain HTTP, as botocore already does over HTTPS: the signed Content-MD5 and
+CRC32 headers cover them, and SHA-256 payload signing cost the client about 0.3 s of CPU per 512 MiB.
+
 Files larger than ``part_size`` go up as multipart uploads, ``threads`` parts at a time. An upload
 interrupted by a transient failure (or a killed daemon) is left in place: the next ``put_file`` of the
-same key finds it, keeps every part whose size and MD5 match the local bytes, and sends only the rest.
+same key finds it, keeps every part whose size and MD5 match the local bytes (and its CRC32, where the
+store lists one), and sends only the rest, with the checksum algorithm the upload was created with.
 The daemon's :meth:`~S3Tier.cleanup_incomplete` aborts those it will not resume.
 
 Retries are ours, not botocore's (its own are turned off): tenacity with full-jitter exponential backoff,
@@ -28,6 +41,7 @@ import os
 import secrets
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -93,6 +107,9 @@ ACCESS_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNo
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 # With these server-side encryptions the ETag is not the MD5 of the body (Content-MD5 still is checked).
 _OPAQUE_ETAG_SSE = frozenset({"aws:kms", "aws:kms:dsse"})
+CHECKSUM_ALGORITHM = "CRC32"  # the flexible checksum of multipart uploads (see the module docstring)
+# How stores that do not implement flexible checksums refuse their headers (with "checksum" in the message).
+_REFUSAL_CODES = frozenset({"NotImplemented", "InvalidArgument", "InvalidRequest"})
 
 _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
     HTTPClientError,  # ConnectionClosedError, ReadTimeoutError, ResponseStreamingError
@@ -132,6 +149,10 @@ class _Cancelled(Exception):
     """A part of a transfer that was not attempted because another part already failed."""
 
 
+class _ChecksumsRefused(StorageError):
+    """A multipart upload failed because the store refuses flexible checksums; it was aborted."""
+
+
 class _StopWhenSet(stop_base):
     """Stop retrying once ``event`` is set (another part of the same transfer failed for good)."""
 
@@ -158,6 +179,8 @@ def is_transient(exc: BaseException) -> bool:
     """Whether an S3 call that raised ``exc`` may succeed when tried again."""
     if isinstance(exc, ClientError):
         status = _http_status(exc)
+        if status == 501 or _error_code(exc) == "NotImplemented":
+            return False  # a feature the store lacks stays lacking
         return status >= 500 or status == 429 or _error_code(exc) in TRANSIENT_CODES
     if isinstance(exc, SSLError) and "CERTIFICATE" in str(exc).upper():
         return False  # a certificate the client refuses stays refused
@@ -181,6 +204,31 @@ def _md5(data: bytes | bytearray) -> bytes:
 
 def _md5_b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode("ascii")
+
+
+def _crc32_b64(data: bytes | bytearray) -> str:
+    """The CRC32 of ``data`` as S3 writes it (``x-amz-checksum-crc32``: base64 of the 4 big-endian bytes)."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode("ascii")
+
+
+def _refuses_checksums(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or the S3 error it wraps) is a store refusing the flexible-checksum headers."""
+    cause = exc.__cause__ if isinstance(exc, ResilientSlurmError) else exc
+    if not isinstance(cause, ClientError) or _error_code(cause) not in _REFUSAL_CODES:
+        return False
+    return "checksum" in str(cause.response.get("Error", {}).get("Message") or "").lower()
+
+
+def _sign_without_payload(config: Any) -> Callable[..., None]:
+    """A ``before-sign`` hook: sign the request with ``UNSIGNED-PAYLOAD`` (see the module docstring). Only
+    for requests whose body carries Content-MD5; botocore itself does this over HTTPS, not over HTTP."""
+    unsigned = config.merge(Config(s3={"payload_signing_enabled": False}))
+
+    def hook(request: Any, **_: Any) -> None:
+        if "Content-MD5" in request.headers:
+            request.context["client_config"] = unsigned
+
+    return hook
 
 
 def _etag(value: str | None) -> str:
@@ -220,6 +268,7 @@ class _Part:
     md5: bytes
     etag: str
     reused: bool
+    crc: str | None = None  # its CRC32 (base64), in an upload created with ChecksumAlgorithm=CRC32
 
 
 class S3Tier(StorageTier):
@@ -274,7 +323,11 @@ class S3Tier(StorageTier):
                 response_checksum_validation="when_required",
             )
             client = _new_client(endpoint_url=endpoint_url, region_name=region, config=config)
+            for op in ("UploadPart", "PutObject"):
+                client.meta.events.register(f"before-sign.s3.{op}", _sign_without_payload(config))
         self._client = client
+        # Multipart uploads use CRC32 flexible checksums until the store refuses them (see the docstring).
+        self._flexible = True
         self._lock = threading.Lock()  # guards TransferStats counters updated from worker threads
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="rslurm-s3")
         # Part buffers in memory, all transfers of the tier together: the daemon runs several at once,
@@ -437,11 +490,23 @@ class S3Tier(StorageTier):
                 if progress and size:
                     progress(size)
             else:
-                self._put_multipart(fd, src, full, size, checksum, progress, stats)
+                try:
+                    self._put_multipart(fd, src, full, size, checksum, progress, stats)
+                except _ChecksumsRefused:
+                    # That upload was aborted and the tier no longer sends flexible checksums: once more.
+                    stats.bytes = stats.reused_bytes = 0
+                    self._put_multipart(fd, src, full, size, checksum, progress, stats)
         finally:
             os.close(fd)
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _no_flexible(self, full: str, exc: BaseException) -> None:
+        if self._flexible:
+            self._flexible = False
+            log.warning("S3 %s: the store at %s refuses flexible checksums (%s); multipart uploads go on "
+                        "with Content-MD5 alone", self._where(full), self.endpoint,
+                        _describe(exc.__cause__ if isinstance(exc, ResilientSlurmError) else exc))
 
     def _read(self, fd: int, src: str, buf: bytearray | memoryview, off: int) -> None:
         mv = memoryview(buf)
@@ -521,35 +586,55 @@ class S3Tier(StorageTier):
 
         return self._call("abort upload of", full, once, stats=stats)
 
-    def _resumable(self, full: str, stats: TransferStats) -> tuple[str | None, dict[int, tuple[int, str]]]:
-        """An incomplete upload of ``full`` to resume, and its parts (number -> (size, ETag))."""
+    def _resumable(self, full: str, stats: TransferStats
+                   ) -> tuple[str | None, bool, dict[int, tuple[int, str, str | None]]]:
+        """An incomplete upload of ``full`` to resume, whether it was created with our flexible checksum
+        (its parts then carry CRC32s), and its parts (number -> (size, ETag, listed CRC32 or None))."""
         uploads = self._uploads_of(full, stats)
         if not uploads:
-            return None, {}
+            return None, False, {}
         newest = uploads[-1]
         for u in uploads[:-1]:
             log.info("aborting an older incomplete upload %s of %s", u["UploadId"], self._where(full))
             self._abort(full, u["UploadId"], stats)
         upload_id = str(newest["UploadId"])
-        parts: dict[int, tuple[int, str]] = {}
+        algorithm = newest.get("ChecksumAlgorithm")
+        if algorithm not in (None, CHECKSUM_ALGORITHM):
+            # Not one of ours (we use CRC32 or none): its parts would need checksums we do not compute.
+            log.info("aborting incomplete upload %s of %s (checksum algorithm %s)", upload_id, self._where(full),
+                     algorithm)
+            self._abort(full, upload_id, stats)
+            return None, False, {}
+        parts: dict[int, tuple[int, str, str | None]] = {}
         try:
             for page in self._pages("list parts of", full, self._client.list_parts,
                                     {"Bucket": self.bucket, "Key": full, "UploadId": upload_id},
                                     {"PartNumberMarker": "NextPartNumberMarker"}, stats=stats):
                 for p in page.get("Parts", []):
-                    parts[int(p["PartNumber"])] = (int(p["Size"]), _etag(p.get("ETag")))
+                    parts[int(p["PartNumber"])] = (int(p["Size"]), _etag(p.get("ETag")), p.get("ChecksumCRC32"))
         except TransientStorageError as exc:
             if isinstance(exc.__cause__, ClientError) and _error_code(exc.__cause__) == "NoSuchUpload":
-                return None, {}  # aborted between the two listings
+                return None, False, {}  # aborted between the two listings
             raise
-        return upload_id, parts
+        return upload_id, algorithm == CHECKSUM_ALGORITHM, parts
 
-    def _create_upload(self, full: str, checksum: str, stats: TransferStats) -> str:
+    def _create_upload(self, full: str, checksum: str, stats: TransferStats) -> tuple[str, bool]:
+        """A new upload of ``full``, and whether it was created with our flexible checksum."""
         attempts = 0
+        flexible = self._flexible
 
         def once() -> dict[str, Any]:
-            nonlocal attempts
+            nonlocal attempts, flexible
             attempts += 1
+            if flexible:
+                try:
+                    return self._client.create_multipart_upload(Bucket=self.bucket, Key=full, Metadata={META: checksum},
+                                                                ChecksumAlgorithm=CHECKSUM_ALGORITHM)
+                except ClientError as exc:
+                    if not _refuses_checksums(exc):
+                        raise
+                    self._no_flexible(full, exc)
+                    flexible = False
             return self._client.create_multipart_upload(Bucket=self.bucket, Key=full, Metadata={META: checksum})
 
         upload_id = str(self._call("create upload of", full, once, stats=stats)["UploadId"])
@@ -559,15 +644,15 @@ class S3Tier(StorageTier):
             for u in self._uploads_of(full, stats):
                 if u["UploadId"] != upload_id:
                     self._abort(full, u["UploadId"], stats)
-        return upload_id
+        return upload_id, flexible
 
     def _put_multipart(self, fd: int, src: str, full: str, size: int, checksum: str,
                        progress: Progress | None, stats: TransferStats) -> None:
         psize = self._part_size_for(size)
         nparts = math.ceil(size / psize)
-        upload_id, existing = self._resumable(full, stats)
+        upload_id, flexible, existing = self._resumable(full, stats)
         if upload_id is None:
-            upload_id = self._create_upload(full, checksum, stats)
+            upload_id, flexible = self._create_upload(full, checksum, stats)
         else:
             log.info("resuming upload %s of %s (%d part(s) already there)", upload_id, self._where(full),
                      len(existing))
@@ -581,19 +666,23 @@ class S3Tier(StorageTier):
                 n = len(buf)
                 self._read(fd, src, buf, off)
                 md5 = _md5(buf)
+                crc = _crc32_b64(buf) if flexible else None
                 # A part already in the store is kept only if it is byte for byte ours: same size and
-                # same MD5 (its ETag). Anything else is sent again, which replaces it.
-                if existing.get(number) == (n, md5.hex()):
-                    return _Part(number, n, buf, md5, md5.hex(), reused=True)
+                # same MD5 (its ETag), and the same CRC32 if the store lists one. Anything else is sent
+                # again, which replaces it.
+                old = existing.get(number)
+                if old is not None and old[:2] == (n, md5.hex()) and (old[2] is None or old[2] == crc):
+                    return _Part(number, n, buf, md5, md5.hex(), reused=True, crc=crc)
+                extra = {"ChecksumCRC32": crc} if crc is not None else {}
 
                 def once() -> dict[str, Any]:
                     self.limiter.acquire(n)
                     return self._client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id,
-                                                    PartNumber=number, Body=buf, ContentMD5=_md5_b64(md5))
+                                                    PartNumber=number, Body=buf, ContentMD5=_md5_b64(md5), **extra)
 
                 resp = self._call(f"upload part {number}/{nparts} of", full, once, stats=stats, cancel=cancel)
                 self._check_etag(resp, md5, full, f"part {number}")
-                return _Part(number, n, buf, md5, _etag(resp.get("ETag")), reused=False)
+                return _Part(number, n, buf, md5, _etag(resp.get("ETag")), reused=False, crc=crc)
             except BaseException:
                 cancel.set()  # the other parts stop retrying and the rest are not started
                 raise
@@ -643,6 +732,7 @@ class S3Tier(StorageTier):
                 self._budget.release()
             real = _first_cause(exc, list(window))
             gone = isinstance(real.__cause__, ClientError) and _error_code(real.__cause__) == "NoSuchUpload"
+            refused = flexible and _refuses_checksums(real)
             if isinstance(real, TransientStorageError) and not gone:
                 log.info("left upload %s of %s for a later put_file to resume (%d part(s) verified)",
                          upload_id, where, len(done))
@@ -658,10 +748,20 @@ class S3Tier(StorageTier):
                 except StorageError as abort_exc:
                     log.warning("could not abort upload %s of %s (cleanup_incomplete will): %s", upload_id,
                                 where, abort_exc)
+            if refused:
+                self._no_flexible(full, real)
+                raise _ChecksumsRefused(str(real)) from real
             if real is exc:
                 raise
             raise real from None
-        self._complete(full, upload_id, done, size, checksum, stats)
+        try:
+            self._complete(full, upload_id, done, size, checksum, stats)
+        except StorageError as exc:
+            if not (flexible and _refuses_checksums(exc)):
+                raise
+            self._no_flexible(full, exc)
+            self._abort(full, upload_id, stats)
+            raise _ChecksumsRefused(str(exc)) from exc
 
     def _complete(self, full: str, upload_id: str, parts: list[_Part], size: int, checksum: str,
                   stats: TransferStats) -> None:
@@ -675,7 +775,9 @@ class S3Tier(StorageTier):
             try:
                 return self._client.complete_multipart_upload(
                     Bucket=self.bucket, Key=full, UploadId=upload_id,
-                    MultipartUpload={"Parts": [{"PartNumber": p.number, "ETag": f'"{p.etag}"'} for p in parts]})
+                    MultipartUpload={"Parts": [{"PartNumber": p.number, "ETag": f'"{p.etag}"',
+                                                **({"ChecksumCRC32": p.crc} if p.crc is not None else {})}
+                                               for p in parts]})
             except ClientError as exc:
                 # A retry after an answer that was lost: the first attempt completed the upload.
                 if attempts > 1 and _error_code(exc) == "NoSuchUpload":
