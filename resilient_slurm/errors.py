@@ -56,10 +56,6 @@ class ObjectNotFoundError(StorageError, PermanentError):
     """A key or file asked for does not exist in the storage tier."""
 
 
-class DrainError(StorageError):
-    """The drain daemon could not move a step to the durable tier; the message names the step and why."""
-
-
 class DistributedError(CheckpointError):
     """Ranks disagreed or a collective failed while coordinating a save or restore."""
 

@@ -38,7 +38,6 @@ from ..manifest import (
     domain_key,
     durable_step_key,
     parse_step_dirname,
-    step_dirname,
 )
 from ..storage.fileio import checksum, reading_step
 from ..storage.tier import StorageTier
@@ -286,10 +285,5 @@ def drain_order(steps: Iterable[LocalStep]) -> list[LocalStep]:
     return sorted(steps, key=lambda s: (s.manifest.reason != "emergency", -s.manifest.created_at, -s.step))
 
 
-def step_path(root: str, run_id: str, step: int) -> str:
-    """Local directory of a committed step."""
-    return os.path.join(root, run_id, step_dirname(step))
-
-
 __all__ = ["DrainPreempted", "DrainResult", "LocalStep", "StepDrainer", "drain_order", "durable_steps", "read_durable_manifest",
-           "read_manifest", "scan_local", "step_path"]
+           "read_manifest", "scan_local"]
