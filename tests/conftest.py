@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -165,6 +166,23 @@ def wait_for_text(path: Path, pattern: str, cluster: SlurmCluster, timeout: floa
         if time.monotonic() > deadline:
             pytest.fail(f"{pattern!r} not in {path} after {timeout}s: {text!r}\n{cluster.logs_tail()}")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``8m``) mounted at ``where`` for a full-disk test; skips unless root
+    (CI runs the suite as root, so these tests run there)."""
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root to mount a {size} tmpfs (CI runs these tests as root)")
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root, but: {r.stderr.strip()})")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 # --------------------------------------------------------------------------- the real Slurm test cluster

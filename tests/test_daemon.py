@@ -24,7 +24,7 @@ import pytest
 import s3_support
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, clean_env, free_port, run_ranks
+from conftest import REPO, clean_env, free_port, mounted_tmpfs, run_ranks
 from s3_support import FAKE_ENV, RESET_REQUEST, RESET_RESPONSE, SLOWDOWN, FaultProxy, MotoServer
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -368,17 +368,8 @@ def test_newest_durable_step_survives_a_newer_step_that_cannot_be_drained(tmp_pa
 # ------------------------------------------------------------------------------------- 6. watermark
 @pytest.fixture
 def tmpfs64(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a 64 MiB tmpfs (CI runs these tests as root)")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (root, but: {r.stderr.strip()})")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "64m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 STEP_BYTES = 8 * MiB

@@ -6,12 +6,12 @@ Runs on a real 8 MiB tmpfs, so it needs root (CI runs as root)."""
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import mounted_tmpfs
 
 from resilient_slurm import Checkpointer, InsufficientSpaceError
 
@@ -23,17 +23,8 @@ pytestmark = pytest.mark.root
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount an 8 MiB tmpfs (CI runs these tests as root)")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (root, but: {r.stderr.strip()})")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def state_of(step: int, nbytes: int) -> dict[str, object]:
