@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import __version__, config
+from . import __version__, config, doctor, submit
 from .errors import ConfigError, ResilientSlurmError
 from .manifest import MANIFEST_NAME, Manifest, parse_step_dirname, step_dirname
 from .paths import default_local_dir, default_run_id, expand_local_dir, node_name
@@ -305,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--durable", default=None, help="durable tier URL (RSLURM_DURABLE)")
     sp.set_defaults(func=cmd_status)
+    submit.add_parser(sub)
+    doctor.add_parser(sub)
     sp = sub.add_parser("demo", help="train, SIGKILL, resume, compare (see python -m resilient_slurm.demo -h)")
     sp.add_argument("demo_args", nargs=argparse.REMAINDER)
     sp.set_defaults(func=cmd_demo)
