@@ -223,12 +223,12 @@ def shape_for(total_bytes: int) -> tuple[int, int, int, int]:
     raise AssertionError("unreachable")
 
 
-def build_state(total_bytes: int, seed: int) -> tuple[TinyLM, torch.optim.Adam]:
-    """Model + Adam with exp_avg/exp_avg_sq materialized by one optimizer step."""
+def build_state(total_bytes: int, seed: int, device: str = "cpu") -> tuple[TinyLM, torch.optim.Adam]:
+    """Model + Adam with exp_avg/exp_avg_sq materialized by one optimizer step, on ``device``."""
     torch.manual_seed(seed)
     vocab, d, layers, ctx = shape_for(total_bytes)
     with torch.no_grad():
-        model = TinyLM(vocab, d, layers, ctx)
+        model = TinyLM(vocab, d, layers, ctx).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.randn_like(p).mul_(1e-2)
@@ -404,8 +404,8 @@ class Bench:
     def setup(self) -> None:
         want = int(self.args.size_gib * 2**30)
         self.log(f"building state of ~{want / 2**30:.2f} GiB (untimed) ...")
-        self.model, self.opt = build_state(want, seed=1)
-        self.fresh_model, self.fresh_opt = build_state(want, seed=2)  # same shapes, other values
+        self.model, self.opt = build_state(want, seed=1, device=self.args.device)
+        self.fresh_model, self.fresh_opt = build_state(want, seed=2, device=self.args.device)  # other values
         sd = state_dict_of(self.model, self.opt)
         self.r["state"] = describe(sd)
         self.nbytes = self.r["state"]["bytes"]
@@ -771,7 +771,10 @@ class Bench:
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
         self.r["notes"] = self.notes
-        self.r["config"] = {"size_gib": self.args.size_gib, "repeats": self.repeats, "io_threads": self.threads}
+        self.r["config"] = {"size_gib": self.args.size_gib, "repeats": self.repeats, "io_threads": self.threads,
+                            "device": self.args.device}
+        if self.args.device.startswith("cuda"):
+            self.r["config"]["gpu"] = torch.cuda.get_device_name(torch.device(self.args.device))
         self.r["summary"] = summarize(self.r)
         return self.r
 
@@ -951,6 +954,8 @@ def wait_quiet(limit_s: float, cores: float = 0.3) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0, help="state size: params + 2 Adam moments")
+    ap.add_argument("--device", default="cpu", help="where the training state lives: cpu or cuda (the stall "
+                    "then includes the device-to-host copy into pinned staging buffers)")
     ap.add_argument("--dir", default=None, help="target directory (a fresh sub-directory is used and removed)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats per measurement (medians are reported)")
     ap.add_argument("--io-threads", type=int, default=4, help="our io_threads and the raw multi-thread run")

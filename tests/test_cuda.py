@@ -1,0 +1,122 @@
+"""CUDA paths of the engine: state on the GPU is staged device-to-host on a side stream into pinned
+buffers, and restored bitwise onto the same devices, CUDA RNG streams included.
+
+These tests need a CUDA device and are skipped (with that reason) where there is none, which is the
+CI machine; they run on the GPU machine lent to development (docs/testing.md says how and when they
+last ran). Everything the CPU suite checks about the same code paths still runs everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient_slurm import Checkpointer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class Block(torch.nn.Module):
+    """A small transformer-like block: bf16 and fp32 parameters, dropout (so the CUDA RNG matters)."""
+
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(d, 4, dropout=0.1, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                       torch.nn.Linear(4 * d, d))
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, 8).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x + self.attn(x, x, x, need_weights=False)[0])
+        h = h + self.mlp(h)
+        return self.head(h.to(torch.bfloat16)).float()
+
+
+def _build(seed: int) -> tuple[Block, torch.optim.AdamW]:
+    torch.manual_seed(seed)
+    model = Block().cuda()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _train(model: Block, opt: torch.optim.AdamW, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 32, 256, device="cuda")  # drawn from the CUDA RNG, like dropout masks
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _snapshot(model: Block, opt: torch.optim.AdamW) -> dict:
+    sd = {"model": model.state_dict(), "opt": opt.state_dict()}
+
+    def clone(o):  # type: ignore[no-untyped-def]
+        if isinstance(o, torch.Tensor):
+            return o.detach().clone()
+        if isinstance(o, dict):
+            return {k: clone(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [clone(v) for v in o]
+        return o
+
+    return clone(sd)
+
+
+def _same(a: object, b: object, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.device == b.device and a.dtype == b.dtype, f"{path}: {a.device}/{a.dtype} vs {b.device}/{b.dtype}"
+        assert torch.equal(a, b), f"{path}: values differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for k in a:
+            _same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def test_gpu_state_and_cuda_rng_resume_bitwise(tmp_path: Path) -> None:
+    """Save at step 5 on the GPU, train on; a fresh model restored from step 5 (CUDA RNG scrambled
+    first) repeats the same losses and ends with the same parameters and AdamW moments, on cuda."""
+    model, opt = _build(0)
+    _train(model, opt, 5)
+    with Checkpointer(local_dir=str(tmp_path), run_id="gpu") as ck:
+        ck.save(5, {"model": model, "opt": opt}, blocking=True)
+    ref_losses = _train(model, opt, 6)
+    ref = _snapshot(model, opt)
+
+    model2, opt2 = _build(1)  # other values
+    _train(model2, opt2, 1)  # materialize AdamW state so it has somewhere to load into
+    torch.cuda.manual_seed_all(12345)  # the restore must bring the CUDA RNG stream back
+    with Checkpointer(local_dir=str(tmp_path), run_id="gpu") as ck:
+        assert ck.restore({"model": model2, "opt": opt2}) == 5
+    assert next(model2.parameters()).is_cuda
+    assert _train(model2, opt2, 6) == ref_losses
+    _same(_snapshot(model2, opt2), ref)
+
+
+def test_async_save_is_not_torn_by_later_gpu_steps(tmp_path: Path) -> None:
+    """An asynchronous save returns after staging; kernels that update the parameters right after it
+    (queued on the current stream) must not leak into the checkpoint."""
+    model, opt = _build(2)
+    _train(model, opt, 3)
+    at_save = _snapshot(model, opt)
+    with Checkpointer(local_dir=str(tmp_path), run_id="gpu-async") as ck:
+        ck.save(3, {"model": model, "opt": opt}, blocking=False)
+        _train(model, opt, 4)  # in-place updates queued immediately after the save returned
+        ck.wait()
+    model2, opt2 = _build(3)
+    _train(model2, opt2, 1)
+    with Checkpointer(local_dir=str(tmp_path), run_id="gpu-async") as ck:
+        assert ck.restore({"model": model2, "opt": opt2}) == 3
+    _same(_snapshot(model2, opt2), at_save)
