@@ -1,7 +1,10 @@
 """``rslurm``: the command-line entry point. The only place that configures logging.
 
-Implemented now: ``launch``, ``daemon``, ``status``, inspection of the node-local tier (``ls``, ``show``,
-``verify``) and the demo. ``submit``, ``gc``, ``export`` and ``doctor`` arrive with the CLI issue.
+Commands: ``launch``, ``daemon``, ``status``, ``submit``, ``doctor``, the demo, and the inspection
+commands over the on-disk contract on both tiers (``ls``, ``show``, ``verify``, ``gc``, ``export``),
+whose logic lives in :mod:`resilient_slurm.catalog` (this module parses, resolves settings and prints;
+see docs/cli.md). Exit codes: 0 ok; 1 a fault in the data (verify, export of a corrupt step, a gc
+deletion that failed); 2 bad usage or settings, or a store that cannot be reached.
 """
 
 from __future__ import annotations
@@ -17,132 +20,19 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import __version__, config, doctor, submit
-from .errors import ConfigError, ResilientSlurmError
-from .manifest import MANIFEST_NAME, Manifest, parse_step_dirname, step_dirname
-from .paths import default_local_dir, default_run_id, expand_local_dir, node_name
+from .errors import ConfigError, CorruptCheckpointError, ResilientSlurmError
+from .paths import default_local_dir, expand_local_dir, node_name
 from .storage.registry import DURABLE_SETTINGS
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # rich and the catalog are imported by the commands that use them (fast `rslurm launch`)
+    from rich.console import Console
+    from rich.table import Table
+
+    from .catalog import Catalog, StepView
+    from .catalog.checks import ProgressFactory
     from .checkpoint.verify import StepReport
 
 log = logging.getLogger("resilient_slurm.cli")
-
-
-def _root(args: argparse.Namespace) -> str:
-    cfg = config.resolve(["local_dir", "node_name", "log_level"], {"local_dir": args.local_dir},
-                         config_path=args.config)
-    return expand_local_dir(cfg["local_dir"] or default_local_dir(), node_name(cfg["node_name"]))
-
-
-def _runs(root: str, run_id: str | None) -> list[str]:
-    if run_id:
-        return [run_id]
-    try:
-        return sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)) and not d.startswith("."))
-    except FileNotFoundError:
-        return []
-
-
-def _steps(run_dir: str) -> list[int]:
-    try:
-        names = os.listdir(run_dir)
-    except FileNotFoundError:
-        return []
-    return sorted(s for n in names if (s := parse_step_dirname(n)) is not None)
-
-
-def _load(step_dir: str) -> Manifest | None:
-    try:
-        with open(os.path.join(step_dir, MANIFEST_NAME), "rb") as f:
-            return Manifest.from_json(f.read(), source=os.path.join(step_dir, MANIFEST_NAME))
-    except (OSError, ResilientSlurmError):
-        return None
-
-
-def _age(t: float) -> str:
-    s = max(0, int(time.time() - t))
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= n:
-            return f"{s // n}{unit}"
-    return f"{s}s"
-
-
-def cmd_ls(args: argparse.Namespace) -> int:
-    root = _root(args)
-    rows: list[dict[str, Any]] = []
-    for run in _runs(root, args.run_id):
-        for s in _steps(os.path.join(root, run)):
-            m = _load(os.path.join(root, run, step_dirname(s)))
-            rows.append({
-                "run_id": run, "step": s, "tier": "local", "state": "committed" if m else "invalid",
-                "reason": m.reason if m else None, "bytes": sum(x.size for x in m.shards_of_node(m.node)) if m else None,
-                "world_size": m.world_size if m else None, "created_at": m.created_at if m else None,
-            })
-    if args.json:
-        print(json.dumps({"root": root, "steps": rows}, indent=1))
-        return 0
-    if not rows:
-        print(f"no checkpoints under {root}")
-        return 0
-    print(f"{'RUN':<16} {'STEP':>10} {'TIER':<6} {'STATE':<10} {'REASON':<9} {'SIZE':>10} {'RANKS':>5} {'AGE':>5}")
-    for r in rows:
-        size = f"{r['bytes'] / 2**20:.1f} MiB" if r["bytes"] is not None else "-"
-        age = _age(r["created_at"]) if r["created_at"] else "-"
-        print(f"{r['run_id']:<16} {r['step']:>10} {r['tier']:<6} {r['state']:<10} {r['reason'] or '-':<9} "
-              f"{size:>10} {r['world_size'] or '-':>5} {age:>5}")
-    return 0
-
-
-def _step_dir(args: argparse.Namespace, step: int | None) -> tuple[str, list[int]]:
-    root = _root(args)
-    run = args.run_id or default_run_id()
-    run_dir = os.path.join(root, run)
-    steps = _steps(run_dir)
-    if not steps:
-        raise ConfigError(f"no checkpoints for run {run!r} in {root} (set --run-id or RSLURM_RUN_ID)")
-    if step is not None and step not in steps:
-        raise ConfigError(f"step {step} not found in {run_dir}; committed steps: {steps}")
-    return run_dir, steps if step is None else [step]
-
-
-def cmd_show(args: argparse.Namespace) -> int:
-    run_dir, steps = _step_dir(args, args.step)
-    d = os.path.join(run_dir, step_dirname(steps[-1]))
-    m = _load(d)
-    if m is None:
-        print(f"{d}: manifest missing or invalid; run `rslurm verify {steps[-1]}` for details", file=sys.stderr)
-        return 1
-    if args.json:
-        print(m.to_json())
-        return 0
-    print(f"{d}\n  run {m.run_id}  step {m.step}  reason {m.reason}  world size {m.world_size}  "
-          f"created {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created_at))}")
-    print(f"  torch {m.torch_version}  resilient_slurm {m.library_version}  format {m.format}  "
-          f"schema {m.schema_version}")
-    for dom, ranks in m.nodes.items():
-        print(f"  storage domain {dom}: ranks {list(ranks)}")
-    for s in m.shards:
-        here = "" if s.node == m.node else "  (on another node)"
-        print(f"  {s.path:<20} rank {s.rank:<4} {s.size / 2**20:9.2f} MiB  {s.algorithm}:{s.checksum}  "
-              f"{len(s.chunks)} items{here}")
-    return 0
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    from .checkpoint.verify import verify_step_dir  # imports torch; `rslurm launch` must stay light
-
-    run_dir, steps = _step_dir(args, args.step)
-    reports: list[StepReport] = [verify_step_dir(os.path.join(run_dir, step_dirname(s))) for s in steps]
-    if args.json:
-        print(json.dumps([{"path": r.path, "step": r.step, "ok": r.ok, "problems": r.problems,
-                           "bytes_checked": r.bytes_checked} for r in reports], indent=1))
-    else:
-        for r in reports:
-            status = "OK" if r.ok else "CORRUPT"
-            print(f"{status:<8} {r.path}  ({r.bytes_checked / 2**20:.1f} MiB checked)")
-            for p in r.problems:
-                print(f"         {p}")
-    return 0 if all(r.ok for r in reports) else 1
 
 
 # Settings `rslurm launch` takes as flags: every one that ranks or the launcher read. Each given flag is
@@ -186,6 +76,324 @@ def _flag_settings(args: argparse.Namespace, components: tuple[str, ...]) -> dic
         except ValueError as exc:
             raise ConfigError(f"--{name.replace('_', '-')}={value!r}: {exc}") from exc
     return out
+
+
+# ------------------------------------------------------------------ inspection: ls, show, verify, gc, export
+# The logic lives in resilient_slurm.catalog; these functions resolve settings, call it and print.
+INSPECT_SETTINGS = ["local_dir", "node_name", "run_id", "keep_last", "keep_every", *DURABLE_SETTINGS]
+# Storage settings the inspection commands take as flags (how to reach the durable tier).
+INSPECT_STORAGE_FLAGS = ("s3_endpoint_url", "s3_region", "s3_max_attempts", "drain_threads")
+STALE_AFTER_S = 6 * 3600.0  # as the daemon's STALE_UPLOAD_AGE: leftovers older than this have no writer
+
+
+def _seconds(v: str) -> float:
+    try:
+        s = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (e.g. 3600), got {v!r}") from None
+    if s < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {v!r}")
+    return s
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Settings of an inspection command: flag > RSLURM_* environment > config file > default."""
+    given = _flag_settings(args, ("storage", "checkpoint"))
+    given.update(local_dir=args.local_dir, durable=args.durable, run_id=args.run_id)
+    return config.resolve(INSPECT_SETTINGS, given, config_path=args.config)
+
+
+def _open_catalog(args: argparse.Namespace, *, durable: bool = True) -> tuple[Catalog, dict[str, Any]]:
+    from .catalog import Catalog
+
+    cfg = _settings(args)
+    tier = getattr(args, "tier", "auto")
+    if tier == "durable" and not cfg["durable"]:
+        raise ConfigError("--tier durable: no durable tier; give --durable URL or set RSLURM_DURABLE")
+    template = cfg["local_dir"] or default_local_dir()
+    node = node_name(cfg["node_name"])
+    if not durable or tier == "local":
+        return Catalog(template, node, None), cfg
+    return Catalog.open(cfg, local_template=template, node=node), cfg
+
+
+def _console() -> Console:
+    from rich.console import Console
+
+    # Piped output keeps whole lines (no wrapping at 80 columns): scripts and logs read it.
+    return Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS") or 240))
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[str] = ()) -> Table:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for c in columns:
+        t.add_column(c, justify="right" if c in right else "left", overflow="fold")
+    for r in rows:
+        t.add_row(*(Text("-" if v is None else str(v)) for v in r))  # Text: no markup in paths or messages
+    return t
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{n} B"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s // n}{unit}"
+    return f"{s}s"
+
+
+def _progress(args: argparse.Namespace) -> ProgressFactory:
+    """Progress bars on stderr when it is a terminal and the output is not JSON."""
+    from .catalog.progress import byte_progress
+
+    enabled = not args.json and sys.stderr.isatty()
+    return lambda description, total: byte_progress(description, total, enabled=enabled)
+
+
+def _local_cell(row: dict[str, Any]) -> str:
+    loc = row["local"]
+    state = loc["state"]
+    if state == "partial":
+        return f"{len(loc['domains'])}/{len(row['domains'] or [])} domains"
+    return {"complete": "complete", "invalid": "INVALID", "in_progress": "in progress", "absent": "-"}.get(state, state)
+
+
+def _durable_cell(row: dict[str, Any]) -> str:
+    d = row["durable"]
+    if d["state"] == "partial":
+        return f"partial {len(d['markers'])}/{d['domains'] or '?'}"
+    return {"invalid": "INVALID", "absent": "-"}.get(d["state"], d["state"])
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``rslurm ls``: runs and steps with their state in each tier."""
+    catalog, cfg = _open_catalog(args, durable=args.tier != "local")
+    now = time.time()
+    with catalog:
+        runs = [args.run_id or cfg["run_id"]] if (args.run_id or cfg["run_id"]) else catalog.runs(strict=False)
+        rows = []
+        for run in runs:
+            for v in catalog.steps(run, strict=False):
+                row = v.to_json(now)
+                if args.tier == "durable" and row["durable"]["state"] == "absent":
+                    continue
+                if args.tier == "durable":
+                    row["local"] = None
+                rows.append(row)
+        doc: dict[str, Any] = {"local_roots": catalog.roots if args.tier != "durable" else [],
+               "durable": catalog.durable_url if args.tier != "local" else None,
+               "steps": rows, "errors": list(catalog.errors)}
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 2 if doc["errors"] else 0
+    con = _console()
+    if args.tier != "durable":
+        con.print(f"local tier   {', '.join(doc['local_roots'])}", markup=False, highlight=False)
+    if args.tier != "local":
+        con.print(f"durable tier {doc['durable'] or '(not set: --durable / RSLURM_DURABLE)'}", markup=False,
+                  highlight=False)
+    has_durable = bool(doc["durable"])
+    cols = ["RUN", "STEP", "REASON", "SIZE", "RANKS"] + (["LOCAL"] if args.tier != "durable" else []) + (
+        ["DURABLE"] if has_durable else []) + ["AGE", "NOTE"]
+    table_rows = []
+    for r in rows:
+        notes = [n for n in ((r["local"] or {}).get("why"), (r["durable"] or {}).get("why")) if n]
+        table_rows.append([r["run_id"], r["step"], r["reason"], _size(r["bytes"]), r["world_size"]]
+                          + ([_local_cell(r)] if args.tier != "durable" else [])
+                          + ([_durable_cell(r)] if has_durable else [])
+                          + [_age(r["age_s"]), "; ".join(notes) or ""])
+    if table_rows:
+        con.print(_table(cols, table_rows, right=("STEP", "SIZE", "RANKS", "AGE")))
+    else:
+        con.print("(no checkpoints)", markup=False)
+    for e in doc["errors"]:
+        print(f"error: {e}", file=sys.stderr)
+    return 2 if doc["errors"] else 0
+
+
+def _pick_step(catalog: Catalog, args: argparse.Namespace, cfg: dict[str, Any]) -> StepView:
+    run = catalog.resolve_run(args.run_id or cfg["run_id"])
+    if args.step is not None:
+        return catalog.step(run, args.step)
+    views = [v for v in catalog.steps(run) if v.manifest is not None]
+    if not views:
+        raise ConfigError(f"run {run} has no committed step in {', '.join(catalog.roots)}"
+                          + (f" or {catalog.durable_url}" if catalog.durable_url else ""))
+    return views[-1]
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """``rslurm show [STEP]``: what a step holds."""
+    from .catalog.describe import describe
+    from .catalog.source import open_source
+
+    catalog, cfg = _open_catalog(args)
+    with catalog:
+        view = _pick_step(catalog, args, cfg)
+        try:
+            tier = catalog.choose_tier(view, args.tier)
+        except ConfigError:
+            # A node's own domain (a partial step on a cluster node) can still be shown.
+            if args.tier == "durable" or not view.valid_local:
+                raise
+            tier = "local"
+        doc = describe(open_source(catalog, view, tier))
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    con = _console()
+
+    def line(text: str) -> None:
+        con.print(text, markup=False, highlight=False)
+
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["created_at"]))
+    line(f"run {doc['run_id']}  step {doc['step']}  ({doc['tier']} tier: {doc['where']})")
+    line(f"  reason {doc['reason']}  world size {doc['world_size']}  size {_size(doc['bytes'])}  created {created} "
+         f"({_age(time.time() - doc['created_at'])} ago)")
+    line(f"  torch {doc['torch_version']}  resilient_slurm {doc['library_version']}  format {doc['format']}  "
+         f"schema {doc['schema_version']}")
+    line("  storage domains: " + "; ".join(f"{d} ranks {r}" for d, r in doc["domains"].items()))
+    con.print(_table(["SHARD", "RANK", "DOMAIN", "SIZE", "ITEMS", "CHECKSUM"],
+                     [[s["path"], s["rank"], s["domain"], _size(s["bytes"]), s["items"], s["checksum"]]
+                      for s in doc["shards"]], right=("RANK", "SIZE", "ITEMS")))
+    con.print(_table(["KEY", "ITEMS", "TENSORS", "VALUES", "TENSOR BYTES", "DTYPES"],
+                     [[k["key"], k["items"], k["tensors"], k["values"], _size(k["tensor_bytes"]),
+                       ", ".join(k["dtypes"]) or "-"] for k in doc["keys"]],
+                     right=("ITEMS", "TENSORS", "VALUES", "TENSOR BYTES")))
+    rng = doc["rng"]
+    if rng["present"]:
+        gens = sorted({g for gs in rng["generators"].values() for g in gs})
+        missing = f"; missing for ranks {rng['missing_ranks']}" if rng["missing_ranks"] else ""
+        line(f"  RNG state: {len(rng['ranks'])} of {doc['world_size']} ranks ({', '.join(gens)}){missing}")
+    else:
+        line("  RNG state: not captured (capture_rng off)")
+    if not doc["data_position"]:
+        line("  data position: none found (no ResumableSampler or StatefulDataLoader in the state)")
+    for p in doc["data_position"]:
+        vals = ", ".join(f"{k} {v}" for k, v in p["values"].items())
+        line(f"  data position: {p['key']} ({p['kind']})" + (f": {vals}" if vals else ""))
+    for n in doc["notes"]:
+        line(f"  note: {n}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``rslurm verify [STEP]``: full checksum verification; exit 1 on any fault."""
+    from .catalog.checks import verify_view
+
+    catalog, cfg = _open_catalog(args)
+    progress = _progress(args)
+    reports: list[StepReport] = []
+    with catalog:
+        if args.step is not None:
+            run = catalog.resolve_run(args.run_id or cfg["run_id"])
+            scope = [(catalog.step(run, args.step), True)]
+        else:
+            runs = [args.run_id or cfg["run_id"]] if (args.run_id or cfg["run_id"]) else catalog.runs()
+            scope = [(v, False) for run in runs for v in catalog.steps(run)]
+        for view, explicit in scope:
+            reports += verify_view(catalog, view, args.tier, explicit=explicit, progress=progress,
+                                   scratch=args.scratch_dir)
+        where = ", ".join(catalog.roots) + (f" and {catalog.durable_url}" if catalog.durable_url else "")
+    faults = sum(len(r.faults) for r in reports)
+    checked = [r for r in reports if r.files_checked or r.faults]
+    ok = faults == 0 and bool(checked)
+    if args.json:
+        print(json.dumps({"ok": ok, "faults": faults, "reports": [r.to_json() for r in reports]}, indent=1))
+    else:
+        for r in reports:
+            status = "OK" if r.ok else "CORRUPT"
+            if r.ok and not r.files_checked:
+                status = "SKIPPED"
+            label = f"run {r.run_id} step {r.step}  {r.tier}" + (f" {r.domain}" if r.domain else "")
+            print(f"{status:<8} {label}  {r.where}  ({_size(r.bytes_checked)} in {r.files_checked} files)")
+            for f in r.faults:
+                print(f"         {f}")
+            for n in r.notes:
+                print(f"         note: {n}")
+        if not checked:
+            print(f"nothing verified: no committed steps in {where}")
+        else:
+            bad = sum(1 for r in reports if not r.ok)
+            print(f"{len(checked)} copies verified, {bad} with faults ({faults} faults)")
+    return 0 if ok else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """``rslurm gc [--dry-run]``: retention on both tiers and removal of interrupted leftovers."""
+    from .catalog.gc import plan_gc, run_gc
+    from .checkpoint.policy import RetentionPolicy
+
+    catalog, cfg = _open_catalog(args, durable=args.tier != "local")
+    policy = RetentionPolicy(cfg["keep_last"], cfg["keep_every"])
+    tiers = ("local", "durable") if args.tier == "all" else (args.tier,)
+    with catalog:
+        actions = plan_gc(catalog, policy, tiers=tiers, run_id=args.run_id or cfg["run_id"],
+                          stale_after=args.stale_after)
+        if not args.dry_run:
+            run_gc(catalog, actions, stale_after=args.stale_after)
+    failed = [a for a in actions if a.state == "failed"]
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "keep_last": policy.keep_last, "keep_every": policy.keep_every,
+                          "stale_after_s": args.stale_after, "ok": not failed,
+                          "actions": [a.to_json() for a in actions]}, indent=1))
+        return 1 if failed else 0
+    con = _console()
+    if not actions:
+        con.print("nothing to delete", markup=False)
+        return 0
+    head = "would delete (dry run; nothing was deleted):" if args.dry_run else "gc:"
+    con.print(head, markup=False)
+    cols = ["TIER", "RUN", "STEP", "WHAT", "SIZE", "WHERE", "WHY"] + ([] if args.dry_run else ["RESULT"])
+    rows = [[a.tier, a.run_id, a.step, a.kind.replace("_", " "), _size(a.bytes), a.where, a.why]
+            + ([] if args.dry_run else [a.state + (f": {a.detail}" if a.detail else "")]) for a in actions]
+    con.print(_table(cols, rows, right=("STEP", "SIZE")))
+    total = sum(a.bytes or 0 for a in actions if args.dry_run or a.state == "deleted")
+    con.print(f"{'would free' if args.dry_run else 'freed'} {_size(total)}"
+              + (f"; {len(failed)} failed" if failed else ""), markup=False)
+    return 1 if failed else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``rslurm export STEP --format torch|dcp OUT``."""
+    from .catalog.export import check_out, export_dcp, export_torch
+    from .catalog.source import open_source
+
+    if args.only and args.format != "torch":
+        raise ConfigError("--only works with --format torch (a DCP export copies the whole step)")
+    out = check_out(args.out, force=args.force, fmt=args.format)
+    catalog, cfg = _open_catalog(args)
+    with catalog:
+        run = catalog.resolve_run(args.run_id or cfg["run_id"])
+        view = catalog.step(run, args.step)
+        tier = catalog.choose_tier(view, args.tier)
+        src = open_source(catalog, view, tier, scratch=os.path.dirname(out))
+        total = sum(s.size for s in src.shards.values())
+        with _progress(args)(f"export run {run} step {args.step} ({tier})", total) as adv:
+            if args.format == "torch":
+                res = export_torch(src, out, keys=args.only, progress=adv)
+            else:
+                res = export_dcp(src, out, progress=adv)
+    if args.json:
+        print(json.dumps(res.to_json(), indent=1))
+    else:
+        print(f"exported run {res.run_id} step {res.step} from the {res.tier} tier to {res.out} ({res.format}): "
+              f"{len(res.keys)} keys, {_size(res.bytes_read)} read from {len(res.files)} files, checksums verified")
+    return 0
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
@@ -257,17 +465,74 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--run-id", default=None, help="run to inspect (RSLURM_RUN_ID; default: job id)")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
 
-    sp = sub.add_parser("ls", help="list runs and committed steps")
-    common(sp)
+    def inspect(name: str, help: str, description: str, tiers: Sequence[str], default_tier: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=description + " Settings: flag > RSLURM_* environment > "
+                            "config file > default. Exit codes: 0 ok, 1 a fault in the data, 2 bad usage or "
+                            "settings, or a store that cannot be reached. See docs/cli.md.")
+        sp.add_argument("--local-dir", default=None, help="node-local root; %%n = node name (RSLURM_LOCAL_DIR)")
+        sp.add_argument("--durable", default=None, help="durable tier URL: /path, file:///path or s3://bucket/prefix "
+                        "(RSLURM_DURABLE)")
+        sp.add_argument("--run-id", default=None, help="run (RSLURM_RUN_ID; default: every run, or for one step "
+                        "this job's run, else the only run)")
+        sp.add_argument("--tier", choices=tiers, default=default_tier, help=f"which tier (default: {default_tier})")
+        sp.add_argument("--json", action="store_true", help="one JSON document on stdout (no tables, no progress)")
+        for n in INSPECT_STORAGE_FLAGS:
+            st = config.SETTINGS[n]
+            sp.add_argument(f"--{n.replace('_', '-')}", dest=f"set_{n}", default=None, metavar="V",
+                            help=f"{st.help} ({st.env})".replace("%", "%%"))
+        return sp
+
+    sp = inspect("ls", "list runs and steps with their state in each tier",
+                 "List every run and step in the local tier (every storage domain directory visible here) and the "
+                 "durable tier, merged: reason, size, ranks, state per tier, age, and why a step is invalid or "
+                 "partial.", ("all", "local", "durable"), "all")
     sp.set_defaults(func=cmd_ls)
-    sp = sub.add_parser("show", help="show a step's manifest")
-    common(sp)
-    sp.add_argument("step", type=int, nargs="?", default=None, help="step (default: newest)")
+    sp = inspect("show", "what a step holds: manifest, shards, state keys, RNG, data position",
+                 "Show a step's manifest (reason, world size, versions, storage domains, every rank's shard) and "
+                 "what its DCP metadata says the state holds: top-level keys, RNG state per rank, sampler or "
+                 "data loader position. auto reads the local tier when the step is complete there, else the "
+                 "durable tier.", ("auto", "local", "durable"), "auto")
+    sp.add_argument("step", type=int, nargs="?", default=None, help="step (default: the newest committed)")
     sp.set_defaults(func=cmd_show)
-    sp = sub.add_parser("verify", help="verify checksums of one step or all steps; exit 1 on any fault")
-    common(sp)
-    sp.add_argument("step", type=int, nargs="?", default=None, help="step (default: all)")
+    sp = inspect("verify", "verify every checksum of one step or of all steps; exit 1 on any fault",
+                 "Verify manifests, DCP metadata, domain markers, and every shard's size, whole-file and "
+                 "per-item xxh3, naming each bad file, its rank and what is wrong. auto: the local copies when "
+                 "the step is complete locally, else the durable step, else the local copies there are; all: "
+                 "both tiers. Exit 1 on any fault, or when nothing was verified.",
+                 ("auto", "local", "durable", "all"), "auto")
+    sp.add_argument("step", type=int, nargs="?", default=None, help="step (default: every step of the run, or "
+                    "of every run)")
+    sp.add_argument("--scratch-dir", default=None, help="where S3 shards are downloaded to be verified, one at "
+                    "a time (default: $TMPDIR)")
     sp.set_defaults(func=cmd_verify)
+    sp = inspect("gc", "apply retention and remove leftovers of interrupted saves and transfers",
+                 "Delete the steps retention (keep_last, keep_every) does not keep, per run, in the local tier and "
+                 "the durable tier, never the newest committed step nor the newest local step that is not durable "
+                 "yet; remove in-progress directories, uncommitted durable steps and incomplete uploads "
+                 "unchanged for --stale-after seconds. --dry-run prints exactly that and deletes nothing.",
+                 ("all", "local", "durable"), "all")
+    sp.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    sp.add_argument("--keep-last", dest="set_keep_last", default=None, metavar="N",
+                    help=f"{config.SETTINGS['keep_last'].help} (RSLURM_KEEP_LAST)")
+    sp.add_argument("--keep-every", dest="set_keep_every", default=None, metavar="N",
+                    help=f"{config.SETTINGS['keep_every'].help} (RSLURM_KEEP_EVERY)")
+    sp.add_argument("--stale-after", type=_seconds, default=STALE_AFTER_S, metavar="S",
+                    help=f"seconds without change after which a leftover has no writer (default {STALE_AFTER_S:.0f}, "
+                    "the daemon's; 0 removes every leftover: only when nothing saves or drains)")
+    sp.set_defaults(func=cmd_gc)
+    sp = inspect("export", "write a step as a plain torch.save file or a self-contained DCP directory",
+                 "Export a step for other tools: --format torch writes the complete state as one file that "
+                 "torch.load(OUT, weights_only=True) reads; --format dcp writes a DCP checkpoint directory "
+                 "(.metadata and every rank's shard) that torch.distributed.checkpoint.load reads. Every byte is "
+                 "checked against the manifest; nothing is left at OUT on failure. auto reads the local tier when "
+                 "the step is complete there, else the durable tier.", ("auto", "local", "durable"), "auto")
+    sp.add_argument("step", type=int, help="step to export")
+    sp.add_argument("out", help="output file (torch) or directory (dcp); its parent must exist")
+    sp.add_argument("--format", choices=("torch", "dcp"), required=True, help="torch file or DCP directory")
+    sp.add_argument("--force", action="store_true", help="replace an existing OUT (once the export is complete)")
+    sp.add_argument("--only", action="append", metavar="KEY", help="torch: export only this top-level key "
+                    "(repeatable), e.g. --only model")
+    sp.set_defaults(func=cmd_export)
     sp = sub.add_parser(
         "launch", help="run a job resiliently: -- srun ... inside an allocation, or -n N -- cmd ... locally",
         description="Run ranks, turn SIGTERM/SIGUSR1/SIGUSR2/SIGINT and cloud notices into an emergency "
@@ -321,6 +586,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return int(args.func(args))
+    except CorruptCheckpointError as exc:  # a fault in the data, not in how rslurm was called
+        print(f"rslurm: error: {exc}", file=sys.stderr)
+        return 1
     except ResilientSlurmError as exc:
         print(f"rslurm: error: {exc}", file=sys.stderr)
         return 2

@@ -33,11 +33,13 @@ def test_ls_show_verify_json(tmp_path: Path) -> None:
     ls = _rslurm("ls", "--json", root=tmp_path)
     assert ls.returncode == 0, ls.stderr
     steps = json.loads(ls.stdout)["steps"]
-    assert [(s["step"], s["state"], s["reason"]) for s in steps] == [(1, "committed", "manual"), (2, "committed", "manual")]
+    assert [(s["step"], s["local"]["state"], s["reason"], s["durable"]) for s in steps] == [
+        (1, "complete", "manual", None), (2, "complete", "manual", None)]
     show = _rslurm("show", "2", "--json", root=tmp_path)
     assert show.returncode == 0 and json.loads(show.stdout)["step"] == 2
     ver = _rslurm("verify", "--json", root=tmp_path)
-    assert ver.returncode == 0 and all(r["ok"] for r in json.loads(ver.stdout))
+    doc = json.loads(ver.stdout)
+    assert ver.returncode == 0 and doc["ok"] and [r["step"] for r in doc["reports"]] == [1, 2]
 
 
 def test_verify_names_the_corrupt_shard_and_exits_nonzero(tmp_path: Path) -> None:
@@ -62,7 +64,7 @@ def test_unknown_step_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_cli_and_launcher_do_not_import_torch() -> None:
     """`rslurm launch` is a small process on the batch host: it must not pay torch's import (seconds on a
-    busy node) nor its memory; only `verify`, `demo` and the ranks need torch."""
+    busy node) nor its memory; only `show`, `verify`, `export`, `demo` and the ranks need torch."""
     code = ("import sys, resilient_slurm.cli, resilient_slurm.launcher.launch, resilient_slurm.control; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=clean_env())

@@ -1,0 +1,143 @@
+"""``rslurm show``: what one step holds, from its manifest and its DCP metadata.
+
+Who calls what: ``cli.py`` opens a :class:`~.source.StepSource` for the step and calls :func:`describe`,
+which returns a JSON-able dict: the manifest's facts (reason, world size, versions, domains, every
+rank's shard), the state's top-level keys (items, tensors, plain values, bytes, dtypes), the RNG state
+captured per rank (which generators), and the data position (a :class:`ResumableSampler` or torchdata's
+``StatefulDataLoader``, found by the fields their ``state_dict`` has). Values of the data position are
+read from the shards when they can be read in place (local tier, POSIX durable tier), each item
+checked against its checksum; from S3 only their presence is shown. Imports torch (DCP metadata).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..checkpoint.state import RNG_KEY
+from ..errors import ResilientSlurmError
+from ..storage.fileio import checksum
+from .source import StepSource
+
+# Fields that identify a data position by its state_dict (a subset is enough).
+RESUMABLE_SAMPLER_FIELDS = {"epoch", "consumed", "seed", "num_replicas", "dataset_len"}
+STATEFUL_DATALOADER_FIELDS = {"_num_yielded", "_sampler_iter_state"}
+POSITION_VALUES = ("epoch", "consumed", "num_replicas", "dataset_len", "_num_yielded")
+
+
+def _path(md: Any, fqn: str) -> tuple[Any, ...]:
+    p = (md.planner_data or {}).get(fqn)
+    return tuple(p) if p else (fqn,)
+
+
+def _read_value(src: StepSource, md: Any, fqn: str) -> tuple[bool, Any]:
+    """(found, value) of a small plain item read in place and checked; (False, None) when not readable."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    info = md.storage_data.get(MetadataIndex(fqn))
+    if info is None:
+        return False, None
+    path = src.in_place(info.relative_path)
+    entry = src.shards.get(info.relative_path)
+    if path is None or entry is None:
+        return False, None
+    chunk = next((c for c in entry.chunks if c.offset == info.offset and c.length == info.length), None)
+    try:
+        with open(path, "rb") as f:
+            data = os.pread(f.fileno(), info.length, info.offset)
+    except OSError:
+        return False, None
+    if chunk is None or checksum(data) != chunk.checksum:
+        return False, None
+    try:
+        return True, torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception:  # a value the safe loader refuses is not shown (verify/restore report it)
+        return False, None
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-able rendering of a small value."""
+    try:
+        json.dumps(v)
+        return v
+    except (TypeError, ValueError):
+        return repr(v)
+
+
+def describe(src: StepSource) -> dict[str, Any]:
+    """The ``show`` document for one step (see the module docstring)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    m = src.manifest
+    md = src.metadata()
+    keys: dict[str, dict[str, Any]] = {}
+    rng: dict[str, set[str]] = {}
+    children: dict[tuple[Any, ...], set[str]] = {}
+    for fqn, smd in md.state_dict_metadata.items():
+        path = _path(md, fqn)
+        top = str(path[0])
+        if top == RNG_KEY:
+            if len(path) >= 3:
+                rng.setdefault(str(path[1]), set()).add(str(path[2]))
+            continue
+        k = keys.setdefault(top, {"key": top, "items": 0, "tensors": 0, "values": 0, "tensor_bytes": 0,
+                                  "dtypes": set()})
+        k["items"] += 1
+        if isinstance(smd, TensorStorageMetadata):
+            k["tensors"] += 1
+            dtype = smd.properties.dtype
+            k["tensor_bytes"] += torch.Size(smd.size).numel() * torch.empty((), dtype=dtype).element_size()
+            k["dtypes"].add(str(dtype).removeprefix("torch."))
+        elif isinstance(smd, BytesStorageMetadata):
+            k["values"] += 1
+        children.setdefault(path[:-1], set()).add(str(path[-1]))
+    positions = []
+    notes = []
+    for parent, names in sorted(children.items(), key=lambda kv: [str(p) for p in kv[0]]):
+        kind = ("ResumableSampler" if RESUMABLE_SAMPLER_FIELDS <= names
+                else "StatefulDataLoader" if STATEFUL_DATALOADER_FIELDS <= names else None)
+        if kind is None:
+            continue
+        name = ".".join(str(p) for p in parent)
+        values: dict[str, Any] = {}
+        for field_name in POSITION_VALUES:
+            if field_name in names:
+                fqn = ".".join([*(str(p) for p in parent), field_name])
+                found, v = _read_value(src, md, fqn)
+                if found:
+                    values[field_name] = _plain(v)
+        if not values:
+            notes.append(f"data position {name}: values are not read from {src.tier} tier {src.where} here "
+                         "(use `rslurm export` to read them)")
+        positions.append({"key": name, "kind": kind, "fields": sorted(names), "values": values})
+    ranks_with_rng = sorted(rng, key=lambda r: (len(r), r))
+    return {
+        "run_id": m.run_id, "step": m.step, "tier": src.tier, "where": src.where, "reason": m.reason,
+        "created_at": m.created_at, "world_size": m.world_size, "bytes": m.total_bytes,
+        "torch_version": m.torch_version, "library_version": m.library_version, "format": m.format,
+        "schema_version": m.schema_version,
+        "domains": {d: list(r) for d, r in sorted(m.nodes.items())},
+        "shards": [{"path": s.path, "rank": s.rank, "domain": s.node, "bytes": s.size, "items": len(s.chunks),
+                    "checksum": f"{s.algorithm}:{s.checksum}", "reachable": src.in_place(s.path) is not None
+                    or src.tier == "durable"} for s in sorted(m.shards, key=lambda x: x.rank)],
+        "keys": [{**k, "dtypes": sorted(k["dtypes"])} for k in sorted(keys.values(), key=lambda x: x["key"])],
+        "rng": {"present": bool(rng), "ranks": ranks_with_rng,
+                "generators": {r: sorted(g) for r, g in sorted(rng.items())},
+                "missing_ranks": [r for r in range(m.world_size) if f"rank{r}" not in rng] if rng else []},
+        "data_position": positions,
+        "notes": notes,
+        "manifest": json.loads(m.to_json()),
+    }
+
+
+def sorted_domains(domains: Mapping[str, Sequence[int]]) -> list[str]:
+    """Domains in rank order (for printing)."""
+    return sorted(domains, key=lambda d: min(domains[d]) if domains[d] else 1 << 30)
+
+
+__all__ = ["ResilientSlurmError", "describe", "sorted_domains"]

@@ -1,0 +1,232 @@
+"""``rslurm export``: one step as a plain ``torch.save`` file or as a self-contained DCP directory.
+
+Who calls what: ``cli.py`` picks the tier (:meth:`~.inventory.Catalog.choose_tier`), opens a
+:class:`~.source.StepSource` and calls :func:`export_torch` or :func:`export_dcp`. Both check every byte
+they export (size, whole-file xxh3, each item's xxh3) against the manifest and write to a temp name next
+to ``out`` that is renamed into place only when everything was written and fsynced: a failure (a
+corrupt shard, a full disk, Ctrl-C) leaves no ``out`` and no temp file. An existing ``out`` is replaced
+only with ``force`` (after the new one is complete).
+
+* ``torch``: the complete state as nested dicts, as the training loop's ``state`` saw it through
+  ``state_dict()`` (module weights, optimizer, scheduler, scaler, sampler, plain values, and the RNG
+  state of every rank under ``_rslurm_rng``), tensors as plain CPU tensors (sharded tensors assembled
+  from their chunks). Every item is decoded with ``torch.load(weights_only=True)``: nothing in a
+  checkpoint runs code, and ``torch.load(out, weights_only=True)`` reads the result. Dict keys are as DCP
+  records them (strings; an optimizer's per-parameter state is keyed "0", "1", ...), as DCP's own
+  ``dcp_to_torch_save`` gives. ``keys`` keeps only some top-level keys (e.g. just ``model``).
+* ``dcp``: ``.metadata`` (the first domain's, which maps every item to a file of the step), every
+  rank's shard from every domain, and the step's durable-style ``manifest.json`` (checksums, for
+  ``rslurm``-free tools to check), so plain ``torch.distributed.checkpoint.load`` reads it.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError, CorruptCheckpointError, StorageError
+from ..manifest import DCP_METADATA_NAME, MANIFEST_NAME
+from ..storage.fileio import atomic_write, fsync_dir
+from .source import StepSource
+
+Progress = Callable[[int], None]
+TMP_MARK = ".tmp-rslurm-export-"
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote."""
+
+    out: str
+    format: str
+    run_id: str
+    step: int
+    tier: str
+    bytes_read: int = 0
+    files: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as a JSON-able dict."""
+        return {"out": self.out, "format": self.format, "run_id": self.run_id, "step": self.step, "tier": self.tier,
+                "bytes_read": self.bytes_read, "files": list(self.files), "keys": list(self.keys)}
+
+
+def check_out(out: str, *, force: bool, fmt: str) -> str:
+    """Refuse an ``out`` that exists (unless ``force``) or that cannot be created; return its absolute path."""
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{parent}: no such directory (the parent of OUT must exist)")
+    if os.path.lexists(out):
+        if not force:
+            raise ConfigError(f"{out} exists; pass --force to replace it (only once the export is complete)")
+        if fmt == "torch" and os.path.isdir(out):
+            raise ConfigError(f"{out} is a directory; --format torch writes a file (remove it, or choose another OUT)")
+    return out
+
+
+def _install(tmp: str, out: str) -> None:
+    """Move the finished ``tmp`` to ``out``, replacing what is there (files atomically)."""
+    parent = os.path.dirname(out)
+    if os.path.isdir(tmp) and os.path.lexists(out):
+        aside = f"{out}{TMP_MARK}old-{secrets.token_hex(4)}"
+        os.rename(out, aside)
+        os.rename(tmp, out)
+        fsync_dir(parent)
+        if os.path.isdir(aside) and not os.path.islink(aside):
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.unlink(aside)
+        return
+    os.replace(tmp, out)
+    fsync_dir(parent)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _faults(fs: Sequence[Any]) -> str:
+    return "; ".join(str(f) for f in fs)
+
+
+def export_torch(src: StepSource, out: str, *, keys: Sequence[str] | None = None,
+                 progress: Progress | None = None) -> ExportResult:
+    """Write the step's state as one ``torch.save`` file at ``out`` (see the module docstring)."""
+    import torch
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    from ..checkpoint.verify import check_file, item_names_by_file
+
+    md = src.metadata()
+    paths = {fqn: tuple((md.planner_data or {}).get(fqn) or (fqn,)) for fqn in md.state_dict_metadata}
+    tops = sorted({str(p[0]) for p in paths.values()})
+    if keys:
+        unknown = sorted(set(keys) - set(tops))
+        if unknown:
+            raise ConfigError(f"--only {', '.join(unknown)}: not in run {src.run_id} step {src.step}; its keys are "
+                              f"{', '.join(tops)}")
+        paths = {f: p for f, p in paths.items() if str(p[0]) in keys}
+    # Every stored piece we need: file -> [(fqn, offset in the tensor or None, offset, length)].
+    wanted: dict[str, list[tuple[str, tuple[int, ...] | None, int, int]]] = {}
+    for fqn in paths:
+        smd = md.state_dict_metadata[fqn]
+        pieces = ([(MetadataIndex(fqn, c.offsets), tuple(c.offsets)) for c in smd.chunks]
+                  if isinstance(smd, TensorStorageMetadata) else [(MetadataIndex(fqn), None)])
+        for idx, offsets in pieces:
+            info = md.storage_data.get(idx)
+            if info is None:
+                raise CorruptCheckpointError(f"{src.where}/{DCP_METADATA_NAME}: {fqn} has no stored data for chunk "
+                                             f"{offsets}; the step is incomplete")
+            if info.relative_path not in src.shards:
+                raise CorruptCheckpointError(f"{src.where}/{DCP_METADATA_NAME}: {fqn} is stored in "
+                                             f"{info.relative_path}, a file the manifest does not list")
+            wanted.setdefault(info.relative_path, []).append((fqn, offsets, info.offset, info.length))
+    names = item_names_by_file(md)
+    values: dict[str, Any] = {}
+    res = ExportResult(out, "torch", src.run_id, src.step, src.tier, keys=sorted({str(p[0]) for p in paths.values()}))
+    for rel in sorted(wanted):
+        entry = src.shards[rel]
+        with src.file(rel, progress) as (path, checked):
+            faults, _ = check_file(path, entry, where=src.name(rel), whole_file=not checked, item_names=names.get(rel),
+                                   progress=progress)
+            if faults:
+                raise CorruptCheckpointError(f"{_faults(faults)}; nothing was written to {out}")
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                for fqn, offsets, off, length in wanted[rel]:
+                    where = f"{src.name(rel)}: item {fqn!r} (bytes {off}+{length})"
+                    try:
+                        obj = torch.load(io.BytesIO(mm[off : off + length]), map_location="cpu", weights_only=True)
+                    except Exception as exc:
+                        raise CorruptCheckpointError(f"{where} cannot be loaded safely ({type(exc).__name__}: {exc})"
+                                                     ) from exc
+                    smd = md.state_dict_metadata[fqn]
+                    if isinstance(smd, BytesStorageMetadata) or offsets is None:
+                        values[fqn] = obj
+                        continue
+                    if not isinstance(obj, torch.Tensor):
+                        raise CorruptCheckpointError(f"{where} is a {type(obj).__name__}, the metadata says a tensor")
+                    if len(smd.chunks) == 1 and tuple(obj.shape) == tuple(smd.size) and not any(offsets):
+                        values[fqn] = obj
+                        continue
+                    full = values.get(fqn)
+                    if full is None:
+                        full = values[fqn] = torch.empty(tuple(smd.size), dtype=smd.properties.dtype)
+                    dst = full
+                    for dim, (o, n) in enumerate(zip(offsets, obj.shape)):
+                        dst = dst.narrow(dim, o, n)
+                    dst.copy_(obj)
+        res.bytes_read += entry.size
+        res.files.append(rel)
+    sd: dict[str, Any] = {}
+    for fqn, path_ in sorted(paths.items(), key=lambda kv: [str(p) for p in kv[1]]):
+        set_element(sd, path_, values[fqn])
+    tmp = f"{out}{TMP_MARK}{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as w:
+            torch.save(sd, w)
+            w.flush()
+            os.fsync(w.fileno())
+        _install(tmp, out)
+    except BaseException as exc:
+        _remove(tmp)
+        if isinstance(exc, OSError):
+            raise StorageError(f"writing {out} failed: {exc}; nothing was written") from exc
+        raise
+    return res
+
+
+def export_dcp(src: StepSource, out: str, *, progress: Progress | None = None) -> ExportResult:
+    """Write the step as a self-contained DCP checkpoint directory at ``out`` (see the module docstring)."""
+    from ..checkpoint.verify import check_file, item_names_by_file
+
+    md = src.metadata()
+    names = item_names_by_file(md)
+    tmp = f"{out}{TMP_MARK}{secrets.token_hex(4)}"
+    res = ExportResult(out, "dcp", src.run_id, src.step, src.tier,
+                       keys=sorted({str(((md.planner_data or {}).get(f) or (f,))[0]) for f in md.state_dict_metadata}))
+    try:
+        os.makedirs(tmp, mode=0o755)
+        for rel in sorted(src.shards, key=lambda r: src.shards[r].rank):
+            entry = src.shards[rel]
+            dest = os.path.join(tmp, rel)
+            src.copy(rel, dest, progress)
+            faults, _ = check_file(dest, entry, where=src.name(rel), whole_file=False, item_names=names.get(rel))
+            if faults:
+                raise CorruptCheckpointError(f"{_faults(faults)}; nothing was written to {out}")
+            res.bytes_read += entry.size
+            res.files.append(rel)
+        atomic_write(os.path.join(tmp, DCP_METADATA_NAME), src.metadata_bytes)
+        atomic_write(os.path.join(tmp, MANIFEST_NAME), src.manifest.as_durable().to_json().encode())
+        res.files += [DCP_METADATA_NAME, MANIFEST_NAME]
+        fsync_dir(tmp)
+        _install(tmp, out)
+    except BaseException as exc:
+        _remove(tmp)
+        if isinstance(exc, CorruptCheckpointError) and "nothing was written" not in str(exc):
+            raise CorruptCheckpointError(f"{exc}; nothing was written to {out}") from exc
+        if isinstance(exc, OSError):
+            raise StorageError(f"writing {out} failed: {exc}; nothing was written") from exc
+        raise
+    return res
+
+
+__all__ = ["ExportResult", "check_out", "export_dcp", "export_torch"]

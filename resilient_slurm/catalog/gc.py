@@ -1,0 +1,282 @@
+"""``rslurm gc``: retention on both tiers, and removal of what interrupted saves and transfers left.
+
+Who calls what: ``cli.py`` calls :func:`plan_gc` (read-only: the exact list of what would be deleted,
+and why), prints it for ``--dry-run``, or else calls :func:`run_gc` on the plan. The plan is computed
+with the same :class:`~resilient_slurm.checkpoint.policy.RetentionPolicy` the engine and the daemon
+apply, per run and per storage domain directory:
+
+* local steps the policy does not keep, never the newest committed step, and, when a durable tier is
+  configured, never the newest local step that is not durable yet (the daemon may still be draining
+  it). A step being read (restore, drain: a shared ``flock`` on its manifest) is skipped, as the
+  engine's retention and the daemon's eviction do: the exclusive lock is taken without waiting, the
+  directory is renamed to ``step_X.tmp-gc-*`` (uncommitted first, so a crash never leaves a half step
+  that looks committed), then removed.
+* local ``step_X.tmp-*`` directories (killed saves and fetches, interrupted deletions) in which nothing
+  changed for ``stale_after`` seconds: a live save writes its files continuously and commits within
+  the collective timeout, so such a directory has no writer left.
+* durable steps the policy does not keep (never the newest committed one): the manifest is deleted
+  first (the step is no longer durable), then the rest of the step.
+* durable steps that never committed (shards, domain markers, no manifest) that retention would not
+  keep next to the committed ones (so no daemon will finish them) and in which nothing changed for
+  ``stale_after`` seconds.
+* incomplete transfers into the durable tier started more than ``stale_after`` seconds ago: POSIX
+  temp files, S3 multipart uploads (``StorageTier.cleanup_incomplete``, limited to exactly the ones
+  the plan lists).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import secrets
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint.policy import RetentionPolicy
+from ..errors import ResilientSlurmError, StorageError
+from ..manifest import MANIFEST_NAME, durable_step_key, is_tmp_dirname, parse_step_dirname, tmp_dirname
+from ..storage.fileio import fsync_dir, remove_tree
+from ..storage.tier import StorageTier
+from .inventory import Catalog, StepView
+
+
+@dataclass
+class GcAction:
+    """One thing ``gc`` deletes (or would delete)."""
+
+    tier: str  # local | durable
+    kind: str  # step | stale_temp | uncommitted_step | incomplete_upload
+    run_id: str
+    step: int | None
+    where: str  # path, or tier URL and key
+    bytes: int | None
+    why: str
+    key: str | None = None  # durable key (steps: the step prefix; uploads: the object key)
+    state: str = "planned"  # planned | deleted | skipped | failed
+    detail: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The action as a JSON-able dict."""
+        return {"tier": self.tier, "kind": self.kind, "run_id": self.run_id, "step": self.step, "where": self.where,
+                "bytes": self.bytes, "why": self.why, "state": self.state, "detail": self.detail}
+
+
+def _tree_newest(path: str) -> tuple[float, int]:
+    """Newest mtime of a directory and everything in it, and its size in bytes."""
+    newest, size = 0.0, 0
+    for dirpath, _, files in os.walk(path):
+        try:
+            newest = max(newest, os.stat(dirpath).st_mtime)
+        except FileNotFoundError:
+            continue
+        for n in files:
+            try:
+                st = os.stat(os.path.join(dirpath, n))
+            except FileNotFoundError:
+                continue
+            newest = max(newest, st.st_mtime)
+            size += st.st_size
+    return newest, size
+
+
+def _local_plan(catalog: Catalog, run: str, views: list[StepView], durable: set[int] | None,
+                policy: RetentionPolicy, stale_after: float, now: float) -> list[GcAction]:
+    out: list[GcAction] = []
+    for root in catalog.roots:
+        run_dir = os.path.join(root, run)
+        try:
+            names = os.listdir(run_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        committed = sorted(s for n in names if (s := parse_step_dirname(n)) is not None
+                           and os.path.exists(os.path.join(run_dir, n, MANIFEST_NAME)))
+        protect: set[int] = set()
+        if durable is not None:
+            pending = [s for s in committed if s not in durable]
+            if pending:
+                protect.add(max(pending))
+        keep = policy.keep(committed)
+        for s in committed:
+            if s in keep:
+                continue
+            path = os.path.join(run_dir, f"step_{s:012d}")
+            if s in protect:
+                continue
+            _, size = _tree_newest(path)
+            where = "durable" if durable is not None and s in durable else (
+                "not durable" if durable is not None else "no durable tier")
+            out.append(GcAction("local", "step", run, s, path, size,
+                                f"retention ({_policy_text(policy)}) does not keep it; {where}"))
+        for n in sorted(names):
+            if not is_tmp_dirname(n):
+                continue
+            path = os.path.join(run_dir, n)
+            newest, size = _tree_newest(path)
+            age = now - newest
+            if age >= stale_after:
+                out.append(GcAction("local", "stale_temp", run, parse_step_dirname(n.split(".tmp-")[0]), path, size,
+                                    f"in-progress directory unchanged for {_age(age)} (>= {_age(stale_after)}): "
+                                    "its save or deletion was interrupted"))
+    return out
+
+
+def _policy_text(p: RetentionPolicy) -> str:
+    return f"keep_last={p.keep_last}" + (f", keep_every={p.keep_every}" if p.keep_every else "")
+
+
+def _age(s: float) -> str:
+    s = max(0, int(s))
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.1f}{unit}".replace(".0", "")
+    return f"{s}s"
+
+
+def _incomplete(tier: StorageTier, prefix: str, older_than: float, now: float) -> list[tuple[str, float, int | None]]:
+    """Incomplete transfers under ``prefix`` started more than ``older_than`` s ago: (key, started, bytes)."""
+    from ..storage.posix import TMP_MARK, PosixTier
+
+    out: list[tuple[str, float, int | None]] = []
+    if isinstance(tier, PosixTier):
+        base = os.path.join(tier.root, prefix)
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                if TMP_MARK not in name:
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    continue
+                if now - st.st_mtime >= older_than:
+                    out.append((os.path.relpath(path, tier.root).split(TMP_MARK)[0], st.st_mtime, st.st_size))
+        return out
+    s3 = sys.modules.get("resilient_slurm.storage.s3")
+    if s3 is not None and isinstance(tier, s3.S3Tier):
+        # The StorageTier interface can remove incomplete uploads but not list them; S3Tier's own client
+        # lists them so that --dry-run shows exactly what would go.
+        base = tier._base(prefix)
+        for page in tier._pages("list uploads under", base, tier._client.list_multipart_uploads,
+                                {"Bucket": tier.bucket, "Prefix": base},
+                                {"KeyMarker": "NextKeyMarker", "UploadIdMarker": "NextUploadIdMarker"}):
+            for u in page.get("Uploads", []):
+                started = u["Initiated"].timestamp() if u.get("Initiated") else 0.0
+                if now - started >= older_than:
+                    out.append((tier._rel(str(u["Key"])), started, None))
+    return out
+
+
+def _durable_plan(catalog: Catalog, run: str, views: list[StepView], policy: RetentionPolicy,
+                  stale_after: float, now: float) -> list[GcAction]:
+    tier = catalog.durable
+    assert tier is not None
+    out: list[GcAction] = []
+    # Like the daemon: a step with a manifest object counts as committed, even an unreadable one.
+    committed = sorted(v.step for v in views if v.durable is not None and v.durable.state in ("durable", "invalid"))
+    for s in policy.deletable(committed):
+        v = next(x for x in views if x.step == s)
+        m = v.durable.manifest if v.durable else None
+        out.append(GcAction("durable", "step", run, s, f"{tier.url}/{durable_step_key(run, s)}",
+                            m.total_bytes if m else None, f"retention ({_policy_text(policy)}) does not keep it",
+                            key=durable_step_key(run, s)))
+    keep_with = set(committed)
+    for v in views:
+        if v.durable is None or v.durable.state != "partial" or v.step in policy.keep(keep_with | {v.step}):
+            continue
+        prefix = durable_step_key(run, v.step)
+        objs = list(tier.list(prefix))
+        newest = max((o.mtime for o in objs), default=0.0)
+        if now - newest < stale_after:
+            continue
+        out.append(GcAction("durable", "uncommitted_step", run, v.step, f"{tier.url}/{prefix}",
+                            sum(o.size for o in objs),
+                            f"never committed ({v.durable.problem}), unchanged for {_age(now - newest)}, and retention "
+                            "would not keep it next to the committed steps", key=prefix))
+    for key, started, size in _incomplete(tier, run, stale_after, now):
+        out.append(GcAction("durable", "incomplete_upload", run, parse_step_dirname(key.split("/")[1])
+                            if key.count("/") >= 2 else None, f"{tier.url}/{key}", size,
+                            f"incomplete transfer started {_age(now - started)} ago (>= {_age(stale_after)})", key=key))
+    return out
+
+
+def plan_gc(catalog: Catalog, policy: RetentionPolicy, *, tiers: Iterable[str] = ("local", "durable"),
+            run_id: str | None = None, stale_after: float, now: float | None = None) -> list[GcAction]:
+    """Everything ``gc`` would delete, per run (``run_id`` or every run), in the order it deletes."""
+    now = time.time() if now is None else now
+    tiers = set(tiers)
+    actions: list[GcAction] = []
+    runs = [run_id] if run_id else catalog.runs()
+    for run in runs:
+        views = catalog.steps(run)
+        durable: set[int] | None = None
+        if catalog.durable is not None:
+            durable = {v.step for v in views if v.durable is not None and v.durable.state == "durable"}
+        if "local" in tiers:
+            actions += _local_plan(catalog, run, views, durable, policy, stale_after, now)
+        if "durable" in tiers and catalog.durable is not None:
+            actions += _durable_plan(catalog, run, views, policy, stale_after, now)
+    return actions
+
+
+def _delete_local_step(path: str, step: int) -> tuple[str, str | None]:
+    try:
+        fd = os.open(os.path.join(path, MANIFEST_NAME), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return "skipped", "already gone"
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return "skipped", "being read (a restore or a drain holds it); run gc again later"
+            raise
+        gone = os.path.join(os.path.dirname(path), tmp_dirname(step, f"gc-{secrets.token_hex(4)}"))
+        os.rename(path, gone)  # uncommit first: a crash mid-delete leaves a temp directory, never a half step
+    finally:
+        os.close(fd)
+    fsync_dir(os.path.dirname(path))
+    remove_tree(gone)
+    return "deleted", None
+
+
+def run_gc(catalog: Catalog, actions: list[GcAction], *, stale_after: float) -> list[GcAction]:
+    """Carry out a plan from :func:`plan_gc`; each action's ``state`` says what happened."""
+    uploads: dict[str, set[str]] = {}
+    for a in actions:
+        try:
+            if a.tier == "local" and a.kind == "step":
+                assert a.step is not None
+                a.state, a.detail = _delete_local_step(a.where, a.step)
+            elif a.tier == "local":
+                remove_tree(a.where)
+                a.state = "deleted"
+            elif a.kind == "incomplete_upload":
+                uploads.setdefault(a.run_id, set()).add(str(a.key))
+            else:
+                tier = catalog.durable
+                assert tier is not None and a.key is not None
+                tier.delete([f"{a.key}/{MANIFEST_NAME}"])  # uncommit first: never a half step that looks durable
+                tier.delete_prefix(a.key)
+                a.state = "deleted"
+        except (OSError, ResilientSlurmError) as exc:
+            a.state, a.detail = "failed", str(exc)
+    for run, keys in uploads.items():
+        tier = catalog.durable
+        assert tier is not None
+        try:
+            tier.cleanup_incomplete(run, older_than=stale_after, keep=lambda k, keys=keys: k not in keys)  # type: ignore[misc]
+            for a in actions:
+                if a.kind == "incomplete_upload" and a.run_id == run:
+                    a.state = "deleted"
+        except StorageError as exc:
+            for a in actions:
+                if a.kind == "incomplete_upload" and a.run_id == run:
+                    a.state, a.detail = "failed", str(exc)
+    return actions
+
+
+__all__ = ["GcAction", "plan_gc", "run_gc"]

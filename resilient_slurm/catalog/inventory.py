@@ -1,0 +1,425 @@
+"""What the node-local and durable tiers hold: runs, steps, and each step's state in each tier.
+
+Who calls what: the ``rslurm`` inspection commands (``cli.py``) open a :class:`Catalog` from resolved
+settings (:meth:`Catalog.open`, a context manager that closes the durable tier), pick a run
+(:meth:`Catalog.resolve_run`), list steps (:meth:`Catalog.steps`) or fetch one (:meth:`Catalog.step`),
+and ask which tier to read it from (:meth:`Catalog.choose_tier`). ``verify``, ``gc``, ``show`` and
+``export`` work on the :class:`StepView` objects it returns. Nothing here writes, and nothing imports
+torch.
+
+The local tier is every storage domain's directory visible from here: this node's root (``local_dir``
+with ``%n`` replaced by this node's name) and, when ``local_dir`` contains ``%n``, every other directory
+the template matches (on a shared filesystem every node's; on node-local disks, this node's only).
+Each holds the shards of its own domain (``manifest.nodes`` maps domain -> ranks).
+
+States of a step (``StepView.local_state`` / ``StepView.durable_state``):
+
+* local: ``complete`` (every domain's copy of the same save is here), ``partial`` (some domains' copies
+  are here, the others are on other nodes or gone), ``invalid`` (a copy here has no readable manifest,
+  names another run or step, or domains hold different saves), ``in_progress`` (only a
+  ``step_X.tmp-*`` directory: a save being written, or abandoned), ``absent``;
+* durable: ``durable`` (its manifest is there: committed), ``partial`` (shards or domain markers but no
+  manifest: a drain in progress or abandoned), ``invalid`` (the manifest is unreadable or names another
+  step), ``absent``; ``None`` when no durable tier is configured.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from ..errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    ObjectNotFoundError,
+    ResilientSlurmError,
+    StorageError,
+)
+from ..manifest import (
+    DOMAINS_DIR,
+    MANIFEST_NAME,
+    Manifest,
+    durable_step_key,
+    is_tmp_dirname,
+    parse_step_dirname,
+)
+from ..paths import default_run_id, expand_local_dir
+from ..storage.tier import StorageTier
+
+TIERS = ("local", "durable")
+# Temp directories that are deletions under way (retention, eviction, a replaced copy), not saves.
+DELETION_MARKS = ("-gc-", "-evict-", "replaced-")
+
+
+def local_roots(template: str, node: str) -> list[str]:
+    """The local tier's domain directories visible from here: this node's first, then the others that
+    ``template`` matches when it contains ``%n`` (each once, by real path)."""
+    roots = [expand_local_dir(template, node)]
+    if "%n" in template:
+        base = os.path.abspath(os.path.expanduser(template.replace("%n", "\0")))
+        pattern = "*".join(glob.escape(p) for p in base.split("\0"))
+        roots += sorted(p for p in glob.glob(pattern) if os.path.isdir(p))
+    seen: set[str] = set()
+    out = []
+    for r in roots:
+        real = os.path.realpath(r)
+        if real not in seen:
+            seen.add(real)
+            out.append(r)
+    return out
+
+
+@dataclass
+class LocalCopy:
+    """One storage domain's copy of a step in the local tier (``<root>/<run>/step_X/``)."""
+
+    root: str
+    path: str
+    manifest: Manifest | None
+    problem: str | None = None  # why the copy is not valid
+
+    @property
+    def domain(self) -> str | None:
+        """The storage domain the manifest says this copy belongs to."""
+        return self.manifest.node if self.manifest else None
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the shards this copy holds."""
+        return sum(s.size for s in self.manifest.shards_of_node(self.manifest.node)) if self.manifest else 0
+
+
+@dataclass
+class DurableCopy:
+    """A step in the durable tier."""
+
+    state: str  # durable | partial | invalid
+    where: str  # tier URL and step prefix
+    manifest: Manifest | None = None
+    markers: list[str] = field(default_factory=list)  # domains whose marker is there (partial steps)
+    domains: int | None = None  # how many domains the step has, when known
+    problem: str | None = None
+
+
+@dataclass
+class StepView:
+    """Everything known about one step of one run, in both tiers."""
+
+    run_id: str
+    step: int
+    local: list[LocalCopy] = field(default_factory=list)
+    in_progress: list[str] = field(default_factory=list)  # step_X.tmp-* directories (saves, fetches)
+    durable: DurableCopy | None = None
+    durable_configured: bool = False
+
+    @property
+    def valid_local(self) -> list[LocalCopy]:
+        """Local copies with a valid manifest."""
+        return [c for c in self.local if c.manifest is not None]
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The step's manifest: the durable one, else a local copy's (the first domain's if it is here)."""
+        if self.durable is not None and self.durable.manifest is not None:
+            return self.durable.manifest
+        valid = self.valid_local
+        if not valid:
+            return None
+        first = valid[0].manifest
+        assert first is not None
+        return next((c.manifest for c in valid if c.manifest and c.manifest.node == first.first_domain), first)
+
+    @property
+    def missing_domains(self) -> list[str]:
+        """Domains of the step with no valid local copy here."""
+        m = self.manifest
+        if m is None:
+            return []
+        have = {c.domain for c in self.valid_local}
+        return sorted(d for d in m.nodes if d not in have)
+
+    @property
+    def local_state(self) -> tuple[str, str | None]:
+        """(state, why) in the local tier (see the module docstring)."""
+        if not self.local:
+            return ("in_progress", f"{len(self.in_progress)} temp directories") if self.in_progress else ("absent", None)
+        bad = [c for c in self.local if c.manifest is None]
+        if bad:
+            return "invalid", "; ".join(f"{c.path}: {c.problem}" for c in bad)
+        saves = {c.manifest.save_id for c in self.valid_local if c.manifest}
+        if len(saves) > 1:
+            return "invalid", "domains hold different saves of this step: " + ", ".join(
+                f"{c.domain} created {c.manifest.created_at:.3f}" for c in self.valid_local if c.manifest)
+        m = self.valid_local[0].manifest
+        assert m is not None
+        missing = sorted(set(m.nodes) - {c.domain for c in self.valid_local})
+        if missing:
+            return "partial", (f"{len(m.nodes) - len(missing)}/{len(m.nodes)} domains here; "
+                               f"{', '.join(missing)} not here")
+        return "complete", None
+
+    @property
+    def durable_state(self) -> tuple[str | None, str | None]:
+        """(state, why) in the durable tier; (None, None) when no durable tier is configured."""
+        if not self.durable_configured:
+            return None, None
+        if self.durable is None:
+            return "absent", None
+        return self.durable.state, self.durable.problem
+
+    @property
+    def local_bytes(self) -> int:
+        """Bytes of the shards in valid local copies."""
+        return sum(c.bytes for c in self.valid_local)
+
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        """One step as a JSON-able dict (the rows of ``rslurm ls --json``)."""
+        now = time.time() if now is None else now
+        m = self.manifest
+        lstate, lwhy = self.local_state
+        dstate, dwhy = self.durable_state
+        doc: dict[str, Any] = {
+            "run_id": self.run_id, "step": self.step,
+            "reason": m.reason if m else None, "created_at": m.created_at if m else None,
+            "age_s": round(max(0.0, now - m.created_at), 1) if m else None,
+            "world_size": m.world_size if m else None, "bytes": m.total_bytes if m else None,
+            "domains": sorted(m.nodes) if m else None,
+            "local": {"state": lstate, "why": lwhy, "domains": sorted(c.domain for c in self.valid_local if c.domain),
+                      "missing_domains": self.missing_domains if self.local else [],
+                      "bytes": self.local_bytes, "paths": [c.path for c in self.local],
+                      "in_progress": list(self.in_progress)},
+            "durable": None,
+        }
+        if dstate is not None:
+            d = self.durable
+            doc["durable"] = {"state": dstate, "why": dwhy, "where": d.where if d else None,
+                              "markers": list(d.markers) if d else [], "domains": d.domains if d else None}
+        return doc
+
+
+class Catalog:
+    """Read-only view of the local tier (every visible domain directory) and the durable tier."""
+
+    def __init__(self, local_template: str, node: str, durable: StorageTier | None = None, *,
+                 durable_url: str | None = None) -> None:
+        self.local_template = local_template
+        self.node = node
+        self.durable = durable
+        self.durable_url = durable_url or (durable.url if durable is not None else None)
+        self.roots = local_roots(local_template, node)
+        self.errors: list[str] = []  # what could not be read while listing (ls reports them)
+
+    @classmethod
+    def open(cls, cfg: Mapping[str, Any], *, local_template: str, node: str) -> Catalog:
+        """A catalog over ``local_template`` and the durable tier named by ``cfg`` (``DURABLE_SETTINGS``)."""
+        from ..storage import open_durable
+
+        tier = open_durable(cfg, upload_cap=False)
+        return cls(local_template, node, tier, durable_url=cfg.get("durable"))
+
+    def close(self) -> None:
+        """Close the durable tier."""
+        if self.durable is not None:
+            self.durable.close()
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    @property
+    def this_root(self) -> str:
+        """This node's local root."""
+        return self.roots[0]
+
+    # ------------------------------------------------------------------ runs
+    def local_runs(self) -> list[str]:
+        """Runs with a directory in some local domain root."""
+        runs: set[str] = set()
+        for root in self.roots:
+            try:
+                runs |= {d for d in os.listdir(root) if not d.startswith(".") and os.path.isdir(os.path.join(root, d))}
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                self.errors.append(f"local tier {root}: cannot list it: {exc.strerror}")
+        return sorted(runs)
+
+    def durable_runs(self) -> list[str]:
+        """Runs with a directory in the durable tier (raises StorageError when it cannot be listed)."""
+        return self.durable.list_dirs("") if self.durable is not None else []
+
+    def runs(self, *, strict: bool = True) -> list[str]:
+        """Every run in either tier. With ``strict`` False a durable listing failure is recorded in
+        :attr:`errors` instead of raised."""
+        durable: list[str] = []
+        try:
+            durable = self.durable_runs()
+        except StorageError as exc:
+            if strict:
+                raise
+            self.errors.append(f"durable tier {self.durable_url}: {exc}")
+        return sorted(set(self.local_runs()) | set(durable))
+
+    def resolve_run(self, run_id: str | None) -> str:
+        """The run a single-step command works on: ``run_id`` if given; else this Slurm job's if it has
+        checkpoints; else the only run there is. Raises ConfigError naming the runs otherwise."""
+        if run_id:
+            return run_id
+        runs = self.runs()
+        job = default_run_id()
+        if job in runs:
+            return job
+        if len(runs) == 1:
+            return runs[0]
+        where = ", ".join(self.roots) + (f" or {self.durable_url}" if self.durable_url else "")
+        if not runs:
+            raise ConfigError(f"no checkpoints in {where} (set --local-dir/RSLURM_LOCAL_DIR and "
+                              "--durable/RSLURM_DURABLE to where the run saves)")
+        raise ConfigError(f"several runs in {where}: {', '.join(runs)}; pick one with --run-id or RSLURM_RUN_ID")
+
+    # ------------------------------------------------------------------ steps
+    def _scan_local(self, run: str, views: dict[int, StepView]) -> None:
+        for root in self.roots:
+            run_dir = os.path.join(root, run)
+            try:
+                names = os.listdir(run_dir)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                self.errors.append(f"local tier {run_dir}: cannot list it: {exc.strerror}")
+                continue
+            for n in sorted(names):
+                path = os.path.join(run_dir, n)
+                step = parse_step_dirname(n)
+                if step is not None:
+                    copy = _read_local_copy(root, path, run, step)
+                    if copy is not None:
+                        views.setdefault(step, StepView(run, step)).local.append(copy)
+                elif is_tmp_dirname(n) and not any(mark in n for mark in DELETION_MARKS):
+                    s = parse_step_dirname(n.split(".tmp-")[0])
+                    if s is not None:
+                        views.setdefault(s, StepView(run, s)).in_progress.append(path)
+
+    def _scan_durable(self, run: str, views: dict[int, StepView]) -> None:
+        tier = self.durable
+        assert tier is not None
+        names = [(n, s) for n in tier.list_dirs(run) if (s := parse_step_dirname(n)) is not None]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            copies = list(pool.map(lambda ns: read_durable_copy(tier, run, ns[1]), names))
+        for (_, step), copy in zip(names, copies):
+            views.setdefault(step, StepView(run, step)).durable = copy
+
+    def steps(self, run: str, *, strict: bool = True) -> list[StepView]:
+        """Every step of ``run`` found in either tier, ascending. With ``strict`` False a durable tier
+        that cannot be read is recorded in :attr:`errors` and only the local tier is listed."""
+        views: dict[int, StepView] = {}
+        self._scan_local(run, views)
+        if self.durable is not None:
+            try:
+                self._scan_durable(run, views)
+            except StorageError as exc:
+                if strict:
+                    raise
+                self.errors.append(f"durable tier {self.durable_url}, run {run}: {exc}")
+        for v in views.values():
+            v.durable_configured = self.durable is not None
+        return [views[s] for s in sorted(views)]
+
+    def step(self, run: str, step: int) -> StepView:
+        """One step; ConfigError naming the steps there are when it exists in neither tier."""
+        views = {v.step: v for v in self.steps(run)}
+        if step not in views:
+            where = ", ".join(os.path.join(r, run) for r in self.roots)
+            if self.durable_url:
+                where += f" or {self.durable_url}/{run}"
+            have = sorted(views)
+            raise ConfigError(f"step {step} not found in {where}; steps there: {have or 'none'}")
+        return views[step]
+
+    def choose_tier(self, view: StepView, tier: str = "auto") -> str:
+        """The tier to read a whole step from: ``local`` when every domain's copy is here, else
+        ``durable`` when it is committed there. An explicit ``tier`` is checked. Raises ConfigError
+        saying why the step cannot be read as a whole."""
+        lstate, lwhy = view.local_state
+        dstate, dwhy = view.durable_state
+        if tier in ("auto", "local") and lstate == "complete":
+            return "local"
+        if tier in ("auto", "durable") and dstate == "durable":
+            return "durable"
+        what = f"run {view.run_id} step {view.step}"
+        local_desc = f"local tier: {lstate}" + (f" ({lwhy})" if lwhy else "")
+        durable_desc = ("durable tier: not configured (--durable / RSLURM_DURABLE)" if dstate is None
+                        else f"durable tier: {dstate}" + (f" ({dwhy})" if dwhy else ""))
+        if tier == "local":
+            raise ConfigError(f"{what} is not complete in the local tier: {local_desc}")
+        if tier == "durable":
+            raise ConfigError(f"{what} is not committed in the durable tier: {durable_desc}")
+        raise ConfigError(f"{what} is not complete in any tier: {local_desc}; {durable_desc}")
+
+    def local_copies_by_domain(self, view: StepView) -> dict[str, LocalCopy]:
+        """Valid local copies of a step, by storage domain."""
+        return {c.domain: c for c in view.valid_local if c.domain is not None}
+
+
+def _read_local_copy(root: str, path: str, run: str, step: int) -> LocalCopy | None:
+    mpath = os.path.join(path, MANIFEST_NAME)
+    try:
+        with open(mpath, "rb") as f:
+            m = Manifest.from_json(f.read(), source=mpath)
+    except FileNotFoundError:
+        if not os.path.isdir(path):
+            return None  # deleted (retention, eviction) while we listed
+        return LocalCopy(root, path, None, "no manifest.json: not committed (a step directory always has one)")
+    except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
+        return LocalCopy(root, path, None, str(exc).removeprefix(f"{mpath}: "))
+    except OSError as exc:
+        return LocalCopy(root, path, None, f"manifest.json cannot be read: {exc.strerror}")
+    if m.run_id != run or m.step != step:
+        return LocalCopy(root, path, None, f"manifest.json says run {m.run_id!r} step {m.step}")
+    return LocalCopy(root, path, m)
+
+
+def read_durable_copy(tier: StorageTier, run: str, step: int) -> DurableCopy:
+    """The state of ``step`` of ``run`` in the durable tier (raises StorageError when it cannot be read)."""
+    prefix = durable_step_key(run, step)
+    where = f"{tier.url}/{prefix}"
+    try:
+        data = tier.get_bytes(f"{prefix}/{MANIFEST_NAME}")
+    except ObjectNotFoundError:
+        markers = tier.list_dirs(f"{prefix}/{DOMAINS_DIR}")
+        domains = None
+        for d in markers:
+            try:
+                domains = len(Manifest.from_json(tier.get_bytes(f"{prefix}/{DOMAINS_DIR}/{d}/{MANIFEST_NAME}")).nodes)
+                break
+            except (ObjectNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError):
+                continue
+        n = "?" if domains is None else str(domains)
+        return DurableCopy("partial", where, markers=markers, domains=domains,
+                           problem=f"not committed: {len(markers)}/{n} domain markers ({', '.join(markers) or 'none'}); "
+                                   "a drain in progress or abandoned")
+    try:
+        m = Manifest.from_json(data, source=f"{where}/{MANIFEST_NAME}")
+    except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
+        return DurableCopy("invalid", where, problem=str(exc))
+    if m.run_id != run or m.step != step:
+        return DurableCopy("invalid", where, problem=f"{where}/{MANIFEST_NAME} says run {m.run_id!r} step {m.step}")
+    return DurableCopy("durable", where, m, markers=sorted(m.nodes), domains=len(m.nodes))
+
+
+def select_steps(views: Iterable[StepView], step: int | None) -> list[StepView]:
+    """``views`` restricted to ``step`` when given."""
+    return [v for v in views if step is None or v.step == step]
+
+
+__all__ = ["Catalog", "DurableCopy", "LocalCopy", "ResilientSlurmError", "StepView", "TIERS", "local_roots",
+           "read_durable_copy", "select_steps"]
