@@ -182,7 +182,9 @@ def probe_signal_delivery(slurm: Any, job_id: str, nodes: Sequence[str], sig: st
         return res
     finally:
         try:
-            proc.wait(timeout=5)
+            # Every task reported: they are exiting, and srun with them. Otherwise do not wait for the
+            # stragglers' own timeout.
+            proc.wait(timeout=5 if len(res.received) == n else 0.5)
         except subprocess.TimeoutExpired:
             if res.step:
                 try:

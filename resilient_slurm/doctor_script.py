@@ -372,8 +372,10 @@ def _check_signal(ctx: DoctorContext, script: BatchScript,
         if unlimited:
             return Finding(name, Status.WARN, f"no --signal in {script.name}{where}; the job has no time "
                            "limit, so only preemption (SIGTERM to the ranks) can stop it", good)
+        conf = ctx.slurm_config()
+        kill_wait = f"KillWait={conf['KillWait']}" if conf and conf.get("KillWait") else "KillWait (30 s by default)"
         return Finding(name, Status.FAIL, f"no --signal in {script.name}{where}: at the time limit Slurm sends "
-                       "SIGTERM only KillWait (30 s by default) before SIGKILL and the job is not requeued",
+                       f"SIGTERM only {kill_wait} before SIGKILL, and the job is not requeued",
                        f"add `{good}`, and start the launcher with exec")
     if error is not None or spec is None:
         return Finding(name, Status.FAIL, f"`{d.text}` ({d.source}): {error}", f"use `{good}`")
