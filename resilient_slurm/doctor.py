@@ -123,8 +123,10 @@ def build_context(args: argparse.Namespace, env: Mapping[str, str] | None = None
     if cfg["durable"]:
         parse_url(cfg["durable"])
     extra = list(args.sbatch_args)
-    if extra and extra[0] == "--":
-        extra = extra[1:]
+    if extra and extra[0] != "--":
+        raise ConfigError(f"rslurm doctor: unexpected argument {extra[0]!r}; sbatch options go after -- "
+                          "(rslurm doctor --script job.sh -- --signal=B:USR1@120)")
+    extra = extra[1:]
     if args.signal_timeout <= 0:
         raise ConfigError(f"--signal-timeout {args.signal_timeout:g}: must be > 0 seconds")
     options = DoctorOptions(script=args.script, job_id=args.job, sbatch_args=tuple(extra), nccl=args.nccl,

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from .doctor_context import DoctorContext, Finding, Status, one_line
 from .errors import ConfigError, SlurmError
+from .launcher.signals import TRAPPED
 
 # slurmctld looks for jobs due a --signal about every 30 s (docs/testing.md), so the signal comes up to
 # that much later than asked.
@@ -35,7 +36,7 @@ SIGNAL_JITTER = 30.0
 # Below this many seconds left for the save after the jitter and requeue_margin, warn.
 MIN_SAVE_WINDOW = 30.0
 # Signals the launcher turns into an emergency save when it receives them as the batch shell.
-LAUNCHER_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP")
+LAUNCHER_SIGNALS = tuple(s.name.removeprefix("SIG") for s in TRAPPED)
 DEFAULT_SIGNAL_SECONDS = 60  # sbatch's default when --signal gives no @time
 
 # sbatch options, by long name, that take a value (so "--opt value" consumes the next word).
@@ -537,11 +538,14 @@ def _check_nccl(ctx: DoctorContext, script: BatchScript,
     save_signal, save_source = str(ctx.cfg["save_signal"]), "save_signal setting"
     in_script = script_save_signal(script)
     if in_script is not None:
-        try:
-            save_signal, save_source = signal_name(in_script[0]) if in_script[0].lower() != "none" else "none", \
-                in_script[1]
-        except ValueError:
-            pass
+        value, where = in_script
+        if value.lower() in ("none", "off"):
+            save_signal, save_source = "none", where
+        else:
+            try:
+                save_signal, save_source = signal_name(value), where
+            except ValueError:  # `$SIG` or another expansion: the setting is what doctor can know
+                pass
     ctx.facts["save_signal"] = save_signal
     details = {"nccl": uses, "evidence": evidence, "save_signal": save_signal, "save_signal_from": save_source}
     problems = []

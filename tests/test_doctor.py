@@ -198,6 +198,7 @@ def test_table_output_and_exit_codes(tmp_path: Path) -> None:
         ([], {"RSLURM_DURABLE": "ftp://host/x"}, "unknown scheme 'ftp'"),
         ([], {"RSLURM_LOCAL_DIRR": "/x"}, "RSLURM_LOCAL_DIR"),
         (["--bandwidth-size", "lots"], {}, "--bandwidth-size"),
+        (["job.sh"], {}, "sbatch options go after --"),
     ]:
         r = doctor(*args, env=env)
         assert r.returncode == 2 and words in r.stderr, (args, r.stderr)
