@@ -484,3 +484,15 @@ def test_login_node_script_and_submitted_job(slurm: SlurmCluster, tmp_path: Path
     assert doc["cluster.preemption"]["details"]["partition"] == "high"
     assert doc["script.exec"]["status"] == "WARN"
     slurm.scancel(job)
+
+
+def test_in_salloc_there_is_no_script_but_signals_are_checked(slurm: SlurmCluster, tmp_path: Path) -> None:
+    env = {"PYTHONPATH": str(REPO), "RSLURM_CONTROL_DIR": str(slurm.root / "ctl")}
+    cp = slurm.run(["salloc", "-N2", PY, "-m", "resilient_slurm.cli", "doctor", "--json", "--skip", "local,durable"],
+                   env=env, timeout=120, check=False)
+    doc = json.loads(cp.stdout)
+    r = rows(doc)
+    assert doc["in_allocation"] is True and cp.returncode == 0, cp.stderr[-3000:]
+    assert r["script"]["status"] == "SKIP" and "interactive allocation" in r["script"]["finding"], r["script"]
+    assert r["signals.delivery"]["status"] == "OK" and sorted(r["signals.delivery"]["details"]["received_s"]) == \
+        ["n1", "n2"]
