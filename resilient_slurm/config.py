@@ -84,6 +84,17 @@ def _free_space(v: str) -> str:
     return s
 
 
+def _prom_path(v: str) -> str | None:
+    """A Prometheus textfile path (must end in .prom: node_exporter reads nothing else), or unset."""
+    s = v.strip()
+    if s.lower() in ("", "none", "off"):
+        return None
+    if not s.endswith(".prom"):
+        raise ValueError("node_exporter's textfile collector reads only *.prom files; expected a path such as "
+                         f"/var/lib/node_exporter/textfile_collector/rslurm.prom, got {v!r}")
+    return os.path.abspath(os.path.expanduser(s))
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def parse(v: str) -> str:
         s = v.strip().lower()
@@ -192,6 +203,10 @@ SETTINGS: dict[str, Setting] = {
                 "is not yet durable", "storage"),
         Setting("drain_poll_interval", float, 5.0, "seconds between the daemon's rescans of the local tier "
                 "(it also reacts at once to filesystem events through watchdog)", "storage"),
+        Setting("metrics_textfile", _prom_path, None, "the daemon writes its Prometheus metrics to this file "
+                "(must end in .prom; e.g. /var/lib/node_exporter/textfile_collector/rslurm.prom for "
+                "node_exporter's textfile collector), replaced atomically after every transfer and every poll "
+                "interval; unset = no metrics file", "storage"),
         Setting("s3_endpoint_url", str, None, "S3 endpoint for any S3-compatible store (default: AWS, or "
                 "$AWS_ENDPOINT_URL_S3)", "storage"),
         Setting("s3_region", str, None, "S3 region (default: boto3's usual chain)", "storage"),
