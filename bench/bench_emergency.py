@@ -6,8 +6,8 @@
 
 A training program (bench/emergency_worker.py: ~``--size-gib`` of model + Adam state, a fixed step of
 ``--step-s``) runs under ``rslurm launch``. Once it has trained ``--settle-s`` seconds (and at least 5
-steps), the launcher gets a stop signal; the launcher's ``launcher-events.jsonl`` and the worker's own log
-give the latencies:
+steps), the launcher gets a stop signal; the launcher's records in the run's ``events.jsonl`` and the
+worker's own log give the latencies:
 
 * local (``rslurm launch -n 1 -- python bench/emergency_worker.py``): SIGTERM to the launcher, which must
   exit 75 after the emergency commit;
@@ -22,7 +22,7 @@ checkpoints; ``restored`` = the emergency save is the first save of a process th
 step at start, as in a job requeued after a preemption and preempted again before its first interval save.
 For ``restored``, a priming run (the same launch, worker ``--save-and-exit``: a few steps, one blocking
 save, exit 0; under Slurm a job pinned to the same node) first commits a step in the same local dir and
-run id; its ``launcher-events.jsonl`` is moved aside. The measured worker (``--expect-restore``) then
+run id; its ``events.jsonl`` is moved aside. The measured worker (``--expect-restore``) then
 restores that step; ``Checkpointer.restore()`` plans the save and allocates + pre-faults the staging
 buffer on its writer thread in the background, and the worker logs how long ``restore()`` took, when
 training started and when that background allocation finished.
@@ -103,6 +103,11 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
                 with contextlib.suppress(json.JSONDecodeError):
                     out.append(json.loads(line))
     return out
+
+
+def launcher_events(path: str) -> list[dict[str, Any]]:
+    """The launcher's records in a run's event log (the ranks write to the same file)."""
+    return [e for e in read_jsonl(path) if e.get("source") == "launcher"]
 
 
 def first(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
@@ -257,10 +262,10 @@ class Bench:
         rec: dict[str, Any] = {"where": where, "mode": mode, "round": i}
         sig = first(events, "signal")
         if sig is None:
-            self.problem(f"{where}/{mode}/{i}: no 'signal' event in launcher-events.jsonl")
+            self.problem(f"{where}/{mode}/{i}: no 'signal' event in events.jsonl")
             return rec
         at = float(sig["at"])
-        rec["signal_source"] = sig.get("source")
+        rec["signal_source"] = sig.get("signal")
         rec["delivery_s"] = at - t_sent
         for kind, key in (("save_requested", "signal_to_save_requested_s"), ("ranks_exited", "signal_to_ranks_exited_s"),
                           ("decision", "signal_to_decision_s")):
@@ -269,7 +274,7 @@ class Bench:
                 rec[key] = e["t"] - at
         c = first(events, "committed")
         if c is None:
-            self.problem(f"{where}/{mode}/{i}: no 'committed' event in launcher-events.jsonl")
+            self.problem(f"{where}/{mode}/{i}: no 'committed' event in events.jsonl")
         else:
             rec["signal_to_commit_s"] = c.get("after_signal_s")
             rec["committed_step"] = c.get("step")
@@ -328,7 +333,7 @@ class Bench:
         wlog = os.path.join(d, "worker.jsonl")
         out_path = os.path.join(d, "launcher.out")
         env = {**os.environ, **self.worker_env(os.path.join(d, "nvme", "%n"), "bench")}
-        events_glob = os.path.join(d, "nvme", "*", "bench", "launcher-events.jsonl")
+        events_glob = os.path.join(d, "nvme", "*", "bench", "events.jsonl")
         prime: dict[str, Any] = {}
         if mode == "restored":  # a first incarnation that commits a step and ends normally
             plog = os.path.join(d, "prime.jsonl")
@@ -362,7 +367,7 @@ class Bench:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(p.pid, signal.SIGKILL)
                     p.wait(timeout=30)
-        events = read_jsonl(next(iter(glob.glob(events_glob)), ""))
+        events = launcher_events(next(iter(glob.glob(events_glob)), ""))
         rec = self.analyse("local", mode, i, events, read_jsonl(wlog), t_sent)
         rec.update(prime)
         rec["exit_code"] = rc
@@ -405,7 +410,7 @@ class Bench:
             launch = " ".join([PY, "-m", "resilient_slurm.cli", "launch", "--", "srun", "-N1", "-n1", *argv])
             return f"#!/bin/bash\n{exports}cd {REPO}\nexec {launch}\n"
 
-        events_glob = os.path.join(d, "nvme", "*", run_id, "launcher-events.jsonl")
+        events_glob = os.path.join(d, "nvme", "*", run_id, "events.jsonl")
         pin: list[str] = []
         prime: dict[str, Any] = {}
         if mode == "restored":  # a first job that commits a step and completes; the measured job restores it
@@ -430,7 +435,7 @@ class Bench:
             return info is not None and info.get("JobState") in ("PENDING", "RUNNING", "CONFIGURING")
 
         def events() -> list[dict[str, Any]]:
-            return read_jsonl(next(iter(glob.glob(events_glob)), ""))
+            return launcher_events(next(iter(glob.glob(events_glob)), ""))
 
         try:
             self.wait_ready(wlog, alive, timeout=180)

@@ -50,10 +50,10 @@ def test_spot_notice_triggers_emergency_save_and_restartable_exit(tmp_path: Path
                     proc.kill()
         text = (tmp_path / "launcher.err").read_text(errors="replace")
         assert rc == 75, text[-3000:]
-        events = read_jsonl(tmp_path / "nvme" / "toy" / "launcher-events.jsonl")
+        events = [e for e in read_jsonl(tmp_path / "nvme" / "toy" / "events.jsonl") if e["source"] == "launcher"]
         sig = [e for e in events if e["event"] == "signal"]
         req = [e for e in events if e["event"] == "save_requested"]
-        assert sig and sig[0]["source"] == "cloud", events
+        assert sig and sig[0]["signal"] == "cloud", events
         assert req and req[0]["reason"] == "cloud_termination", events
         # The announced time (minus requeue_margin) bounds the deadline, well before save_timeout (300 s).
         assert req[0]["deadline"] <= announced.timestamp() - 3 + 1, (req, announced)

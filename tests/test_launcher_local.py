@@ -517,7 +517,7 @@ def test_with_a_durable_tier_the_emergency_step_is_durable_before_exit_and_a_los
     assert rc == REQUEUE, f"exit code {rc}:\n{run.stderr()[-4000:]}"
     assert_nothing_survives(sb, run)  # the job's daemon included
     step = assert_emergency_at_last_logged_step(sb)
-    events = read_jsonl(sb.run_dir / "launcher-events.jsonl")
+    events = [e for e in read_jsonl(sb.run_dir / "events.jsonl") if e["source"] == "launcher"]
     durable_events = [e for e in events if e["event"] == "durable"]
     assert durable_events and durable_events[0]["step"] == step, events
     assert (durable / "toy" / step_dirname(step) / "manifest.json").exists()

@@ -84,7 +84,8 @@ def _assert_identical_to(ref: Path, work: Path, steps: int) -> None:
 
 
 def _events(work: Path, node: str = "n1") -> list[dict]:
-    return read_jsonl(work / "nvme" / node / "toy" / "launcher-events.jsonl")
+    """The launcher's records in the run's event log on ``node`` (ranks and the daemon write there too)."""
+    return [e for e in read_jsonl(work / "nvme" / node / "toy" / "events.jsonl") if e["source"] == "launcher"]
 
 
 def _job_text(work: Path) -> str:
@@ -145,7 +146,7 @@ def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     assert decision and decision[0]["action"] == "requeue" and decision[0]["outcome"] == "preempted", decision
     if user_signal:
         sig = [e for e in events if e["event"] == "signal"]
-        assert sig and sig[0]["source"] == "SIGUSR1", events
+        assert sig and sig[0]["signal"] == "SIGUSR1", events
     if user_signal and socket:
         committed = [e for e in events if e["event"] == "committed"]
         assert committed and committed[0]["after_signal_s"] < 5, events

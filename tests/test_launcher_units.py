@@ -367,7 +367,7 @@ def test_newest_committed_skips_steps_without_a_readable_manifest(tmp_path: Path
     _step(run, 11, _manifest(11, "bogus-reason"))  # invalid manifest
     (run / (step_dirname(16) + ".tmp-abc")).mkdir()  # a save in progress
     (run / (step_dirname(16) + ".tmp-abc") / "manifest.json").write_text(_manifest(16, "interval"))
-    (run / "launcher-events.jsonl").write_text("{}\n")
+    (run / "events.jsonl").write_text("{}\n")
     (run / "step_99").mkdir()  # not a step directory name
     assert newest_committed(str(run)) == (8, "emergency")
     _step(run, 100, _manifest(100, "interval"))

@@ -23,14 +23,14 @@ Call order (one ``Launcher`` per job incarnation, on the batch host; or one per 
    job is requeued, held, or the launcher exits with the rank's code. Requeueing kills the launcher,
    so it is the last thing done.
 
-Every step is logged, and appended as a JSON line to ``<run dir>/launcher-events.jsonl`` (signal,
-save request, commit, ranks gone, decision) so that signal-to-commit and signal-to-requeue latencies
-can be measured from the outside.
+Every step is logged, and appended as an event with ``source: launcher`` to the run's event log
+``<run dir>/events.jsonl`` (:mod:`resilient_slurm.telemetry`; signal, save request, commit, ranks gone,
+decision, requeue call), so that signal-to-commit and signal-to-requeue latencies can be measured from
+the outside. The ranks and the drain daemon on this node append to the same file.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -53,6 +53,7 @@ from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import remaining_seconds
 from ..storage.fileio import atomic_write
 from ..storage.registry import DURABLE_SETTINGS
+from ..telemetry import EventLog
 from .cloud import Notice, TerminationNoticeWatcher
 from .durability import JobDrain
 from .policy import (
@@ -76,7 +77,6 @@ SETTINGS = ["local_dir", "run_id", "node_name", "control_dir", "save_signal", "m
             "cloud_notice_url", "cloud_notice_interval", "slurm_backend", "daemon", "durable_wait",
             *DURABLE_SETTINGS]
 HISTORY_FILE = "launcher-history.json"
-EVENTS_FILE = "launcher-events.jsonl"
 # After one rank failed on its own, how long the others may take to notice (a collective error) and
 # exit before the launcher tears them down.
 PEER_EXIT_WAIT = 30.0
@@ -150,6 +150,8 @@ class Launcher:
         root = expand_local_dir(self.cfg["local_dir"] or default_local_dir(), self.node)
         self.run_dir = os.path.join(root, self.run_id)
         self.restart_count = int(self.env.get("SLURM_RESTART_COUNT", "0") or 0)
+        self.events = EventLog(root, self.run_id, source="launcher", node=self.node, keep_open=False,
+                               job_id=self.job_id, restart_count=self.restart_count)
         self.policy = RequeuePolicy(max_restarts=self.cfg["max_restarts"],
                                     no_progress_limit=self.cfg["no_progress_limit"] or None)
         self._slurm = slurm
@@ -178,14 +180,7 @@ class Launcher:
         return self._slurm
 
     def _event(self, kind: str, **fields: Any) -> None:
-        rec = {"t": time.time(), "event": kind, "job_id": self.job_id, "restart_count": self.restart_count,
-               **fields}
-        try:
-            os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
-            with open(os.path.join(self.run_dir, EVENTS_FILE), "a") as f:
-                f.write(json.dumps(rec, default=str) + "\n")
-        except OSError as exc:
-            log.warning("cannot append to %s: %s", os.path.join(self.run_dir, EVENTS_FILE), exc)
+        self.events.emit(kind, **fields)
 
     def _job_info(self) -> JobInfo | None:
         if not self.job_id:
@@ -233,8 +228,7 @@ class Launcher:
         """Run the incarnation to its end and act on the decision; returns the exit code to use."""
         baseline, _ = newest_committed(self.run_dir)
         self.timings["start"] = time.time()
-        self._event("start", command=self.command, node=self.node, baseline_step=baseline,
-                    socket=self.socket_path)
+        self._event("start", command=self.command, baseline_step=baseline, socket=self.socket_path)
         self._warn_if_not_exec()
         trap = SignalTrap().install()
         server = self._server = ControlServer(self.socket_path)
@@ -338,7 +332,7 @@ class Launcher:
 
     def _on_event(self, ev: TrapEvent, children: Children, server: ControlServer) -> None:
         log.warning("received %s", ev.source)
-        self._event("signal", source=ev.source, at=ev.at)
+        self._event("signal", signal=ev.source, at=ev.at)
         if ev.source == "SIGINT" or (ev.source in ("SIGTERM", "SIGHUP") and not self.job_id):
             self._interrupts += 1
         if self.stop is not None:
@@ -355,7 +349,7 @@ class Launcher:
         self.timings["signal"] = ev.at
         server.request_save("emergency", deadline)
         self.timings["save_requested"] = time.time()
-        self._event("save_requested", source=ev.source, reason=reason.value, deadline=deadline,
+        self._event("save_requested", signal=ev.source, reason=reason.value, deadline=deadline,
                     deadline_in_s=deadline - time.time())
         log.warning("%s: emergency checkpoint requested (%s); deadline in %.1f s", ev.source, reason.value,
                     deadline - time.time())
@@ -584,5 +578,5 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-__all__ = ["EVENTS_FILE", "HISTORY_FILE", "HOLD_EXIT_CODE", "LaunchResult", "Launcher", "StopRequest",
+__all__ = ["HISTORY_FILE", "HOLD_EXIT_CODE", "LaunchResult", "Launcher", "StopRequest",
            "newest_committed"]
