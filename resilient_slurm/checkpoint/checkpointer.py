@@ -14,6 +14,11 @@ Usage (every rank calls the same methods in the same order)::
 Threads: the training thread calls every method. One background writer thread per Checkpointer runs
 the shard write and commit. At most one save is in flight: a new save first waits for the previous one
 (that wait is reported as part of the stall). An error in the background surfaces on the next call.
+
+Events (docs/telemetry.md) go to the run's ``events.jsonl`` on this node: every rank writes its own
+``save_staged`` (training thread, one append after the stall is measured), ``save_committed`` /
+``save_failed`` (writer thread), ``restore`` / ``restore_none`` and ``emergency_requested``; the node's
+leader rank also writes ``save_started`` and ``retention_deleted`` (local tier).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ..control.rank import RankLink
 from ..errors import CheckpointError, ConfigError
 from ..paths import default_local_dir, default_run_id, node_name
 from ..storage.registry import open_durable
+from ..telemetry import EventLog
 from .coordination import Coordinator, Topology, discover_topology
 from .engine import Engine, PendingSave, SaveOutcome
 from .policy import Cadence, RetentionPolicy
@@ -134,6 +140,10 @@ class Checkpointer:
             capture_rng=cfg["capture_rng"],
             durable=self._durable_tier,
         )
+        self.events = EventLog(
+            self.topology.root, self.run_id, source="rank", node=self.topology.node,
+            job_id=os.environ.get("SLURM_JOB_ID") or None,
+            restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0), rank=self.topology.rank)
         self._sync_every: int = cfg["sync_every"]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-ckpt")
         self._inflight: Future[SaveOutcome] | None = None
@@ -156,6 +166,8 @@ class Checkpointer:
             timeout=cfg["control_timeout"], trap_signals=cfg["trap_signals"], save_signal=cfg["save_signal"],
         )
         self._hello_sent = False
+        self._signals_reported = 0
+        self._emergency_reported = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -184,6 +196,7 @@ class Checkpointer:
         self._finish_inflight()
         self._finish_retention()
         step = self._engine.restore(state)
+        self._report_restore()
         self.cadence.saved()
         if step:
             self._saved_step = step
@@ -207,9 +220,11 @@ class Checkpointer:
         if not self._staging_planned:
             self._prepare(state)
         due = self.cadence.due(step)
+        heard_socket = False
         if step % self._sync_every == 0:
-            self._link.poll(step)  # a launcher request sets the emergency flag
+            heard_socket = self._link.poll(step)  # a launcher request sets the emergency flag
         emergency = self._emergency.is_set()
+        heard_here = emergency
         failed = self._inflight is not None and self._inflight.done() and self._inflight.exception() is not None
         if self._coord.multi:
             if step % self._sync_every == 0:
@@ -223,6 +238,7 @@ class Checkpointer:
         if failed:
             self._finish_inflight()
         if emergency:
+            self._report_emergency(step, heard_here, heard_socket)
             if step == self._saved_step:
                 # Already saved (the request arrived right after the restore, or at a step whose
                 # interval save is in flight): wait for that commit instead of writing it twice.
@@ -231,6 +247,7 @@ class Checkpointer:
             else:
                 self.save(step, state, blocking=True, reason="emergency")
             self._emergency.clear()
+            self._emergency_reported = False
             self._should_stop = True
             log.warning("rank %d: emergency checkpoint of step %d committed; should_stop is set",
                         self.rank, step)
@@ -246,17 +263,26 @@ class Checkpointer:
         if step < 0:
             raise ConfigError(f"step must be >= 0, got {step}")
         t0 = time.perf_counter()
+        if self.topology.is_leader:
+            self.events.emit("save_started", step=step, reason=reason)
         self._finish_inflight()  # back-pressure: at most one save in flight
         self._finish_prepared()
-        pending = self._engine.stage(step, state, reason)
+        t_wait = time.perf_counter() - t0
+        try:
+            pending = self._engine.stage(step, state, reason)
+        except Exception as exc:
+            self.events.emit("save_failed", step=step, reason=reason, error=str(exc))
+            raise
         self._saved_step = step
         self.last_stall_s = time.perf_counter() - t0
-        self._inflight = self._pool.submit(self._write_and_report, pending, step, reason)
+        self.events.emit("save_staged", step=step, reason=reason, bytes=pending.shard_bytes,
+                         stall_s=self.last_stall_s, wait_s=t_wait)
+        self._inflight = self._pool.submit(self._write_and_report, pending, step, reason, t0)
         if self.topology.is_leader:
             # Retention runs after the commit is reported, on the same single writer thread: deleting
             # a large step can take as long as writing one (discard-mounted filesystems), and the
             # caller waiting for the commit should not wait for it. The next save queues behind it.
-            self._retention = self._pool.submit(self._engine.apply_retention)
+            self._retention = self._pool.submit(self._retain)
         self.cadence.saved()
         if blocking:
             self._finish_inflight()
@@ -282,6 +308,7 @@ class Checkpointer:
             self._finish_retention()
             self._pool.shutdown(wait=True)
             self._link.close()
+            self.events.close()
             if self._durable_tier is not None:
                 self._durable_tier.close()
 
@@ -300,11 +327,53 @@ class Checkpointer:
             log.error("while closing after %s: %s", exc_type.__name__ if exc_type else "error", inner)
 
     # ------------------------------------------------------------------ internals
-    def _write_and_report(self, pending: PendingSave, step: int, reason: str) -> SaveOutcome:
+    def _write_and_report(self, pending: PendingSave, step: int, reason: str, t0: float) -> SaveOutcome:
         """Writer thread: write and commit, then tell the launcher (if any) the step is committed."""
-        outcome = self._engine.write_and_commit(pending)
+        try:
+            outcome = self._engine.write_and_commit(pending)
+        except Exception as exc:
+            self.events.emit("save_failed", step=step, reason=reason, error=str(exc))
+            raise
         self._link.committed(step, reason)
+        self.events.emit("save_committed", step=step, reason=reason, bytes=outcome.bytes_written,
+                         step_bytes=outcome.step_bytes, write_s=outcome.write_s, commit_s=outcome.commit_s,
+                         throughput_bytes_s=outcome.bytes_written / outcome.write_s if outcome.write_s > 0 else 0.0,
+                         total_s=time.perf_counter() - t0)
         return outcome
+
+    def _retain(self) -> list[int]:
+        """Writer thread (domain leader): local retention after a save."""
+        deleted = self._engine.apply_retention()
+        if deleted:
+            self.events.emit("retention_deleted", tier="local", steps=deleted)
+        return deleted
+
+    def _report_restore(self) -> None:
+        r = self._engine.last_restore
+        if r is None:
+            return
+        if r.step:
+            self.events.emit("restore", step=r.step, tier=r.tier, seconds=r.seconds, bytes=r.bytes_read,
+                             fetched_bytes=r.fetched_bytes, skipped=list(r.skipped))
+        else:
+            self.events.emit("restore_none", seconds=r.seconds, skipped=list(r.skipped))
+
+    def _report_emergency(self, step: int, heard_here: bool, heard_socket: bool) -> None:
+        """One ``emergency_requested`` per request and rank, saying how this rank heard of it."""
+        if self._emergency_reported:
+            return
+        self._emergency_reported = True
+        seen = self._link.signals_seen
+        new, self._signals_reported = seen[self._signals_reported:], len(seen)
+        if new:
+            how = new[0]  # SIGTERM, SIGUSR2...
+        elif heard_socket:
+            how = "control_socket"
+        elif heard_here:
+            how = "api"  # request_emergency_save() called by the program
+        else:
+            how = "peer"  # another rank heard it; this one learnt it at the step agreement
+        self.events.emit("emergency_requested", step=step, how=how)
 
     def _finish_inflight(self) -> SaveOutcome | None:
         fut, self._inflight = self._inflight, None

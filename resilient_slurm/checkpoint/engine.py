@@ -14,7 +14,9 @@ Call order for a save (every rank, same order):
 Restore (:meth:`Engine.restore`, collective): domain leaders list committed steps; ranks try the
 newest common step, each reading and verifying (per-item checksums) the byte ranges it needs *before
 touching any live tensor*; only when every rank verified does anyone copy into the model. A corrupt or
-partial step is skipped with a warning naming the file and the reason.
+partial step is skipped with a warning naming the file and the reason. What a save or restore did
+(bytes, times, where a restore read from) is returned (:class:`SaveOutcome`) or kept
+(:attr:`Engine.last_restore`) for the caller's event log; the engine itself writes no events.
 """
 
 from __future__ import annotations
@@ -108,6 +110,17 @@ class PendingSave:
     stall_s: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of the shard's tensor region (padded to a block when plain values follow)."""
+        n = self.staging.layout.tensor_region
+        return round_up(n, BLOCK) if self.bytes_items else n
+
+    @property
+    def shard_bytes(self) -> int:
+        """Size of this rank's shard file once written (the manifest's ``size`` for this rank)."""
+        return self.tensor_bytes + sum(len(b) for _, b in self.bytes_items)
+
 
 @dataclass(frozen=True)
 class SaveOutcome:
@@ -115,10 +128,23 @@ class SaveOutcome:
 
     step: int
     reason: str
-    bytes_written: int
+    bytes_written: int  # this rank's shard
     stall_s: float
     write_s: float
     commit_s: float
+    step_bytes: int = 0  # every rank's shards together
+
+
+@dataclass(frozen=True)
+class RestoreOutcome:
+    """What :meth:`Engine.restore` did on this rank (for the event log)."""
+
+    step: int  # 0: nothing restored
+    tier: str | None  # "local", or "durable" when this rank's node fetched the step; None: nothing restored
+    seconds: float
+    bytes_read: int  # bytes this rank read and verified
+    fetched_bytes: int  # bytes this rank fetched from the durable tier (domain leaders only)
+    skipped: tuple[int, ...] = ()  # steps tried and found unusable
 
 
 class Engine:
@@ -151,6 +177,7 @@ class Engine:
         self._cached_layout: ShardLayout | None = None
         self._staging: StagingBuffer | None = None
         self._pin = torch.cuda.is_available()
+        self.last_restore: RestoreOutcome | None = None
 
     # ------------------------------------------------------------------ save, foreground
     def plan_layout(self, state: Mapping[str, Any]) -> ShardLayout:
@@ -258,16 +285,14 @@ class Engine:
             "commit %.3fs",
             p.step, p.reason, total / 2**20, p.stall_s, p.stats["plan_s"], p.stats["copy_s"], t1 - t0, t2 - t1,
         )
-        return SaveOutcome(p.step, p.reason, result["size"], p.stall_s, t1 - t0, t2 - t1)
+        return SaveOutcome(p.step, p.reason, result["size"], p.stall_s, t1 - t0, t2 - t1, total)
 
     def _write_shard(self, p: PendingSave, tmp: str, fname: str) -> dict[str, Any]:
         layout = p.staging.layout
         segments: list[tuple[memoryview, int]] = []
         chunks: list[tuple[int, int]] = []
         infos: dict[MetadataIndex, tuple[str, int, int]] = {}
-        tensor_len = layout.tensor_region
-        if p.bytes_items:
-            tensor_len = round_up(tensor_len, BLOCK)
+        tensor_len = p.tensor_bytes
         if tensor_len:
             segments.append((p.staging.memoryview(), tensor_len))
         for s in layout.slots:
@@ -429,6 +454,9 @@ class Engine:
         rank.
         """
         topo = self.topo
+        t0 = time.perf_counter()
+        self.last_restore = None
+        skipped: list[int] = []
         if topo.is_leader:
             self.clean_stale()
         mine = self.committed_steps() if topo.is_leader else None
@@ -457,10 +485,13 @@ class Engine:
         try:
             for step in sorted(common | durable_set, reverse=True):
                 fetched = False
+                here: int | None = None  # bytes this rank's domain fetched for this step (None: none)
                 if step not in common:
                     # Some domain lacks it locally: its leader fetches it from the durable tier.
                     need = topo.is_leader and step not in (mine or [])
-                    if not self._fetch_round(step, need):
+                    ok, here = self._fetch_round(step, need)
+                    if not ok:
+                        skipped.append(step)
                         continue
                     fetched = need
                 status, message, loaded = self._try_read(step, state)
@@ -474,7 +505,10 @@ class Engine:
                             for m in (m for v, m in verdicts if v != "ok"):
                                 log.warning("step %d: %s; fetching it from the durable tier", step, m)
                         need = topo.is_leader and bad_here and not fetched
-                        if self._fetch_round(step, need):
+                        ok, again = self._fetch_round(step, need)
+                        if again is not None:
+                            here = (here or 0) + again
+                        if ok:
                             status, message, loaded = self._try_read(step, state)
                             verdicts = self.coord.all_gather((status, message))
                 incompatible = [m for s, m in verdicts if s == "incompatible"]
@@ -485,6 +519,7 @@ class Engine:
                     if topo.rank == 0:
                         for m in bad:
                             log.warning("skipping step %d: %s; trying the previous step", step, m)
+                    skipped.append(step)
                     continue
                 assert loaded is not None
                 loaded.apply()
@@ -492,6 +527,9 @@ class Engine:
                 initialized = []
                 log.info("restored step %d from %s%s", step, self.run_dir,
                          " (fetched from the durable tier)" if step not in common else "")
+                self.last_restore = RestoreOutcome(
+                    step, "durable" if here is not None else "local", time.perf_counter() - t0, loaded.bytes_read,
+                    (here or 0) if topo.is_leader else 0, tuple(skipped))
                 return step
         finally:
             for opt in initialized:  # nothing restored: give back a pristine optimizer
@@ -499,6 +537,7 @@ class Engine:
         if (union or durable_set) and topo.rank == 0:
             log.warning("no checkpoint that every rank can restore in %s%s; starting from step 0", self.run_dir,
                         f" or {self.durable.url}" if self.durable is not None else "")
+        self.last_restore = RestoreOutcome(0, None, time.perf_counter() - t0, 0, 0, tuple(skipped))
         return 0
 
     def _durable_steps(self) -> list[int]:
@@ -512,9 +551,11 @@ class Engine:
                         self.durable.url, exc)
             return []
 
-    def _fetch_round(self, step: int, need: bool) -> bool:
-        """Collective: leaders with ``need`` fetch ``step`` from the durable tier; True if all succeeded."""
+    def _fetch_round(self, step: int, need: bool) -> tuple[bool, int | None]:
+        """Collective: leaders with ``need`` fetch ``step`` from the durable tier. Returns whether every
+        fetch succeeded, and the bytes this rank's domain fetched (None when it fetched nothing)."""
         err: str | None = None
+        n: int | None = None
         if need:
             try:
                 t0 = time.perf_counter()
@@ -525,11 +566,13 @@ class Engine:
             except Exception as exc:  # every rank must learn of it, or the others hang
                 err = f"{self.topo.domain}: fetching step {step} from the durable tier failed: {exc}"
                 log.error("%s", err)
-        errors = [e for e in self.coord.all_gather(err) if e]
+                n = None
+        gathered = self.coord.all_gather((err, n))
+        errors = [e for e, _ in gathered if e]
         if errors and self.topo.rank == 0:
             for e in errors:
                 log.warning("skipping step %d: %s", step, e)
-        return not errors
+        return not errors, gathered[self.topo.domain_ranks[0]][1]
 
     def _fetch(self, step: int) -> int:
         """Leader: copy this domain's part of ``step`` from the durable tier into the local tier (verified,
@@ -681,7 +724,9 @@ class Engine:
                             f"{path}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
                         ) from exc
             buffers[rel] = (buf, end)
-        return _Loaded(planner=planner, target=target, md=md, needed=needed, buffers=buffers, decoded=decoded)
+        read = sum(info.length for reqs in needed.values() for _, info in reqs)
+        return _Loaded(planner=planner, target=target, md=md, needed=needed, buffers=buffers, decoded=decoded,
+                       bytes_read=read)
 
 
 @dataclass
@@ -694,6 +739,7 @@ class _Loaded:
     needed: dict[str, list[Any]]
     buffers: dict[str, tuple[torch.Tensor, int]]
     decoded: dict[tuple[str, int], Any] = field(default_factory=dict)
+    bytes_read: int = 0
 
     def apply(self) -> None:
         for rel, reqs in self.needed.items():
@@ -750,4 +796,4 @@ def _remove_quietly(path: str) -> None:
         log.warning("could not remove %s: %s", path, exc)
 
 
-__all__ = ["Engine", "PendingSave", "SaveOutcome", "ResilientSlurmError", "shard_filename"]
+__all__ = ["Engine", "PendingSave", "RestoreOutcome", "SaveOutcome", "ResilientSlurmError", "shard_filename"]
