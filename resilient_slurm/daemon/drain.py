@@ -149,6 +149,7 @@ class DrainResult:
     seconds: float = 0.0
     retries: int = 0
     missing_domains: list[str] = field(default_factory=list)
+    committed: bool = False  # this call wrote the durable manifest (the durable commit)
 
     @property
     def throughput(self) -> float:
@@ -214,6 +215,7 @@ class StepDrainer:
                 self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, DCP_METADATA_NAME), md)
                 self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, MANIFEST_NAME), m.to_json().encode())
         res.missing_domains = self.try_commit(ls.run_id, ls.step, m)
+        res.committed = not res.missing_domains
         res.state = "durable" if not res.missing_domains else "waiting"
         res.seconds = time.perf_counter() - t0
         return res
@@ -279,11 +281,24 @@ class StepDrainer:
         return []
 
 
+def drain_lag(local: Iterable[tuple[int, float]], durable: Iterable[int], now: float) -> tuple[float, int | None]:
+    """How far the durable tier trails one run on one node: the age of the oldest committed local step
+    newer than the newest durable step, and that step (``(0.0, None)`` when the durable tier is caught up).
+
+    ``local``: (step, created_at) of the run's committed local steps; ``durable``: its durable steps."""
+    newest = max(durable, default=-1)
+    behind = [(created, step) for step, created in local if step > newest]
+    if not behind:
+        return 0.0, None
+    created, step = min(behind)
+    return max(0.0, now - created), step
+
+
 def drain_order(steps: Iterable[LocalStep]) -> list[LocalStep]:
     """The order in which pending steps are drained: emergency checkpoints first, then newest first
     (an older step is likely to be superseded, and the newest is what a resume needs)."""
     return sorted(steps, key=lambda s: (s.manifest.reason != "emergency", -s.manifest.created_at, -s.step))
 
 
-__all__ = ["DrainPreempted", "DrainResult", "LocalStep", "StepDrainer", "drain_order", "durable_steps", "read_durable_manifest",
+__all__ = ["DrainPreempted", "DrainResult", "LocalStep", "StepDrainer", "drain_lag", "drain_order", "durable_steps", "read_durable_manifest",
            "read_manifest", "scan_local"]

@@ -12,9 +12,18 @@ what an earlier daemon killed mid-transfer left behind, then loops:
 3. apply retention on the durable tier (per ``keep_last``/``keep_every``; never the newest durable step);
 4. keep the local tier above ``local_min_free``: evict durable steps first, oldest first; then older
    non-durable ones, never the newest step that is not yet durable;
-5. write the status file (``<local root>/.rslurm/daemon.json``) that ``rslurm status`` reads.
+5. write the status file (``<local root>/.rslurm/daemon.json``) that ``rslurm status`` reads and, with
+   ``metrics_textfile`` set, the Prometheus textfile (also after every transfer, and at most every second
+   while one runs); report each run's drain lag to its event log when it changes (or every minute while
+   the durable tier trails).
 
 ``--once`` runs passes until nothing is left that this node can do, then exits.
+
+Each drain, durable commit, failure, retention deletion and eviction is appended with ``source: daemon``
+to the event log of the run concerned (``<local root>/<run_id>/events.jsonl``; docs/telemetry.md). The
+textfile's counters live in this process: they start from 0 when the daemon starts (Prometheus treats
+that as a counter reset; ``rslurm_daemon_start_time_seconds`` shows when), and a clean exit writes
+``rslurm_daemon_up 0``.
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ from ..errors import CorruptCheckpointError, ResilientSlurmError, StorageError
 from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname, tmp_dirname
 from ..storage.fileio import atomic_write, fsync_dir, remove_tree
 from ..storage.tier import StorageTier
-from .drain import DrainResult, LocalStep, StepDrainer, drain_order, durable_steps, scan_local
+from ..telemetry import DaemonMetrics, EventLog, RunGauges, check_metrics_path, write_metrics_textfile
+from .drain import DrainResult, LocalStep, StepDrainer, drain_lag, drain_order, durable_steps, scan_local
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +58,18 @@ STATUS_FILE = "daemon.json"
 # Incomplete uploads (S3 multipart, POSIX temp files) older than this belong to nobody any more.
 STALE_UPLOAD_AGE = 6 * 3600.0
 MIN_PASS_INTERVAL = 0.05
+# While the durable tier trails a run, its drain_lag event is repeated this often (and on every change).
+LAG_EVENT_EVERY = 60.0
+COUNTERS = ("rslurm_drained_bytes_total", "rslurm_drained_steps_total", "rslurm_drain_seconds_total",
+            "rslurm_drain_retries_total", "rslurm_drain_failures_total", "rslurm_durable_commits_total",
+            "rslurm_local_evicted_steps_total")
+
+
+class _FromSettings:
+    """Default of ``Daemon(metrics_textfile=...)``: the ``metrics_textfile`` setting."""
+
+
+FROM_SETTINGS = _FromSettings()
 
 
 class DaemonRunningError(ResilientSlurmError):
@@ -108,7 +130,11 @@ class Daemon:
 
     def __init__(self, root: str, tier: StorageTier, *, node: str, retention: RetentionPolicy,
                  run_ids: Iterable[str] | None = None, min_free: str = "10%", poll_interval: float = 5.0,
-                 clock: Callable[[], float] = time.time, ignore_signals: Iterable[int] = ()) -> None:
+                 clock: Callable[[], float] = time.time, ignore_signals: Iterable[int] = (),
+                 metrics_textfile: str | None | _FromSettings = FROM_SETTINGS) -> None:
+        """``metrics_textfile``: the Prometheus textfile to write (None: none); by default the
+        ``metrics_textfile`` setting from the environment or the config file. A path that node_exporter
+        would not read (not ``*.prom``, no such directory) is a :class:`ConfigError`."""
         self.root = root
         self.ignore_signals = set(ignore_signals)
         self.tier = tier
@@ -129,6 +155,21 @@ class Daemon:
         self._invalid_paths: set[str] = set()  # committed-looking steps whose manifest is unreadable
         self.drained: list[DrainResult] = []
         self.started_at = clock()
+        if isinstance(metrics_textfile, _FromSettings):
+            from ..config import resolve
+
+            metrics_textfile = resolve(["metrics_textfile"], {})["metrics_textfile"]
+        assert not isinstance(metrics_textfile, _FromSettings)
+        self.metrics_textfile = check_metrics_path(metrics_textfile) if metrics_textfile else None
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+        self._throughput = 0.0
+        self._up = True
+        self._runs: list[str] = []  # runs of the last scan: the per-run gauges
+        self._pending_keys: set[tuple[str, int]] = set()  # steps this node still has to send
+        self._logs: dict[str, EventLog] = {}
+        self._lag_reported: dict[str, tuple[int | None, float]] = {}  # run -> (oldest step behind, when)
+        self._publish_lock = threading.Lock()
+        self._metrics_warned = False
 
     # ------------------------------------------------------------------ lifecycle
     def acquire(self) -> None:
@@ -195,6 +236,7 @@ class Daemon:
                 logging.getLogger("watchdog.observers.inotify").setLevel(logging.CRITICAL)
                 observer.stop()
                 observer.join(timeout=5)
+            self._up = False
             self._write_status(force=True)
             self.release()
 
@@ -265,6 +307,9 @@ class Daemon:
         present = {(x.run_id, x.step) for x in steps}
         for key in [k for k in self._status if k not in present]:
             del self._status[key]
+        self._runs = runs
+        self._pending_keys = {(x.run_id, x.step) for x in pending}
+        self._report_lag()  # what this pass found: new commits behind the durable tier
         failed = any(st.state == "failed" for st in self._status.values()) or bool(self._invalid_paths)
         busy = False
         for i, ls in enumerate(drain_order(pending)):
@@ -288,6 +333,7 @@ class Daemon:
         for run in runs:
             self._apply_durable_retention(run)
         self._evict_if_needed(steps)
+        self._report_lag()  # and what it left
         self._write_status(force=True)
         return busy and not self.stop_requested.is_set(), failed
 
@@ -309,16 +355,36 @@ class Daemon:
             log.error("not draining %s: %s (run `rslurm verify` on it)", path, reason)
         self._invalid_paths.add(path)
 
+    def _events(self, run: str) -> EventLog:
+        ev = self._logs.get(run)
+        if ev is None:
+            ev = self._logs[run] = EventLog(self.root, run, source="daemon", node=self.node, keep_open=False,
+                                            clock=self.clock)
+        return ev
+
     def _drain_one(self, ls: LocalStep) -> DrainResult | None:
         st = self._step_status(ls)
+        # A step whose shards of this node are durable already is only re-checked for the durable commit:
+        # no drain events for that, every pass.
+        recheck = st.state == "waiting"
         st.state, st.error = "draining", None
         self._current = {"run_id": ls.run_id, "step": ls.step, "bytes_total": ls.local_bytes, "bytes_done": 0,
                          "started_at": self.clock()}
+        events = self._events(ls.run_id)
+        if not recheck:
+            events.emit("drain_started", step=ls.step, reason=ls.manifest.reason, bytes=ls.local_bytes)
         self._write_status(force=True)
+        last_report = [time.monotonic()]
 
         def progress(n: int) -> None:
-            if self._current is not None:
-                self._current["bytes_done"] += n
+            cur = self._current
+            if cur is not None:
+                cur["bytes_done"] += n
+                now = time.monotonic()
+                if now - last_report[0] >= self.poll_interval:
+                    last_report[0] = now
+                    events.emit("drain_progress", step=ls.step, bytes_done=cur["bytes_done"],
+                                bytes_total=cur["bytes_total"])
             self._write_status()
 
         def should_yield(cur: LocalStep) -> bool:
@@ -345,16 +411,31 @@ class Daemon:
             log.error("run %s step %d cannot be drained: %s", ls.run_id, ls.step, exc)
             st.state, st.error = "failed", str(exc)
             self._failures[ls.manifest.save_id] = 3  # corrupt data does not heal by retrying
+            self._failed(ls, str(exc), 1, retry=False)
             return None
         except (ResilientSlurmError, OSError) as exc:
             n = self._failures.get(ls.manifest.save_id, 0) + 1
             self._failures[ls.manifest.save_id] = n
             log.error("draining run %s step %d failed (attempt %d of 3): %s", ls.run_id, ls.step, n, exc)
             st.state, st.error = ("failed" if n >= 3 else "local"), str(exc)
+            self._failed(ls, str(exc), n, retry=n < 3)
             return None
         finally:
             self._current = None
         st.retries += result.retries
+        self.counters["rslurm_drain_retries_total"] += result.retries
+        self.counters["rslurm_drain_seconds_total"] += result.seconds
+        if result.bytes_sent:
+            self.counters["rslurm_drained_bytes_total"] += result.bytes_sent
+            self._throughput = result.throughput
+        if result.state in ("durable", "waiting") and not recheck:
+            self.counters["rslurm_drained_steps_total"] += 1
+            events.emit("drained", step=ls.step, state=result.state, bytes=result.bytes_sent,
+                        reused_bytes=result.bytes_reused, seconds=result.seconds,
+                        throughput_bytes_s=result.throughput, retries=result.retries)
+        if result.committed:
+            self.counters["rslurm_durable_commits_total"] += 1
+            events.emit("durable_commit", step=ls.step, since_created_s=self.clock() - ls.manifest.created_at)
         if result.state == "preempted":
             st.state = "local"
             log.info("run %s step %d: paused for a more urgent step", ls.run_id, ls.step)
@@ -381,6 +462,10 @@ class Daemon:
         self.drained.append(result)
         return result
 
+    def _failed(self, ls: LocalStep, error: str, attempt: int, *, retry: bool) -> None:
+        self.counters["rslurm_drain_failures_total"] += 1
+        self._events(ls.run_id).emit("drain_failed", step=ls.step, error=error, attempt=attempt, will_retry=retry)
+
     # ------------------------------------------------------------------ cleanup, retention, eviction
     def _cleanup_incomplete(self) -> None:
         steps = scan_local(self.root, self.run_ids)
@@ -397,6 +482,7 @@ class Daemon:
 
     def _apply_durable_retention(self, run: str) -> None:
         steps = self._durable.get(run, [])
+        deleted = []
         for s in self.retention.deletable(steps):
             prefix = durable_step_key(run, s)
             try:
@@ -407,6 +493,9 @@ class Daemon:
                 log.warning("retention on %s: cannot remove run %s step %d: %s", self.tier.url, run, s, exc)
                 continue
             self._durable[run] = [x for x in self._durable[run] if x != s]
+            deleted.append(s)
+        if deleted:
+            self._events(run).emit("retention_deleted", tier="durable", steps=deleted)
 
     def _evict_if_needed(self, steps: list[LocalStep]) -> None:
         try:
@@ -467,29 +556,97 @@ class Daemon:
         log.warning("local tier below local_min_free=%s: evicted run %s step %d (%s)", self.min_free, s.run_id,
                     s.step, "durable" if durable else "older than the newest step, not durable")
         self._status.pop((s.run_id, s.step), None)
+        self.counters["rslurm_local_evicted_steps_total"] += 1
+        self._events(s.run_id).emit("evicted", step=s.step, durable=durable, bytes=s.local_bytes,
+                                    free_bytes=self._free_bytes())
         return True
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
         """The status document (also written to :func:`status_path`)."""
         now = self.clock()
-        pending = [st for st in self._status.values() if st.state not in ("durable",)]
-        lag = max((now - st.created_at for st in pending), default=0.0)
+        lag = max((self._lag(run, now)[0] for run in self._runs), default=0.0)
         return {
             "version": 1, "node": self.node, "pid": os.getpid(), "local_root": self.root, "durable": self.tier.url,
             "started_at": self.started_at, "updated_at": now, "drain_lag_s": lag, "current": self._current,
             "steps": [vars(st) for st in sorted(self._status.values(), key=lambda x: (x.run_id, x.step))],
         }
 
+    def _lag(self, run: str, now: float) -> tuple[float, int | None]:
+        local = [(st.step, st.created_at) for st in list(self._status.values()) if st.run_id == run]
+        return drain_lag(local, self._durable.get(run, ()), now)
+
+    def _report_lag(self) -> None:
+        """A ``drain_lag`` event per run when the oldest step behind changed, else every LAG_EVENT_EVERY
+        seconds while the durable tier trails."""
+        now = self.clock()
+        for run in self._runs:
+            if not any(k[0] == run for k in self._status):
+                continue  # nothing of this run on this node (any more)
+            seconds, oldest = self._lag(run, now)
+            last = self._lag_reported.get(run)
+            if last is not None and last[0] == oldest and (oldest is None or now - last[1] < LAG_EVENT_EVERY):
+                continue
+            self._lag_reported[run] = (oldest, now)
+            newest = max(self._durable.get(run, ()), default=-1)
+            behind = sum(1 for (r, step) in self._status if r == run and step > newest)
+            self._events(run).emit("drain_lag", seconds=seconds, oldest_step=oldest, steps_behind=behind)
+
+    def _free_bytes(self) -> int | None:
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+    def metrics(self) -> DaemonMetrics:
+        """A snapshot of what the Prometheus textfile shows."""
+        now = self.clock()
+        runs = {}
+        statuses = list(self._status.values())
+        for run in self._runs:
+            mine = [st for st in statuses if st.run_id == run]
+            pending = sum(1 for st in mine if st.state == "draining"
+                          or (st.state == "local" and (run, st.step) in self._pending_keys))
+            runs[run] = RunGauges(drain_lag_seconds=self._lag(run, now)[0],
+                                  local_newest_step=max((st.step for st in mine), default=-1),
+                                  durable_newest_step=max(self._durable.get(run, ()), default=-1),
+                                  steps_pending_drain=pending)
+        try:
+            min_free: int | None = min_free_bytes(self.min_free, self.root)
+        except (OSError, ValueError):
+            min_free = None
+        return DaemonMetrics(node=self.node, local_root=self.root, up=self._up, start_time=self.started_at, updated_at=now,
+                             counters=dict(self.counters), throughput=self._throughput,
+                             local_free_bytes=self._free_bytes(), local_min_free_bytes=min_free, runs=runs)
+
     def _write_status(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_status_write < 1.0:
             return
-        self._last_status_write = now
+        # Transfers report progress from the tier's threads: one writer at a time, and none waits.
+        if not self._publish_lock.acquire(blocking=force):
+            return
         try:
-            atomic_write(status_path(self.root), json.dumps(self.status(), indent=1).encode())
-        except (OSError, ResilientSlurmError) as exc:
-            log.warning("cannot write the daemon status: %s", exc)
+            self._last_status_write = now
+            try:
+                atomic_write(status_path(self.root), json.dumps(self.status(), indent=1).encode())
+            except (OSError, ResilientSlurmError) as exc:
+                log.warning("cannot write the daemon status: %s", exc)
+            if self.metrics_textfile:
+                self._write_metrics(self.metrics_textfile)
+        finally:
+            self._publish_lock.release()
+
+    def _write_metrics(self, path: str) -> None:
+        try:
+            write_metrics_textfile(path, self.metrics())
+        except (OSError, ValueError) as exc:
+            (log.debug if self._metrics_warned else log.warning)("cannot write the metrics textfile %s: %s",
+                                                                  path, exc)
+            self._metrics_warned = True
+        else:
+            self._metrics_warned = False
 
 
 def read_status(root: str) -> dict[str, Any] | None:

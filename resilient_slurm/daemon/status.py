@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import ResilientSlurmError
 from ..manifest import DOMAINS_DIR, is_tmp_dirname, parse_step_dirname
-from .drain import durable_steps, scan_local
+from .drain import drain_lag, durable_steps, scan_local
 from .service import daemon_running, read_status
 
 
@@ -110,11 +110,9 @@ def collect_status(root: str, cfg: Mapping[str, Any], *, run_id: str | None = No
                         r["error"] = d["error"]
                     if d.get("throughput"):
                         r["drain_mib_s"] = round(d["throughput"] / 2**20, 1)
-            newest_durable = max(durable, default=-1)
-            behind = [r["created_at"] for r in by_step.values()
-                      if r["local"] == "committed" and r["step"] > newest_durable and r["created_at"]]
             if tier is not None:
-                lags[run] = max(0.0, now - min(behind)) if behind else 0.0
+                lags[run] = drain_lag([(r["step"], r["created_at"]) for r in by_step.values()
+                                       if r["local"] == "committed" and r["created_at"]], durable, now)[0]
             rows.extend(by_step[s] for s in sorted(by_step))
     finally:
         if tier is not None:
