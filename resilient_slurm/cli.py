@@ -207,15 +207,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         con.print(f"durable tier {doc['durable'] or '(not set: --durable / RSLURM_DURABLE)'}", markup=False,
                   highlight=False)
     has_durable = bool(doc["durable"])
+    notes = ["; ".join(n for n in ((r["local"] or {}).get("why"), (r["durable"] or {}).get("why")) if n)
+             for r in rows]
     cols = ["RUN", "STEP", "REASON", "SIZE", "RANKS"] + (["LOCAL"] if args.tier != "durable" else []) + (
-        ["DURABLE"] if has_durable else []) + ["AGE", "NOTE"]
+        ["DURABLE"] if has_durable else []) + ["AGE"] + (["NOTE"] if any(notes) else [])
     table_rows = []
-    for r in rows:
-        notes = [n for n in ((r["local"] or {}).get("why"), (r["durable"] or {}).get("why")) if n]
+    for r, note in zip(rows, notes):
         table_rows.append([r["run_id"], r["step"], r["reason"], _size(r["bytes"]), r["world_size"]]
                           + ([_local_cell(r)] if args.tier != "durable" else [])
                           + ([_durable_cell(r)] if has_durable else [])
-                          + [_age(r["age_s"]), "; ".join(notes) or ""])
+                          + [_age(r["age_s"])] + ([note] if any(notes) else []))
     if table_rows:
         con.print(_table(cols, table_rows, right=("STEP", "SIZE", "RANKS", "AGE")))
     else:
@@ -320,7 +321,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if r.ok and not r.files_checked:
                 status = "SKIPPED"
             label = f"run {r.run_id} step {r.step}  {r.tier}" + (f" {r.domain}" if r.domain else "")
-            print(f"{status:<8} {label}  {r.where}  ({_size(r.bytes_checked)} in {r.files_checked} files)")
+            files = f"{r.files_checked} file" + ("s" if r.files_checked != 1 else "")
+            print(f"{status:<8} {label}  {r.where}  ({_size(r.bytes_checked)} in {files})")
             for f in r.faults:
                 print(f"         {f}")
             for n in r.notes:
@@ -391,8 +393,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res.to_json(), indent=1))
     else:
+        keys = f"{len(res.keys)} key" + ("s" if len(res.keys) != 1 else "")
         print(f"exported run {res.run_id} step {res.step} from the {res.tier} tier to {res.out} ({res.format}): "
-              f"{len(res.keys)} keys, {_size(res.bytes_read)} read from {len(res.files)} files, checksums verified")
+              f"{keys}, {_size(res.bytes_read)} read from {len(res.files)} files, checksums verified")
     return 0
 
 

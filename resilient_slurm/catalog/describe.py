@@ -14,11 +14,9 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..checkpoint.state import RNG_KEY
-from ..errors import ResilientSlurmError
 from ..storage.fileio import checksum
 from .source import StepSource
 
@@ -135,9 +133,4 @@ def describe(src: StepSource) -> dict[str, Any]:
     }
 
 
-def sorted_domains(domains: Mapping[str, Sequence[int]]) -> list[str]:
-    """Domains in rank order (for printing)."""
-    return sorted(domains, key=lambda d: min(domains[d]) if domains[d] else 1 << 30)
-
-
-__all__ = ["ResilientSlurmError", "describe", "sorted_domains"]
+__all__ = ["describe"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import glob
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -39,7 +39,6 @@ from ..errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     ObjectNotFoundError,
-    ResilientSlurmError,
     StorageError,
 )
 from ..manifest import (
@@ -53,7 +52,6 @@ from ..manifest import (
 from ..paths import default_run_id, expand_local_dir
 from ..storage.tier import StorageTier
 
-TIERS = ("local", "durable")
 # Temp directories that are deletions under way (retention, eviction, a replaced copy), not saves.
 DELETION_MARKS = ("-gc-", "-evict-", "replaced-")
 
@@ -149,7 +147,10 @@ class StepView:
     def local_state(self) -> tuple[str, str | None]:
         """(state, why) in the local tier (see the module docstring)."""
         if not self.local:
-            return ("in_progress", f"{len(self.in_progress)} temp directories") if self.in_progress else ("absent", None)
+            if not self.in_progress:
+                return "absent", None
+            n = len(self.in_progress)
+            return "in_progress", f"{n} temp director{'y' if n == 1 else 'ies'}: a save in progress, or abandoned"
         bad = [c for c in self.local if c.manifest is None]
         if bad:
             return "invalid", "; ".join(f"{c.path}: {c.problem}" for c in bad)
@@ -416,10 +417,4 @@ def read_durable_copy(tier: StorageTier, run: str, step: int) -> DurableCopy:
     return DurableCopy("durable", where, m, markers=sorted(m.nodes), domains=len(m.nodes))
 
 
-def select_steps(views: Iterable[StepView], step: int | None) -> list[StepView]:
-    """``views`` restricted to ``step`` when given."""
-    return [v for v in views if step is None or v.step == step]
-
-
-__all__ = ["Catalog", "DurableCopy", "LocalCopy", "ResilientSlurmError", "StepView", "TIERS", "local_roots",
-           "read_durable_copy", "select_steps"]
+__all__ = ["Catalog", "DurableCopy", "LocalCopy", "StepView", "local_roots", "read_durable_copy"]
