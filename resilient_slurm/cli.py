@@ -103,16 +103,16 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return config.resolve(INSPECT_SETTINGS, given, config_path=args.config)
 
 
-def _open_catalog(args: argparse.Namespace, *, durable: bool = True) -> tuple[Catalog, dict[str, Any]]:
+def _open_catalog(args: argparse.Namespace, *, durable: bool) -> tuple[Catalog, dict[str, Any]]:
+    """The catalog of the command's tiers; ``durable`` False leaves the durable tier closed (not read)."""
     from .catalog import Catalog
 
     cfg = _settings(args)
-    tier = getattr(args, "tier", "auto")
-    if tier == "durable" and not cfg["durable"]:
+    if args.tier == "durable" and not cfg["durable"]:
         raise ConfigError("--tier durable: no durable tier; give --durable URL or set RSLURM_DURABLE")
     template = cfg["local_dir"] or default_local_dir()
     node = node_name(cfg["node_name"])
-    if not durable or tier == "local":
+    if not durable:
         return Catalog(template, node, None), cfg
     return Catalog.open(cfg, local_template=template, node=node), cfg
 
@@ -242,9 +242,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     from .catalog.describe import describe
     from .catalog.source import open_source
 
-    catalog, cfg = _open_catalog(args)
+    catalog, cfg = _open_catalog(args, durable=args.tier != "local")
     with catalog:
         view = _pick_step(catalog, args, cfg)
+        if view.manifest is None:
+            lstate, lwhy = view.local_state
+            dstate, dwhy = view.durable_state
+            raise CorruptCheckpointError(
+                f"run {view.run_id} step {view.step} has no readable manifest: local tier {lstate}"
+                + (f" ({lwhy})" if lwhy else "") + (f"; durable tier {dstate}" + (f" ({dwhy})" if dwhy else "")
+                                                    if dstate else "") + f". Run `rslurm verify {view.step}`")
         try:
             tier = catalog.choose_tier(view, args.tier)
         except ConfigError:
@@ -296,7 +303,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """``rslurm verify [STEP]``: full checksum verification; exit 1 on any fault."""
     from .catalog.checks import verify_view
 
-    catalog, cfg = _open_catalog(args)
+    catalog, cfg = _open_catalog(args, durable=args.tier != "local")
     progress = _progress(args)
     reports: list[StepReport] = []
     with catalog:
@@ -340,7 +347,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .catalog.gc import plan_gc, run_gc
     from .checkpoint.policy import RetentionPolicy
 
-    catalog, cfg = _open_catalog(args, durable=args.tier != "local")
+    # Even for --tier local: which local steps are durable decides what may go.
+    catalog, cfg = _open_catalog(args, durable=True)
     policy = RetentionPolicy(cfg["keep_last"], cfg["keep_every"])
     tiers = ("local", "durable") if args.tier == "all" else (args.tier,)
     with catalog:
@@ -378,7 +386,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.only and args.format != "torch":
         raise ConfigError("--only works with --format torch (a DCP export copies the whole step)")
     out = check_out(args.out, force=args.force, fmt=args.format)
-    catalog, cfg = _open_catalog(args)
+    catalog, cfg = _open_catalog(args, durable=args.tier != "local")
     with catalog:
         run = catalog.resolve_run(args.run_id or cfg["run_id"])
         view = catalog.step(run, args.step)

@@ -285,7 +285,8 @@ def test_verify_names_every_damaged_file(tiers: Tiers, tmp_path: Path) -> None:
     rows = {r["step"]: r for r in ok_json(tiers.rslurm("ls", "--json"))["steps"]}
     if tiers.kind == "local":
         assert rows[9]["local"]["state"] == "invalid" and "JSON" in rows[9]["local"]["why"]
-        assert rows[12]["local"]["state"] == "invalid" and "no manifest.json" in rows[12]["local"]["why"]
+        assert rows[12]["local"]["state"] == "invalid"
+        assert f"{tiers.shown(tiers.marker(12, 'n2'))}: missing" in rows[12]["local"]["why"]
     else:
         assert rows[9]["durable"]["state"] == "invalid" and "JSON" in rows[9]["durable"]["why"]
         assert rows[12]["durable"]["state"] == "durable"  # committed; its missing marker is verify's finding
@@ -296,6 +297,11 @@ def test_verify_names_every_damaged_file(tiers: Tiers, tmp_path: Path) -> None:
     out.mkdir()
     bad = tiers.rslurm("export", "3", "--format", "torch", str(out / "s3.pt"))
     assert bad.returncode == 1 and tiers.shown(tiers.shard(3, 1)) in bad.stderr, bad.stderr
+    bad = tiers.rslurm("export", "9", "--format", "torch", str(out / "s9.pt"))
+    assert bad.returncode == 1 and tiers.shown(tiers.manifest(9)) in bad.stderr, bad.stderr
+    if tiers.kind == "local":
+        bad = tiers.rslurm("show", "9")
+        assert bad.returncode == 1 and tiers.shown(tiers.manifest(9)) in bad.stderr, bad.stderr
     if tiers.kind == "s3":  # a DCP export downloads each shard into its temp directory, checked on arrival
         bad = tiers.rslurm("export", "6", "--format", "dcp", str(out / "s6"))
         assert bad.returncode == 1 and tiers.shown(tiers.shard(6, 0)) in bad.stderr, bad.stderr

@@ -81,7 +81,7 @@ class LocalCopy:
     root: str
     path: str
     manifest: Manifest | None
-    problem: str | None = None  # why the copy is not valid
+    problem: str | None = None  # why the copy is not valid (names the file)
 
     @property
     def domain(self) -> str | None:
@@ -153,7 +153,7 @@ class StepView:
             return "in_progress", f"{n} temp director{'y' if n == 1 else 'ies'}: a save in progress, or abandoned"
         bad = [c for c in self.local if c.manifest is None]
         if bad:
-            return "invalid", "; ".join(f"{c.path}: {c.problem}" for c in bad)
+            return "invalid", "; ".join(str(c.problem) for c in bad)
         saves = {c.manifest.save_id for c in self.valid_local if c.manifest}
         if len(saves) > 1:
             return "invalid", "domains hold different saves of this step: " + ", ".join(
@@ -348,8 +348,9 @@ class Catalog:
 
     def choose_tier(self, view: StepView, tier: str = "auto") -> str:
         """The tier to read a whole step from: ``local`` when every domain's copy is here, else
-        ``durable`` when it is committed there. An explicit ``tier`` is checked. Raises ConfigError
-        saying why the step cannot be read as a whole."""
+        ``durable`` when it is committed there. An explicit ``tier`` is checked. Raises
+        CorruptCheckpointError when the copies that would be read are damaged, ConfigError when the step
+        is not whole in the tiers asked for (domains on other nodes, not drained, not configured)."""
         lstate, lwhy = view.local_state
         dstate, dwhy = view.durable_state
         if tier in ("auto", "local") and lstate == "complete":
@@ -360,6 +361,10 @@ class Catalog:
         local_desc = f"local tier: {lstate}" + (f" ({lwhy})" if lwhy else "")
         durable_desc = ("durable tier: not configured (--durable / RSLURM_DURABLE)" if dstate is None
                         else f"durable tier: {dstate}" + (f" ({dwhy})" if dwhy else ""))
+        if (tier != "durable" and lstate == "invalid") or (tier != "local" and dstate == "invalid"):
+            # A damaged copy is a fault in the data, not in how the command was called.
+            raise CorruptCheckpointError(f"{what} cannot be read: {local_desc}; {durable_desc}. Run `rslurm verify "
+                                         f"{view.step}` for every fault")
         if tier == "local":
             raise ConfigError(f"{what} is not complete in the local tier: {local_desc}")
         if tier == "durable":
@@ -379,13 +384,14 @@ def _read_local_copy(root: str, path: str, run: str, step: int) -> LocalCopy | N
     except FileNotFoundError:
         if not os.path.isdir(path):
             return None  # deleted (retention, eviction) while we listed
-        return LocalCopy(root, path, None, "no manifest.json: not committed (a step directory always has one)")
+        return LocalCopy(root, path, None, f"{mpath}: missing, so this copy is not committed (a step directory "
+                                           "always has one)")
     except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
-        return LocalCopy(root, path, None, str(exc).removeprefix(f"{mpath}: "))
+        return LocalCopy(root, path, None, str(exc))
     except OSError as exc:
-        return LocalCopy(root, path, None, f"manifest.json cannot be read: {exc.strerror}")
+        return LocalCopy(root, path, None, f"{mpath}: cannot be read: {exc.strerror}")
     if m.run_id != run or m.step != step:
-        return LocalCopy(root, path, None, f"manifest.json says run {m.run_id!r} step {m.step}")
+        return LocalCopy(root, path, None, f"{mpath}: says run {m.run_id!r} step {m.step}")
     return LocalCopy(root, path, m)
 
 

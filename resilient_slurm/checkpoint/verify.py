@@ -173,18 +173,16 @@ def item_names_by_file(md: Metadata) -> dict[str, dict[int, str]]:
     return out
 
 
-def check_metadata_ranges(md: Metadata, shards: Mapping[str, ShardEntry], *, where: str,
-                          files_here: set[str] | None = None) -> list[Fault]:
-    """Every item the DCP metadata maps into a file of the step lies in a byte range the manifest has a
-    checksum for. ``files_here`` limits the check to the files of one domain (others' files are only
-    required to be in the manifest)."""
+def check_metadata_ranges(md: Metadata, shards: Mapping[str, ShardEntry], *, where: str) -> list[Fault]:
+    """Every item the DCP metadata maps into a file of the step (any domain's: the manifest lists every
+    rank's shard) lies in a byte range the manifest has a checksum for."""
     faults = []
     chunks = {(p, c.offset): c.length for p, s in shards.items() for c in s.chunks}
     for idx, info in (md.storage_data or {}).items():
         rel = info.relative_path
         if rel not in shards:
             faults.append(Fault(where, f"item {idx.fqn!r} is stored in {rel}, a file the manifest does not list"))
-        elif (files_here is None or rel in files_here) and chunks.get((rel, info.offset)) != info.length:
+        elif chunks.get((rel, info.offset)) != info.length:
             faults.append(Fault(where, f"item {idx.fqn!r} maps to {rel} bytes {info.offset}+{info.length}, a range "
                                        "the manifest has no checksum for", shards[rel].rank))
     return faults
@@ -239,7 +237,7 @@ def verify_step_dir(step_dir: str, *, run_id: str | None = None, step: int | Non
         with open(mdpath, "rb") as f:
             md = _load_md(f.read(), m.dcp_metadata, mdpath, rep)
         if md is not None:
-            rep.faults += check_metadata_ranges(md, by_path, where=mdpath, files_here={s.path for s in mine})
+            rep.faults += check_metadata_ranges(md, by_path, where=mdpath)
             names = item_names_by_file(md)
     except FileNotFoundError:
         rep.faults.append(Fault(mdpath, "missing", kind=MISSING))
