@@ -32,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import assert_same, clean_env, run_ranks
 from s3_support import MotoServer
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from resilient_slurm.manifest import Manifest
 
@@ -343,6 +344,10 @@ def test_export_matches_the_training_state(tiers: Tiers, trained: Path, tmp_path
     assert_same(target["optimizer"]["state"], ref[0]["optimizer"]["state"], "dcp optimizer")
     assert target["progress"] == ref[0]["progress"]
     assert torch.equal(target["_rslurm_rng"]["rank1"]["torch_cpu"], ref[1]["rng"])
+
+    # DCP's own converter (which unpickles without restriction, so rslurm does not use it) agrees.
+    dcp_to_torch_save(d, tmp_path / "by_dcp.pt")
+    assert_same(torch.load(tmp_path / "by_dcp.pt", weights_only=True), sd, "dcp_to_torch_save")
 
     again = tiers.rslurm("export", "12", "--format", "dcp", str(d))
     assert again.returncode == 2 and "--force" in again.stderr, again.stderr
