@@ -26,9 +26,10 @@ python -m ...``); the demo sends the training job's batch shell USR1 (``scancel 
 what ``--signal`` delivers before the time limit), the launcher saves and requeues the job, Slurm
 starts it again and it resumes. Without a cluster that answers, it says so and exits 2.
 
-Evidence comes from the checkpoint manifests (``<run>/nvme/<node>/tiny-lm/step_*/manifest.json``) and
-the program's own step logs (``<run>/log.<rank>.jsonl``), not from launcher internals. Exit status: 0
-identical, 1 different (or a run failed), 2 the demo cannot run here.
+Evidence comes from the checkpoint manifests (``<run>/nvme/<node>/tiny-lm/step_*/manifest.json``; the
+one committed at the stop is copied to ``<run>/stop-checkpoint.<node>.manifest.json`` before retention
+removes it) and the program's own step logs (``<run>/log.<rank>.jsonl``), not from launcher internals.
+Exit status: 0 identical, 1 different (or a run failed), 2 the demo cannot run here.
 """
 
 from __future__ import annotations
@@ -172,8 +173,10 @@ def _describe_checkpoint(run: Run, step: int) -> Manifest:
     per_rank = ", ".join(f"rank {s.rank} {_kib(s.size)}" for s in sorted(m.shards, key=lambda s: s.rank))
     _say(f"      checkpoint of step {m.step}: reason {m.reason}, {len(m.shards)} shard(s) ({per_rank}), "
          f"{_kib(m.total_bytes)} in all, {m.shards[0].algorithm} checksums, world size {m.world_size}")
-    for p, _ in ms:
+    for p, mp in ms:
         _say(f"        {p.relative_to(run.root.parent)}")
+        # Retention (keep_last) deletes this step once newer ones commit: keep the evidence.
+        shutil.copyfile(p, run.root / f"stop-checkpoint.{mp.node}.manifest.json")
     return m
 
 
