@@ -68,3 +68,15 @@ def test_cli_and_launcher_do_not_import_torch() -> None:
     code = ("import sys, resilient_slurm.cli, resilient_slurm.launcher.launch, resilient_slurm.control; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=clean_env())
+
+
+def test_ls_and_gc_do_not_import_torch(tmp_path: Path) -> None:
+    """`rslurm ls` and `rslurm gc` read manifests only: they stay fast on a login node."""
+    _make(tmp_path)
+    code = ("import sys, io, contextlib; from resilient_slurm import cli\n"
+            "for argv in (['ls', '--json'], ['gc', '--dry-run', '--json']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "        assert cli.main([*argv, '--local-dir', sys.argv[1]]) == 0\n"
+            "    assert '\"step\": 2' in out.getvalue() or argv[0] == 'gc', out.getvalue()\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60, env=clean_env())

@@ -469,8 +469,7 @@ def test_both_tiers_partial_steps_and_the_undrained_step(trained: Path, posix_pr
     assert [(x["tier"], x["domain"], x["ok"]) for x in both["reports"]] == [("local", "n1", True),
                                                                           ("durable", None, True)]
     assert "n2" in both["reports"][0]["notes"][0]
-    assert ok_json(t.rslurm("show", "12", "--json"))["tier"] == "durable"
-    assert ok_json(t.rslurm("show", "9", "--json"))["tier"] == "local"
+    assert ok_json(t.rslurm("show", "12", "--json"))["tier"] == "durable"  # (complete steps: local, test_ls_and_show)
 
     # Step 9 is committed locally but not durable (its durable manifest is gone): gc keeps it, the newest
     # such step, although keep_last=1 would not; the durable tier keeps its uncommitted step 9 (recent).

@@ -138,26 +138,39 @@ def check_file(path: str, entry: ShardEntry, *, where: str | None = None, whole_
         ok = checksum(b"") == entry.checksum
         return ([] if ok else [Fault(where, "whole-file checksum mismatch", entry.rank)]), 0
     faults: list[Fault] = []
+    h = xxhash.xxh3_64()
+
+    def whole(view: memoryview, start: int, end: int) -> None:
+        for off in range(start, end, PIECE):
+            h.update(view[off : min(off + PIECE, end)])
+            if progress is not None:
+                progress(min(PIECE, end - off))
+
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            if hasattr(mmap, "MADV_SEQUENTIAL"):
+                mm.madvise(mmap.MADV_SEQUENTIAL)
             view = memoryview(mm)
             try:
-                if whole_file:
-                    h = xxhash.xxh3_64()
-                    for off in range(0, size, PIECE):
-                        h.update(view[off : off + PIECE])
-                        if progress is not None:
-                            progress(min(PIECE, size - off))
-                    if h.hexdigest() != entry.checksum:
-                        faults.append(Fault(where, f"whole-file checksum mismatch (xxh3 {h.hexdigest()}, the "
-                                                   f"manifest says {entry.checksum}): the file is corrupt", entry.rank))
-                for c in entry.chunks:
+                # One pass in file order: each item is hashed, then fed to the whole-file hash while its
+                # pages are still cached, so every byte is read from storage once.
+                pos = 0
+                for c in sorted(entry.chunks, key=lambda c: c.offset):
                     name = (item_names or {}).get(c.offset)
                     what = f"item {name!r} (bytes {c.offset}+{c.length})" if name else f"the item at bytes {c.offset}+{c.length}"
                     if c.offset + c.length > size:
                         faults.append(Fault(where, f"{what} lies beyond the end of the file", entry.rank))
-                    elif checksum(view[c.offset : c.offset + c.length]) != c.checksum:
+                        continue
+                    if checksum(view[c.offset : c.offset + c.length]) != c.checksum:
                         faults.append(Fault(where, f"checksum mismatch in {what}", entry.rank))
+                    if whole_file and c.offset >= pos:
+                        whole(view, pos, c.offset + c.length)
+                        pos = c.offset + c.length
+                if whole_file:
+                    whole(view, pos, size)
+                    if h.hexdigest() != entry.checksum:
+                        faults.insert(0, Fault(where, f"whole-file checksum mismatch (xxh3 {h.hexdigest()}, the "
+                                                      f"manifest says {entry.checksum}): the file is corrupt", entry.rank))
             finally:
                 view.release()
     except OSError as exc:
