@@ -176,7 +176,7 @@ def _durable_cell(row: dict[str, Any]) -> str:
     d = row["durable"]
     if d["state"] == "partial":
         return f"partial {len(d['markers'])}/{d['domains'] or '?'}"
-    return {"invalid": "INVALID", "absent": "-"}.get(d["state"], d["state"])
+    return {"invalid": "INVALID", "absent": "-", "unknown": "?"}.get(d["state"], d["state"])
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ import pytest
 import s3_support
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_same, clean_env, run_ranks
+from conftest import assert_same, clean_env, free_port, run_ranks
 from s3_support import MotoServer
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -481,6 +481,18 @@ def test_both_tiers_partial_steps_and_the_undrained_step(trained: Path, posix_pr
     ok_json(t.rslurm("gc", "--keep-last", "1", "--json"))
     assert sorted(p.name for p in (t.nvme / "n1" / RUN).glob("step_*")) == [sdir(9), sdir(12), f"{sdir(15)}.tmp-abc"]
     assert sorted(p.name for p in (t.lustre / RUN).glob("step_*")) == [sdir(9), sdir(12)]  # type: ignore[operator]
+
+
+def test_ls_lists_the_local_tier_when_the_durable_tier_is_unreachable(trained: Path) -> None:
+    t = Tiers("local", trained / "nvme")
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    r = t.rslurm("ls", "--json", "--durable", "s3://bucket/ckpt", "--s3-endpoint-url", dead, "--s3-max-attempts", "1",
+                 **s3_support.FAKE_ENV)
+    assert r.returncode == 2, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["errors"] and all(dead in e for e in doc["errors"]), doc["errors"]
+    assert [(x["step"], x["local"]["state"], x["durable"]["state"]) for x in doc["steps"]] == [
+        (s, "complete", "unknown") for s in STEPS]
 
 
 def test_verify_shows_progress_on_a_terminal_and_not_with_json(trained: Path, tmp_path: Path) -> None:

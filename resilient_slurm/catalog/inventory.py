@@ -20,7 +20,8 @@ States of a step (``StepView.local_state`` / ``StepView.durable_state``):
   ``step_X.tmp-*`` directory: a save being written, or abandoned), ``absent``;
 * durable: ``durable`` (its manifest is there: committed), ``partial`` (shards or domain markers but no
   manifest: a drain in progress or abandoned), ``invalid`` (the manifest is unreadable or names another
-  step), ``absent``; ``None`` when no durable tier is configured.
+  step), ``absent``, ``unknown`` (the tier could not be listed: ``ls`` reports the error); ``None`` when
+  no durable tier is configured.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class StepView:
     in_progress: list[str] = field(default_factory=list)  # step_X.tmp-* directories (saves, fetches)
     durable: DurableCopy | None = None
     durable_configured: bool = False
+    durable_unreadable: str | None = None  # why the durable tier could not be listed (state unknown)
 
     @property
     def valid_local(self) -> list[LocalCopy]:
@@ -171,6 +173,8 @@ class StepView:
         """(state, why) in the durable tier; (None, None) when no durable tier is configured."""
         if not self.durable_configured:
             return None, None
+        if self.durable_unreadable is not None:
+            return "unknown", self.durable_unreadable
         if self.durable is None:
             return "absent", None
         return self.durable.state, self.durable.problem
@@ -324,6 +328,7 @@ class Catalog:
         that cannot be read is recorded in :attr:`errors` and only the local tier is listed."""
         views: dict[int, StepView] = {}
         self._scan_local(run, views)
+        unreadable = None
         if self.durable is not None:
             try:
                 self._scan_durable(run, views)
@@ -331,8 +336,10 @@ class Catalog:
                 if strict:
                     raise
                 self.errors.append(f"durable tier {self.durable_url}, run {run}: {exc}")
+                unreadable = "the durable tier could not be read (see errors)"
         for v in views.values():
             v.durable_configured = self.durable is not None
+            v.durable_unreadable = unreadable
         return [views[s] for s in sorted(views)]
 
     def step(self, run: str, step: int) -> StepView:
