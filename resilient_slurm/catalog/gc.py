@@ -32,13 +32,20 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint.policy import RetentionPolicy
 from ..errors import ResilientSlurmError, StorageError
-from ..manifest import MANIFEST_NAME, durable_step_key, is_tmp_dirname, parse_step_dirname, tmp_dirname
+from ..manifest import (
+    MANIFEST_NAME,
+    durable_step_key,
+    is_tmp_dirname,
+    parse_step_dirname,
+    step_dirname,
+    tmp_dirname,
+)
 from ..storage.fileio import fsync_dir, remove_tree
 from ..storage.tier import StorageTier
 from .inventory import Catalog, StepView
@@ -83,7 +90,7 @@ def _tree_newest(path: str) -> tuple[float, int]:
     return newest, size
 
 
-def _local_plan(catalog: Catalog, run: str, views: list[StepView], durable: set[int] | None,
+def _local_plan(catalog: Catalog, run: str, durable: set[int] | None,
                 policy: RetentionPolicy, stale_after: float, now: float) -> list[GcAction]:
     out: list[GcAction] = []
     for root in catalog.roots:
@@ -103,7 +110,7 @@ def _local_plan(catalog: Catalog, run: str, views: list[StepView], durable: set[
         for s in committed:
             if s in keep:
                 continue
-            path = os.path.join(run_dir, f"step_{s:012d}")
+            path = os.path.join(run_dir, step_dirname(s))
             if s in protect:
                 continue
             _, size = _tree_newest(path)
@@ -216,7 +223,7 @@ def plan_gc(catalog: Catalog, policy: RetentionPolicy, *, tiers: Iterable[str] =
         if catalog.durable is not None:
             durable = {v.step for v in views if v.durable is not None and v.durable.state == "durable"}
         if "local" in tiers:
-            actions += _local_plan(catalog, run, views, durable, policy, stale_after, now)
+            actions += _local_plan(catalog, run, durable, policy, stale_after, now)
         if "durable" in tiers and catalog.durable is not None:
             actions += _durable_plan(catalog, run, views, policy, stale_after, now)
     return actions
@@ -241,6 +248,10 @@ def _delete_local_step(path: str, step: int) -> tuple[str, str | None]:
     fsync_dir(os.path.dirname(path))
     remove_tree(gone)
     return "deleted", None
+
+
+def _not_in(keys: set[str]) -> Callable[[str], bool]:
+    return lambda key: key not in keys
 
 
 def run_gc(catalog: Catalog, actions: list[GcAction], *, stale_after: float) -> list[GcAction]:
@@ -268,7 +279,7 @@ def run_gc(catalog: Catalog, actions: list[GcAction], *, stale_after: float) -> 
         tier = catalog.durable
         assert tier is not None
         try:
-            tier.cleanup_incomplete(run, older_than=stale_after, keep=lambda k, keys=keys: k not in keys)  # type: ignore[misc]
+            tier.cleanup_incomplete(run, older_than=stale_after, keep=_not_in(keys))  # exactly what the plan lists
             for a in actions:
                 if a.kind == "incomplete_upload" and a.run_id == run:
                     a.state = "deleted"
