@@ -733,6 +733,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m resilient_slurm.demo`` and ``rslurm demo [--] ARGS``."""
+    if argv and argv[0] == "--":
+        argv = argv[1:]
     args = build_parser().parse_args(argv)
     try:
         if args.ranks < 1 or args.every_steps < 1 or args.steps < 4 or args.nodes < 1:
