@@ -115,6 +115,14 @@ def run_ranks(argv: Sequence[str], world_size: int, workdir: Path, *, timeout: f
     return job
 
 
+def checkpoint_entries(d: Path | str) -> list[str]:
+    """Sorted names in a run directory, leaving out the run's event log (every component appends to
+    ``<run dir>/events.jsonl``): what is left is step directories and anything a save left behind."""
+    from resilient_slurm.telemetry import EVENTS_FILE
+
+    return sorted(n for n in os.listdir(d) if n != EVENTS_FILE) if os.path.isdir(d) else []
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Parse a JSON-lines file, tolerating a torn last line (the writer may have been SIGKILLed)."""
     out = []

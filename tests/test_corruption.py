@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import checkpoint_entries
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -363,7 +364,7 @@ def test_leftover_tmp_dirs_are_ignored_and_removed(saved: Saved, warnings_log: p
     assert step == 1
     assert_restored(st, saved.ref1)
     assert not uncommitted.exists() and not higher.exists()
-    assert sorted(p.name for p in run.iterdir()) == ["step_000000000001"]
+    assert checkpoint_entries(run) == ["step_000000000001"]
     logged = "\n".join(r.getMessage() for r in warnings_log.records)
     assert str(higher) in logged and str(uncommitted) in logged
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO, clean_env
+from conftest import REPO, checkpoint_entries, clean_env
 
 from resilient_slurm.failpoints import POINTS
 
@@ -118,8 +118,7 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
 
 
 def run_dir_entries(root: Path) -> list[str]:
-    d = root / RUN
-    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+    return checkpoint_entries(root / RUN)
 
 
 # ---------------------------------------------------------------------------------------- A: failpoints

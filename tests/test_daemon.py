@@ -24,13 +24,14 @@ import pytest
 import s3_support
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, clean_env, free_port, mounted_tmpfs, run_ranks
+from conftest import REPO, checkpoint_entries, clean_env, free_port, mounted_tmpfs, run_ranks
 from s3_support import FAKE_ENV, RESET_REQUEST, RESET_RESPONSE, SLOWDOWN, FaultProxy, MotoServer
 from torch.distributed.checkpoint import FileSystemReader
 
 from resilient_slurm import Checkpointer
 from resilient_slurm.daemon import daemon_running
 from resilient_slurm.manifest import Manifest
+from resilient_slurm.telemetry import EVENTS_FILE
 
 RUN = "drain"
 MiB = 1 << 20
@@ -129,8 +130,7 @@ def step_dirs(dur: Path, run: str = RUN) -> set[int]:
 
 
 def local_steps(root: Path, run: str = RUN) -> set[int]:
-    d = root / run
-    names = os.listdir(d) if d.exists() else []
+    names = checkpoint_entries(root / run)
     assert not [n for n in names if ".tmp-" in n], f"temp directories in the local tier: {names}"
     return {int(n[5:]) for n in names}
 
@@ -169,10 +169,11 @@ def tmp_files(d: Path) -> list[Path]:
 
 
 def snapshot(d: Path) -> dict[str, tuple[int, int, bytes | None]]:
-    """Every file under ``d``: inode, mtime and recorded checksum (a rewrite changes the first two)."""
+    """Every file under ``d`` but the run's event log (the daemon appends to it): inode, mtime and
+    recorded checksum (a rewrite changes the first two)."""
     out = {}
     for p in sorted(d.rglob("*")):
-        if p.is_file():
+        if p.is_file() and p.name != EVENTS_FILE:
             st = p.stat()
             try:
                 x: bytes | None = os.getxattr(p, "user.rslurm.xxh3")

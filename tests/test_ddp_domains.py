@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, run_ranks
+from conftest import REPO, checkpoint_entries, run_ranks
 
 from resilient_slurm.checkpoint.planning import load_metadata
 
@@ -82,7 +82,7 @@ def test_one_node_writes_replicated_state_once_spread_across_ranks(tmp_path: Pat
     _assert_weights_equal(saved[0]["model"], saved[1]["model"])  # DDP: replicated
     payload = saved[0]["payload_bytes"]
     run_dir = tmp_path / "nvme" / RUN
-    assert sorted(os.listdir(run_dir)) == [STEP_DIR]
+    assert checkpoint_entries(run_dir) == [STEP_DIR]
     step_dir = run_dir / STEP_DIR
     m = _manifest(step_dir)
     assert m["world_size"] == 2 and m["step"] == 3
@@ -113,7 +113,7 @@ def test_two_nodes_each_hold_a_full_copy_and_restore_locally(tmp_path: Path) -> 
     payload = saved[0]["payload_bytes"]
     for node, rank in (("n1", 0), ("n2", 1)):
         run_dir = tmp_path / node / RUN
-        assert sorted(os.listdir(run_dir)) == [STEP_DIR], node
+        assert checkpoint_entries(run_dir) == [STEP_DIR], node
         step_dir = run_dir / STEP_DIR
         m = _manifest(step_dir)
         assert m["node"] == node
@@ -163,7 +163,7 @@ def test_two_nodes_sharing_one_dir_form_one_domain(tmp_path: Path) -> None:
     root = tmp_path / "shared"
     assert sorted(os.listdir(root)) == [RUN]  # probe files cleaned up
     run_dir = root / RUN
-    assert sorted(os.listdir(run_dir)) == [STEP_DIR]
+    assert checkpoint_entries(run_dir) == [STEP_DIR]
     step_dir = run_dir / STEP_DIR
     m = _manifest(step_dir)
     assert m["nodes"] == {"n1": [0, 1]}, m["nodes"]

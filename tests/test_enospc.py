@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import mounted_tmpfs
+from conftest import checkpoint_entries, mounted_tmpfs
 
 from resilient_slurm import Checkpointer, InsufficientSpaceError
 
@@ -32,7 +32,7 @@ def state_of(step: int, nbytes: int) -> dict[str, object]:
 
 
 def run_entries(root: Path) -> list[str]:
-    return sorted(os.listdir(root / RUN))
+    return checkpoint_entries(root / RUN)
 
 
 def restore_check(root: Path, want: int, nbytes: int) -> None:
