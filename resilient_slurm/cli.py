@@ -61,7 +61,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 DAEMON_SETTINGS = ["local_dir", "node_name", "run_id", "keep_last", "keep_every", "local_min_free",
-                   "drain_poll_interval", *DURABLE_SETTINGS]
+                   "drain_poll_interval", "metrics_textfile", *DURABLE_SETTINGS]
 
 
 def _flag_settings(args: argparse.Namespace, components: tuple[str, ...]) -> dict[str, Any]:
@@ -429,7 +429,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     save_signal = config.resolve(["save_signal"], {}, config_path=args.config)["save_signal"]
     daemon = Daemon(root, tier, node=node, retention=RetentionPolicy(cfg["keep_last"], cfg["keep_every"]),
                     run_ids=[cfg["run_id"]] if cfg["run_id"] else None, min_free=cfg["local_min_free"],
-                    poll_interval=cfg["drain_poll_interval"],
+                    poll_interval=cfg["drain_poll_interval"], metrics_textfile=cfg["metrics_textfile"],
                     ignore_signals=[] if save_signal == "none" else [getattr(signal, "SIG" + save_signal)])
     try:
         return daemon.run(once=args.once, job_step=args.job_step)
@@ -603,6 +603,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ResilientSlurmError as exc:
         print(f"rslurm: error: {exc}", file=sys.stderr)
         return 2
+
+
+def rsrun_main() -> int:
+    """Entry point of the ``rsrun`` console script, a drop-in for ``srun``: ``rsrun ARGS`` is
+    ``rslurm launch -- srun ARGS`` (launcher options go in ``RSLURM_*`` variables)."""
+    return main(["launch", "--", "srun", *sys.argv[1:]])
 
 
 if __name__ == "__main__":
