@@ -122,12 +122,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "Checkpointer.restore() calls state_dict() on every stateful value right after loading it (its "
-    "post-restore self._prepare(state), checkpoint/checkpointer.py). StatefulDataLoader.state_dict() on a "
-    "loader without an iterator creates one: the resumed iterator is built inside restore(), before the "
-    "program sets the epoch on the sampler and dataset (wrong order and augmentation after an epoch "
-    "boundary), and its base-seed draw advances the just-restored global torch RNG (different dropout)."))
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_stopped_mid_epoch_resumes_with_the_same_batches_bitwise(reference: Path, tmp_path: Path, how: str):
     work = tmp_path / how

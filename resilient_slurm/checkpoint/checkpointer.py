@@ -200,9 +200,11 @@ class Checkpointer:
         self.cadence.saved()
         if step:
             self._saved_step = step
-            # Only after a real restore: a fresh optimizer has no state yet, so its plan would change;
-            # a fresh run prepares at its first step() instead.
-            self._prepare(state)
+        # The staging buffer is planned at the first step(), as in a fresh run, not here: planning calls
+        # state_dict() on every stateful value, and some must not run it between load_state_dict() and the
+        # program's own set-up (torchdata's StatefulDataLoader would build its resumed iterator here,
+        # before the program sets the sampler's epoch, and draw its workers' seed from the just-restored
+        # torch RNG).
         self._link.hello(step)
         self._hello_sent = True
         return step
