@@ -583,7 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_status)
     submit.add_parser(sub)
     doctor.add_parser(sub)
-    sp = sub.add_parser("demo", help="train, SIGKILL, resume, compare (see python -m resilient_slurm.demo -h)")
+    sp = sub.add_parser("demo", help="tiny transformer under rslurm launch: SIGTERM, emergency save, resume, "
+                        "compare bitwise, loss-curve PNG (rslurm demo -h)")
     sp.add_argument("demo_args", nargs=argparse.REMAINDER)
     sp.set_defaults(func=cmd_demo)
     return p
@@ -591,6 +592,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rslurm`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # every argument is the demo's own (argparse.REMAINDER refuses a leading option)
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         level = config.resolve(["log_level"], {}, config_path=args.config)["log_level"]
