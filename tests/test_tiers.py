@@ -270,6 +270,19 @@ class TierContract:
         assert tier.get_bytes("run/step_1/done") == b"x"  # complete objects are not touched
         assert tier.cleanup_incomplete() == 0
 
+    def test_list_incomplete(self, tier: StorageTier, backend: Backend) -> None:
+        backend.make_incomplete("run/step_1/a", 7200)
+        backend.make_incomplete("run/step_2/b", 7200)
+        tier.put_bytes("run/step_1/done", b"x")
+        assert sorted(t.key for t in tier.list_incomplete("run/step_1")) == ["run/step_1/a"]
+        found = sorted(tier.list_incomplete(""), key=lambda t: t.key)
+        assert [t.key for t in found] == ["run/step_1/a", "run/step_2/b"]
+        for t in found:
+            assert t.handle and t.started <= time.time()
+            if backend.dates_incomplete:
+                assert time.time() - t.started >= 3600
+        assert tier.cleanup_incomplete() == 2 and list(tier.list_incomplete("")) == []
+
     # -------------------------------------------------------------- progress, bandwidth, threads
     def test_progress_reports_every_byte(self, tier: StorageTier, backend: Backend, tmp_path: Path) -> None:
         data = payload(2 * PART + 999)

@@ -30,7 +30,6 @@ import errno
 import fcntl
 import os
 import secrets
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -145,36 +144,7 @@ def _age(s: float) -> str:
 
 def _incomplete(tier: StorageTier, prefix: str, older_than: float, now: float) -> list[tuple[str, float, int | None]]:
     """Incomplete transfers under ``prefix`` started more than ``older_than`` s ago: (key, started, bytes)."""
-    from ..storage.posix import TMP_MARK, PosixTier
-
-    out: list[tuple[str, float, int | None]] = []
-    if isinstance(tier, PosixTier):
-        base = os.path.join(tier.root, prefix)
-        for dirpath, _, files in os.walk(base):
-            for name in files:
-                if TMP_MARK not in name:
-                    continue
-                path = os.path.join(dirpath, name)
-                try:
-                    st = os.stat(path)
-                except FileNotFoundError:
-                    continue
-                if now - st.st_mtime >= older_than:
-                    out.append((os.path.relpath(path, tier.root).split(TMP_MARK)[0], st.st_mtime, st.st_size))
-        return out
-    s3 = sys.modules.get("resilient_slurm.storage.s3")
-    if s3 is not None and isinstance(tier, s3.S3Tier):
-        # The StorageTier interface can remove incomplete uploads but not list them; S3Tier's own client
-        # lists them so that --dry-run shows exactly what would go.
-        base = tier._base(prefix)
-        for page in tier._pages("list uploads under", base, tier._client.list_multipart_uploads,
-                                {"Bucket": tier.bucket, "Prefix": base},
-                                {"KeyMarker": "NextKeyMarker", "UploadIdMarker": "NextUploadIdMarker"}):
-            for u in page.get("Uploads", []):
-                started = u["Initiated"].timestamp() if u.get("Initiated") else 0.0
-                if now - started >= older_than:
-                    out.append((tier._rel(str(u["Key"])), started, None))
-    return out
+    return [(t.key, t.started, t.size) for t in tier.list_incomplete(prefix) if now - t.started >= older_than]
 
 
 def _durable_plan(catalog: Catalog, run: str, views: list[StepView], policy: RetentionPolicy,

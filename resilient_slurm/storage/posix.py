@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from ..errors import CorruptCheckpointError, ObjectNotFoundError, StorageError
 from .fileio import BLOCK, atomic_write, fsync_dir, unpublished_on_error, write_file
-from .tier import ObjectInfo, Progress, RateLimiter, StorageTier, TransferStats
+from .tier import IncompleteTransfer, ObjectInfo, Progress, RateLimiter, StorageTier, TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -218,26 +218,35 @@ class PosixTier(StorageTier):
             raise StorageError(f"{base}: could not delete all of it; check permissions")
         return n
 
-    def cleanup_incomplete(self, prefix: str = "", *, older_than: float = 0.0,
-                           keep: Callable[[str], bool] | None = None) -> int:
-        """See :meth:`StorageTier.cleanup_incomplete`: removes ``*.tmp-rslurm-*`` files."""
+    def list_incomplete(self, prefix: str = "") -> Iterator[IncompleteTransfer]:
+        """See :meth:`StorageTier.list_incomplete`: the ``*.tmp-rslurm-*`` files."""
         base = self._path(prefix) if prefix.strip("/") else self.root
-        now = time.time()
-        removed = 0
         for dirpath, _, files in os.walk(base):
             for name in files:
                 if TMP_MARK not in name:
                     continue
                 path = os.path.join(dirpath, name)
-                key = os.path.relpath(path, self.root).split(TMP_MARK)[0]
                 try:
-                    if (older_than > 0 and now - os.stat(path).st_mtime < older_than) or (keep and keep(key)):
-                        continue
-                    os.unlink(path)
-                    removed += 1
-                    log.info("removed an interrupted transfer's temp file %s", path)
+                    st = os.stat(path)
                 except FileNotFoundError:
-                    pass
+                    continue
+                yield IncompleteTransfer(os.path.relpath(path, self.root).split(TMP_MARK)[0], st.st_mtime,
+                                         st.st_size, path)
+
+    def cleanup_incomplete(self, prefix: str = "", *, older_than: float = 0.0,
+                           keep: Callable[[str], bool] | None = None) -> int:
+        """See :meth:`StorageTier.cleanup_incomplete`: removes ``*.tmp-rslurm-*`` files."""
+        now = time.time()
+        removed = 0
+        for t in list(self.list_incomplete(prefix)):
+            if (older_than > 0 and now - t.started < older_than) or (keep and keep(t.key)):
+                continue
+            try:
+                os.unlink(t.handle)
+                removed += 1
+                log.info("removed an interrupted transfer's temp file %s", t.handle)
+            except FileNotFoundError:
+                pass
         return removed
 
 

@@ -64,7 +64,7 @@ from ..errors import (
 )
 from .fileio import fsync_dir, unpublished_on_error
 from .posix import TMP_MARK
-from .tier import ObjectInfo, Progress, RateLimiter, StorageTier, TransferStats, join_key
+from .tier import IncompleteTransfer, ObjectInfo, Progress, RateLimiter, StorageTier, TransferStats, join_key
 
 try:
     import botocore.loaders  # installed with boto3 (resilient_slurm[s3]); clients are botocore's
@@ -1022,26 +1022,33 @@ class S3Tier(StorageTier):
                 self._abort(str(u["Key"]), str(u["UploadId"]))
         return len(keys)
 
-    def cleanup_incomplete(self, prefix: str = "", *, older_than: float = 0.0,
-                           keep: Callable[[str], bool] | None = None) -> int:
-        """See :meth:`StorageTier.cleanup_incomplete`: aborts multipart uploads (by their initiation time)."""
+    def list_incomplete(self, prefix: str = "") -> Iterator[IncompleteTransfer]:
+        """See :meth:`StorageTier.list_incomplete`: the multipart uploads (size unknown without a
+        ``ListParts`` per upload, so None)."""
         base = self._base(prefix)
-        now = time.time()
-        removed = 0
         for page in self._pages("list uploads under", base, self._client.list_multipart_uploads,
                                 {"Bucket": self.bucket, "Prefix": base},
                                 {"KeyMarker": "NextKeyMarker", "UploadIdMarker": "NextUploadIdMarker"}):
             for u in page.get("Uploads", []):
-                full = str(u["Key"])
                 initiated = u.get("Initiated")
-                # older_than <= 0 means all of them, even one the store's clock dates a little ahead of ours
-                if older_than > 0 and initiated is not None and now - initiated.timestamp() < older_than:
-                    continue
-                if keep is not None and keep(self._rel(full)):
-                    continue
-                if self._abort(full, str(u["UploadId"])):
-                    removed += 1
-                    log.info("aborted an interrupted upload %s of %s", u["UploadId"], self._where(full))
+                yield IncompleteTransfer(self._rel(str(u["Key"])), initiated.timestamp() if initiated else 0.0,
+                                         None, str(u["UploadId"]))
+
+    def cleanup_incomplete(self, prefix: str = "", *, older_than: float = 0.0,
+                           keep: Callable[[str], bool] | None = None) -> int:
+        """See :meth:`StorageTier.cleanup_incomplete`: aborts multipart uploads (by their initiation time)."""
+        now = time.time()
+        removed = 0
+        for t in list(self.list_incomplete(prefix)):
+            # older_than <= 0 means all of them, even one the store's clock dates a little ahead of ours
+            if older_than > 0 and t.started and now - t.started < older_than:
+                continue
+            if keep is not None and keep(t.key):
+                continue
+            full = f"{self.prefix}/{t.key}" if self.prefix else t.key  # exactly the listed key (see _rel)
+            if self._abort(full, t.handle):
+                removed += 1
+                log.info("aborted an interrupted upload %s of %s", t.handle, self._where(full))
         return removed
 
     def close(self) -> None:

@@ -54,6 +54,16 @@ class ObjectInfo:
     mtime: float
 
 
+@dataclass(frozen=True)
+class IncompleteTransfer:
+    """What an interrupted transfer left in the store: a POSIX temp file or an S3 multipart upload."""
+
+    key: str  # the key that was being written
+    started: float  # when (unix time; the temp file's mtime, the upload's initiation time)
+    size: int | None  # bytes it holds, where the store says without more requests
+    handle: str  # the temp file's path, or the upload id
+
+
 @dataclass
 class TransferStats:
     """What one transfer did (for logs, status and benchmarks)."""
@@ -155,6 +165,11 @@ class StorageTier(abc.ABC):
         """Delete everything under ``prefix/``; return how many objects were removed."""
 
     @abc.abstractmethod
+    def list_incomplete(self, prefix: str = "") -> Iterator[IncompleteTransfer]:
+        """What interrupted transfers left under ``prefix`` (temp files, multipart uploads), in no
+        particular order: what :meth:`cleanup_incomplete` would consider (``rslurm gc --dry-run``)."""
+
+    @abc.abstractmethod
     def cleanup_incomplete(self, prefix: str = "", *, older_than: float = 0.0,
                            keep: Callable[[str], bool] | None = None) -> int:
         """Remove what interrupted transfers left under ``prefix`` (temp files, multipart uploads)
@@ -176,4 +191,4 @@ def join_key(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
 
 
-__all__ = ["ObjectInfo", "Progress", "RateLimiter", "StorageTier", "TransferStats", "join_key"]
+__all__ = ["IncompleteTransfer", "ObjectInfo", "Progress", "RateLimiter", "StorageTier", "TransferStats", "join_key"]
