@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import checkpoint_entries
 
 from resilient_slurm import Checkpointer, ConfigError
 from resilient_slurm.checkpoint.policy import RetentionPolicy
@@ -65,7 +66,7 @@ def small_state(step: int) -> dict[str, object]:
 
 
 def on_disk(root: Path) -> list[str]:
-    return sorted(p.name for p in (root / RUN).iterdir())
+    return checkpoint_entries(root / RUN)
 
 
 def steps_on_disk(root: Path) -> set[int]:
