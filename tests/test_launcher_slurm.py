@@ -158,8 +158,9 @@ def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     """``--time=1 --signal=B:USR1@50``: USR1 reaches the launcher 10-40 s after the start (slurmctld checks
     every 30 s); the ranks save, the job requeues itself before the limit, and the requeued incarnation
     (given a longer limit by the test, as a user would with a real time budget) finishes bitwise
-    identical to an uninterrupted run."""
-    steps = 400
+    identical to an uninterrupted run. 600 steps of 0.1 s outlast the 1-minute limit, so the first
+    incarnation cannot finish before a late USR1 (400 steps did once, on a loaded machine)."""
+    steps = 600
     work = slurm.work_dir / "launch-timelimit"
     work.mkdir()
     ref = _reference(tmp_path, steps)
@@ -168,7 +169,7 @@ def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
               "scontrol update JobId=$SLURM_JOB_ID TimeLimit=5; fi\n")
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.1)], before=longer),
                   "--time=1", "--signal=B:USR1@50")
-    info = _wait_done(slurm, job, work, timeout=240)
+    info = _wait_done(slurm, job, work, timeout=300)
     assert int(info["Restarts"]) == 1, info
     starts, exits = _starts(work), _exits(work)
     assert len(starts) == 2 and exits[0]["stopped"] is True and starts[1]["step"] == exits[0]["step"] > 0, (
