@@ -117,6 +117,15 @@ def _open_catalog(args: argparse.Namespace, *, durable: bool) -> tuple[Catalog, 
     return Catalog.open(cfg, local_template=template, node=node), cfg
 
 
+def _ranks(ranks: Sequence[int]) -> str:
+    """``-``, or the ranks that hold their own copy of a key (``0-7``, ``0, 2``)."""
+    if not ranks:
+        return "-"
+    if list(ranks) == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
 def _console() -> Console:
     from rich.console import Console
 
@@ -278,10 +287,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     con.print(_table(["SHARD", "RANK", "DOMAIN", "SIZE", "ITEMS", "CHECKSUM"],
                      [[s["path"], s["rank"], s["domain"], _size(s["bytes"]), s["items"], s["checksum"]]
                       for s in doc["shards"]], right=("RANK", "SIZE", "ITEMS")))
-    con.print(_table(["KEY", "ITEMS", "TENSORS", "VALUES", "TENSOR BYTES", "DTYPES"],
+    con.print(_table(["KEY", "ITEMS", "TENSORS", "VALUES", "TENSOR BYTES", "DTYPES", "PER RANK"],
                      [[k["key"], k["items"], k["tensors"], k["values"], _size(k["tensor_bytes"]),
-                       ", ".join(k["dtypes"]) or "-"] for k in doc["keys"]],
+                       ", ".join(k["dtypes"]) or "-", _ranks(k["per_rank"])] for k in doc["keys"]],
                      right=("ITEMS", "TENSORS", "VALUES", "TENSOR BYTES")))
+    if doc["ddp_bucket_layout"]:
+        line("  DDP gradient bucket layout: recorded (re-applied at the resume)")
     rng = doc["rng"]
     if rng["present"]:
         gens = sorted({g for gs in rng["generators"].values() for g in gs})

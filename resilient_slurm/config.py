@@ -158,6 +158,12 @@ SETTINGS: dict[str, Setting] = {
                 "checkpoint"),
         Setting("node_name", str, None, "storage node name (default: $SLURMD_NODENAME, else the hostname)",
                 "checkpoint"),
+        Setting("replica_check", _choice("warn", "fail", "off"), "warn", "what copies of DDP-replicated or "
+                "DTensor-replicated state that differ between ranks do at a save: warn (a replica_mismatch event "
+                "and warning; each rank's copy is saved), fail (the save fails), off (not checked)", "checkpoint"),
+        Setting("replica_check_bytes", parse_size, 32 << 20, "bytes of DDP/DTensor-replicated state each rank "
+                "digests per save for replica_check, a rotating slice (0: only the free cross-node comparison)",
+                "checkpoint"),
         Setting("free_space_margin", int, 64 << 20, "bytes that must stay free after a save", "checkpoint"),
         Setting("control_socket", str, None, "control socket of this node's launcher; `rslurm launch` sets it "
                 "for its ranks, 'off' disables it (ranks then rely on signals alone)", "rank"),

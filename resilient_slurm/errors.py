@@ -7,6 +7,8 @@ never are.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ResilientSlurmError(Exception):
     """Root of every error raised by resilient_slurm."""
@@ -34,6 +36,14 @@ class SaveError(CheckpointError):
 
 class InsufficientSpaceError(SaveError):
     """The target filesystem has less free space than the save needs (checked before writing)."""
+
+
+class ReplicaMismatchError(SaveError):
+    """Copies of state replicated by construction differ between ranks, and ``replica_check=fail``."""
+
+    def __init__(self, message: str, mismatches: tuple[Any, ...] = ()) -> None:
+        super().__init__(message)
+        self.mismatches = mismatches  # replication.ReplicaMismatch entries
 
 
 class CorruptCheckpointError(CheckpointError):

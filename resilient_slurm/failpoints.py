@@ -1,9 +1,11 @@
 """Named fault-injection points for crash-consistency tests (off unless RSLURM_FAILPOINTS is set).
 
 ``RSLURM_FAILPOINTS="after_shard_write=kill,before_commit_rename=raise"`` makes the process SIGKILL
-itself (``kill``) or raise an OSError (``raise``) when it reaches that point. Points are named after the
-step of the commit protocol they follow, so a test can crash a save at every step and check that every
-previously committed step survives. Checked once per point per process; costs one dict lookup.
+itself (``kill``) or raise an OSError (``raise``) when it reaches that point; ``unlink`` removes the file
+the point names (``after_shard_write``: the shard just written, as if it had gone to another directory or
+been lost). Points are named after the step of the commit protocol they follow, so a test can crash a
+save at every step and check that every previously committed step survives. Set for one rank only, they
+inject a fault on that rank. Checked once per point per process; costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ def _parse(spec: str) -> dict[str, str]:
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, action = part.partition("=")
-        if name not in POINTS or action not in ("kill", "raise"):
-            raise ValueError(f"{ENV}: bad entry {part!r}; points: {', '.join(POINTS)}; actions: kill, raise")
+        if name not in POINTS or action not in ("kill", "raise", "unlink"):
+            raise ValueError(f"{ENV}: bad entry {part!r}; points: {', '.join(POINTS)}; actions: kill, raise, unlink")
         out[name] = action
     return out
 
@@ -36,10 +38,12 @@ def _parse(spec: str) -> dict[str, str]:
 _ACTIVE = _parse(os.environ.get(ENV, ""))
 
 
-def hit(name: str) -> None:
-    """Trigger the failpoint ``name`` if it is armed."""
+def hit(name: str, path: str | None = None) -> None:
+    """Trigger the failpoint ``name`` if it is armed (``path``: the file an ``unlink`` removes)."""
     action = _ACTIVE.get(name)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "raise":
         raise OSError(f"failpoint {name} triggered")
+    elif action == "unlink" and path is not None:
+        os.unlink(path)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -44,6 +44,29 @@ _TMP_RE = re.compile(r"^step_(\d{12})\.tmp-[A-Za-z0-9_.-]+$")
 
 
 DOMAINS_DIR = "domains"
+
+
+# Values that differed between ranks are stored under each rank's own key (checkpoint/replication.py).
+PER_RANK_PREFIX = "_rslurm_per_rank"
+
+
+def per_rank_fqn(rank: int, fqn: str) -> str:
+    """The DCP key under which ``rank``'s own copy of ``fqn`` is stored."""
+    return f"{PER_RANK_PREFIX}.{rank}.{fqn}"
+
+
+def per_rank_path(rank: int, path: Sequence[Any]) -> tuple[Any, ...]:
+    """The nested path of a per-rank copy (what plain DCP readers see: ``{_rslurm_per_rank: {rank: ...}}``)."""
+    return (PER_RANK_PREFIX, str(rank), *path)
+
+
+def split_per_rank_fqn(fqn: str) -> tuple[int, str] | None:
+    """``(rank, key)`` of a per-rank key, or None for any other key."""
+    head, sep, rest = fqn.partition(".")
+    if head != PER_RANK_PREFIX or not sep:
+        return None
+    rank, sep, key = rest.partition(".")
+    return (int(rank), key) if sep and rank.isdigit() and key else None
 
 
 def durable_step_key(run_id: str, step: int) -> str:

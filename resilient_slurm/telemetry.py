@@ -178,6 +178,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "durable manifests written by this node (the durable commit of a step)"),
     MetricSpec("rslurm_local_evicted_steps_total", "counter", _NODE,
                "local steps evicted to keep local_min_free free"),
+    MetricSpec("rslurm_replica_mismatches_total", "counter", _NODE,
+               "replica mismatches recorded in the manifests of the steps this node drained"),
     MetricSpec("rslurm_drain_throughput_bytes_per_second", "gauge", _NODE,
                "throughput of the last step drain that sent bytes"),
     MetricSpec("rslurm_local_free_bytes", "gauge", _NODE, "free bytes on the local tier's filesystem"),

@@ -16,7 +16,8 @@ import json
 import os
 from typing import Any
 
-from ..checkpoint.state import RNG_KEY
+from ..checkpoint.state import DDP_KEY, RNG_KEY
+from ..manifest import PER_RANK_PREFIX
 from ..storage.fileio import checksum
 from .source import StepSource
 
@@ -75,6 +76,7 @@ def describe(src: StepSource) -> dict[str, Any]:
     md = src.metadata()
     keys: dict[str, dict[str, Any]] = {}
     rng: dict[str, set[str]] = {}
+    ddp_layout = False
     children: dict[tuple[Any, ...], set[str]] = {}
     for fqn, smd in md.state_dict_metadata.items():
         path = _path(md, fqn)
@@ -83,8 +85,16 @@ def describe(src: StepSource) -> dict[str, Any]:
             if len(path) >= 3:
                 rng.setdefault(str(path[1]), set()).add(str(path[2]))
             continue
+        if top == DDP_KEY:  # DDP's gradient bucket layout, re-applied at the resume
+            ddp_layout = True
+            continue
+        owner = None
+        if top == PER_RANK_PREFIX and len(path) >= 3 and str(path[1]).isdigit():  # a rank's own copy: under its key
+            owner, top = int(path[1]), str(path[2])
         k = keys.setdefault(top, {"key": top, "items": 0, "tensors": 0, "values": 0, "tensor_bytes": 0,
-                                  "dtypes": set()})
+                                  "dtypes": set(), "per_rank": set()})
+        if owner is not None:
+            k["per_rank"].add(owner)
         k["items"] += 1
         if isinstance(smd, TensorStorageMetadata):
             k["tensors"] += 1
@@ -123,11 +133,13 @@ def describe(src: StepSource) -> dict[str, Any]:
         "shards": [{"path": s.path, "rank": s.rank, "domain": s.node, "bytes": s.size, "items": len(s.chunks),
                     "checksum": f"{s.algorithm}:{s.checksum}", "reachable": src.in_place(s.path) is not None
                     or src.tier == "durable"} for s in sorted(m.shards, key=lambda x: x.rank)],
-        "keys": [{**k, "dtypes": sorted(k["dtypes"])} for k in sorted(keys.values(), key=lambda x: x["key"])],
+        "keys": [{**k, "dtypes": sorted(k["dtypes"]), "per_rank": sorted(k["per_rank"])}
+                 for k in sorted(keys.values(), key=lambda x: x["key"])],
         "rng": {"present": bool(rng), "ranks": ranks_with_rng,
                 "generators": {r: sorted(g) for r, g in sorted(rng.items())},
                 "missing_ranks": [r for r in range(m.world_size) if f"rank{r}" not in rng] if rng else []},
         "data_position": positions,
+        "ddp_bucket_layout": ddp_layout,
         "notes": notes,
         "manifest": json.loads(m.to_json()),
     }

@@ -9,7 +9,8 @@ only with ``force`` (after the new one is complete).
 
 * ``torch``: the complete state as nested dicts, as the training loop's ``state`` saw it through
   ``state_dict()`` (module weights, optimizer, scheduler, scaler, sampler, plain values, and the RNG
-  state of every rank under ``_rslurm_rng``), tensors as plain CPU tensors (sharded tensors assembled
+  state of every rank under ``_rslurm_rng``; values that differed between ranks under
+  ``_rslurm_per_rank`` -> rank -> key), tensors as plain CPU tensors (sharded tensors assembled
   from their chunks). Every item is decoded with ``torch.load(weights_only=True)``: nothing in a
   checkpoint runs code, and ``torch.load(out, weights_only=True)`` reads the result. Dict keys are as DCP
   records them (strings; an optimizer's per-parameter state is keyed "0", "1", ...), as DCP's own
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError, StorageError
-from ..manifest import DCP_METADATA_NAME, MANIFEST_NAME
+from ..manifest import DCP_METADATA_NAME, MANIFEST_NAME, PER_RANK_PREFIX
 from ..storage.fileio import atomic_write, fsync_dir
 from .source import StepSource
 
@@ -118,13 +119,17 @@ def export_torch(src: StepSource, out: str, *, keys: Sequence[str] | None = None
 
     md = src.metadata()
     paths = {fqn: tuple((md.planner_data or {}).get(fqn) or (fqn,)) for fqn in md.state_dict_metadata}
-    tops = sorted({str(p[0]) for p in paths.values()})
+
+    def key_of(p: tuple[Any, ...]) -> str:  # a rank's own copy counts under its key
+        return str(p[2]) if str(p[0]) == PER_RANK_PREFIX and len(p) > 2 else str(p[0])
+
+    tops = sorted({key_of(p) for p in paths.values()})
     if keys:
         unknown = sorted(set(keys) - set(tops))
         if unknown:
             raise ConfigError(f"--only {', '.join(unknown)}: not in run {src.run_id} step {src.step}; its keys are "
                               f"{', '.join(tops)}")
-        paths = {f: p for f, p in paths.items() if str(p[0]) in keys}
+        paths = {f: p for f, p in paths.items() if key_of(p) in keys}
     # Every stored piece we need: file -> [(fqn, offset in the tensor or None, offset, length)].
     wanted: dict[str, list[tuple[str, tuple[int, ...] | None, int, int]]] = {}
     for fqn in paths:

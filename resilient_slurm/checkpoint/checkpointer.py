@@ -28,20 +28,21 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
 from .. import config
 from ..control.rank import RankLink
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, ReplicaMismatchError
 from ..paths import default_local_dir, default_run_id, node_name
 from ..storage.registry import open_durable
 from ..telemetry import EventLog
 from .coordination import Coordinator, Topology, discover_topology
 from .engine import Engine, PendingSave, SaveOutcome
 from .policy import Cadence, RetentionPolicy
+from .replication import ReplicaMismatch
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ _SETTINGS = [
     "io_threads",
     "collective_timeout",
     "node_name",
+    "replica_check",
+    "replica_check_bytes",
     "free_space_margin",
     "control_socket",
     "control_timeout",
@@ -90,7 +93,14 @@ class Checkpointer:
         sync_every: int | None = None,
         io_threads: int | None = None,
         config_path: str | None = None,
+        replicated: Sequence[str] = (),
     ) -> None:
+        """``replicated``: state keys your program keeps equal on every rank without DDP (an EMA of a DDP
+        model, a frozen model, gradients averaged by your own all_reduce). Their copies are then not
+        digested at every save, only checked like DDP's (``replica_check``); undeclared, they are proven
+        equal at every save, which costs a hash of each copy."""
+        if isinstance(replicated, str) or not all(isinstance(k, str) for k in replicated):
+            raise ConfigError(f"replicated must be a list of state keys, got {replicated!r}")
         args = dict(
             local_dir=local_dir,
             durable=durable,
@@ -139,6 +149,9 @@ class Checkpointer:
             free_space_margin=cfg["free_space_margin"],
             capture_rng=cfg["capture_rng"],
             durable=self._durable_tier,
+            replica_check=cfg["replica_check"],
+            replica_check_bytes=cfg["replica_check_bytes"],
+            replicated=tuple(replicated),
         )
         self.events = EventLog(
             self.topology.root, self.run_id, source="rank", node=self.topology.node,
@@ -158,6 +171,7 @@ class Checkpointer:
         self._saved_step: int | None = None
         self.last_outcome: SaveOutcome | None = None
         self.last_stall_s: float = 0.0
+        self.last_stage_stats: dict[str, float] = {}  # the last stall's parts: plan_s, digest_s, reduce_s, copy_s
         # Emergency requests: SIGTERM and save_signal (from Slurm or the launcher), and the launcher's
         # control socket on this node. Built last: a signal from here on only sets a flag.
         self._link = RankLink(
@@ -168,6 +182,7 @@ class Checkpointer:
         self._hello_sent = False
         self._signals_reported = 0
         self._emergency_reported = False
+        self._steps_since_restore = 0
 
     # ------------------------------------------------------------------ properties
     @property
@@ -190,12 +205,17 @@ class Checkpointer:
         """Ask for an emergency save at the next step boundary (safe from signal handlers/threads)."""
         self._emergency.set()
 
-    def restore(self, state: MutableMapping[str, Any]) -> int:
-        """Restore ``state`` in place from the newest valid step; return that step (0 if none)."""
+    def restore(self, state: MutableMapping[str, Any], *, rank_map: Callable[[int], int] | None = None) -> int:
+        """Restore ``state`` in place from the newest valid step; return that step (0 if none).
+
+        State that differed between ranks was saved per rank and is restored to the rank that saved it.
+        Resuming such state with another number of ranks needs ``rank_map``: a function from this rank to
+        the saved rank whose per-rank state (and RNG state) it loads (docs/integration.md)."""
         self._check_open()
         self._finish_inflight()
         self._finish_retention()
-        step = self._engine.restore(state)
+        step = self._engine.restore(state, rank_map=rank_map)
+        self._steps_since_restore = 0
         self._report_restore()
         self.cadence.saved()
         if step:
@@ -219,6 +239,9 @@ class Checkpointer:
         if not self._hello_sent:
             self._link.hello(0)
             self._hello_sent = True
+        self._steps_since_restore += 1
+        if self._steps_since_restore == 2:
+            self._engine.ddp.close()  # a DDP that ran no forward by now is not in use: stop waiting for it
         if not self._staging_planned:
             self._prepare(state)
         due = self.cadence.due(step)
@@ -272,13 +295,20 @@ class Checkpointer:
         t_wait = time.perf_counter() - t0
         try:
             pending = self._engine.stage(step, state, reason)
+        except ReplicaMismatchError as exc:
+            self._report_mismatches(step, exc.mismatches, "digest")
+            self.events.emit("save_failed", step=step, reason=reason, error=str(exc))
+            raise
         except Exception as exc:
             self.events.emit("save_failed", step=step, reason=reason, error=str(exc))
             raise
+        self._report_mismatches(step, pending.mismatches, "digest")
         self._saved_step = step
         self.last_stall_s = time.perf_counter() - t0
+        self.last_stage_stats = dict(pending.stats)
         self.events.emit("save_staged", step=step, reason=reason, bytes=pending.shard_bytes,
-                         stall_s=self.last_stall_s, wait_s=t_wait)
+                         stall_s=self.last_stall_s, wait_s=t_wait, digest_s=pending.stats["digest_s"],
+                         reduce_s=pending.stats["reduce_s"])
         self._inflight = self._pool.submit(self._write_and_report, pending, step, reason, t0)
         if self.topology.is_leader:
             # Retention runs after the commit is reported, on the same single writer thread: deleting
@@ -334,8 +364,11 @@ class Checkpointer:
         try:
             outcome = self._engine.write_and_commit(pending)
         except Exception as exc:
+            if isinstance(exc, ReplicaMismatchError):
+                self._report_mismatches(step, exc.mismatches, "commit")
             self.events.emit("save_failed", step=step, reason=reason, error=str(exc))
             raise
+        self._report_mismatches(step, outcome.mismatches, "commit")
         self._link.committed(step, reason)
         self.events.emit("save_committed", step=step, reason=reason, bytes=outcome.bytes_written,
                          step_bytes=outcome.step_bytes, write_s=outcome.write_s, commit_s=outcome.commit_s,
@@ -349,6 +382,25 @@ class Checkpointer:
         if deleted:
             self.events.emit("retention_deleted", tier="local", steps=deleted)
         return deleted
+
+    def _report_mismatches(self, step: int, mismatches: Sequence[ReplicaMismatch], found_by: str) -> None:
+        """One ``replica_mismatch`` event per mismatched item in each node's log, and one warning (rank 0)."""
+        if not mismatches:
+            return
+        if self.topology.is_leader:
+            for m in mismatches:
+                self.events.emit("replica_mismatch", step=step, key=m.key, ranks=list(m.ranks),
+                                 majority=list(m.majority), found_by=found_by, action=self._engine.replicas.check)
+        if self.rank == 0:
+            if self._engine.replicas.check == "fail":
+                what = "The save was refused (replica_check=fail)."
+            elif found_by == "commit":
+                what = ("Each storage domain kept the copy of the rank that wrote it there; replica_check=fail "
+                        "fails the save instead.")
+            else:
+                what = "Each rank's copy was saved and restores to that rank; replica_check=fail fails the save instead."
+            log.warning("step %d: replicas that should be equal differ between ranks (a desynchronised rank or "
+                        "silent data corruption): %s. %s", step, "; ".join(m.describe() for m in mismatches), what)
 
     def _report_restore(self) -> None:
         r = self._engine.last_restore

@@ -5,9 +5,11 @@ when torch.distributed is initialized). The training thread uses the *foreground
 agreement, planning, restore); the background writer uses the *background* group (commit), so the two
 threads never interleave collectives on one group. Without torch.distributed everything is local.
 
-A *storage domain* is one node-local checkpoint directory and the ranks that write to it. Normally a
-domain is a node; nodes whose ``local_dir`` is the same shared directory form one domain (detected with
-probe files), so replicated state is written once per directory, never twice into the same place.
+A *storage domain* is one real checkpoint directory and the ranks that write into it, whatever their
+node names: ranks whose local roots are the same directory (same host, device and inode; or, across
+hosts, a shared filesystem, detected with probe files) form one domain, and distinct directories on one
+host (one NVMe per GPU) are distinct domains. A domain commits its own manifest listing exactly the
+shards in its directory, and replicated state is written once per directory, never twice into one place.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import datetime
 import logging
 import os
 import secrets
+import socket
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +85,7 @@ class Topology:
     world_size: int
     node: str
     domain_of_rank: tuple[str, ...]
-    root: str  # this domain's local root directory (node name expanded)
+    root: str  # this rank's local root directory (node name expanded)
     nonce: str  # agreed per job incarnation; makes temp names unique across restarts
 
     @property
@@ -100,50 +104,74 @@ class Topology:
         return self.domain_ranks[0] == self.rank
 
 
+_PROBE = ".rslurm-probe-"
+
+
 def discover_topology(coord: Coordinator, local_dir_template: str, node: str) -> Topology:
-    """Collective: agree on storage domains. Creates the local root (mode 0700) on every node."""
+    """Collective: agree on storage domains. Creates the local root (mode 0700) of every rank.
+
+    Ranks whose roots are one directory on one host (same device and inode) are grouped first. When
+    the groups span several hosts, each group's first rank drops a probe file into its root and lists
+    the root for the others' probes: groups that see each other share a filesystem directory and are
+    merged. A domain is named after the node of its lowest rank, or ``<node>-r<lowest rank>`` when that
+    node has several domains (per-GPU directories).
+    """
     root = expand_local_dir(local_dir_template, node)
     os.makedirs(root, mode=0o700, exist_ok=True)
-    nonce = secrets.token_hex(4)
-    infos = coord.all_gather((node, root, nonce))
+    st = os.stat(root)
+    host = socket.gethostname()  # the real host: (device, inode) identify a directory on one host only
+    infos = coord.all_gather((node, root, secrets.token_hex(4), host, st.st_dev, st.st_ino))
     nonce = infos[0][2]
     nodes = [i[0] for i in infos]
-    first_rank_of_node = {n: nodes.index(n) for n in nodes}
-    distinct = list(dict.fromkeys(nodes))
-    domain_of_node = {n: n for n in distinct}
-    if len(distinct) > 1:
-        # Do two nodes' local roots resolve to one shared directory? Each node leader drops a probe
-        # file and looks for the others'. Union the nodes that see each other's probes.
-        is_node_leader = first_rank_of_node[node] == coord.rank
-        probe = os.path.join(root, f".rslurm-probe-{nonce}-{node}")
-        if is_node_leader:
+    group_of_rank: list[int] = []
+    first_of_key: dict[tuple[str, int, int], int] = {}
+    for r, (_, _, _, h, dev, ino) in enumerate(infos):
+        group_of_rank.append(first_of_key.setdefault((h, dev, ino), r))
+    groups = sorted(set(group_of_rank))
+    parent = {g: g for g in groups}
+
+    def find(g: int) -> int:
+        while parent[g] != g:
+            g = parent[g]
+        return g
+
+    if len({infos[g][3] for g in groups}) > 1:
+        # Several hosts: a shared filesystem directory is seen from each host under its own inode
+        # numbers. Group leaders drop probes and look for each other's.
+        leader = group_of_rank[coord.rank] == coord.rank
+        probe = os.path.join(root, f"{_PROBE}{nonce}-{coord.rank}")
+        if leader:
             with open(probe, "w") as f:
                 f.write(node)
         coord.barrier()
-        seen = (
-            [n for n in distinct if os.path.exists(os.path.join(root, f".rslurm-probe-{nonce}-{n}"))]
-            if is_node_leader
-            else []
-        )
+        seen: list[int] = []
+        if leader:
+            prefix = f"{_PROBE}{nonce}-"
+            seen = sorted(int(n[len(prefix):]) for n in os.listdir(root)
+                          if n.startswith(prefix) and n[len(prefix):].isdigit())
         all_seen = coord.all_gather(seen)
         coord.barrier()
-        if is_node_leader:
+        if leader:
             os.unlink(probe)
         for seen_list in all_seen:
-            if len(seen_list) > 1:
-                group = sorted({domain_of_node[n] for n in seen_list}, key=first_rank_of_node.__getitem__)
-                target = group[0]
-                for n, d in list(domain_of_node.items()):
-                    if d in group:
-                        domain_of_node[n] = target
-        shared = [n for n, d in domain_of_node.items() if d != n]
-        if shared:
-            log.info("nodes %s share a local checkpoint directory with another node", shared)
+            roots = sorted({find(g) for g in seen_list if g in parent})
+            for g in roots[1:]:
+                parent[g] = roots[0]
+    domain_first = [find(g) for g in group_of_rank]  # lowest rank of each rank's domain
+    firsts = sorted(set(domain_first))
+    per_node = Counter(nodes[f] for f in firsts)
+    name = {f: nodes[f] if per_node[nodes[f]] == 1 else f"{nodes[f]}-r{f}" for f in firsts}
+    shared = sorted({nodes[r] for r, f in enumerate(domain_first) if nodes[r] != nodes[f]})
+    if shared and coord.rank == 0:
+        log.info("nodes %s write into a checkpoint directory shared with another node", shared)
+    if coord.rank == 0 and any(per_node[n] > 1 for n in per_node):
+        log.info("nodes with several checkpoint directories (one storage domain each): %s",
+                 sorted(n for n in per_node if per_node[n] > 1))
     return Topology(
         rank=coord.rank,
         world_size=coord.world_size,
         node=node,
-        domain_of_rank=tuple(domain_of_node[n] for n in nodes),
+        domain_of_rank=tuple(name[f] for f in domain_first),
         root=root,
         nonce=nonce,
     )

@@ -2,21 +2,28 @@
 
 Call order for a save (every rank, same order):
 
-1. training thread: :meth:`Engine.stage` -- builds (or reuses) the DCP plan, copies tensors into the
-   staging buffer (the only stall), serializes plain values. Collective on the foreground group only
-   when the plan changed.
+1. training thread: :meth:`Engine.stage` -- builds (or reuses) the DCP plan, proves which items held by
+   several ranks are replicas (replication.py: digests compared in one all_reduce; items replicated by
+   construction checked a slice per save), copies tensors into the staging buffer (the stall),
+   serializes plain values. Collective on the foreground group: one all_reduce per save, plus a gather
+   when any rank's plan changed and when a replica mismatch is found.
 2. writer thread: :meth:`Engine.write_and_commit` -- writes this rank's shard file into
-   ``step_X.tmp-<token>/`` (O_DIRECT, checksummed, fsynced), gathers every rank's result on the
-   background group, and each domain leader writes ``.metadata`` and ``manifest.json`` (temp name,
-   fsync, rename), fsyncs, renames the directory to ``step_X/`` and fsyncs the run directory. A second
-   gather tells every rank that all domains committed; leaders then apply retention.
+   ``step_X.tmp-<token>/`` (O_DIRECT, checksummed, fsynced) and gathers every rank's result on the
+   background group. If every rank wrote, each domain leader checks that every shard of its domain is
+   in the directory with the recorded size, then writes ``.metadata`` and ``manifest.json`` (temp name,
+   fsync, rename) and fsyncs the directory (prepare); a second gather tells every rank whether every
+   domain prepared; only then do leaders rename the directory to ``step_X/`` and fsync the run
+   directory (commit). A third gather tells every rank that all domains committed. One rank's failure
+   anywhere means no domain commits the step, and the error names the rank and the path.
 
 Restore (:meth:`Engine.restore`, collective): domain leaders list committed steps; ranks try the
 newest common step, each reading and verifying (per-item checksums) the byte ranges it needs *before
 touching any live tensor*; only when every rank verified does anyone copy into the model. A corrupt or
-partial step is skipped with a warning naming the file and the reason. What a save or restore did
-(bytes, times, where a restore read from) is returned (:class:`SaveOutcome`) or kept
-(:attr:`Engine.last_restore`) for the caller's event log; the engine itself writes no events.
+partial step is skipped with a warning naming the file and the reason. Items stored per rank are read
+from the copy of the rank that saved them (``rank_map`` when the world size changed). What a save or
+restore did (bytes, times, where a restore read from, replica mismatches) is returned
+(:class:`SaveOutcome`, :class:`PendingSave`) or kept (:attr:`Engine.last_restore`) for the caller's
+event log; the engine itself writes no events.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import io
 import logging
 import os
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +52,7 @@ from ..errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     InsufficientSpaceError,
+    ReplicaMismatchError,
     ResilientSlurmError,
     SaveError,
 )
@@ -57,6 +65,7 @@ from ..manifest import (
     ShardEntry,
     is_tmp_dirname,
     parse_step_dirname,
+    split_per_rank_fqn,
     step_dirname,
     tmp_dirname,
 )
@@ -77,6 +86,7 @@ from ..storage.fileio import (
 from ..storage.tier import StorageTier
 from . import state as state_mod
 from .coordination import Coordinator, Topology
+from .ddp import DDP_KEY, DDPTracker
 from .planning import (
     GlobalSavePlan,
     SafeLoadPlanner,
@@ -84,8 +94,19 @@ from .planning import (
     domain_storage_data,
     dump_metadata,
     load_metadata,
+    original_index,
 )
 from .policy import RetentionPolicy
+from .replication import (
+    ItemTable,
+    ReplicaMismatch,
+    ReplicaTracker,
+    describe_index,
+    digest_value,
+    digest_vector,
+    equal_from_reduced,
+    mismatch_from_digests,
+)
 from .staging import ShardLayout, StagingBuffer, framing_for
 
 log = logging.getLogger(__name__)
@@ -109,6 +130,7 @@ class PendingSave:
     staging: StagingBuffer
     stall_s: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
+    mismatches: tuple[ReplicaMismatch, ...] = ()  # replicas found unequal while staging
 
     @property
     def tensor_bytes(self) -> int:
@@ -133,6 +155,7 @@ class SaveOutcome:
     write_s: float
     commit_s: float
     step_bytes: int = 0  # every rank's shards together
+    mismatches: tuple[ReplicaMismatch, ...] = ()  # copies of one item unequal across domains (on domain leaders)
 
 
 @dataclass(frozen=True)
@@ -161,6 +184,9 @@ class Engine:
         free_space_margin: int = 64 << 20,
         capture_rng: bool = True,
         durable: StorageTier | None = None,
+        replica_check: str = "warn",
+        replica_check_bytes: int = 32 << 20,
+        replicated: tuple[str, ...] = (),
     ) -> None:
         self.topo = topo
         self.coord = coord
@@ -173,17 +199,28 @@ class Engine:
         self.run_dir = os.path.join(topo.root, run_id)
         self._seq = 0
         self._cached_local_plan: SavePlan | None = None
+        self._base_plans: list[SavePlan] = []  # every rank's plan, items under their own keys
+        self._table: ItemTable | None = None
+        self._table_version = 0
+        self._by_index: dict[MetadataIndex, WriteItem] = {}
+        self._global_key: tuple[int, frozenset[MetadataIndex]] | None = None
         self._cached_global: GlobalSavePlan | None = None
         self._cached_layout: ShardLayout | None = None
+        self._originals: dict[MetadataIndex, WriteItem] = {}  # per-rank item -> the item under its own key
         self._staging: StagingBuffer | None = None
         self._pin = torch.cuda.is_available()
+        self.replicas = ReplicaTracker(replica_check, replica_check_bytes)
+        self.replicated = replicated  # state keys the program declares replicated
+        self.ddp = DDPTracker()
+        self._source_rank = topo.rank  # whose per-rank state this rank restores (rank_map)
+        self._rank_mapped = False
         self.last_restore: RestoreOutcome | None = None
 
     # ------------------------------------------------------------------ save, foreground
     def plan_layout(self, state: Mapping[str, Any]) -> ShardLayout:
         """Plan a save of ``state`` now (cached for the next :meth:`stage`) and return this rank's shard
         layout, so the staging buffer can be allocated ahead of the first save. Collective (foreground)."""
-        return self._plan(state)[2]
+        return self._plan(state).layout
 
     def ensure_staging(self, layout: ShardLayout) -> StagingBuffer:
         """The staging buffer for ``layout``, allocated and pre-faulted if it is not there yet.
@@ -195,35 +232,128 @@ class Engine:
             self._staging = StagingBuffer(layout, pin=self._pin)
         return self._staging
 
-    def _plan(self, state: Mapping[str, Any]) -> tuple[DefaultSavePlanner, GlobalSavePlan, ShardLayout]:
-        sd = state_mod.build_state_dict(state, rank=self.topo.rank, capture_rng=self.capture_rng)
+    def _plan(self, state: Mapping[str, Any]) -> _Plan:
+        """Plan a save: this rank's items, the replication proofs, the global plan. Collective (foreground)."""
+        topo = self.topo
+        if self._table is None:
+            self.ddp.scan(state)
+        sd = state_mod.build_state_dict(state, rank=topo.rank, capture_rng=self.capture_rng)
+        layouts = self.ddp.layouts()
+        if layouts is not None:
+            sd[DDP_KEY] = layouts
         planner = DefaultSavePlanner()
-        planner.set_up_planner(sd, is_coordinator=self.topo.rank == 0)
+        planner.set_up_planner(sd, is_coordinator=topo.rank == 0)
         local_plan = planner.create_local_plan()
-        same = self._cached_local_plan is not None and _same_plan(local_plan, self._cached_local_plan)
-        if not self.coord.all_true(same) or self._cached_global is None:
-            all_plans = self.coord.all_gather(local_plan)
-            self._cached_global = create_global_save_plan(all_plans, self.topo.domain_of_rank)
+        changed = self._cached_local_plan is None or not _same_plan(local_plan, self._cached_local_plan)
+        reduced: list[int] = []
+        selected: list[MetadataIndex] = []
+        mine: dict[MetadataIndex, int] = {}
+        timing = {"digest_s": 0.0, "reduce_s": 0.0}
+        if self._table is not None:
+            # Steady state: one all_reduce carries "my plan changed" and this save's digests.
+            self._by_index = {it.index: it for it in local_plan.items}
+            selected = self.replicas.select(self._table)
+            mine = self._digests(selected, planner, timing)
+            t = time.perf_counter()
+            vec = self.coord.all_max([int(changed), *digest_vector(selected, mine)])
+            timing["reduce_s"] += time.perf_counter() - t
+            changed, reduced = bool(vec[0]), vec[1:]
+        if changed:
+            if self._table is not None:
+                self.ddp.scan(state)
+            exact, prefixes = self.ddp.replicated_keys(state)
+            missing = [k for k in self.replicated if k not in state]
+            if missing:
+                raise ConfigError(f"replicated={list(self.replicated)}: {missing} not in the state (keys: {sorted(state)})")
+            prefixes += tuple(f"{k}." for k in self.replicated)
+            proven = frozenset(
+                fqn for fqn, v in planner.state_dict.items()
+                if fqn in exact or fqn.startswith(prefixes) or fqn in self.replicated or _is_dtensor(v))
+            gathered = self.coord.all_gather((local_plan, proven))
+            self._base_plans = [g[0] for g in gathered]
+            self._table = ItemTable.build(self._base_plans, [g[1] for g in gathered])
+            self._table_version += 1
+            self._report_unproven(self._table)
             self._cached_local_plan = local_plan
-            self._cached_layout = ShardLayout.build(self._cached_global.plans[self.topo.rank].items)
+            self._by_index = {it.index: it for it in local_plan.items}
+            selected = self.replicas.select(self._table)
+            mine = self._digests(selected, planner, timing)
+            t = time.perf_counter()
+            reduced = self.coord.all_max(digest_vector(selected, mine))
+            timing["reduce_s"] += time.perf_counter() - t
+        table = self._table
+        assert table is not None
+        equal = equal_from_reduced(reduced, len(selected))
+        newly, mismatched = self.replicas.update(table, selected, equal)
+        if newly and topo.rank == 0:
+            log.info("state %s differs between ranks: stored and restored per rank",
+                     ", ".join(repr(describe_index(i)) for i in newly[:8]) + (f" and {len(newly) - 8} more"
+                                                                              if len(newly) > 8 else ""))
+        mismatches: tuple[ReplicaMismatch, ...] = ()
+        if mismatched:
+            every = self.coord.all_gather({i: mine[i] for i in mismatched if i in mine})
+            mismatches = tuple(mismatch_from_digests(i, {r: d[i] for r, d in enumerate(every) if i in d})
+                               for i in mismatched)
+            if self.replicas.check == "fail":
+                raise ReplicaMismatchError(
+                    "replicas that DDP or a DTensor keeps equal differ between ranks: "
+                    + "; ".join(m.describe() for m in mismatches)
+                    + ". The save was refused (replica_check=fail); set replica_check=warn to save each rank's copy",
+                    mismatches)
+        rename = self.replicas.rename(mismatched)
+        key = (self._table_version, rename)
+        if self._global_key != key or self._cached_global is None:
+            self._cached_global = create_global_save_plan(self._base_plans, topo.domain_of_rank, rename)
+            mine_items = self._cached_global.plans[topo.rank].items
+            self._cached_layout = ShardLayout.build(mine_items)
+            self._originals = {it.index: dataclasses.replace(it, index=original_index(it.index))
+                               for it in mine_items if split_per_rank_fqn(it.index.fqn) is not None}
+            self._global_key = key
         assert self._cached_layout is not None
-        return planner, self._cached_global, self._cached_layout
+        return _Plan(planner, self._cached_global, self._cached_layout, mismatches, timing)
+
+    def _report_unproven(self, table: ItemTable) -> None:
+        """Say once per plan what replication proofs cost: large shared state hashed at every save."""
+        big = [i for i in table.order if i not in table.proven and i not in self.replicas.per_rank]
+        total = sum(table.nbytes[i] for i in big)
+        if self.topo.rank == 0 and total >= 64 << 20:
+            keys = sorted({i.fqn.split(".")[0] for i in big if table.nbytes[i]})
+            log.info("%.0f MiB of state under %s is held by several ranks and not replicated by construction: every "
+                     "save hashes each rank's copy to prove it equal (about 0.1 s per GiB on a CPU core). If your "
+                     "program keeps it equal on every rank, declare it: Checkpointer(replicated=%r)",
+                     total / 2**20, keys, keys)
+
+    def _digests(self, selected: list[MetadataIndex], planner: DefaultSavePlanner,
+                 timing: dict[str, float]) -> dict[MetadataIndex, int]:
+        """This rank's digest of each selected item it holds (plain values digested as objects, not serialized)."""
+        t0 = time.perf_counter()
+        out: dict[MetadataIndex, int] = {}
+        for idx in selected:
+            it = self._by_index.get(idx)
+            if it is not None:
+                obj = planner.lookup_object(idx) if it.type == WriteItemType.BYTE_IO else planner.resolve_data(it)
+                out[idx] = digest_value(obj)
+        timing["digest_s"] += time.perf_counter() - t0
+        return out
 
     def stage(self, step: int, state: Mapping[str, Any], reason: str) -> PendingSave:
         """Plan and copy ``state`` into staging buffers. Collective (foreground group)."""
         t0 = time.perf_counter()
-        planner, plan, layout = self._plan(state)
+        pl = self._plan(state)
+        planner, plan, layout = pl.planner, pl.plan, pl.layout
         mine = plan.plans[self.topo.rank].items
         staging = self.ensure_staging(layout)
         t_plan = time.perf_counter()
-        staging.stage(planner.resolve_data)  # type: ignore[arg-type]
+        originals = self._originals
+        resolve: Callable[[WriteItem], Any] = (
+            (lambda it: planner.resolve_data(originals.get(it.index, it))) if originals else planner.resolve_data)
+        staging.stage(resolve)
         bytes_items = []
         for it in mine:
             if it.type == WriteItemType.BYTE_IO:
-                data = planner.resolve_data(it)
+                data = resolve(it)
                 assert isinstance(data, io.BytesIO)
-                raw = data.getvalue()
-                bytes_items.append((it, raw))
+                bytes_items.append((it, data.getvalue()))
         self._seq += 1
         t1 = time.perf_counter()
         return PendingSave(
@@ -235,15 +365,17 @@ class Engine:
             plan=plan,
             staging=staging,
             stall_s=t1 - t0,
-            stats={"plan_s": t_plan - t0, "copy_s": t1 - t_plan},
+            stats={"plan_s": t_plan - t0, "copy_s": t1 - t_plan, **pl.timing},
+            mismatches=pl.mismatches,
         )
 
     # ------------------------------------------------------------------ save, background
     def write_and_commit(self, p: PendingSave) -> SaveOutcome:
         """Write this rank's shard and commit the step in every domain. Collective (background group).
 
-        Never leaves a partial step that looks committed: failures anywhere remove the temp
-        directories and raise :class:`SaveError` on every rank.
+        Never leaves a partial step that looks committed: a failure on any rank, or a shard missing from
+        its domain's directory, means no domain commits; the temp directories are removed and every
+        rank raises :class:`SaveError` naming the rank and the path.
         """
         topo = self.topo
         tmp = os.path.join(self.run_dir, tmp_dirname(p.step, p.token))
@@ -253,29 +385,51 @@ class Engine:
         try:
             os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
             os.makedirs(tmp, mode=0o700, exist_ok=True)
-            failpoints.hit("before_shard_write")
+            failpoints.hit("before_shard_write", os.path.join(tmp, fname))
             result = self._write_shard(p, tmp, fname)
-            failpoints.hit("after_shard_write")
+            failpoints.hit("after_shard_write", os.path.join(tmp, fname))
         except Exception as exc:  # reported to every rank below; never lost
-            log.error("step %d: rank %d could not write its shard: %s", p.step, topo.rank, exc)
-            result = {"ok": False, "error": f"rank {topo.rank}: {exc}", "space": isinstance(exc, InsufficientSpaceError)}
+            log.error("step %d: rank %d could not write its shard %s: %s", p.step, topo.rank,
+                      os.path.join(tmp, fname), exc)
+            result = {"ok": False, "error": f"rank {topo.rank} could not write {os.path.join(tmp, fname)}: {exc}",
+                      "space": isinstance(exc, InsufficientSpaceError)}
         t1 = time.perf_counter()
         results = self.coord.all_gather(result, background=True)
         failed = [r for r in results if not r["ok"]]
+        errors: list[str] = [r["error"] for r in failed]
+        mismatches: tuple[ReplicaMismatch, ...] = ()
+        if not failed:
+            # Phase 1 (prepare): every leader checks its directory and writes .metadata and the manifest
+            # into the temp directory; nothing is committed until every domain has prepared.
+            error: str | None = None
+            if topo.is_leader:
+                try:
+                    mismatches = _cross_domain_mismatches(results)
+                    if mismatches and self.replicas.check == "fail":
+                        raise ReplicaMismatchError(
+                            "copies of replicated state differ between storage domains: "
+                            + "; ".join(m.describe() for m in mismatches) + " (replica_check=fail)", mismatches)
+                    self._prepare_domain(p, tmp, results, mismatches)
+                except Exception as exc:
+                    log.error("step %d: preparing the commit in %s failed: %s", p.step, tmp, exc)
+                    error = f"domain {topo.domain} ({tmp}): {exc}"
+            errors = [e for e in self.coord.all_gather(error, background=True) if e]
         commit_error: str | None = None
-        if not failed and topo.is_leader:
-            try:
-                self._commit_domain(p, tmp, results)
+        if not errors and topo.is_leader:
+            try:  # phase 2: every domain prepared; the rename is the commit
+                self._install(tmp, p.step, p.token)
             except Exception as exc:
                 log.error("step %d: commit in %s failed: %s", p.step, self.run_dir, exc)
-                commit_error = f"domain {topo.domain}: {exc}"
-        if (failed or commit_error) and topo.is_leader:
+                commit_error = f"domain {topo.domain}: renaming {tmp} failed: {exc}"
+        if errors and topo.is_leader:
             _remove_quietly(tmp)
-        commit_errors = [e for e in self.coord.all_gather(commit_error, background=True) if e]
-        if failed or commit_errors:
-            msgs = [r["error"] for r in failed] + commit_errors
-            cls = InsufficientSpaceError if any(r.get("space") for r in failed) else SaveError
-            raise cls(f"save of step {p.step} (run {self.run_id}) failed: " + "; ".join(msgs))
+        if not errors:
+            errors = [e for e in self.coord.all_gather(commit_error, background=True) if e]
+        if errors:
+            msg = f"save of step {p.step} (run {self.run_id}) failed, no domain committed it: " + "; ".join(errors)
+            if mismatches and self.replicas.check == "fail":
+                raise ReplicaMismatchError(msg, mismatches)
+            raise (InsufficientSpaceError if any(r.get("space") for r in failed) else SaveError)(msg)
         t2 = time.perf_counter()
         if topo.is_leader:
             failpoints.hit("after_commit_rename")
@@ -285,7 +439,7 @@ class Engine:
             "commit %.3fs",
             p.step, p.reason, total / 2**20, p.stall_s, p.stats["plan_s"], p.stats["copy_s"], t1 - t0, t2 - t1,
         )
-        return SaveOutcome(p.step, p.reason, result["size"], p.stall_s, t1 - t0, t2 - t1, total)
+        return SaveOutcome(p.step, p.reason, result["size"], p.stall_s, t1 - t0, t2 - t1, total, mismatches)
 
     def _write_shard(self, p: PendingSave, tmp: str, fname: str) -> dict[str, Any]:
         layout = p.staging.layout
@@ -337,8 +491,23 @@ class Engine:
         )
         return {"ok": True, "entry": entry, "infos": infos, "size": written.size, "created_at": p.created_at}
 
-    def _commit_domain(self, p: PendingSave, tmp: str, results: list[dict[str, Any]]) -> None:
+    def _prepare_domain(self, p: PendingSave, tmp: str, results: list[dict[str, Any]],
+                        mismatches: tuple[ReplicaMismatch, ...]) -> None:
+        """Leader: check that every shard of this domain is in ``tmp`` with its recorded size, then write
+        ``.metadata`` and ``manifest.json`` there and fsync the directory. The rename commits later."""
         topo = self.topo
+        for res in results:
+            e: ShardEntry = res["entry"]
+            if e.node != topo.domain:
+                continue
+            path = os.path.join(tmp, e.path)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise SaveError(f"rank {e.rank} reported its shard written, but {path} is not there (did that rank "
+                                "write into another directory?)") from None
+            if st.st_size != e.size:
+                raise SaveError(f"rank {e.rank}'s shard {path} has {st.st_size} bytes, the rank wrote {e.size}")
         md = p.plan.metadata
         storage = domain_storage_data([r["infos"] for r in results], topo.domain_of_rank, topo.domain)
         dom_md = Metadata(
@@ -352,6 +521,7 @@ class Engine:
         nodes: dict[str, list[int]] = {}
         for r, d in enumerate(topo.domain_of_rank):
             nodes.setdefault(d, []).append(r)
+        found = [*p.mismatches, *mismatches]
         manifest = Manifest(
             run_id=self.run_id,
             step=p.step,
@@ -364,11 +534,11 @@ class Engine:
             nodes={d: tuple(rs) for d, rs in nodes.items()},
             node=topo.domain,
             dcp_metadata=ChunkEntry(0, len(md_bytes), checksum(md_bytes)),
+            extra={"replica_mismatch": [dataclasses.asdict(m) for m in found]} if found else {},
         )
         atomic_write(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
         fsync_dir(tmp)
         failpoints.hit("after_manifest")
-        self._install(tmp, p.step, p.token)
 
     def _install(self, tmp: str, step: int, token: str) -> None:
         """Rename a complete temp directory to ``step_X/`` (the local commit) and fsync the run directory.
@@ -443,17 +613,26 @@ class Engine:
         return deleted
 
     # ------------------------------------------------------------------ restore
-    def restore(self, state: MutableMapping[str, Any]) -> int:
+    def restore(self, state: MutableMapping[str, Any], rank_map: Callable[[int], int] | None = None) -> int:
         """Restore the newest step that every rank can read and verify; return it (0 if none).
 
         Collective (foreground group). Candidates are the steps committed in every domain's local tier
         and the steps committed in the durable tier, newest first. A domain that lacks a candidate, or
         whose copy fails verification, fetches its part from the durable tier into its local tier
         (verified, then committed there) and the ranks read again. Corrupt steps are skipped with a
-        warning; an incompatible checkpoint (missing key, shape mismatch, newer schema) raises on every
-        rank.
+        warning; an incompatible checkpoint (missing key, shape mismatch, newer schema, per-rank state
+        saved at another world size without ``rank_map``) raises on every rank. ``rank_map(rank)`` names
+        the saved rank whose per-rank state and RNG state this rank loads.
         """
         topo = self.topo
+        self._source_rank = topo.rank
+        self._rank_mapped = rank_map is not None
+        map_error: str | None = None
+        if rank_map is not None:
+            try:
+                self._source_rank = int(rank_map(topo.rank))
+            except Exception as exc:  # every rank must learn of it, or the others wait in the gather below
+                map_error = f"rank_map({topo.rank}) failed: {exc!r}"
         t0 = time.perf_counter()
         self.last_restore = None
         skipped: list[int] = []
@@ -463,7 +642,10 @@ class Engine:
         durable: list[int] | None = None
         if topo.rank == 0 and self.durable is not None:
             durable = self._durable_steps()
-        gathered = self.coord.all_gather((mine, durable))
+        gathered = self.coord.all_gather((mine, durable, map_error))
+        errors = [g[2] for g in gathered if g[2]]
+        if errors:
+            raise ConfigError("; ".join(errors))
         lists = [g[0] for g in gathered]
         durable_set = set(gathered[0][1] or [])
         leaders = [r for r in range(topo.world_size) if lists[r] is not None]
@@ -523,7 +705,8 @@ class Engine:
                     continue
                 assert loaded is not None
                 loaded.apply()
-                state_mod.apply_loaded(state, loaded.target, rank=topo.rank)
+                state_mod.apply_loaded(state, loaded.target, rank=self._source_rank)
+                self.ddp.expect(state, loaded.target.get(DDP_KEY))
                 initialized = []
                 log.info("restored step %d from %s%s", step, self.run_dir,
                          " (fetched from the durable tier)" if step not in common else "")
@@ -624,6 +807,27 @@ class Engine:
             raise
         return total
 
+    def _check_per_rank(self, step: int, step_dir: str, manifest: Manifest, md: Metadata,
+                        state: Mapping[str, Any]) -> None:
+        """Per-rank state is loaded from the rank that saved it: refuse a world-size change that leaves
+        ranks without their state (or drops some), unless ``rank_map`` says which saved rank each resumes."""
+        keys = sorted({split[1] for fqn in md.state_dict_metadata
+                       if (split := split_per_rank_fqn(fqn)) is not None and split[1].split(".")[0] in state})
+        if not keys:
+            return
+        saved, now = manifest.world_size, self.topo.world_size
+        shown = ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+        if saved != now and not self._rank_mapped:
+            raise IncompatibleCheckpointError(
+                f"step {step} in {step_dir} holds per-rank state ({shown}: values that differed between ranks) "
+                f"saved by {saved} ranks; this job has {now}. Pass rank_map= to restore() to say which saved rank "
+                "each rank resumes (docs/integration.md), keep that state equal on every rank or in a DTensor so "
+                "it reshards, or resume with the same number of ranks")
+        if not 0 <= self._source_rank < saved:
+            raise IncompatibleCheckpointError(
+                f"rank_map maps rank {self.topo.rank} to rank {self._source_rank}, but step {step} in {step_dir} "
+                f"was saved by ranks 0..{saved - 1} (per-rank state: {shown})")
+
     def _try_read(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
         step_dir = os.path.join(self.run_dir, step_dirname(step))
         try:
@@ -657,8 +861,10 @@ class Engine:
         if len(md_bytes) != manifest.dcp_metadata.length or checksum(md_bytes) != manifest.dcp_metadata.checksum:
             raise CorruptCheckpointError(f"{mdpath}: size or checksum does not match the manifest")
         md = load_metadata(md_bytes, source=mdpath)
-        target = state_mod.prepare_load_target(state, md, rank=self.topo.rank, capture_rng=self.capture_rng)
-        planner = SafeLoadPlanner()
+        self._check_per_rank(step, step_dir, manifest, md, state)
+        target = state_mod.prepare_load_target(state, md, rank=self.topo.rank, capture_rng=self.capture_rng,
+                                               source_rank=self._source_rank, extra_keys=(DDP_KEY,))
+        planner = SafeLoadPlanner(self._source_rank)
         planner.set_up_planner(target, md, is_coordinator=self.topo.rank == 0)
         try:
             plan = planner.create_local_plan()
@@ -729,6 +935,25 @@ class Engine:
                        bytes_read=read)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """One save's plan on this rank."""
+
+    planner: DefaultSavePlanner
+    plan: GlobalSavePlan
+    layout: ShardLayout
+    mismatches: tuple[ReplicaMismatch, ...]
+    timing: dict[str, float]  # digest_s (hashing) and reduce_s (the all_reduce) of the replication proofs
+
+
+def _is_dtensor(v: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(v, DTensor)
+
+
 @dataclass
 class _Loaded:
     """Verified bytes of one step, ready to be copied into the live state."""
@@ -773,6 +998,23 @@ class _Loaded:
             return raw.view(dtype).view(tuple(chunk.sizes)) if nbytes else torch.empty(tuple(chunk.sizes), dtype=dtype)
         # Not our framing (e.g. written by plain DCP): let torch parse it, safely.
         return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=True)
+
+
+def _cross_domain_mismatches(results: list[dict[str, Any]]) -> tuple[ReplicaMismatch, ...]:
+    """Items written once per domain whose copies have different checksums: a free check, at every
+    save, of state replicated by construction (the digests of the others proved them equal before)."""
+    copies: dict[MetadataIndex, dict[int, str]] = {}
+    for r in results:
+        e: ShardEntry = r["entry"]
+        sums = {c.offset: c.checksum for c in e.chunks}
+        for idx, (_, off, _) in r["infos"].items():
+            copies.setdefault(idx, {})[e.rank] = sums[off]
+    out = []
+    for idx, by_rank in copies.items():
+        if len(by_rank) > 1 and len(set(by_rank.values())) > 1:
+            ids = {v: i for i, v in enumerate(sorted(set(by_rank.values())))}
+            out.append(mismatch_from_digests(idx, {r: ids[v] for r, v in by_rank.items()}))
+    return tuple(sorted(out, key=lambda m: m.key))
 
 
 def _same_plan(a: SavePlan, b: SavePlan) -> bool:

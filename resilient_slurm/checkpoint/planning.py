@@ -9,6 +9,9 @@ reshards on load. What we change:
   holds a complete copy of the replicated state and a node can restore from its own NVMe; DCP's
   default dedup is global, which would leave node B needing bytes that only exist on node A's disk.
 * Each domain's ``.metadata`` maps every item to the copy stored in that domain when there is one.
+* Items whose copies differ between ranks (replication.py proves which) are stored under per-rank keys
+  (``_rslurm_per_rank.<rank>.<key>``, nested as ``{_rslurm_per_rank: {rank: ...}}`` for plain DCP
+  readers) and loaded by :class:`SafeLoadPlanner` from the copy of the rank that saved them.
 * ``.metadata`` is read with a restricted unpickler (an allow-list of DCP metadata classes); plain
   values are loaded with ``torch.load(weights_only=True)``. No checkpoint content runs code on load.
 """
@@ -20,6 +23,7 @@ import io
 import pickle
 from collections import ChainMap
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -34,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItemType
 
 from ..errors import CorruptCheckpointError
+from ..manifest import per_rank_fqn, per_rank_path, split_per_rank_fqn
 
 _ALLOWED_GLOBALS: dict[str, set[str]] = {
     "torch.distributed.checkpoint.metadata": {
@@ -87,11 +92,17 @@ class GlobalSavePlan:
     metadata: Metadata  # state_dict_metadata + planner_data; storage_data is filled per domain
 
 
-def create_global_save_plan(all_plans: Sequence[SavePlan], domain_of_rank: Sequence[str]) -> GlobalSavePlan:
-    """Deduplicate within each storage domain (balanced by size across its ranks) and build metadata.
+def create_global_save_plan(
+    all_plans: Sequence[SavePlan],
+    domain_of_rank: Sequence[str],
+    per_rank: AbstractSet[MetadataIndex] = frozenset(),
+) -> GlobalSavePlan:
+    """Store ``per_rank`` items under each rank's own key, deduplicate the rest within each storage domain
+    (balanced by size across its ranks), and build the metadata.
 
     Deterministic: every rank can run it on the same gathered plans and get the same answer.
     """
+    all_plans = [_rename_per_rank(p, r, per_rank) for r, p in enumerate(all_plans)] if per_rank else list(all_plans)
     domains = sorted(set(domain_of_rank), key=lambda d: domain_of_rank.index(d))
     write_plans: list[SavePlan] = list(all_plans)
     for dom in domains:
@@ -111,6 +122,8 @@ def create_global_save_plan(all_plans: Sequence[SavePlan], domain_of_rank: Seque
         meta_plans.append(dataclasses.replace(p, items=keep))
     _, md = create_default_global_save_plan(meta_plans)
     mappings = dict(ChainMap(*[p.planner_data for p in all_plans if p.planner_data]))
+    if per_rank:  # keys now stored only per rank have no entry of their own
+        mappings = {k: v for k, v in mappings.items() if k in md.state_dict_metadata}
     md = dataclasses.replace(md, planner_data=mappings)
     # Byte items and index hints: rewrite each rank's write items with the metadata's chunk positions.
     hints: dict[MetadataIndex, int | None] = {}
@@ -133,6 +146,26 @@ def create_global_save_plan(all_plans: Sequence[SavePlan], domain_of_rank: Seque
     return GlobalSavePlan(plans=final, metadata=md)
 
 
+def _rename_per_rank(plan: SavePlan, rank: int, per_rank: AbstractSet[MetadataIndex]) -> SavePlan:
+    """Rank ``rank``'s plan with its copies of ``per_rank`` items under its own keys (and nested paths)."""
+    items, data = [], dict(plan.planner_data or {})
+    for it in plan.items:
+        if it.index in per_rank:
+            fqn = per_rank_fqn(rank, it.index.fqn)
+            items.append(dataclasses.replace(it, index=dataclasses.replace(it.index, fqn=fqn)))
+            if it.index.fqn in data:
+                data[fqn] = per_rank_path(rank, data[it.index.fqn])
+        else:
+            items.append(it)
+    return dataclasses.replace(plan, items=items, planner_data=data)
+
+
+def original_index(idx: MetadataIndex) -> MetadataIndex:
+    """The key a per-rank item has in the rank's own state (other items: unchanged)."""
+    split = split_per_rank_fqn(idx.fqn)
+    return idx if split is None else dataclasses.replace(idx, fqn=split[1])
+
+
 def domain_storage_data(
     results: Sequence[Mapping[MetadataIndex, tuple[str, int, int]]],
     domain_of_rank: Sequence[str],
@@ -149,7 +182,21 @@ def domain_storage_data(
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that loads plain values with ``weights_only=True`` (no arbitrary code)."""
+    """DefaultLoadPlanner that loads plain values with ``weights_only=True`` (no arbitrary code), and that
+    reads items stored per rank from the copy of ``source_rank`` (this rank, unless ranks are mapped)."""
+
+    def __init__(self, source_rank: int = 0) -> None:
+        super().__init__()
+        self.source_rank = source_rank
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        assert metadata is not None
+        for fqn in list(self.state_dict):
+            own = per_rank_fqn(self.source_rank, fqn)
+            if fqn not in metadata.state_dict_metadata and own in metadata.state_dict_metadata:
+                self.state_dict[own] = self.state_dict.pop(fqn)
+                self.mappings[own] = self.mappings.pop(fqn)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.set_value(read_item, torch.load(value, weights_only=True))

@@ -4,10 +4,10 @@
   samplers, StatefulDataLoader, user objects) are captured through them;
 * tensors are saved as they are and restored in place;
 * plain values (numbers, strings, lists, dicts) are saved and put back into the dict;
-* per-rank RNG state lives under ``_rslurm_rng.rank<r>``; ranks never collide on it.
-
-Everything else in a DCP state_dict with the same key on several ranks is taken to be replicated
-(DDP) or a DTensor (sharded); that is DCP's contract and ours.
+* per-rank RNG state lives under ``_rslurm_rng.rank<r>``; ranks never collide on it;
+* anything else under one key on several ranks is written once only when its copies are proven equal
+  (replication.py); otherwise each rank's copy is stored under ``_rslurm_per_rank.<r>.<key>`` and
+  restored to that rank (:func:`prepare_load_target` shapes the target from that copy).
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import ConfigError, IncompatibleCheckpointError
+from ..manifest import per_rank_path, split_per_rank_fqn
 from . import rng
 
 log = logging.getLogger(__name__)
 
 RNG_KEY = "_rslurm_rng"
+DDP_KEY = "_rslurm_ddp"  # DDP's gradient bucket layouts (checkpoint/ddp.py), a JSON string
 RESERVED_PREFIX = "_rslurm"
 
 
@@ -58,16 +60,21 @@ def build_state_dict(state: Mapping[str, Any], *, rank: int, capture_rng: bool) 
 
 
 def prepare_load_target(
-    state: Mapping[str, Any], metadata: Metadata, *, rank: int, capture_rng: bool
+    state: Mapping[str, Any], metadata: Metadata, *, rank: int, capture_rng: bool, source_rank: int | None = None,
+    extra_keys: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """A state_dict to load into: live tensors where possible, fresh ones for state not yet created.
 
+    ``source_rank`` is the rank whose per-rank copies (and RNG state) this rank loads (default: its
+    own). ``extra_keys`` are reserved plain values to load too when the checkpoint has them.
     Optimizers that have not stepped yet have no moment tensors to load into; like DCP's
     ``set_state_dict`` we initialize them with a zero-lr step first.
     """
+    src = rank if source_rank is None else source_rank
     for k, v in state.items():
         if isinstance(v, torch.optim.Optimizer) and not v.state:
-            if any(fqn.startswith(f"{k}.state.") for fqn in metadata.state_dict_metadata):
+            if any(fqn.startswith(f"{k}.state.") or (split_per_rank_fqn(fqn) or (0, ""))[1].startswith(f"{k}.state.")
+                   for fqn in metadata.state_dict_metadata):
                 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
                 _init_optim_state(v)
@@ -75,29 +82,39 @@ def prepare_load_target(
     for k, v in state.items():
         if not _stateful(v) and not isinstance(v, torch.Tensor):
             # Plain values are replaced wholesale: shape the target like what was saved.
-            sd[k] = _plain_target(k, metadata)
+            sd[k] = _plain_target(k, metadata, src)
+    for k in extra_keys:
+        if k in metadata.state_dict_metadata:
+            sd[k] = None
     if capture_rng:
-        prefix = f"{RNG_KEY}.rank{rank}."
+        prefix = f"{RNG_KEY}.rank{src}."
         if any(fqn.startswith(prefix) for fqn in metadata.state_dict_metadata):
             # Shape the target like what was saved (RNG tensors differ in size across devices).
-            sd[RNG_KEY] = {f"rank{rank}": rng.capture_rng_state()}
+            sd[RNG_KEY] = {f"rank{src}": rng.capture_rng_state()}
         else:
             log.warning(
                 "checkpoint has no RNG state for rank %d (saved with a smaller world size or without "
                 "RNG capture); this rank keeps its current RNG state",
-                rank,
+                src,
             )
     return sd
 
 
-def _plain_target(key: str, md: Metadata) -> Any:
-    paths = {fqn: path for fqn, path in (md.planner_data or {}).items() if path and path[0] == key}
+def _plain_target(key: str, md: Metadata, src: int) -> Any:
+    """A target shaped like plain value ``key`` as saved: shared entries, or rank ``src``'s own copies."""
+    paths: dict[tuple[Any, ...], str] = {}
+    for fqn, path in (md.planner_data or {}).items():
+        if not path:
+            continue
+        own = per_rank_path(src, (key,))
+        if path[0] == key or tuple(path[: len(own)]) == own:
+            paths[tuple(path) if path[0] == key else tuple(path[len(own) - 1:])] = fqn
     if not paths:
         raise IncompatibleCheckpointError(
             f"state key {key!r} is not in the checkpoint; remove it from state, or start the run afresh"
         )
     root: dict[str, Any] = {}
-    for fqn, path in sorted(paths.items(), key=lambda kv: [str(p) for p in kv[1]]):
+    for path, fqn in sorted(paths.items(), key=lambda kv: [str(p) for p in kv[0]]):
         smd = md.state_dict_metadata.get(fqn)
         value: Any = None
         if isinstance(smd, TensorStorageMetadata):
@@ -107,7 +124,7 @@ def _plain_target(key: str, md: Metadata) -> Any:
 
 
 def apply_loaded(state: MutableMapping[str, Any], loaded: Mapping[str, Any], *, rank: int) -> None:
-    """Push a loaded state_dict back into the user's objects and dict."""
+    """Push a loaded state_dict back into the user's objects and dict (``rank``: whose RNG state was loaded)."""
     for k, v in list(state.items()):
         if k not in loaded:
             continue

@@ -62,7 +62,7 @@ MIN_PASS_INTERVAL = 0.05
 LAG_EVENT_EVERY = 60.0
 COUNTERS = ("rslurm_drained_bytes_total", "rslurm_drained_steps_total", "rslurm_drain_seconds_total",
             "rslurm_drain_retries_total", "rslurm_drain_failures_total", "rslurm_durable_commits_total",
-            "rslurm_local_evicted_steps_total")
+            "rslurm_local_evicted_steps_total", "rslurm_replica_mismatches_total")
 
 
 class _FromSettings:
@@ -430,6 +430,8 @@ class Daemon:
             self._throughput = result.throughput
         if result.state in ("durable", "waiting") and not recheck:
             self.counters["rslurm_drained_steps_total"] += 1
+            mismatches = ls.manifest.extra.get("replica_mismatch")
+            self.counters["rslurm_replica_mismatches_total"] += len(mismatches) if isinstance(mismatches, list) else 0
             events.emit("drained", step=ls.step, state=result.state, bytes=result.bytes_sent,
                         reused_bytes=result.bytes_reused, seconds=result.seconds,
                         throughput_bytes_s=result.throughput, retries=result.retries)

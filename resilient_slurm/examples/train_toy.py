@@ -79,10 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                         drop_last=True, persistent_workers=False)
     model, opt, sched, scaler = build(args.hidden, args.seed, rank)
-    # DDP with 3+ ranks is not bitwise reproducible across a restart: constructing DDP again changes
-    # the float summation order of its first iteration's allreduce (last-bit differences; rebuilding
-    # DDP mid-run in one process shows the same, with no checkpoint involved). ``--grad-sync
-    # allreduce`` averages gradients with one fixed all_reduce per step, which is.
+    # DDP at any number of ranks resumes bitwise: the Checkpointer restores DDP's gradient bucket
+    # layout (docs/integration.md#ddp). ``--grad-sync allreduce`` averages gradients with one explicit
+    # all_reduce per step instead, for programs that do not use DDP.
     use_ddp = world > 1 and args.grad_sync == "ddp"
     net = torch.nn.parallel.DistributedDataParallel(model) if use_ddp else model
     state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "sampler": sampler,
