@@ -84,8 +84,10 @@ def start_ranks(
     workdir: Path,
     env: Mapping[str, str] | None = None,
     per_rank_env: Sequence[Mapping[str, str]] | None = None,
+    prefixes: Sequence[Sequence[str]] | None = None,
 ) -> RankJob:
-    """Start ``world_size`` processes of ``python argv...`` with torch.distributed variables set."""
+    """Start ``world_size`` processes of ``python argv...`` with torch.distributed variables set
+    (``prefixes[r]``: a command that runs rank r's python, e.g. in a UTS namespace of its own)."""
     port = free_port()
     procs, logs = [], []
     for r in range(world_size):
@@ -97,7 +99,8 @@ def start_ranks(
             e.update(per_rank_env[r])
         log = workdir / f"rank{r}.{time.monotonic_ns()}.out"
         with open(log, "wb") as f:
-            procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=f, stderr=subprocess.STDOUT,
+            cmd = [*(prefixes[r] if prefixes else ()), sys.executable, *argv]
+            procs.append(subprocess.Popen(cmd, env=e, stdout=f, stderr=subprocess.STDOUT,
                                           cwd=workdir, start_new_session=True))
         logs.append(log)
     return RankJob(procs, logs)
@@ -105,9 +108,10 @@ def start_ranks(
 
 def run_ranks(argv: Sequence[str], world_size: int, workdir: Path, *, timeout: float = 300,
               env: Mapping[str, str] | None = None,
-              per_rank_env: Sequence[Mapping[str, str]] | None = None) -> RankJob:
+              per_rank_env: Sequence[Mapping[str, str]] | None = None,
+              prefixes: Sequence[Sequence[str]] | None = None) -> RankJob:
     """Start ranks and wait; fail with their output if any rank exits non-zero."""
-    job = start_ranks(argv, world_size, workdir, env, per_rank_env)
+    job = start_ranks(argv, world_size, workdir, env, per_rank_env, prefixes)
     codes = job.wait(timeout)
     if any(codes):
         out = "\n".join(f"--- rank {r} (exit {c}) ---\n{job.output(r)[-4000:]}" for r, c in enumerate(codes))

@@ -239,6 +239,7 @@ def test_ls_and_show(tiers: Tiers, trained: Path) -> None:
         (0, "n1", "__0_0.distcp"), (1, "n2", "__1_0.distcp")]
     keys = {k["key"]: k for k in show["keys"]}
     assert set(keys) == {"model", "optimizer", "scheduler", "scaler", "sampler", "progress"}
+    assert show["ddp_bucket_layout"] is True and all(not k["per_rank"] for k in keys.values())
     ref = reference(trained, 0)
     assert keys["model"]["tensors"] == len(ref["model"]) and keys["model"]["dtypes"] == ["float32"]
     assert keys["model"]["tensor_bytes"] == sum(t.numel() * t.element_size() for t in ref["model"].values())
@@ -317,7 +318,7 @@ def test_export_matches_the_training_state(tiers: Tiers, trained: Path, tmp_path
     assert r.returncode == 0, r.stderr
     assert f"from the {'local' if tiers.kind == 'local' else 'durable'} tier" in r.stdout
     sd = torch.load(out, weights_only=True)
-    assert set(sd) == {"model", "optimizer", "scheduler", "scaler", "sampler", "progress", "_rslurm_rng"}
+    assert set(sd) == {"model", "optimizer", "scheduler", "scaler", "sampler", "progress", "_rslurm_rng", "_rslurm_ddp"}
     assert_same(sd["model"], ref[0]["model"], "model")
     # DCP keys nested dicts by string: the optimizer's per-parameter state is "0", "1", ...
     assert_same(sd["optimizer"]["state"], {str(k): v for k, v in ref[0]["optimizer"]["state"].items()}, "optim")

@@ -43,9 +43,10 @@ def _batches(log: Path) -> dict[int, dict]:
     [
         pytest.param(1, 2, "ddp", id="single-process"),
         pytest.param(2, 2, "ddp", id="ddp-2-ranks"),
-        # DDP itself is not bitwise reproducible across its own re-construction with 3+ ranks (see
-        # train_toy.py), so 4 ranks average gradients with one explicit all_reduce per step.
-        pytest.param(4, 1, "allreduce", id="4-ranks-allreduce"),
+        # With 3+ ranks DDP rounds differently after a re-construction unless its bucket layout is
+        # restored (tests/test_ddp_layout.py); the explicit all_reduce needs no such help.
+        pytest.param(4, 1, "ddp", id="ddp-4-ranks"),
+        pytest.param(3, 1, "allreduce", id="3-ranks-allreduce"),
     ],
 )
 def test_sigkill_at_random_step_then_resume_is_bitwise_identical(

@@ -327,6 +327,18 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, moto_server: MotoServer) 
             bad = {"RSLURM_DURABLE": "s3://rslurm-no-such-bucket/x", "RSLURM_S3_ENDPOINT_URL": moto_server.endpoint}
             r = _daemon(sc, _env(sc, ctl, **bad, RSLURM_METRICS_TEXTFILE=str(sc.prom("nobucket"))), "nobucket")
             assert r.returncode == 1, r.stderr
+
+        # 4d. a desynchronised DDP replica (rank 1 nudges a parameter before a save), then drained
+        with Phase(sc, "desync"):
+            out = root / "desync"
+            out.mkdir()
+            worker = [PY, str(REPO / "tests" / "workers" / "replica_worker.py"), "save", "--out", str(out),
+                      "--perturb-rank", "1"]
+            proc, err = _launch(sc, _env(sc, ctl, RSLURM_RUN_ID="desync"), worker, 2, "desync")
+            assert _wait(proc, err, 120) == 0, err.read_text(errors="replace")[-3000:]
+            r = _daemon(sc, _env(sc, ctl, **posix, RSLURM_RUN_ID="desync",
+                                 RSLURM_METRICS_TEXTFILE=str(sc.prom("desync"))), "desync")
+            assert r.returncode == 0, r.stderr
         yield sc
     finally:
         shutil.rmtree(ctl, ignore_errors=True)
@@ -342,7 +354,7 @@ def test_every_documented_event_appears_with_exactly_its_fields(scenario: Scenar
     for p in scenario.nvme.glob("*/events.jsonl"):
         check_order(read_jsonl(p), str(p))
         assert all(len(line) < 4000 for line in p.read_bytes().splitlines())
-    assert {r["node"] for r in records} == {"n1"} and {r["run_id"] for r in records} == {RUN, "stuck", "full"}
+    assert {r["node"] for r in records} == {"n1"} and {r["run_id"] for r in records} == {RUN, "stuck", "full", "desync"}
 
 
 def test_save_events_match_the_manifests(scenario: Scenario) -> None:
@@ -466,6 +478,16 @@ def test_daemon_events_and_metrics_match_the_drained_steps(scenario: Scenario) -
     nm = check_prom(docs, scenario.prom("nobucket"))
     assert nm["rslurm_drain_failures_total"] == len(failed) and nm["rslurm_drained_steps_total"] == 0
     assert nm["rslurm_durable_newest_step"] == {RUN: -1} and nm["rslurm_steps_pending_drain"] == {RUN: len(failed)}
+
+
+def test_a_replica_mismatch_is_an_event_a_manifest_entry_and_a_daemon_metric(scenario: Scenario) -> None:
+    ev = [e for e in scenario.events("desync") if e["event"] == "replica_mismatch"]
+    assert [(e["step"], e["key"], e["ranks"], e["majority"], e["found_by"], e["action"], e["rank"]) for e in ev] == [
+        (3, "model.0.weight", [1], [0], "digest", "warn", 0)], ev
+    m = manifest(scenario.nvme / "desync" / step_dirname(3))
+    assert m["extra"]["replica_mismatch"] == [{"key": "model.0.weight", "majority": [0], "ranks": [1]}]
+    dm = check_prom(read_docs(), scenario.prom("desync"))
+    assert dm["rslurm_replica_mismatches_total"] == 1 and dm["rslurm_drained_steps_total"] == 2
 
 
 def test_metrics_textfile_that_node_exporter_would_not_read_is_refused(tmp_path: Path) -> None:

@@ -6,8 +6,8 @@ The pattern it follows (the one docs/integration.md recommends):
 
 * the loader shuffles through ``StatefulDistributedSampler`` and has worker processes; its position in
   the epoch (and the workers' base seed) is the loader's own state;
-* it is stored under a per-rank key (``loader_rank<r>``): its state differs between ranks, and values
-  under one key on several ranks are taken to be replicated and stored once per node;
+* it is stored under one key on every rank (``loader``): its state differs between ranks, so the
+  Checkpointer stores it per rank and each rank resumes its own (both ranks share one directory here);
 * the epoch is a plain value of the state, set on the sampler (and the dataset) before each epoch;
 * creating the epoch's iterator draws the workers' base seed from the global torch RNG; it is made
   RNG-neutral (``fork_rng``) so that a resumed run, which creates its iterator mid-epoch, keeps the
@@ -82,7 +82,7 @@ def main() -> int:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     torch.manual_seed(100 + rank)  # per-rank dropout streams
-    state = {"model": model, "optimizer": opt, f"loader_rank{rank}": loader, "progress": {"epoch": 0}}
+    state = {"model": model, "optimizer": opt, "loader": loader, "progress": {"epoch": 0}}
 
     ckpt = Checkpointer(every_steps=args.every_steps)
     step = ckpt.restore(state)
