@@ -696,12 +696,15 @@ class Bench:
         S = "save"
         R = "restore"
         wrap(E, "stage", "stage (the stall, training thread)", S)
-        wrap(engine_mod.state_mod, "build_state_dict", "  build_state_dict (state capture)", S)
+        wrap(E, "_plan", "  _plan (capture, plan, replication proofs)", S)
+        wrap(engine_mod.state_mod, "build_state_dict", "    build_state_dict (state capture)", S)
+        wrap(E, "_digests", "    _digests (replication proof: hashing)", S)
         wrap(staging_mod.StagingBuffer, "__init__", "  StagingBuffer alloc (aligned_buffer + framing)", S)
         wrap(engine_mod.StagingBuffer, "stage", "  StagingBuffer.stage (tensor copies)", S)
         wrap(E, "write_and_commit", "write_and_commit (writer thread)", S)
         wrap(engine_mod, "write_file", "  write_file (pwrite x io_threads, xxh3 beside, fsync)", S)
-        wrap(E, "_commit_domain", "  commit_domain (metadata, manifest, renames, fsyncs)", S)
+        wrap(E, "_prepare_domain", "  prepare_domain (shards checked, metadata, manifest, fsyncs)", S)
+        wrap(E, "_install", "  install (the commit rename, fsync)", S)
         wrap(E, "apply_retention", "  apply_retention (delete old steps)", S)
         wrap(E, "restore", "restore (engine)", R)
         wrap(E, "_read_step", "  _read_step", R)
