@@ -421,15 +421,17 @@ class Engine:
             except Exception as exc:
                 log.error("step %d: commit in %s failed: %s", p.step, self.run_dir, exc)
                 commit_error = f"domain {topo.domain}: renaming {tmp} failed: {exc}"
-        if errors and topo.is_leader:
+        if (errors or commit_error) and topo.is_leader:
             _remove_quietly(tmp)
-        if not errors:
-            errors = [e for e in self.coord.all_gather(commit_error, background=True) if e]
         if errors:
             msg = f"save of step {p.step} (run {self.run_id}) failed, no domain committed it: " + "; ".join(errors)
             if mismatches and self.replicas.check == "fail":
                 raise ReplicaMismatchError(msg, mismatches)
             raise (InsufficientSpaceError if any(r.get("space") for r in failed) else SaveError)(msg)
+        renames = [e for e in self.coord.all_gather(commit_error, background=True) if e]
+        if renames:  # rare: a rename failed after every domain prepared; restore needs the step in every domain
+            raise SaveError(f"save of step {p.step} (run {self.run_id}) is committed in some storage domains only, "
+                            "so restore will not use it: " + "; ".join(renames))
         t2 = time.perf_counter()
         if topo.is_leader:
             failpoints.hit("after_commit_rename")
