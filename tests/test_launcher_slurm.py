@@ -158,9 +158,10 @@ def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     """``--time=1 --signal=B:USR1@50``: USR1 reaches the launcher 10-40 s after the start (slurmctld checks
     every 30 s); the ranks save, the job requeues itself before the limit, and the requeued incarnation
     (given a longer limit by the test, as a user would with a real time budget) finishes bitwise
-    identical to an uninterrupted run. 600 steps of 0.1 s outlast the 1-minute limit, so the first
-    incarnation cannot finish before a late USR1 (400 steps did once, on a loaded machine)."""
-    steps = 600
+    identical to an uninterrupted run. 900 steps of 0.1 s outlast the 1-minute limit by half a minute, so
+    the first incarnation cannot finish before a late USR1: slurmctld checks time limits every 30 s, and
+    once no check came in the first 65 s (600 steps finished first; 400 did once on a loaded machine)."""
+    steps = 900
     work = slurm.work_dir / "launch-timelimit"
     work.mkdir()
     ref = _reference(tmp_path, steps)

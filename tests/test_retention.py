@@ -93,6 +93,27 @@ def test_engine_keep_last_2_every_4_over_ten_steps(tmp_path: Path) -> None:
         assert (d / sh.path).stat().st_size == sh.size
 
 
+def test_retention_spares_temp_directories_of_this_incarnation_and_restore_removes_all(tmp_path: Path) -> None:
+    """Retention runs on the leader's writer thread while other ranks of its domain may already write the
+    next save into its temp directory: it removes only what earlier incarnations left. A restore (before
+    any save of its incarnation) removes every temp directory."""
+    root = tmp_path / "nvme"
+    with Checkpointer(local_dir=str(root), run_id=RUN, keep_last=1) as ck:
+        ck.save(1, small_state(1))
+        run = root / RUN
+        in_flight = run / f"step_{2:012d}.tmp-{ck.topology.nonce}-9"  # another rank's save under way
+        in_flight.mkdir()
+        (in_flight / "__1_0.distcp").write_bytes(b"x" * 100)
+        abandoned = run / f"step_{1:012d}.tmp-0badcafe-3"  # a killed earlier incarnation's
+        abandoned.mkdir()
+        ck.save(3, small_state(3))  # retention after it
+        ck.wait()
+        assert sorted(on_disk(root)) == [in_flight.name, f"step_{3:012d}"]
+    with Checkpointer(local_dir=str(root), run_id=RUN, keep_last=1) as ck:
+        assert ck.restore(small_state(0)) == 3
+    assert steps_on_disk(root) == {3}
+
+
 def test_step_being_read_survives_retention_until_released(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -573,20 +573,25 @@ class Engine:
                 steps.append(s)
         return sorted(steps)
 
-    def clean_stale(self, keep_token: str | None = None) -> None:
-        """Remove abandoned temp directories (killed saves). Leader only; no save may be in flight."""
+    def clean_stale(self, *, spare_current: bool) -> None:
+        """Remove abandoned temp directories (saves, fetches and deletions of killed processes). Leader only.
+
+        ``spare_current``: keep every temp directory of this job incarnation (its name carries the
+        incarnation's nonce). Retention runs on the leader's writer thread while the other ranks of its
+        domain may already write the next save into its temp directory; only a restore, before any
+        save of this incarnation, removes them all."""
         try:
             names = os.listdir(self.run_dir)
         except FileNotFoundError:
             return
         for n in names:
-            if is_tmp_dirname(n) and (keep_token is None or not n.endswith(keep_token)):
+            if is_tmp_dirname(n) and not (spare_current and self.topo.nonce in n.split(".tmp-", 1)[1]):
                 log.info("removing abandoned in-progress directory %s", os.path.join(self.run_dir, n))
                 _remove_quietly(os.path.join(self.run_dir, n))
 
     def apply_retention(self) -> list[int]:
         """Delete steps the policy does not keep (never the newest, never one being read)."""
-        self.clean_stale()
+        self.clean_stale(spare_current=True)
         deleted = []
         for s in self.retention.deletable(self.committed_steps()):
             d = os.path.join(self.run_dir, step_dirname(s))
@@ -639,7 +644,7 @@ class Engine:
         self.last_restore = None
         skipped: list[int] = []
         if topo.is_leader:
-            self.clean_stale()
+            self.clean_stale(spare_current=False)
         mine = self.committed_steps() if topo.is_leader else None
         durable: list[int] | None = None
         if topo.rank == 0 and self.durable is not None:
