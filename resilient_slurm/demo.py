@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, ResilientSlurmError
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, read_manifest_file
 
 if TYPE_CHECKING:
     from .slurm import CliSlurmClient, JobInfo
@@ -139,7 +139,7 @@ class Run:
         found = []
         for path in sorted((self.root / "nvme").glob(f"*/{RUN_ID}/step_*/{MANIFEST_NAME}")):
             try:
-                found.append((path, Manifest.from_json(path.read_bytes(), source=str(path))))
+                found.append((path, read_manifest_file(str(path))))
             except (OSError, ResilientSlurmError):
                 continue  # a step being written or damaged is not evidence of anything
         return sorted(found, key=lambda pm: (pm[1].step, str(pm[0])))

@@ -24,9 +24,12 @@ than it knows, and names the file and the field when anything is malformed.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -176,11 +179,20 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "manifest.json") -> Manifest:
-        """Parse and validate; errors name ``source`` and the offending field."""
+        """Parse and validate; errors name ``source`` and the offending field.
+
+        Hostile input is corruption, never a crash: more than :data:`MAX_MANIFEST_BYTES`, nesting deeper
+        than Python's recursion limit, NaN or Infinity, a NUL in a name, negative sizes, ranks outside
+        the world, a domain list that is empty or does not name this copy's domain."""
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{source}: {len(text)} bytes, more than a manifest may have "
+                                         f"({MAX_MANIFEST_BYTES}); the step is not usable")
         try:
-            d = json.loads(text)
+            d = json.loads(text, parse_constant=_no_constant)
+        except RecursionError:
+            raise CorruptCheckpointError(f"{source}: nested too deeply to be a manifest; the step is not usable") from None
         except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptCheckpointError(f"{source}: not valid JSON ({exc}); the step is not usable") from exc
+            raise CorruptCheckpointError(f"{source}: not valid JSON ({_short(exc)}); the step is not usable") from exc
         if not isinstance(d, dict):
             raise CorruptCheckpointError(f"{source}: expected a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
@@ -218,18 +230,106 @@ class Manifest:
                 dcp_metadata=_chunk(d["dcp_metadata"], "dcp_metadata", source),
                 format=_str(d, "format", source),
                 schema_version=version,
-                extra=dict(d.get("extra", {})),
+                extra=_extra(d, source),
             )
         except CorruptCheckpointError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptCheckpointError(f"{source}: malformed manifest ({type(exc).__name__}: {exc})") from exc
-        if m.reason not in REASONS:
-            raise CorruptCheckpointError(f"{source}: field 'reason' is {m.reason!r}, expected one of {REASONS}")
-        for s in m.shards:
-            if os.path.isabs(s.path) or ".." in s.path.split("/"):
-                raise CorruptCheckpointError(f"{source}: shard path {s.path!r} escapes the step directory")
+            raise CorruptCheckpointError(f"{source}: malformed manifest ({type(exc).__name__}: {_short(exc)})") from exc
+        _check(m, source)
         return m
+
+
+MAX_MANIFEST_BYTES = 256 << 20  # a 4,096-rank FSDP save of 1,000 items per rank is about 400 MB of JSON: not yet
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a manifest may hold")
+
+
+def _short(v: Any, n: int = 120) -> str:
+    r = str(v)
+    return r if len(r) <= n else r[:n] + f"... ({len(r)} characters)"
+
+
+def _extra(d: Mapping[str, Any], source: str) -> dict[str, Any]:
+    v = d.get("extra", {})
+    if not isinstance(v, dict):
+        raise CorruptCheckpointError(f"{source}: field 'extra' must be an object, got {type(v).__name__}")
+    return dict(v)
+
+
+def _check(m: Manifest, source: str) -> None:
+    """What the types alone do not say: names usable as paths and keys, numbers in range, domains that
+    hold the shards."""
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{source}: {what}; the step is not usable")
+
+    names = [("run_id", m.run_id), ("node", m.node), ("reason", m.reason), ("format", m.format)]
+    names += [("nodes", n) for n in m.nodes] + [("shards[].path", s.path) for s in m.shards]
+    names += [("shards[].node", s.node) for s in m.shards]
+    for field_name, v in names:
+        if not v or "\0" in v:
+            raise bad(f"field {field_name!r} is {'empty' if not v else 'holding a NUL byte'} ({_short(repr(v))})")
+    if m.reason not in REASONS:
+        raise bad(f"field 'reason' is {_short(repr(m.reason))}, expected one of {REASONS}")
+    if not math.isfinite(m.created_at) or m.created_at < 0:
+        raise bad(f"field 'created_at' is {m.created_at!r}, not a time")
+    if m.step < 0 or m.world_size < 1:
+        raise bad(f"step {m.step} / world_size {m.world_size} out of range")
+    if not m.nodes:
+        raise bad("field 'nodes' names no storage domain")
+    if m.node not in m.nodes:
+        raise bad(f"field 'node' ({_short(repr(m.node))}) is not one of the domains in 'nodes'")
+    for d, ranks in m.nodes.items():
+        if any(not 0 <= r < m.world_size for r in ranks):
+            raise bad(f"domain {_short(repr(d))} lists ranks {_short(list(ranks))} outside world size {m.world_size}")
+    if m.dcp_metadata.offset != 0 or m.dcp_metadata.length < 0:
+        raise bad("field 'dcp_metadata' does not describe a whole file")
+    for sh in m.shards:
+        if os.path.isabs(sh.path) or ".." in sh.path.split("/"):
+            raise bad(f"shard path {_short(repr(sh.path))} escapes the step directory")
+        if not 0 <= sh.rank < m.world_size or sh.size < 0 or sh.node not in m.nodes:
+            raise bad(f"shard {_short(repr(sh.path))} has rank {sh.rank}, size {sh.size} or domain "
+                      f"{_short(repr(sh.node))} out of range")
+        if any(c.offset < 0 or c.length < 0 or c.offset + c.length > sh.size for c in sh.chunks):
+            raise bad(f"shard {_short(repr(sh.path))} lists an item outside its {sh.size} bytes")
+
+
+def read_manifest_file(path: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
+    """Read and validate a manifest from the local filesystem.
+
+    Only a regular file is read: never through a symbolic link (``O_NOFOLLOW``), never a FIFO or a device
+    (opened non-blocking, checked with ``fstat`` before a byte is read), never more than ``max_bytes``.
+    Raises FileNotFoundError when it is not there, CorruptCheckpointError when it is not a manifest, and
+    OSError when it cannot be read."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptCheckpointError(f"{path}: a symbolic link, not a manifest written by a save; the step is "
+                                         "not usable") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path}: not a regular file (mode {stat.filemode(st.st_mode)}); the step "
+                                         "is not usable")
+        if st.st_size > max_bytes:
+            raise CorruptCheckpointError(f"{path}: {st.st_size} bytes, more than a manifest may have ({max_bytes}); "
+                                         "the step is not usable")
+        chunks = []
+        left = max_bytes + 1
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 20))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+    finally:
+        os.close(fd)
+    return Manifest.from_json(b"".join(chunks), source=path)
 
 
 def _float(d: Mapping[str, Any], key: str, source: str) -> float:
@@ -248,7 +348,7 @@ def _list(d: Mapping[str, Any], key: str, source: str, *default: Any) -> list[An
 
 def _chunk(c: Any, key: str, source: str) -> ChunkEntry:
     if not isinstance(c, dict) or set(c) != {"offset", "length", "checksum"}:
-        raise CorruptCheckpointError(f"{source}: field {key!r}: expected {{offset, length, checksum}}, got {c!r}")
+        raise CorruptCheckpointError(f"{source}: field {key!r}: expected {{offset, length, checksum}}, got {_short(repr(c))}")
     try:
         return ChunkEntry(_int(c, "offset", source), _int(c, "length", source), _str(c, "checksum", source))
     except CorruptCheckpointError as exc:
@@ -260,7 +360,7 @@ def _nodes(d: Mapping[str, Any], source: str) -> dict[str, tuple[int, ...]]:
     if not isinstance(v, dict) or not all(
         isinstance(rs, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in rs) for rs in v.values()
     ):
-        raise CorruptCheckpointError(f"{source}: field 'nodes' must map node names to lists of ranks, got {v!r}")
+        raise CorruptCheckpointError(f"{source}: field 'nodes' must map node names to lists of ranks, got {_short(repr(v))}")
     return {str(k): tuple(rs) for k, rs in v.items()}
 
 

@@ -49,6 +49,7 @@ from ..manifest import (
     durable_step_key,
     is_tmp_dirname,
     parse_step_dirname,
+    read_manifest_file,
 )
 from ..paths import default_run_id, expand_local_dir
 from ..storage.tier import StorageTier
@@ -386,8 +387,7 @@ class Catalog:
 def _read_local_copy(root: str, path: str, run: str, step: int) -> LocalCopy | None:
     mpath = os.path.join(path, MANIFEST_NAME)
     try:
-        with open(mpath, "rb") as f:
-            m = Manifest.from_json(f.read(), source=mpath)
+        m = read_manifest_file(mpath)
     except FileNotFoundError:
         if not os.path.isdir(path):
             return None  # deleted (retention, eviction) while we listed

@@ -65,6 +65,7 @@ from ..manifest import (
     ShardEntry,
     is_tmp_dirname,
     parse_step_dirname,
+    read_manifest_file,
     split_per_rank_fqn,
     step_dirname,
     tmp_dirname,
@@ -851,8 +852,7 @@ class Engine:
     def _read_step(self, step: int, step_dir: str, state: MutableMapping[str, Any]) -> _Loaded:
         mpath = os.path.join(step_dir, MANIFEST_NAME)
         try:
-            with open(mpath, "rb") as f:
-                manifest = Manifest.from_json(f.read(), source=mpath)
+            manifest = read_manifest_file(mpath)
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"{mpath}: missing") from exc
         if manifest.step != step or manifest.run_id != self.run_id:

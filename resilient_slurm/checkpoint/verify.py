@@ -54,6 +54,7 @@ from ..manifest import (
     ShardEntry,
     domain_key,
     durable_step_key,
+    read_manifest_file,
 )
 from ..storage.fileio import check_free_space, checksum
 from ..storage.tier import StorageTier
@@ -223,8 +224,7 @@ def verify_step_dir(step_dir: str, *, run_id: str | None = None, step: int | Non
     rep = StepReport(tier="local", where=step_dir, run_id=run_id, step=step)
     mpath = os.path.join(step_dir, MANIFEST_NAME)
     try:
-        with open(mpath, "rb") as f:
-            rep.manifest = Manifest.from_json(f.read(), source=mpath)
+        rep.manifest = read_manifest_file(mpath)
     except FileNotFoundError:
         rep.faults.append(Fault(mpath, "missing: this domain's copy of the step is not committed (a step "
                                        "directory always has its manifest)", kind=MISSING))

@@ -38,6 +38,7 @@ from ..manifest import (
     domain_key,
     durable_step_key,
     parse_step_dirname,
+    read_manifest_file,
 )
 from ..storage.fileio import checksum, reading_step
 from ..storage.tier import StorageTier
@@ -67,9 +68,7 @@ class LocalStep:
 
 def read_manifest(step_dir: str) -> Manifest:
     """Parse a local step's manifest (raises CorruptCheckpointError / OSError)."""
-    path = os.path.join(step_dir, MANIFEST_NAME)
-    with open(path, "rb") as f:
-        return Manifest.from_json(f.read(), source=path)
+    return read_manifest_file(os.path.join(step_dir, MANIFEST_NAME))
 
 
 def scan_local(root: str, run_ids: Iterable[str] | None = None,

@@ -47,7 +47,7 @@ import psutil
 from .. import config
 from ..control import ControlServer, default_socket_path
 from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError
-from ..manifest import MANIFEST_NAME, Manifest, parse_step_dirname, step_dirname
+from ..manifest import MANIFEST_NAME, parse_step_dirname, read_manifest_file, step_dirname
 from ..paths import default_local_dir, default_run_id, expand_local_dir, node_name
 from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import remaining_seconds
@@ -95,8 +95,7 @@ def newest_committed(run_dir: str) -> tuple[int | None, str | None]:
     for step in sorted((s for n in names if (s := parse_step_dirname(n)) is not None), reverse=True):
         path = os.path.join(run_dir, step_dirname(step), MANIFEST_NAME)
         try:
-            with open(path, "rb") as f:
-                return step, Manifest.from_json(f.read(), source=path).reason
+            return step, read_manifest_file(path).reason
         except (OSError, ResilientSlurmError):
             continue
     return None, None

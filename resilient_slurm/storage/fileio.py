@@ -305,10 +305,11 @@ def reading_step(step_dir: str) -> Iterator[bool]:
     """Hold a shared lock on a committed step's manifest while reading it, so retention and eviction
     (which take the lock exclusively, without waiting) never delete it underneath. Yields False when
     the step has no manifest (gone or never committed)."""
-    try:
-        fd = os.open(os.path.join(step_dir, "manifest.json"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        yield False
+    try:  # never blocks on a FIFO nor follows a link: a special file is then refused by the reader
+        fd = os.open(os.path.join(step_dir, "manifest.json"),
+                     os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        yield exc.errno == errno.ELOOP
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
