@@ -11,7 +11,10 @@ Who writes what (the schema, every event and every metric: docs/telemetry.md):
   ``O_APPEND`` descriptor: appends by several processes to one file on a local filesystem do not
   interleave (lines are kept under :data:`MAX_LINE` bytes). No fsync: an event log is for people and
   monitoring, not for recovery, and a save's stall must not pay for it. It never raises: a failing
-  event log logs one warning per log and training goes on.
+  event log logs one warning per log and training goes on. The file is opened without following a
+  symlink and without blocking on a FIFO, and must be a regular file
+  (:func:`~resilient_slurm.paths.open_regular`); anything else is refused that way (one warning naming
+  the path; the events are dropped).
 * The daemon, after every transfer and at least every poll interval, builds a :class:`DaemonMetrics`
   snapshot and calls :func:`write_metrics_textfile`, which renders :data:`METRICS` with
   ``prometheus_client`` and replaces the ``.prom`` file atomically (temp file, rename) for
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .paths import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +113,9 @@ class EventLog:
 
     def _open(self) -> int:
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # Never through a symlink, never blocking on a FIFO, only a regular file: anything else raises
+        # ConfigError naming the path, which emit() logs once (then drops events).
+        fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self._fd = fd
         return fd
 

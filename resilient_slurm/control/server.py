@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import paths
 from ..errors import ControlProtocolError, ControlSetupError, ControlSocketInUseError
 from . import protocol as p
 
@@ -60,45 +61,11 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
 
 
 def ensure_private_dir(path: str) -> None:
-    """Create ``path`` (and missing parents) mode 0700; refuse it unless it is ours, private and safely placed."""
-    path = os.path.abspath(path)
-    missing = []
-    d = path
-    while not os.path.lexists(d):
-        missing.append(d)
-        d = os.path.dirname(d)
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:  # created concurrently; the checks below decide whether it is usable
-            continue
-        except OSError as exc:
-            raise ControlSetupError(f"cannot create control runtime directory {d}: {exc}") from exc
-        os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask; be exact
-    st = os.lstat(path)
-    uid = os.geteuid()
-    if not stat.S_ISDIR(st.st_mode):
-        raise ControlSetupError(f"control runtime directory {path} is not a directory (or is a symlink); "
-                                "remove it or choose another path")
-    if st.st_uid != uid:
-        raise ControlSetupError(f"control runtime directory {path} belongs to uid {st.st_uid}, not to you "
-                                f"(uid {uid}); choose another path")
-    if st.st_mode & 0o077:
-        raise ControlSetupError(f"control runtime directory {path} has mode {stat.S_IMODE(st.st_mode):04o}; "
-                                f"it must be 0700 so no other user can reach the socket: chmod 700 {path}")
-    # Someone who can write to an ancestor can rename our directory and put theirs in its place.
-    d = os.path.dirname(os.path.realpath(path))
-    while True:
-        ast = os.stat(d)
-        if ast.st_uid not in (uid, 0) or (ast.st_mode & 0o022 and not ast.st_mode & stat.S_ISVTX):
-            raise ControlSetupError(
-                f"control runtime directory {path} is inside {d} (owner uid {ast.st_uid}, mode "
-                f"{stat.S_IMODE(ast.st_mode):04o}), which another user could modify; choose a runtime "
-                "directory whose parents are owned by you or root and not writable by others")
-        parent = os.path.dirname(d)
-        if parent == d:
-            break
-        d = parent
+    """Create ``path`` (and missing parents) mode 0700; refuse it unless it is ours, private and safely placed
+    (:func:`resilient_slurm.paths.ensure_private_dir`, which raises :class:`ControlSetupError` here)."""
+    paths.ensure_private_dir(path, what="control runtime directory", error=ControlSetupError,
+                             why="so that no other user can reach the socket",
+                             elsewhere="choose another runtime directory (control_dir, RSLURM_CONTROL_DIR)")
 
 
 @dataclass

@@ -43,8 +43,9 @@ from types import FrameType
 from typing import Any
 
 from ..checkpoint.policy import RetentionPolicy
-from ..errors import CorruptCheckpointError, ResilientSlurmError, StorageError
+from ..errors import ConfigError, CorruptCheckpointError, ResilientSlurmError, StorageError
 from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname, tmp_dirname
+from ..paths import open_state_file
 from ..storage.fileio import atomic_write, fsync_dir, remove_tree
 from ..storage.tier import StorageTier
 from ..telemetry import DaemonMetrics, EventLog, RunGauges, check_metrics_path, write_metrics_textfile
@@ -83,10 +84,9 @@ def status_path(root: str) -> str:
 
 def daemon_running(root: str) -> bool:
     """True when a daemon holds the lock of ``root`` (a service, or another job's step)."""
-    path = os.path.join(root, STATE_DIR, LOCK_FILE)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        fd = open_state_file(os.path.join(root, STATE_DIR), LOCK_FILE, os.O_RDONLY)
+    except (OSError, ConfigError):  # no lock file, or one rslurm refuses (a symlink, a FIFO): no daemon
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -175,8 +175,7 @@ class Daemon:
     def acquire(self) -> None:
         """Take the node's daemon lock or raise :class:`DaemonRunningError`."""
         d = os.path.join(self.root, STATE_DIR)
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        fd = os.open(os.path.join(d, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_state_file(d, LOCK_FILE, os.O_RDWR | os.O_CREAT, create=True)  # ConfigError if unsafe
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -654,10 +653,10 @@ class Daemon:
 def read_status(root: str) -> dict[str, Any] | None:
     """The status a node's daemon last wrote, or None."""
     try:
-        with open(status_path(root)) as f:
+        with os.fdopen(open_state_file(os.path.join(root, STATE_DIR), STATUS_FILE, os.O_RDONLY)) as f:
             data = json.load(f)
         return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, ConfigError):  # ConfigError: a symlink or special file, not read
         return None
 
 
