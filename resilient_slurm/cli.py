@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -91,8 +92,8 @@ def _seconds(v: str) -> float:
         s = float(v)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds (e.g. 3600), got {v!r}") from None
-    if s < 0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {v!r}")
+    if not math.isfinite(s) or s < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {v!r}")
     return s
 
 

@@ -2,12 +2,15 @@
 default. Unknown keys (in the environment or in the file) are errors that list the valid ones.
 
 The config file is TOML: ``$RSLURM_CONFIG`` if set, else ``~/.config/rslurm/config.toml`` if present.
-Keys are the setting names below (``local_dir = "/nvme/%n"``), optionally under a ``[rslurm]`` table.
+Keys are the setting names below (``local_dir = "/nvme/%n"``), all at the top level or all under a
+``[rslurm]`` table. Every value is parsed and range-checked when it is read (:class:`Number` for the
+numeric ones); a bad value, or a file that is not UTF-8 TOML of that shape, is a ConfigError naming it.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -33,24 +36,6 @@ def _bool(v: str) -> bool:
     raise ValueError(f"expected a boolean (1/0, true/false, yes/no), got {v!r}")
 
 
-def _opt_int(v: str) -> int | None:
-    return None if v.strip().lower() in ("", "none", "0") else int(v)
-
-
-def _opt_float(v: str) -> float | None:
-    return None if v.strip().lower() in ("", "none", "0") else float(v)
-
-
-def _limit(v: str) -> int | None:
-    """A count where 0 is a real value (0 restarts allowed) and ``none`` means no limit."""
-    if v.strip().lower() in ("", "none", "unlimited"):
-        return None
-    n = int(v)
-    if n < 0:
-        raise ValueError(f"expected an integer >= 0 or 'none', got {v!r}")
-    return n
-
-
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -63,13 +48,96 @@ def parse_size(v: str) -> int:
         n = float(num) * _UNITS[unit]
     except ValueError:
         raise ValueError(f"expected a size such as 1048576, 64M or 1.5G, got {v!r}") from None
+    if not math.isfinite(n):
+        raise ValueError(f"expected a finite size such as 1048576, 64M or 1.5G, got {v!r}")
     if n < 0:
         raise ValueError(f"expected a size >= 0, got {v!r}")
     return int(n)
 
 
-def _opt_size(v: str) -> int | None:
-    return None if v.strip().lower() in ("", "none", "0", "off") else parse_size(v)
+def _size_text(n: float) -> str:
+    """``5M``, ``5G``: a byte count in the binary units :func:`parse_size` reads."""
+    for unit in ("T", "G", "M", "K"):
+        k = _UNITS[unit.lower()]
+        if n >= k and n % k == 0:
+            return f"{int(n // k)}{unit}"
+    return str(int(n))
+
+
+@dataclass(frozen=True)
+class Number:
+    """Parser of a numeric setting that checks its range: finite, ``>= low`` (``> low`` when ``above``)
+    and ``<= high``. Spellings in ``unset`` (and, with ``zero_unset``, a value of 0) mean unset: None.
+    :func:`resolve` calls it on environment and file values, the CLI on flags, and :meth:`check` on
+    explicit arguments; :attr:`range` is what error messages and docs/configuration.md state."""
+
+    kind: type  # int or float
+    low: float
+    above: bool = False
+    high: float | None = None
+    size: bool = False  # read with parse_size: 64M, 1.5G
+    unset: tuple[str, ...] = ()
+    zero_unset: bool = False
+    unset_doc: str = ""  # what unset means, e.g. "0/none (off)"
+
+    def _bound(self, x: float) -> str:
+        return _size_text(x) if self.size else str(int(x)) if self.kind is int else f"{x:g}"
+
+    @property
+    def range(self) -> str:
+        """The valid values, e.g. ``an integer >= 1, or 0/none (off)``."""
+        what = "a size" if self.size else "an integer" if self.kind is int else "a finite number"
+        if self.high is None:
+            text = f"{what} {'>' if self.above else '>='} {self._bound(self.low)}"
+        else:
+            text = f"{what} in {'(' if self.above else '['}{self._bound(self.low)}, {self._bound(self.high)}]"
+        return f"{text}, or {self.unset_doc}" if self.unset_doc else text
+
+    def __call__(self, v: str) -> int | float | None:
+        s = v.strip()
+        if s.lower() in self.unset:
+            return None
+        try:
+            n: int | float = parse_size(s) if self.size else self.kind(s)
+        except (ValueError, OverflowError):
+            raise ValueError(f"expected {self.range}, got {v!r}") from None
+        return self.check(n, shown=v)
+
+    def check(self, n: Any, *, shown: Any = None) -> int | float | None:
+        """``n`` if it is in range (None for an unset 0), else ValueError naming the range."""
+        bad = ValueError(f"expected {self.range}, got {n if shown is None else shown!r}")
+        if isinstance(n, bool) or not isinstance(n, (int, float)):
+            raise bad
+        if self.zero_unset and n == 0:
+            return None
+        if not math.isfinite(n) or n < self.low or (self.above and n == self.low) or (
+                self.high is not None and n > self.high):
+            raise bad
+        if self.kind is int:
+            if isinstance(n, float) and not n.is_integer():
+                raise bad
+            return int(n)
+        return float(n)
+
+
+def _seconds(zero_ok: bool = False) -> Number:
+    """Seconds: finite, > 0 (>= 0 with ``zero_ok``)."""
+    return Number(float, 0.0, above=not zero_ok)
+
+
+def _count(low: int = 1) -> Number:
+    """An integer count >= ``low``."""
+    return Number(int, low)
+
+
+_OFF = ("", "none")
+_OPT_COUNT = Number(int, 1, unset=_OFF, zero_unset=True, unset_doc="0/none (off)")
+_OPT_SECONDS = Number(float, 0.0, above=True, unset=_OFF, zero_unset=True, unset_doc="0/none (off)")
+_LIMIT = Number(int, 0, unset=(*_OFF, "unlimited"), unset_doc="none (no limit)")  # 0 is a real value here
+_SIZE = Number(int, 0, size=True)
+_BANDWIDTH = Number(int, 0, above=True, size=True, unset=(*_OFF, "off"), zero_unset=True,
+                    unset_doc="0/none/off (no cap)")
+_S3_PART = Number(int, 5 << 20, high=5 << 30, size=True)  # S3's smallest and largest part
 
 
 def _free_space(v: str) -> str:
@@ -144,30 +212,34 @@ SETTINGS: dict[str, Setting] = {
                 "falls back to it", "checkpoint"),
         Setting("run_id", str, None, "run identifier (default: Slurm job id, array-aware, else 'default')",
                 "checkpoint"),
-        Setting("every_steps", _opt_int, None, "save every N optimizer steps", "checkpoint"),
-        Setting("every_seconds", _opt_float, None, "save when this many seconds passed since the last save",
+        Setting("every_steps", _OPT_COUNT, None, "save every N optimizer steps", "checkpoint"),
+        Setting("every_seconds", _OPT_SECONDS, None, "save when this many seconds passed since the last save",
                 "checkpoint"),
-        Setting("keep_last", int, 3, "committed checkpoints kept per tier", "checkpoint"),
-        Setting("keep_every", _opt_int, None, "also keep every step that is a multiple of N", "checkpoint"),
+        Setting("keep_last", _count(), 3, "committed checkpoints kept per tier", "checkpoint"),
+        Setting("keep_every", _OPT_COUNT, None, "also keep every step that is a multiple of N", "checkpoint"),
         Setting("capture_rng", _bool, True, "capture and restore RNG state of every generator per rank",
                 "checkpoint"),
-        Setting("sync_every", int, 1, "steps between the cheap collective in which ranks agree to save "
+        Setting("sync_every", _count(), 1, "steps between the cheap collective in which ranks agree to save "
                 "(time cadence and emergency requests are seen at this granularity)", "checkpoint"),
-        Setting("io_threads", int, 4, "parallel pwrite/pread calls per rank", "checkpoint"),
-        Setting("collective_timeout", float, 600.0, "seconds before a checkpoint collective gives up",
+        Setting("io_threads", _count(), 4, "parallel pwrite/pread calls per rank", "checkpoint"),
+        Setting("collective_timeout", _seconds(), 600.0, "seconds before a checkpoint collective gives up",
                 "checkpoint"),
         Setting("node_name", str, None, "storage node name (default: $SLURMD_NODENAME, else the hostname)",
                 "checkpoint"),
         Setting("replica_check", _choice("warn", "fail", "off"), "warn", "what copies of DDP-replicated or "
                 "DTensor-replicated state that differ between ranks do at a save: warn (a replica_mismatch event "
                 "and warning; each rank's copy is saved), fail (the save fails), off (not checked)", "checkpoint"),
-        Setting("replica_check_bytes", parse_size, 32 << 20, "bytes of DDP/DTensor-replicated state each rank "
+        Setting("replica_check_bytes", _SIZE, 32 << 20, "bytes of DDP/DTensor-replicated state each rank "
                 "digests per save for replica_check, a rotating slice (0: only the free cross-node comparison)",
                 "checkpoint"),
-        Setting("free_space_margin", int, 64 << 20, "bytes that must stay free after a save", "checkpoint"),
+        Setting("restore_fallback", _choice("fail", "fresh"), "fail", "what restore does when committed "
+                "checkpoints exist (or the durable tier cannot be listed) but none can be restored: fail (raise; "
+                "a storage failure requeues the job under `rslurm launch`) or fresh (start from step 0 with a "
+                "warning)", "checkpoint"),
+        Setting("free_space_margin", _count(0), 64 << 20, "bytes that must stay free after a save", "checkpoint"),
         Setting("control_socket", str, None, "control socket of this node's launcher; `rslurm launch` sets it "
                 "for its ranks, 'off' disables it (ranks then rely on signals alone)", "rank"),
-        Setting("control_timeout", float, 2.0, "seconds a rank waits for the control socket before it "
+        Setting("control_timeout", _seconds(), 2.0, "seconds a rank waits for the control socket before it "
                 "carries on without it", "rank"),
         Setting("trap_signals", _bool, True, "ranks turn SIGTERM and save_signal into an emergency save at "
                 "the next step (only where the program left the default handler in place)", "rank"),
@@ -176,39 +248,39 @@ SETTINGS: dict[str, Setting] = {
                 "Not USR1 under NCCL, which uses it", "launcher"),
         Setting("control_dir", str, None, "directory of the launcher's control sockets (default: "
                 "$XDG_RUNTIME_DIR/rslurm, else /tmp/rslurm-<uid>/run)", "launcher"),
-        Setting("max_restarts", _limit, None, "requeue at most this many times (Slurm's restart count; "
+        Setting("max_restarts", _LIMIT, None, "requeue at most this many times (Slurm's restart count; "
                 "0 = never requeue, none = no limit)", "launcher"),
-        Setting("no_progress_limit", _opt_int, 3, "hold the job after this many restarts in a row that "
+        Setting("no_progress_limit", _OPT_COUNT, 3, "hold the job after this many restarts in a row that "
                 "committed no new step (0 or none disables)", "launcher"),
-        Setting("save_timeout", float, 300.0, "seconds the emergency save may take when Slurm gives no "
+        Setting("save_timeout", _seconds(), 300.0, "seconds the emergency save may take when Slurm gives no "
                 "deadline (local mode, no time limit)", "launcher"),
-        Setting("requeue_margin", float, 3.0, "seconds kept before the job's end (time limit or end of "
-                "GraceTime) for teardown and the requeue call", "launcher"),
-        Setting("term_grace", float, 10.0, "seconds between SIGTERM and SIGKILL when the launcher tears "
+        Setting("requeue_margin", _seconds(zero_ok=True), 3.0, "seconds kept before the job's end (time limit "
+                "or end of GraceTime) for teardown and the requeue call", "launcher"),
+        Setting("term_grace", _seconds(), 10.0, "seconds between SIGTERM and SIGKILL when the launcher tears "
                 "the ranks' process trees down", "launcher"),
         Setting("cloud_notice", _choice("off", "aws", "gce", "generic"), "off", "poll the instance "
                 "metadata service for a termination notice (aws, gce, generic URL) and save on one",
                 "launcher"),
         Setting("cloud_notice_url", str, None, "metadata URL to poll (default: the provider's standard "
                 "URL; required for generic)", "launcher"),
-        Setting("cloud_notice_interval", float, 5.0, "seconds between metadata polls", "launcher"),
+        Setting("cloud_notice_interval", _seconds(), 5.0, "seconds between metadata polls", "launcher"),
         Setting("slurm_backend", _choice("cli", "pyslurm"), "cli", "how rslurm talks to Slurm: scontrol/"
                 "scancel commands, or libslurm through pyslurm when installed", "launcher"),
-        Setting("durable_wait", float, 300.0, "seconds the launcher waits, after the emergency commit (bounded "
-                "by the job's deadline) or at the end of a completed job, for the newest step to become "
-                "durable before it requeues or exits; 0 = do not wait", "launcher"),
+        Setting("durable_wait", _seconds(zero_ok=True), 300.0, "seconds the launcher waits, after the "
+                "emergency commit (bounded by the job's deadline) or at the end of a completed job, for the "
+                "newest step to become durable before it requeues or exits; 0 = do not wait", "launcher"),
         Setting("daemon", _choice("auto", "off"), "auto", "auto: with a durable tier set and no `rslurm daemon` "
                 "service on a node, the launcher runs one as a job step (srun --overlap) or a local process; "
                 "off: never", "launcher"),
-        Setting("drain_threads", int, 8, "parallel transfers (file pieces, S3 parts) per node to and from the "
-                "durable tier", "storage"),
-        Setting("drain_bandwidth", _opt_size, None, "cap on the daemon's upload bandwidth in bytes/s (e.g. "
+        Setting("drain_threads", _count(), 8, "parallel transfers (file pieces, S3 parts) per node to and from "
+                "the durable tier", "storage"),
+        Setting("drain_bandwidth", _BANDWIDTH, None, "cap on the daemon's upload bandwidth in bytes/s (e.g. "
                 "200M), to protect shared storage; unset = no cap", "storage"),
         Setting("local_min_free", _free_space, "10%", "the daemon keeps at least this much free in the local "
                 "tier (a percentage or a size) by evicting durable steps first, never the newest step that "
                 "is not yet durable", "storage"),
-        Setting("drain_poll_interval", float, 5.0, "seconds between the daemon's rescans of the local tier "
-                "(it also reacts at once to filesystem events through watchdog)", "storage"),
+        Setting("drain_poll_interval", _seconds(), 5.0, "seconds between the daemon's rescans of the local "
+                "tier (it also reacts at once to filesystem events through watchdog)", "storage"),
         Setting("metrics_textfile", _prom_path, None, "the daemon writes its Prometheus metrics to this file "
                 "(must end in .prom; e.g. /var/lib/node_exporter/textfile_collector/rslurm.prom for "
                 "node_exporter's textfile collector), replaced atomically after every transfer and every poll "
@@ -216,9 +288,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("s3_endpoint_url", str, None, "S3 endpoint for any S3-compatible store (default: AWS, or "
                 "$AWS_ENDPOINT_URL_S3)", "storage"),
         Setting("s3_region", str, None, "S3 region (default: boto3's usual chain)", "storage"),
-        Setting("s3_part_size", parse_size, 64 << 20, "multipart part size for S3 transfers (>= 5M)",
+        Setting("s3_part_size", _S3_PART, 64 << 20, "multipart part size for S3 transfers (>= 5M)",
                 "storage"),
-        Setting("s3_max_attempts", int, 8, "attempts per S3 request on transient errors (503 SlowDown, "
+        Setting("s3_max_attempts", _count(), 8, "attempts per S3 request on transient errors (503 SlowDown, "
                 "resets, timeouts), with jittered exponential backoff", "storage"),
         Setting("config", str, None, "path of the TOML config file", "cli"),
         Setting("log_level", str, "INFO", "log level of rslurm commands and of the example programs", "cli"),
@@ -244,20 +316,45 @@ def _check_env(env: Mapping[str, str]) -> None:
             )
 
 
-def load_file(path: str | None, env: Mapping[str, str]) -> dict[str, Any]:
-    """Read the TOML config file (explicit path, $RSLURM_CONFIG, or the per-user default)."""
+def _config_file(path: str | None, env: Mapping[str, str]) -> str | None:
+    """The config file to read (explicit path, $RSLURM_CONFIG, or the per-user default if present)."""
     explicit = path or env.get("RSLURM_CONFIG")
     candidate = explicit or os.path.join(os.path.expanduser("~"), ".config", "rslurm", "config.toml")
     if not os.path.exists(candidate):
         if explicit:
             raise ConfigError(f"config file {candidate} does not exist (set by --config or RSLURM_CONFIG)")
-        return {}
+        return None
+    return candidate
+
+
+def _read_toml(candidate: str) -> dict[str, Any]:
+    """The file's settings table: ``[rslurm]`` if there is one, else the top level. Keys are checked."""
     try:
         with open(candidate, "rb") as f:
-            data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+            raw = f.read()
+    except OSError as exc:
         raise ConfigError(f"config file {candidate}: {exc}") from exc
-    data = data.get("rslurm", data)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"config file {candidate}: not UTF-8 text (byte 0x{raw[exc.start]:02x} on line "
+                          f"{line}); TOML files must be UTF-8") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {candidate}: {exc}") from exc
+    if "rslurm" in data:
+        table = data["rslurm"]
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {candidate}: key 'rslurm' must be the [rslurm] table of settings, got "
+                              f"{table!r}")
+        others = sorted(k for k in data if k != "rslurm")
+        if others:
+            raise ConfigError(f"config file {candidate}: top-level key{'s' if len(others) > 1 else ''} "
+                              f"{', '.join(map(repr, others))} next to the [rslurm] table; with an [rslurm] table, "
+                              "settings go under it (move them below [rslurm])")
+        data = table
     for k in data:
         if k not in SETTINGS:
             raise ConfigError(
@@ -267,6 +364,25 @@ def load_file(path: str | None, env: Mapping[str, str]) -> dict[str, Any]:
     return dict(data)
 
 
+def load_file(path: str | None, env: Mapping[str, str]) -> dict[str, Any]:
+    """Read the TOML config file (explicit path, $RSLURM_CONFIG, or the per-user default)."""
+    candidate = _config_file(path, env)
+    return {} if candidate is None else _read_toml(candidate)
+
+
+def _check_argument(s: Setting, value: Any) -> Any:
+    """An explicit argument (``Checkpointer(keep_last=...)``, a parsed flag) checked like the environment's
+    value: numbers against their range; strings go through the setting's parser."""
+    try:
+        if isinstance(value, str):
+            return s.parse(value)
+        if isinstance(s.parse, Number):
+            return s.parse.check(value)
+    except ValueError as exc:
+        raise ConfigError(f"{s.name}={value!r}: {exc}") from exc
+    return value
+
+
 def resolve(
     names: list[str],
     args: Mapping[str, Any],
@@ -274,15 +390,17 @@ def resolve(
     *,
     config_path: str | None = None,
 ) -> dict[str, Any]:
-    """Resolve ``names``: explicit non-None argument > environment > config file > default."""
+    """Resolve ``names``: explicit non-None argument > environment > config file > default. Every value
+    used is parsed and range-checked (:class:`Number`); a bad one is a ConfigError naming its source."""
     env = os.environ if env is None else env
     _check_env(env)
-    file_values = load_file(config_path, env)
+    path = _config_file(config_path, env)
+    file_values = {} if path is None else _read_toml(path)
     out: dict[str, Any] = {}
     for name in names:
         s = SETTINGS[name]
         if args.get(name) is not None:
-            out[name] = args[name]
+            out[name] = _check_argument(s, args[name])
         elif s.env in env and env[s.env] != "":
             try:
                 out[name] = s.parse(env[s.env])
@@ -293,7 +411,13 @@ def resolve(
             try:
                 out[name] = s.parse(str(v))  # the environment's parser: 2.5 or true is no int
             except ValueError as exc:
-                raise ConfigError(f"config key {name!r}={v!r}: {exc}") from exc
+                raise ConfigError(f"config file {path}: key {name!r}={v!r}: {exc}") from exc
         else:
             out[name] = s.default
     return out
+
+
+def validate(env: Mapping[str, str] | None = None, *, config_path: str | None = None) -> None:
+    """Parse and range-check every setting the environment and the config file set. ``rslurm launch``
+    calls it before it starts a rank, so that a value only a rank reads fails there, as a ConfigError."""
+    resolve(list(SETTINGS), {}, env, config_path=config_path)

@@ -230,3 +230,16 @@ def slurm(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
     slurm_cluster.reset(timeout=60)
     yield slurm_cluster
     slurm_cluster.reset(timeout=60)
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty HOME and no RSLURM_* variables, so no per-user ~/.config/rslurm/config.toml or setting
+    leaks into a test."""
+    h = tmp_path / "home"
+    h.mkdir()
+    monkeypatch.setenv("HOME", str(h))
+    for k in list(os.environ):
+        if k.startswith("RSLURM_"):
+            monkeypatch.delenv(k)
+    return h

@@ -78,8 +78,11 @@ def test_default_margin_refuses_on_a_tiny_filesystem(small_fs: Path) -> None:
 
 
 def test_real_enospc_mid_write_fails_cleanly(small_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Disable the pre-check so that the write itself runs out of space.
-    monkeypatch.setenv("RSLURM_FREE_SPACE_MARGIN", "-1000000000")
+    # Switch the pre-check off so that the write itself runs out of space (a negative margin did this
+    # before settings were range-checked).
+    import resilient_slurm.checkpoint.engine as engine
+
+    monkeypatch.setattr(engine, "check_free_space", lambda *a, **k: None)
     small, big = 256 * 1024, 3 * MiB
     with Checkpointer(local_dir=str(small_fs), run_id=RUN) as ck:
         ck.save(1, state_of(1, small))

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -161,18 +160,6 @@ def test_layout_names() -> None:
 
 
 # ---------------------------------------------------------------------------------------- config
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty HOME, so a per-user ~/.config/rslurm/config.toml cannot leak into the tests."""
-    h = tmp_path / "home"
-    h.mkdir()
-    monkeypatch.setenv("HOME", str(h))
-    for k in list(os.environ):
-        if k.startswith("RSLURM_"):
-            monkeypatch.delenv(k)
-    return h
-
-
 def write_toml(tmp_path: Path, body: str, name: str = "rslurm.toml") -> str:
     p = tmp_path / name
     p.write_text(body)

@@ -1,0 +1,267 @@
+"""Every numeric setting is range-checked when it is read (flag, RSLURM_* variable, config file key,
+explicit argument), malformed config files are ConfigErrors naming the file, and `rslurm launch` refuses
+bad settings with exit 2 and one line before it starts any rank. Also: the launcher's node count."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import clean_env
+
+from resilient_slurm import ConfigError
+from resilient_slurm import config as cfgmod
+from resilient_slurm.config import SETTINGS, Number
+from resilient_slurm.launcher.launch import Launcher, job_num_nodes
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+NUMERIC = sorted(n for n, s in SETTINGS.items() if isinstance(s.parse, Number))
+POSITIVE = ["collective_timeout", "control_timeout", "save_timeout", "term_grace", "cloud_notice_interval",
+            "drain_poll_interval", "keep_last", "sync_every", "io_threads", "drain_threads", "s3_max_attempts"]
+
+
+def _number(name: str) -> Number:
+    parse = SETTINGS[name].parse
+    assert isinstance(parse, Number)
+    return parse
+
+
+# ---------------------------------------------------------------------------------------- the table
+def test_the_numeric_settings_are_the_expected_ones() -> None:
+    """A numeric setting added with a bare int/float parser would escape the range checks."""
+    bare = [n for n, s in SETTINGS.items() if s.parse in (int, float)]
+    assert not bare, f"settings parsed without a range check: {bare}"
+    assert set(POSITIVE) <= set(NUMERIC)
+    assert len(NUMERIC) == 22, NUMERIC
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+def test_every_default_is_in_range(name: str) -> None:
+    s = SETTINGS[name]
+    if s.default is not None:
+        assert _number(name).check(s.default) == s.default
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", " Infinity ", "-1", "1e999"])
+def test_non_finite_and_negative_values_are_refused_everywhere(home: Path, tmp_path: Path, name: str,
+                                                               value: str) -> None:
+    s = SETTINGS[name]
+    rng = _number(name).range
+    # environment
+    with pytest.raises(ConfigError) as ei:
+        cfgmod.resolve([name], {}, {s.env: value})
+    msg = str(ei.value)
+    assert s.env in msg and value in msg and rng in msg, msg
+    # config file (TOML has nan and inf floats; other spellings go in as text)
+    toml_value = {"nan": "nan", "inf": "inf", "-inf": "-inf", "-1": "-1"}.get(value, repr(value.strip()))
+    path = tmp_path / "rslurm.toml"
+    path.write_text(f"[rslurm]\n{name} = {toml_value}\n")
+    with pytest.raises(ConfigError) as ei:
+        cfgmod.resolve([name], {}, {"RSLURM_CONFIG": str(path)})
+    msg = str(ei.value)
+    assert str(path) in msg and repr(name) in msg and rng in msg, msg
+
+
+@pytest.mark.parametrize("name", POSITIVE)
+def test_zero_is_refused_where_it_makes_no_sense(home: Path, name: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(_number(name).range)):
+        cfgmod.resolve([name], {}, {SETTINGS[name].env: "0"})
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("keep_last", 0), ("keep_last", -2), ("save_timeout", math.nan), ("term_grace", -1.0), ("io_threads", 2.5),
+    ("every_seconds", math.inf), ("collective_timeout", True), ("sync_every", "0"),
+])
+def test_explicit_arguments_are_checked_too(home: Path, name: str, value: object) -> None:
+    with pytest.raises(ConfigError) as ei:
+        cfgmod.resolve([name], {name: value}, {})
+    msg = str(ei.value)
+    assert msg.startswith(f"{name}={value!r}:") and _number(name).range in msg, msg
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), [
+    ("save_timeout", "0.5", 0.5), ("requeue_margin", "0", 0.0), ("durable_wait", "0", 0.0),
+    ("every_steps", "0", None), ("every_steps", "none", None), ("every_seconds", "0.0", None),
+    ("keep_every", "100", 100), ("no_progress_limit", "0", None), ("max_restarts", "0", 0),
+    ("max_restarts", "none", None), ("free_space_margin", "0", 0), ("replica_check_bytes", "0", 0),
+    ("replica_check_bytes", "1.5M", 3 << 19), ("drain_bandwidth", "off", None), ("drain_bandwidth", "0", None),
+    ("drain_bandwidth", "200M", 200 << 20), ("s3_part_size", "5M", 5 << 20), ("s3_part_size", "5G", 5 << 30),
+    ("keep_last", " 1 ", 1),
+])
+def test_values_in_range_and_off_spellings_are_accepted(home: Path, name: str, value: str,
+                                                        expected: object) -> None:
+    assert cfgmod.resolve([name], {}, {SETTINGS[name].env: value})[name] == expected
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("s3_part_size", "4M"), ("s3_part_size", "6G"), ("drain_bandwidth", "-1M"), ("free_space_margin", "-1"),
+    ("max_restarts", "-1"), ("no_progress_limit", "-3"), ("keep_every", "-5"), ("local_min_free", "inf"),
+    ("local_min_free", "nan%"), ("keep_last", "2.5"),
+])
+def test_out_of_range_values_name_the_variable_and_value(home: Path, name: str, value: str) -> None:
+    env = SETTINGS[name].env
+    with pytest.raises(ConfigError) as ei:
+        cfgmod.resolve([name], {}, {env: value})
+    assert f"{env}={value!r}: expected" in str(ei.value)
+
+
+def test_parse_size_refuses_non_finite_sizes() -> None:
+    for bad in ("inf", "nanM", "1e999G"):
+        with pytest.raises(ValueError, match="finite"):
+            cfgmod.parse_size(bad)
+    assert cfgmod.parse_size("64MiB") == 64 << 20
+
+
+def test_validate_checks_every_setting_of_the_environment_and_the_file(home: Path, tmp_path: Path) -> None:
+    cfgmod.validate({"RSLURM_KEEP_LAST": "2"})
+    with pytest.raises(ConfigError, match="RSLURM_S3_PART_SIZE"):
+        cfgmod.validate({"RSLURM_S3_PART_SIZE": "1K"})
+    path = tmp_path / "c.toml"
+    path.write_text("sync_every = 0\n")
+    with pytest.raises(ConfigError, match="sync_every"):
+        cfgmod.validate({}, config_path=str(path))
+
+
+# ---------------------------------------------------------------------------------------- config files
+@pytest.mark.parametrize(("body", "expected"), [
+    (b"rslurm = 5\n", ["'rslurm'", "[rslurm] table", "5"]),
+    (b'rslurm = "x"\nkeep_last = 2\n', ["'rslurm'", "[rslurm] table"]),
+    (b"keep_last = 3\n[rslurm]\nsave_timeout = 5\n", ["'keep_last'", "go under it"]),
+    (b"keep_last = 3\nkeep_every = 4\n[rslurm]\n", ["'keep_every', 'keep_last'", "go under it"]),
+    (b"[rslurm]\nkeep_last = 3\n[other]\nx = 1\n", ["'other'", "go under it"]),
+    (b"keep_last = 3\n# caf\xe9 in latin-1\n", ["not UTF-8", "0xe9", "line 2"]),
+    (b"\xff\xfe[\x00r\x00", ["not UTF-8", "0xff", "line 1"]),
+], ids=["rslurm-int", "rslurm-string", "top-level-key", "top-level-keys", "other-table", "latin-1", "utf-16"])
+def test_malformed_config_files_are_config_errors_naming_the_file(home: Path, tmp_path: Path, body: bytes,
+                                                                  expected: list[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_bytes(body)
+    with pytest.raises(ConfigError) as ei:
+        cfgmod.resolve(["keep_last"], {}, {"RSLURM_CONFIG": str(path)})
+    msg = str(ei.value)
+    assert msg.startswith(f"config file {path}:") and all(e in msg for e in expected), msg
+
+
+def test_a_well_formed_rslurm_table_and_a_flat_file_still_work(home: Path, tmp_path: Path) -> None:
+    table = tmp_path / "table.toml"
+    table.write_text("[rslurm]\nkeep_last = 4\nsave_timeout = 12.5\n")
+    flat = tmp_path / "flat.toml"
+    flat.write_text("keep_last = 5\n")
+    assert cfgmod.resolve(["keep_last", "save_timeout"], {}, {}, config_path=str(table)) == {
+        "keep_last": 4, "save_timeout": 12.5}
+    assert cfgmod.resolve(["keep_last"], {}, {"RSLURM_CONFIG": str(flat)})["keep_last"] == 5
+
+
+# ---------------------------------------------------------------------------------------- docs
+def test_the_configuration_reference_states_each_range() -> None:
+    text = (DOCS / "configuration.md").read_text()
+    rows = {m.group(1): line for line in text.splitlines() if (m := re.match(r"\| `([a-z0-9_]+)` \|", line))}
+    missing = [n for n in NUMERIC if f"| {_number(n).range} |" not in rows.get(n, "")]
+    assert not missing, f"docs/configuration.md does not state the valid range of {missing}"
+
+
+# ---------------------------------------------------------------------------------------- rslurm launch
+def _rslurm(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    run_env = clean_env({"HOME": str(home), "RSLURM_LOCAL_DIR": str(tmp_path / "nvme"),
+                         "RSLURM_CONTROL_DIR": str(tmp_path / "ctl"), **(env or {})})
+    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *argv], env=run_env, cwd=tmp_path,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(("argv", "env", "config", "names"), [
+    (["--save-timeout", "-1"], {}, None, ["--save-timeout", "'-1'", "> 0"]),
+    (["--save-timeout", "nan"], {}, None, ["--save-timeout", "'nan'", "finite"]),
+    (["--keep-last", "0"], {}, None, ["--keep-last", "'0'", ">= 1"]),
+    (["--term-grace=inf"], {}, None, ["--term-grace", "'inf'"]),
+    (["--collective-timeout", "0"], {}, None, ["--collective-timeout"]),
+    ([], {"RSLURM_KEEP_LAST": "0"}, None, ["RSLURM_KEEP_LAST", "'0'", ">= 1"]),
+    ([], {"RSLURM_DRAIN_THREADS": "-4"}, None, ["RSLURM_DRAIN_THREADS", "'-4'"]),
+    ([], {}, b"[rslurm]\nsave_timeout = nan\n", ["cfg.toml", "'save_timeout'", "finite"]),
+    ([], {}, b"rslurm = 5\n", ["cfg.toml", "'rslurm'"]),
+    ([], {}, b"keep_last = 2\n[rslurm]\nevery_steps = 5\n", ["cfg.toml", "'keep_last'", "[rslurm]"]),
+    ([], {}, b"keep_last = '\xe9'\n", ["cfg.toml", "not UTF-8"]),
+], ids=["save-timeout-negative", "save-timeout-nan", "keep-last-zero", "term-grace-inf", "collective-timeout-zero",
+        "env-keep-last-zero", "env-drain-threads", "file-nan", "file-rslurm-int", "file-top-level", "file-latin-1"])
+def test_launch_refuses_bad_settings_with_exit_2_before_any_rank(tmp_path: Path, argv: list[str],
+                                                                  env: dict[str, str], config: bytes | None,
+                                                                  names: list[str]) -> None:
+    marker = tmp_path / "rank-started"
+    if config is not None:
+        (tmp_path / "cfg.toml").write_bytes(config)
+        env = {**env, "RSLURM_CONFIG": str(tmp_path / "cfg.toml")}
+    r = _rslurm(tmp_path, "launch", *argv, "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')", env=env)
+    assert r.returncode == 2, f"exit {r.returncode}\n{r.stderr}"
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rslurm: error: "), r.stderr
+    assert all(n in lines[0] for n in names), lines[0]
+    assert not marker.exists(), "a rank started although the settings were refused"
+
+
+def test_launch_with_settings_in_range_runs_the_command(tmp_path: Path) -> None:
+    marker = tmp_path / "rank-started"
+    r = _rslurm(tmp_path, "launch", "--save-timeout", "0.5", "--keep-last", "1", "--requeue-margin", "0",
+                "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    assert r.returncode == 0, r.stderr
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["daemon", "--drain-poll-interval", "nan", "--durable", "/nonexistent"],
+    ["gc", "--keep-last", "0", "--dry-run"],
+    ["ls", "--drain-threads", "0"],
+])
+def test_other_commands_refuse_out_of_range_flags(tmp_path: Path, argv: list[str]) -> None:
+    r = _rslurm(tmp_path, *argv)
+    assert r.returncode == 2, f"exit {r.returncode}\n{r.stderr}"
+    assert "Traceback" not in r.stderr and f"rslurm: error: {argv[1]}=" in r.stderr, r.stderr
+
+
+def test_gc_stale_after_must_be_finite(tmp_path: Path) -> None:
+    r = _rslurm(tmp_path, "gc", "--dry-run", "--stale-after", "nan")
+    assert r.returncode == 2 and "--stale-after" in r.stderr and "finite" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------------------- node count
+@pytest.mark.parametrize(("env", "nodes", "warned"), [
+    ({}, 1, None),
+    ({"SLURM_JOB_NUM_NODES": "4", "SLURM_NNODES": "2"}, 4, None),
+    ({"SLURM_NNODES": "3"}, 3, None),
+    ({"SLURM_JOB_NUM_NODES": "two", "SLURM_NNODES": "2"}, 2, "SLURM_JOB_NUM_NODES"),
+    ({"SLURM_JOB_NUM_NODES": "0", "SLURM_JOB_NODELIST": "n[1-3]"}, 3, "SLURM_JOB_NUM_NODES"),
+    ({"SLURM_JOB_NUM_NODES": "-2", "SLURM_NNODES": "x", "SLURM_JOB_NODELIST": "a,b"}, 2, "SLURM_NNODES"),
+    ({"SLURM_JOB_NUM_NODES": "2.5", "SLURM_JOB_NODELIST": "n1"}, 1, "SLURM_JOB_NUM_NODES"),
+    ({"SLURM_JOB_NUM_NODES": "x", "SLURM_JOB_NODELIST": "n[1-"}, 1, "SLURM_JOB_NODELIST"),
+])
+def test_job_num_nodes_skips_malformed_variables_with_a_warning(
+        caplog: pytest.LogCaptureFixture, env: dict[str, str], nodes: int, warned: str | None) -> None:
+    with caplog.at_level(logging.WARNING, logger="resilient_slurm.launcher.launch"):
+        assert job_num_nodes(env) == nodes
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if warned is None:
+        assert not warnings
+    else:
+        assert any(warned in w for w in warnings), warnings
+
+
+@pytest.mark.parametrize(("env", "multi"), [
+    ({"SLURM_JOB_NUM_NODES": "garbage", "SLURM_JOB_NODELIST": "n[1-2]"}, True),
+    ({"SLURM_JOB_NUM_NODES": "garbage", "SLURM_JOB_NODELIST": "n1"}, False),
+    ({"SLURM_JOB_NUM_NODES": "", "SLURM_NNODES": "8"}, True),
+    ({"SLURM_JOB_NUM_NODES": "1"}, False),
+])
+def test_num_nodes_and_multi_node_agree(home: Path, tmp_path: Path, env: dict[str, str], multi: bool) -> None:
+    launcher = Launcher(["true"], env={"HOME": str(home), "RSLURM_LOCAL_DIR": str(tmp_path / "nvme"),
+                                       "RSLURM_CONTROL_DIR": str(tmp_path / "ctl")})
+    launcher.env.update(env)
+    assert launcher._multi_node() is multi
+    assert (launcher._num_nodes() > 1) is multi
