@@ -23,6 +23,7 @@ _LAZY = {
     "InsufficientSpaceError": ".errors",
     "CorruptCheckpointError": ".errors",
     "IncompatibleCheckpointError": ".errors",
+    "RestoreUnavailableError": ".errors",
 }
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "InsufficientSpaceError",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
+    "RestoreUnavailableError",
     "__version__",
 ]
 
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
         IncompatibleCheckpointError,
         InsufficientSpaceError,
         ResilientSlurmError,
+        RestoreUnavailableError,
         SaveError,
     )
 

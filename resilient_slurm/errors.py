@@ -54,6 +54,12 @@ class IncompatibleCheckpointError(CheckpointError):
     """A valid checkpoint cannot be restored into this state (unknown schema, missing key, world size)."""
 
 
+class RestoreUnavailableError(TransientError):
+    """Committed checkpoints exist, or may (the durable tier could not be listed), but storage failures
+    kept every one from being restored; the job stops instead of starting over from step 0. ``rslurm
+    launch`` requeues such a job (``restore_fallback=fresh`` starts from step 0 instead)."""
+
+
 class StorageError(ResilientSlurmError):
     """A storage tier operation failed (wraps the underlying OS or client error)."""
 
@@ -64,6 +70,11 @@ class TransientStorageError(StorageError, TransientError):
 
 class ObjectNotFoundError(StorageError, PermanentError):
     """A key or file asked for does not exist in the storage tier."""
+
+
+class UnsafePathError(StorageError, PermanentError):
+    """A path inside a tier is a symbolic link or a special file; rslurm never reads, writes or deletes
+    through one (the message names it)."""
 
 
 class DistributedError(CheckpointError):

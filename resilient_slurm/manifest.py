@@ -24,17 +24,22 @@ than it knows, and names the file and the field when anything is malformed.
 
 from __future__ import annotations
 
-import errno
 import json
+import logging
 import math
 import os
 import re
-import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError, UnsafePathError
+from .storage.fileio import open_regular
+
+if TYPE_CHECKING:
+    from .storage.tier import StorageTier
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -297,27 +302,25 @@ def _check(m: Manifest, source: str) -> None:
 
 
 def read_manifest_file(path: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
-    """Read and validate a manifest from the local filesystem.
+    """Read and validate a manifest from the local filesystem (:func:`read_regular_file`: a regular file
+    only, never through a link, never more than ``max_bytes``). Raises FileNotFoundError when it is not
+    there, CorruptCheckpointError when it is not a manifest, and OSError when it cannot be read."""
+    return Manifest.from_json(read_regular_file(path, max_bytes, what="a manifest"), source=path)
 
-    Only a regular file is read: never through a symbolic link (``O_NOFOLLOW``), never a FIFO or a device
-    (opened non-blocking, checked with ``fstat`` before a byte is read), never more than ``max_bytes``.
-    Raises FileNotFoundError when it is not there, CorruptCheckpointError when it is not a manifest, and
-    OSError when it cannot be read."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+def read_regular_file(path: str, max_bytes: int, *, what: str) -> bytes:
+    """The bytes of a file in a checkpoint tree, read defensively: never through a symbolic link
+    (``O_NOFOLLOW``), never a FIFO or a device (opened non-blocking, checked with ``fstat`` before a
+    byte is read), never more than ``max_bytes``. ``what`` names the file's role in messages. Raises
+    FileNotFoundError, CorruptCheckpointError (a link, a special file, too big) or OSError."""
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise CorruptCheckpointError(f"{path}: a symbolic link, not a manifest written by a save; the step is "
-                                         "not usable") from None
-        raise
+        fd = open_regular(path, what=what)
+    except UnsafePathError as exc:
+        raise CorruptCheckpointError(f"{exc}; the step is not usable") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{path}: not a regular file (mode {stat.filemode(st.st_mode)}); the step "
-                                         "is not usable")
         if st.st_size > max_bytes:
-            raise CorruptCheckpointError(f"{path}: {st.st_size} bytes, more than a manifest may have ({max_bytes}); "
+            raise CorruptCheckpointError(f"{path}: {st.st_size} bytes, more than {what} may have ({max_bytes}); "
                                          "the step is not usable")
         chunks = []
         left = max_bytes + 1
@@ -329,7 +332,10 @@ def read_manifest_file(path: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Man
             left -= len(b)
     finally:
         os.close(fd)
-    return Manifest.from_json(b"".join(chunks), source=path)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise CorruptCheckpointError(f"{path}: more than {what} may have ({max_bytes} bytes); the step is not usable")
+    return data
 
 
 def _float(d: Mapping[str, Any], key: str, source: str) -> float:
@@ -376,3 +382,29 @@ def _int(d: Mapping[str, Any], key: str, source: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool):
         raise CorruptCheckpointError(f"{source}: field {key!r} must be an integer, got {type(v).__name__}")
     return v
+
+
+# ---------------------------------------------------------------------------------- durable steps
+def durable_steps(tier: StorageTier, run_id: str) -> list[int]:
+    """Steps of ``run_id`` committed in the durable tier (root manifest present), ascending. A link or a
+    special file where a manifest goes (POSIX) is not a step: warned about and left out."""
+    steps = []
+    for name in tier.list_dirs(run_id):
+        s = parse_step_dirname(name)
+        if s is None:
+            continue
+        try:
+            if tier.stat(f"{run_id}/{name}/{MANIFEST_NAME}") is not None:
+                steps.append(s)
+        except UnsafePathError as exc:
+            log.warning("durable step %s of run %s is not usable: %s", name, run_id, exc)
+    return sorted(steps)
+
+
+def read_durable_manifest(tier: StorageTier, run_id: str, step: int, domain: str | None = None) -> Manifest:
+    """The durable step's manifest, or one domain's marker manifest when ``domain`` is given."""
+    key = (domain_key(run_id, step, domain, MANIFEST_NAME) if domain
+           else f"{durable_step_key(run_id, step)}/{MANIFEST_NAME}")
+    data = tier.get_bytes(key)
+    return Manifest.from_json(data, source=f"{tier.url}/{key}")
+

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from resilient_slurm import (
     Checkpointer,
     ConfigError,
+    CorruptCheckpointError,
     IncompatibleCheckpointError,
     SaveError,
 )
@@ -107,9 +108,9 @@ class Saved:
     def step_dir(self, step: int) -> Path:
         return self.root / RUN / f"step_{step:012d}"
 
-    def restore(self, st: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    def restore(self, st: dict[str, Any] | None = None, **kw: Any) -> tuple[int, dict[str, Any]]:
         st = fresh_state() if st is None else st
-        with Checkpointer(local_dir=str(self.root), run_id=RUN) as ck:
+        with Checkpointer(local_dir=str(self.root), run_id=RUN, **kw) as ck:
             return ck.restore(st), st
 
 
@@ -378,7 +379,11 @@ def test_all_steps_corrupt_restores_nothing_and_leaves_state_untouched(
     before = snapshot(st)
     opt = st["optim"]
     assert not opt.state
-    step, st2 = saved.restore(st)
+    with pytest.raises(CorruptCheckpointError, match=r"committed steps \[1, 2\] exist"):
+        saved.restore(st)  # by default a run is never silently started over (tests/test_restore_fallback.py)
+    assert_restored(st, before)
+    assert not opt.state
+    step, st2 = saved.restore(st, restore_fallback="fresh")
     assert step == 0
     assert st2 is st
     assert_restored(st, before)

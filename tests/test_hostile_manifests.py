@@ -16,9 +16,12 @@ into memory), and step 1 must still restore, verify and drain:
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import logging
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -33,8 +36,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_slurm import Checkpointer
+from resilient_slurm.checkpoint.metadata_pickle import scan
+from resilient_slurm.checkpoint.planning import load_metadata
 from resilient_slurm.errors import CorruptCheckpointError
-from resilient_slurm.manifest import Manifest
+from resilient_slurm.manifest import ChunkEntry, Manifest
+from resilient_slurm.storage.fileio import checksum
 
 RUN = "hostile"
 STEP2 = "step_000000000002"
@@ -189,3 +195,92 @@ def test_any_field_replaced_by_any_json_is_accepted_or_named(clean: Path, data: 
         assert "fuzzed/manifest.json" in str(exc)
         return
     assert Manifest.from_json(m.to_json(), source="again") == m
+
+
+# ---------------------------------------------------------------- a .metadata the restricted unpickler refuses
+
+def _foreign_metadata(step_dir: Path) -> None:
+    """Replace ``.metadata`` with a pickle naming a class outside DCP's (a plain ``dcp`` reader would run
+    whatever it names), and record its true size and checksum in the manifest, as a tampered step would."""
+    payload = pickle.dumps(collections.Counter(a=1))
+    (step_dir / ".metadata").write_bytes(payload)
+    mpath = step_dir / "manifest.json"
+    m = Manifest.from_json(mpath.read_bytes())
+    m = dataclasses.replace(m, dcp_metadata=ChunkEntry(0, len(payload), checksum(payload)))
+    mpath.write_text(m.to_json())
+
+
+@pytest.fixture
+def foreign(clean: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "nvme"
+    shutil.copytree(clean, root, symlinks=True)
+    _foreign_metadata(root / RUN / STEP2)
+    return root
+
+
+def test_a_refused_metadata_is_never_restored_drained_or_kept_over_a_valid_step(
+        foreign: Path, caplog: pytest.LogCaptureFixture) -> None:
+    md = str(foreign / RUN / STEP2 / ".metadata")
+    caplog.set_level(logging.WARNING, logger="resilient_slurm")
+    state = {"w": torch.zeros(256), "meta": {"step": 0}}
+    with Checkpointer(local_dir=str(foreign), run_id=RUN) as ck:
+        assert ck.restore(state) == 1
+    assert md in caplog.text and "not allowed" in caplog.text
+    lustre = foreign.parent / "lustre"
+    r = _rslurm(foreign, "daemon", "--once", durable=lustre)
+    assert r.returncode == 1 and md in r.stderr, r.stderr[-3000:]
+    assert not (lustre / RUN / STEP2).exists() or not (lustre / RUN / STEP2 / "manifest.json").exists()
+    assert (lustre / RUN / "step_000000000001" / "manifest.json").is_file()
+    v = _rslurm(foreign, "verify", "2")
+    assert v.returncode == 1 and md in v.stdout + v.stderr, v.stdout
+    # retention with keep_last=1 keeps the only valid step, whatever the newer broken one says
+    gc = _rslurm(foreign, "gc", "--keep-last", "1", durable=lustre)
+    assert gc.returncode == 0, gc.stderr
+    assert (foreign / RUN / "step_000000000001" / "manifest.json").is_file()
+    assert (lustre / RUN / "step_000000000001" / "manifest.json").is_file()
+    with Checkpointer(local_dir=str(foreign), run_id=RUN) as ck:
+        assert ck.restore(state) == 1
+
+
+# ---------------------------------------------------------------- the torch-free check of .metadata
+
+class _Payload:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize("payload", [collections.Counter(a=1), _Payload(), os.system, {"x": [eval]}],
+                         ids=["counter", "reduce", "function", "nested"])
+def test_the_static_scan_refuses_what_the_unpickler_refuses(payload: object) -> None:
+    for protocol in (0, 2, pickle.HIGHEST_PROTOCOL):
+        data = pickle.dumps(payload, protocol=protocol)
+        with pytest.raises(CorruptCheckpointError, match="not allowed"):
+            scan(data, source="m/.metadata")
+        with pytest.raises(CorruptCheckpointError, match="not allowed"):
+            load_metadata(data, source="m/.metadata")
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_the_static_scan_is_never_laxer_than_the_unpickler(clean: Path, data: st.DataObject) -> None:
+    """Random edits of a real ``.metadata`` (bytes flipped, inserted, cut): whatever the scan accepts, the
+    restricted unpickler never finds a global it refuses (the daemon and gc, which only scan, never keep
+    or drain what restore would refuse for that reason); the scan raises nothing but corruption."""
+    real = bytearray((clean / RUN / STEP2 / ".metadata").read_bytes())
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(real) - 1))
+        how = data.draw(st.sampled_from(["flip", "insert", "cut"]))
+        if how == "flip":
+            real[at] = data.draw(st.integers(0, 255))
+        elif how == "insert":
+            real[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+        else:
+            del real[at:at + data.draw(st.integers(1, 8))]
+    try:
+        scan(bytes(real), source="m/.metadata")
+    except CorruptCheckpointError:
+        return
+    try:
+        load_metadata(bytes(real), source="m/.metadata")
+    except CorruptCheckpointError as exc:
+        assert "is not allowed" not in str(exc), exc

@@ -35,13 +35,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..checkpoint.metadata_pickle import check_metadata_bytes
 from ..checkpoint.policy import RetentionPolicy
-from ..errors import ResilientSlurmError, StorageError
+from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, ResilientSlurmError, StorageError
 from ..manifest import (
+    DCP_METADATA_NAME,
     MANIFEST_NAME,
     durable_step_key,
     is_tmp_dirname,
     parse_step_dirname,
+    read_manifest_file,
+    read_regular_file,
     step_dirname,
     tmp_dirname,
 )
@@ -99,24 +103,25 @@ def _local_plan(catalog: Catalog, run: str, durable: set[int] | None,
         except (FileNotFoundError, NotADirectoryError):
             continue
         committed = sorted(s for n in names if (s := parse_step_dirname(n)) is not None
-                           and os.path.exists(os.path.join(run_dir, n, MANIFEST_NAME)))
+                           and os.path.lexists(os.path.join(run_dir, n, MANIFEST_NAME)))
+        invalid = {s: why for s in committed if (why := _local_step_problem(run_dir, run, s))}
         protect: set[int] = set()
         if durable is not None:
-            pending = [s for s in committed if s not in durable]
+            pending = [s for s in committed if s not in durable and s not in invalid]
             if pending:
                 protect.add(max(pending))
-        keep = policy.keep(committed)
-        for s in committed:
-            if s in keep:
-                continue
+        for s in policy.deletable(committed, invalid):
             path = os.path.join(run_dir, step_dirname(s))
             if s in protect:
                 continue
             _, size = _tree_newest(path)
-            where = "durable" if durable is not None and s in durable else (
-                "not durable" if durable is not None else "no durable tier")
-            out.append(GcAction("local", "step", run, s, path, size,
-                                f"retention ({_policy_text(policy)}) does not keep it; {where}"))
+            if s in invalid:
+                why = f"invalid ({invalid[s]}) and older than the newest valid step kept"
+            else:
+                where = "durable" if durable is not None and s in durable else (
+                    "not durable" if durable is not None else "no durable tier")
+                why = f"retention ({_policy_text(policy)}) does not keep it; {where}"
+            out.append(GcAction("local", "step", run, s, path, size, why))
         for n in sorted(names):
             if not is_tmp_dirname(n):
                 continue
@@ -128,6 +133,24 @@ def _local_plan(catalog: Catalog, run: str, durable: set[int] | None,
                                     f"in-progress directory unchanged for {_age(age)} (>= {_age(stale_after)}): "
                                     "its save or deletion was interrupted"))
     return out
+
+
+def _local_step_problem(run_dir: str, run: str, step: int) -> str | None:
+    """Why a committed local step is invalid (its manifest or ``.metadata`` fails the checks restore
+    makes), or None when it is valid. Shards are not read: ``rslurm verify`` does that."""
+    d = os.path.join(run_dir, step_dirname(step))
+    try:
+        m = read_manifest_file(os.path.join(d, MANIFEST_NAME))
+        if m.run_id != run or m.step != step:
+            return f"its manifest says run {m.run_id!r} step {m.step}"
+        md = os.path.join(d, DCP_METADATA_NAME)
+        check_metadata_bytes(read_regular_file(md, m.dcp_metadata.length, what="DCP metadata"), m.dcp_metadata,
+                             source=md)
+    except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"{d}: cannot read it: {exc}"
+    return None
 
 
 def _policy_text(p: RetentionPolicy) -> str:
@@ -152,14 +175,16 @@ def _durable_plan(catalog: Catalog, run: str, views: list[StepView], policy: Ret
     tier = catalog.durable
     assert tier is not None
     out: list[GcAction] = []
-    # Like the daemon: a step with a manifest object counts as committed, even an unreadable one.
+    # A step with a manifest object is committed; an unreadable one never counts toward keep_last.
     committed = sorted(v.step for v in views if v.durable is not None and v.durable.state in ("durable", "invalid"))
-    for s in policy.deletable(committed):
+    invalid = {v.step: v.durable.problem for v in views if v.durable is not None and v.durable.state == "invalid"}
+    for s in policy.deletable(committed, invalid):
         v = next(x for x in views if x.step == s)
         m = v.durable.manifest if v.durable else None
+        why = (f"invalid ({invalid[s]}) and older than the newest valid step kept" if s in invalid
+               else f"retention ({_policy_text(policy)}) does not keep it")
         out.append(GcAction("durable", "step", run, s, f"{tier.url}/{durable_step_key(run, s)}",
-                            m.total_bytes if m else None, f"retention ({_policy_text(policy)}) does not keep it",
-                            key=durable_step_key(run, s)))
+                            m.total_bytes if m else None, why, key=durable_step_key(run, s)))
     keep_with = set(committed)
     for v in views:
         if v.durable is None or v.durable.state != "partial" or v.step in policy.keep(keep_with | {v.step}):

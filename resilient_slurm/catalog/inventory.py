@@ -41,6 +41,7 @@ from ..errors import (
     IncompatibleCheckpointError,
     ObjectNotFoundError,
     StorageError,
+    UnsafePathError,
 )
 from ..manifest import (
     DOMAINS_DIR,
@@ -408,6 +409,8 @@ def read_durable_copy(tier: StorageTier, run: str, step: int) -> DurableCopy:
     where = f"{tier.url}/{prefix}"
     try:
         data = tier.get_bytes(f"{prefix}/{MANIFEST_NAME}")
+    except UnsafePathError as exc:  # a link or special file where the manifest goes
+        return DurableCopy("invalid", where, problem=str(exc))
     except ObjectNotFoundError:
         markers = tier.list_dirs(f"{prefix}/{DOMAINS_DIR}")
         domains = None
@@ -415,7 +418,7 @@ def read_durable_copy(tier: StorageTier, run: str, step: int) -> DurableCopy:
             try:
                 domains = len(Manifest.from_json(tier.get_bytes(f"{prefix}/{DOMAINS_DIR}/{d}/{MANIFEST_NAME}")).nodes)
                 break
-            except (ObjectNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError):
+            except (ObjectNotFoundError, UnsafePathError, CorruptCheckpointError, IncompatibleCheckpointError):
                 continue
         n = "?" if domains is None else str(domains)
         return DurableCopy("partial", where, markers=markers, domains=domains,

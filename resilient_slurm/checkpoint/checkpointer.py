@@ -17,7 +17,7 @@ the shard write and commit. At most one save is in flight: a new save first wait
 
 Events (docs/telemetry.md) go to the run's ``events.jsonl`` on this node: every rank writes its own
 ``save_staged`` (training thread, one append after the stall is measured), ``save_committed`` /
-``save_failed`` (writer thread), ``restore`` / ``restore_none`` and ``emergency_requested``; the node's
+``save_failed`` (writer thread), ``restore`` / ``restore_none`` / ``restore_failed`` and ``emergency_requested``; the node's
 leader rank also writes ``save_started`` and ``retention_deleted`` (local tier).
 """
 
@@ -35,7 +35,13 @@ from typing import Any
 
 from .. import config
 from ..control.rank import RankLink
-from ..errors import CheckpointError, ConfigError, ReplicaMismatchError
+from ..errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    ReplicaMismatchError,
+    RestoreUnavailableError,
+)
 from ..paths import default_local_dir, default_run_id, node_name
 from ..storage.registry import open_durable
 from ..telemetry import EventLog
@@ -62,6 +68,7 @@ _SETTINGS = [
     "node_name",
     "replica_check",
     "replica_check_bytes",
+    "restore_fallback",
     "free_space_margin",
     "control_socket",
     "control_timeout",
@@ -94,11 +101,15 @@ class Checkpointer:
         io_threads: int | None = None,
         config_path: str | None = None,
         replicated: Sequence[str] = (),
+        restore_fallback: str | None = None,
     ) -> None:
         """``replicated``: state keys your program keeps equal on every rank without DDP (an EMA of a DDP
         model, a frozen model, gradients averaged by your own all_reduce). Their copies are then not
         digested at every save, only checked like DDP's (``replica_check``); undeclared, they are proven
-        equal at every save, which costs a hash of each copy."""
+        equal at every save, which costs a hash of each copy.
+
+        ``restore_fallback``: "fail" (default) or "fresh", what :meth:`restore` does when checkpoints
+        exist but none can be restored (docs/configuration.md)."""
         if isinstance(replicated, str) or not all(isinstance(k, str) for k in replicated):
             raise ConfigError(f"replicated must be a list of state keys, got {replicated!r}")
         args = dict(
@@ -112,20 +123,17 @@ class Checkpointer:
             capture_rng=capture_rng,
             sync_every=sync_every,
             io_threads=io_threads,
+            restore_fallback=restore_fallback,
         )
         cfg = config.resolve(_SETTINGS, args, config_path=config_path)
         self.config = cfg
         self.run_id: str = cfg["run_id"] or default_run_id()
         if not _RUN_ID_RE.match(self.run_id):
             raise ConfigError(f"run_id {self.run_id!r}: use letters, digits, '.', '_' and '-' only")
-        if cfg["sync_every"] < 1:
-            raise ConfigError(f"sync_every must be >= 1, got {cfg['sync_every']}")
-        if cfg["io_threads"] < 1:
-            raise ConfigError(f"io_threads must be >= 1, got {cfg['io_threads']}")
         self.durable: str | None = cfg["durable"]
         # Restore reads the durable tier when a step is missing or corrupt locally; `rslurm daemon`
         # writes it. Opening it makes no request (S3: the client only), so a dead endpoint costs nothing
-        # until a restore needs it, and then it is a warning, not a failure.
+        # until a restore needs it; then local steps still restore, and with none, restore_fallback says.
         self._durable_tier = open_durable(cfg, upload_cap=False) if self.durable else None
         self.retention = RetentionPolicy(cfg["keep_last"], cfg["keep_every"])
         self.cadence = Cadence(cfg["every_steps"], cfg["every_seconds"])
@@ -152,6 +160,7 @@ class Checkpointer:
             replica_check=cfg["replica_check"],
             replica_check_bytes=cfg["replica_check_bytes"],
             replicated=tuple(replicated),
+            restore_fallback=cfg["restore_fallback"],
         )
         self.events = EventLog(
             self.topology.root, self.run_id, source="rank", node=self.topology.node,
@@ -210,11 +219,23 @@ class Checkpointer:
 
         State that differed between ranks was saved per rank and is restored to the rank that saved it.
         Resuming such state with another number of ranks needs ``rank_map``: a function from this rank to
-        the saved rank whose per-rank state (and RNG state) it loads (docs/integration.md)."""
+        the saved rank whose per-rank state (and RNG state) it loads (docs/integration.md).
+
+        0 means nothing was there to restore. When committed steps exist (or the durable tier cannot be
+        listed) and none restores, every rank raises RestoreUnavailableError (storage failed: run again
+        later; `rslurm launch` requeues) or CorruptCheckpointError (every step is corrupt), unless
+        ``restore_fallback="fresh"``: then 0 with a warning."""
         self._check_open()
         self._finish_inflight()
         self._finish_retention()
-        step = self._engine.restore(state, rank_map=rank_map)
+        try:
+            step = self._engine.restore(state, rank_map=rank_map)
+        except (RestoreUnavailableError, CorruptCheckpointError) as exc:
+            if self.topology.rank == 0:
+                last = self._engine.last_restore
+                self.events.emit("restore_failed", error=str(exc), retry=isinstance(exc, RestoreUnavailableError),
+                                 skipped=list(last.skipped) if last else [])
+            raise
         self._steps_since_restore = 0
         self._report_restore()
         self.cadence.saved()
@@ -377,8 +398,13 @@ class Checkpointer:
         return outcome
 
     def _retain(self) -> list[int]:
-        """Writer thread (domain leader): local retention after a save."""
-        deleted = self._engine.apply_retention()
+        """Writer thread (domain leader): local retention after a save. Its failure is logged here: the
+        next non-blocking save replaces this future without waiting for it."""
+        try:
+            deleted = self._engine.apply_retention()
+        except Exception as exc:
+            log.warning("retention in %s failed: %s; older steps were kept (the next save retries)", self.run_dir, exc)
+            return []
         if deleted:
             self.events.emit("retention_deleted", tier="local", steps=deleted)
         return deleted

@@ -52,9 +52,13 @@ from ..errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     InsufficientSpaceError,
+    PermanentError,
     ReplicaMismatchError,
     ResilientSlurmError,
+    RestoreUnavailableError,
     SaveError,
+    StorageError,
+    TransientError,
 )
 from ..manifest import (
     CHECKSUM_ALGORITHM,
@@ -63,8 +67,10 @@ from ..manifest import (
     ChunkEntry,
     Manifest,
     ShardEntry,
+    durable_steps,
     is_tmp_dirname,
     parse_step_dirname,
+    read_durable_manifest,
     read_manifest_file,
     split_per_rank_fqn,
     step_dirname,
@@ -91,11 +97,12 @@ from .ddp import DDP_KEY, DDPTracker
 from .planning import (
     GlobalSavePlan,
     SafeLoadPlanner,
+    check_metadata,
     create_global_save_plan,
     domain_storage_data,
     dump_metadata,
-    load_metadata,
     original_index,
+    read_metadata_file,
 )
 from .policy import RetentionPolicy
 from .replication import (
@@ -188,6 +195,7 @@ class Engine:
         replica_check: str = "warn",
         replica_check_bytes: int = 32 << 20,
         replicated: tuple[str, ...] = (),
+        restore_fallback: str = "fail",
     ) -> None:
         self.topo = topo
         self.coord = coord
@@ -212,6 +220,7 @@ class Engine:
         self._pin = torch.cuda.is_available()
         self.replicas = ReplicaTracker(replica_check, replica_check_bytes)
         self.replicated = replicated  # state keys the program declares replicated
+        self.restore_fallback = restore_fallback  # fail | fresh: when checkpoints exist but none restores
         self.ddp = DDPTracker()
         self._source_rank = topo.rank  # whose per-rank state this rank restores (rank_map)
         self._rank_mapped = False
@@ -648,14 +657,17 @@ class Engine:
             self.clean_stale(spare_current=False)
         mine = self.committed_steps() if topo.is_leader else None
         durable: list[int] | None = None
+        listing_error: str | None = None
         if topo.rank == 0 and self.durable is not None:
-            durable = self._durable_steps()
-        gathered = self.coord.all_gather((mine, durable, map_error))
+            durable, listing_error = self._durable_steps()
+        gathered = self.coord.all_gather((mine, durable, map_error, listing_error))
         errors = [g[2] for g in gathered if g[2]]
         if errors:
             raise ConfigError("; ".join(errors))
         lists = [g[0] for g in gathered]
         durable_set = set(gathered[0][1] or [])
+        listing_error = gathered[0][3]
+        unreachable: list[str] = [listing_error] if listing_error else []  # storage failures, not corruption
         leaders = [r for r in range(topo.world_size) if lists[r] is not None]
         common = set.intersection(*[set(lists[r]) for r in leaders]) if leaders else set()
         union = set().union(*[set(lists[r]) for r in leaders]) if leaders else set()
@@ -679,7 +691,7 @@ class Engine:
                 if step not in common:
                     # Some domain lacks it locally: its leader fetches it from the durable tier.
                     need = topo.is_leader and step not in (mine or [])
-                    ok, here = self._fetch_round(step, need)
+                    ok, here = self._fetch_round(step, need, unreachable)
                     if not ok:
                         skipped.append(step)
                         continue
@@ -695,7 +707,7 @@ class Engine:
                             for m in (m for v, m in verdicts if v != "ok"):
                                 log.warning("step %d: %s; fetching it from the durable tier", step, m)
                         need = topo.is_leader and bad_here and not fetched
-                        ok, again = self._fetch_round(step, need)
+                        ok, again = self._fetch_round(step, need, unreachable)
                         if again is not None:
                             here = (here or 0) + again
                         if ok:
@@ -725,27 +737,46 @@ class Engine:
         finally:
             for opt in initialized:  # nothing restored: give back a pristine optimizer
                 opt.state.clear()
-        if (union or durable_set) and topo.rank == 0:
-            log.warning("no checkpoint that every rank can restore in %s%s; starting from step 0", self.run_dir,
-                        f" or {self.durable.url}" if self.durable is not None else "")
+        where = self.run_dir + (f" or {self.durable.url}" if self.durable is not None else "")
         self.last_restore = RestoreOutcome(0, None, time.perf_counter() - t0, 0, 0, tuple(skipped))
+        if unreachable or union or durable_set:
+            self._no_restore(where, sorted(union | durable_set), unreachable)
         return 0
 
-    def _durable_steps(self) -> list[int]:
-        from ..daemon.drain import durable_steps
+    def _no_restore(self, where: str, steps: list[int], unreachable: list[str]) -> None:
+        """Checkpoints exist (or may: the durable tier could not be listed or read) and none was restored.
+        Starting from step 0 would silently throw a run away, so this raises on every rank unless
+        ``restore_fallback`` is ``fresh``: RestoreUnavailableError (worth a requeue: storage may come back)
+        when a storage failure was involved, else CorruptCheckpointError (a person must look)."""
+        what = (f"committed steps {steps} exist in {where} but none could be restored" if steps
+                else f"no checkpoint could be found in {where}")
+        if unreachable:
+            what += " because the durable tier failed (" + "; ".join(dict.fromkeys(unreachable)) + ")"
+        if self.restore_fallback == "fresh":
+            if self.topo.rank == 0:
+                log.warning("%s; starting from step 0 (restore_fallback=fresh)", what)
+            return
+        msg = (f"{what}. Not starting over from step 0: fix the cause and run again, or set restore_fallback=fresh "
+               "(RSLURM_RESTORE_FALLBACK) to start from step 0 anyway")
+        if unreachable:
+            raise RestoreUnavailableError(msg)
+        raise CorruptCheckpointError(msg + "; `rslurm verify` names what is wrong with each step")
 
+    def _durable_steps(self) -> tuple[list[int], str | None]:
+        """The durable tier's committed steps, or none and why they could not be listed."""
         assert self.durable is not None
         try:
-            return durable_steps(self.durable, self.run_id)
+            return durable_steps(self.durable, self.run_id), None
         except ResilientSlurmError as exc:
-            log.warning("cannot list the durable tier %s (%s); restoring from the node-local tier only",
-                        self.durable.url, exc)
-            return []
+            log.warning("cannot list the durable tier %s (%s); trying the node-local tier", self.durable.url, exc)
+            return [], f"cannot list {self.durable.url}: {exc}"
 
-    def _fetch_round(self, step: int, need: bool) -> tuple[bool, int | None]:
+    def _fetch_round(self, step: int, need: bool, unreachable: list[str]) -> tuple[bool, int | None]:
         """Collective: leaders with ``need`` fetch ``step`` from the durable tier. Returns whether every
-        fetch succeeded, and the bytes this rank's domain fetched (None when it fetched nothing)."""
+        fetch succeeded, and the bytes this rank's domain fetched (None when it fetched nothing). Fetches
+        that failed for a storage reason (not corruption) are appended to ``unreachable``."""
         err: str | None = None
+        transient = False
         n: int | None = None
         if need:
             try:
@@ -756,10 +787,12 @@ class Engine:
                          self.topo.domain, self.durable.url if self.durable else "?", dt, n / 2**20 / max(dt, 1e-9))
             except Exception as exc:  # every rank must learn of it, or the others hang
                 err = f"{self.topo.domain}: fetching step {step} from the durable tier failed: {exc}"
+                transient = _storage_failure(exc)
                 log.error("%s", err)
                 n = None
-        gathered = self.coord.all_gather((err, n))
-        errors = [e for e, _ in gathered if e]
+        gathered = self.coord.all_gather((err, n, transient))
+        errors = [e for e, _, _ in gathered if e]
+        unreachable += [e for e, _, t in gathered if e and t]
         if errors and self.topo.rank == 0:
             for e in errors:
                 log.warning("skipping step %d: %s", step, e)
@@ -768,7 +801,6 @@ class Engine:
     def _fetch(self, step: int) -> int:
         """Leader: copy this domain's part of ``step`` from the durable tier into the local tier (verified,
         then committed like a save: temp directory, manifest last, rename). Returns bytes fetched."""
-        from ..daemon.drain import read_durable_manifest
         from ..manifest import domain_key
 
         tier = self.durable
@@ -779,10 +811,9 @@ class Engine:
         dm = read_durable_manifest(tier, self.run_id, step, src)
         if dm.save_id != root_m.save_id:
             raise CorruptCheckpointError(f"{tier.url}: step {step}: the marker of {src} belongs to another save")
-        md_bytes = tier.get_bytes(domain_key(self.run_id, step, src, DCP_METADATA_NAME))
-        if len(md_bytes) != dm.dcp_metadata.length or checksum(md_bytes) != dm.dcp_metadata.checksum:
-            raise CorruptCheckpointError(f"{tier.url}: step {step}: {src}'s .metadata does not match its manifest")
-        md = load_metadata(md_bytes, source=f"{tier.url}/{domain_key(self.run_id, step, src, DCP_METADATA_NAME)}")
+        md_key = domain_key(self.run_id, step, src, DCP_METADATA_NAME)
+        md_bytes = tier.get_bytes(md_key)
+        md = check_metadata(md_bytes, dm.dcp_metadata, source=f"{tier.url}/{md_key}")
         same_layout = (src == topo.domain and dm.world_size == topo.world_size
                        and tuple(dm.nodes.get(src, ())) == tuple(topo.domain_ranks))
         if same_layout:  # the ranks here are the ones that wrote this domain's shards: they need only those
@@ -859,15 +890,7 @@ class Engine:
             raise CorruptCheckpointError(
                 f"{mpath}: says run {manifest.run_id!r} step {manifest.step}, expected {self.run_id!r} step {step}"
             )
-        mdpath = os.path.join(step_dir, DCP_METADATA_NAME)
-        try:
-            with open(mdpath, "rb") as f:
-                md_bytes = f.read()
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{mdpath}: missing") from exc
-        if len(md_bytes) != manifest.dcp_metadata.length or checksum(md_bytes) != manifest.dcp_metadata.checksum:
-            raise CorruptCheckpointError(f"{mdpath}: size or checksum does not match the manifest")
-        md = load_metadata(md_bytes, source=mdpath)
+        md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
         self._check_per_rank(step, step_dir, manifest, md, state)
         target = state_mod.prepare_load_target(state, md, rank=self.topo.rank, capture_rng=self.capture_rng,
                                                source_rank=self._source_rank, extra_keys=(DDP_KEY,))
@@ -1036,6 +1059,14 @@ def _same_plan(a: SavePlan, b: SavePlan) -> bool:
             if x.tensor_data.chunk != y.tensor_data.chunk or x.tensor_data.properties.dtype != y.tensor_data.properties.dtype:
                 return False
     return True
+
+
+def _storage_failure(exc: BaseException) -> bool:
+    """A failure that says nothing about the checkpoint (an endpoint down, a timeout, a full local disk),
+    as opposed to corruption or a missing object: the step may restore once storage is back."""
+    if isinstance(exc, (CorruptCheckpointError, IncompatibleCheckpointError, PermanentError)):
+        return isinstance(exc, InsufficientSpaceError)
+    return isinstance(exc, (StorageError, OSError, TransientError))
 
 
 def _remove_quietly(path: str) -> None:

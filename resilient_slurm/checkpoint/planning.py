@@ -38,32 +38,13 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItemType
 
 from ..errors import CorruptCheckpointError
-from ..manifest import per_rank_fqn, per_rank_path, split_per_rank_fqn
-
-_ALLOWED_GLOBALS: dict[str, set[str]] = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "MetadataIndex",
-        "TensorProperties",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch._utils": {"_get_layout"},
-    "torch.serialization": {"_get_layout"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
-}
+from ..manifest import ChunkEntry, per_rank_fqn, per_rank_path, read_regular_file, split_per_rank_fqn
+from .metadata_pickle import allowed, check_metadata_bytes
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        if name in _ALLOWED_GLOBALS.get(module, ()):
+        if allowed(module, name):  # the one allow-list (metadata_pickle.py), also checked without torch
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
@@ -82,6 +63,25 @@ def load_metadata(data: bytes, *, source: str) -> Metadata:
     if not isinstance(md, Metadata):
         raise CorruptCheckpointError(f"{source}: DCP metadata has type {type(md).__name__}, expected Metadata")
     return md
+
+
+def check_metadata(data: bytes, expected: ChunkEntry, *, source: str) -> Metadata:
+    """The one check of a step's ``.metadata`` where it is loaded (restore, fetch, verify, show,
+    export): :func:`~.metadata_pickle.check_metadata_bytes` (size, checksum, allowed globals: what the
+    daemon and ``gc`` check without torch), then the restricted unpickler. Raises CorruptCheckpointError
+    naming ``source``: such a step is never restored, drained, or kept in place of a valid one."""
+    check_metadata_bytes(data, expected, source=source)
+    return load_metadata(data, source=source)
+
+
+def read_metadata_file(path: str, expected: ChunkEntry) -> Metadata:
+    """:func:`check_metadata` of a local ``.metadata`` file, read as a regular file only (never through a
+    link, never more bytes than the manifest records). A missing file is corruption too."""
+    try:
+        data = read_regular_file(path, expected.length, what="DCP metadata")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: missing") from None
+    return check_metadata(data, expected, source=path)
 
 
 @dataclasses.dataclass(frozen=True)

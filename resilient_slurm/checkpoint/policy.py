@@ -33,11 +33,21 @@ class RetentionPolicy:
             kept |= {s for s in ordered if s % self.keep_every == 0}
         return kept
 
-    def deletable(self, steps: Iterable[int]) -> list[int]:
-        """The steps that may be deleted, oldest first."""
-        steps = sorted(set(steps))
-        kept = self.keep(steps)
-        return [s for s in steps if s not in kept]
+    def deletable(self, steps: Iterable[int], invalid: Iterable[int] = ()) -> list[int]:
+        """The steps that may be deleted, oldest first.
+
+        ``invalid`` steps (committed, but a manifest or metadata that fails its checks) never count
+        toward ``keep_last``, so a broken newest step can never push the only valid one out. They are
+        deletable only when older than the newest valid step kept (nothing restorable is lost, and no
+        restore would choose them); newer ones stay for inspection (``rslurm verify``)."""
+        bad = set(invalid)
+        valid = sorted(set(steps) - bad)
+        kept = self.keep(valid)
+        newest = max(kept, default=None)
+        out = [s for s in valid if s not in kept]
+        if newest is not None:
+            out += [s for s in bad if s < newest]
+        return sorted(out)
 
 
 @dataclass

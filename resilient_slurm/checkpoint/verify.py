@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import xxhash
 
@@ -44,6 +44,7 @@ from ..errors import (
     ObjectNotFoundError,
     ResilientSlurmError,
     StorageError,
+    UnsafePathError,
 )
 from ..manifest import (
     CHECKSUM_ALGORITHM,
@@ -55,8 +56,9 @@ from ..manifest import (
     domain_key,
     durable_step_key,
     read_manifest_file,
+    read_regular_file,
 )
-from ..storage.fileio import check_free_space, checksum
+from ..storage.fileio import check_free_space, checksum, open_regular
 from ..storage.tier import StorageTier
 
 if TYPE_CHECKING:
@@ -127,11 +129,20 @@ def check_file(path: str, entry: ShardEntry, *, where: str | None = None, whole_
         return [Fault(where, f"checksum algorithm {entry.algorithm!r} is unknown to this version "
                              f"(expected {CHECKSUM_ALGORITHM})", entry.rank)], 0
     try:
-        size = os.path.getsize(path)
+        fd = open_regular(path, what="a shard")
     except FileNotFoundError:
         return [Fault(where, "the shard file is missing", entry.rank, MISSING)], 0
+    except UnsafePathError as exc:
+        return [Fault(where, str(exc).removeprefix(f"{path}: "), entry.rank)], 0
     except OSError as exc:
         return [Fault(where, f"cannot read it: {exc.strerror}", entry.rank, UNREADABLE)], 0
+    with os.fdopen(fd, "rb") as f:
+        return _check_open_file(f, where, entry, whole_file, item_names, progress)
+
+
+def _check_open_file(f: BinaryIO, where: str, entry: ShardEntry, whole_file: bool,
+                     item_names: Mapping[int, str] | None, progress: Progress | None) -> tuple[list[Fault], int]:
+    size = os.fstat(f.fileno()).st_size
     if size != entry.size:
         return [Fault(where, f"{size} bytes, the manifest says {entry.size} (truncated or overwritten)",
                       entry.rank)], 0
@@ -148,7 +159,7 @@ def check_file(path: str, entry: ShardEntry, *, where: str | None = None, whole_
                 progress(min(PIECE, end - off))
 
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             if hasattr(mmap, "MADV_SEQUENTIAL"):
                 mm.madvise(mmap.MADV_SEQUENTIAL)
             view = memoryview(mm)
@@ -203,14 +214,10 @@ def check_metadata_ranges(md: Metadata, shards: Mapping[str, ShardEntry], *, whe
 
 
 def _load_md(data: bytes, expected: Any, where: str, rep: StepReport) -> Metadata | None:
-    from .planning import load_metadata  # imports torch
+    from .planning import check_metadata  # imports torch
 
-    if len(data) != expected.length or checksum(data) != expected.checksum:
-        rep.faults.append(Fault(where, f"{len(data)} bytes with xxh3 {checksum(data)}, the manifest says "
-                                       f"{expected.length} bytes with {expected.checksum}"))
-        return None
     try:
-        return load_metadata(data, source=where)
+        return check_metadata(data, expected, source=where)
     except CorruptCheckpointError as exc:
         rep.faults.append(Fault(where, str(exc).removeprefix(f"{where}: ")))
         return None
@@ -247,13 +254,15 @@ def verify_step_dir(step_dir: str, *, run_id: str | None = None, step: int | Non
     mdpath = os.path.join(step_dir, DCP_METADATA_NAME)
     names: dict[str, dict[int, str]] = {}
     try:
-        with open(mdpath, "rb") as f:
-            md = _load_md(f.read(), m.dcp_metadata, mdpath, rep)
+        md = _load_md(read_regular_file(mdpath, m.dcp_metadata.length, what="DCP metadata"), m.dcp_metadata,
+                      mdpath, rep)
         if md is not None:
             rep.faults += check_metadata_ranges(md, by_path, where=mdpath)
             names = item_names_by_file(md)
     except FileNotFoundError:
         rep.faults.append(Fault(mdpath, "missing", kind=MISSING))
+    except CorruptCheckpointError as exc:  # a link, a special file, or longer than the manifest says
+        rep.faults.append(Fault(mdpath, str(exc).removeprefix(f"{mdpath}: ")))
     except OSError as exc:
         rep.faults.append(Fault(mdpath, f"cannot read it: {exc.strerror}", kind=UNREADABLE))
 

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from ..checkpoint.metadata_pickle import check_metadata_bytes
 from ..errors import CorruptCheckpointError, ObjectNotFoundError, ResilientSlurmError
 from ..manifest import (
     DCP_METADATA_NAME,
@@ -37,8 +38,11 @@ from ..manifest import (
     Manifest,
     domain_key,
     durable_step_key,
+    durable_steps,
     parse_step_dirname,
+    read_durable_manifest,
     read_manifest_file,
+    read_regular_file,
 )
 from ..storage.fileio import checksum, reading_step
 from ..storage.tier import StorageTier
@@ -106,23 +110,6 @@ def scan_local(root: str, run_ids: Iterable[str] | None = None,
                 continue
             out.append(LocalStep(run, step, path, m))
     return out
-
-
-def durable_steps(tier: StorageTier, run_id: str) -> list[int]:
-    """Steps of ``run_id`` committed in the durable tier (root manifest present), ascending."""
-    steps = []
-    for name in tier.list_dirs(run_id):
-        s = parse_step_dirname(name)
-        if s is not None and tier.stat(f"{run_id}/{name}/{MANIFEST_NAME}") is not None:
-            steps.append(s)
-    return sorted(steps)
-
-
-def read_durable_manifest(tier: StorageTier, run_id: str, step: int, domain: str | None = None) -> Manifest:
-    """The durable step's manifest, or one domain's marker manifest when ``domain`` is given."""
-    key = (domain_key(run_id, step, domain, MANIFEST_NAME) if domain
-           else f"{durable_step_key(run_id, step)}/{MANIFEST_NAME}")
-    return Manifest.from_json(tier.get_bytes(key), source=f"{tier.url}/{key}")
 
 
 class DrainPreempted(BaseException):  # noqa: N818 -- a control-flow signal, not an error
@@ -205,12 +192,7 @@ class StepDrainer:
                     res.bytes_sent += st.bytes - st.reused_bytes
                     res.bytes_reused += st.reused_bytes
                     res.retries += st.retries
-                md_path = os.path.join(ls.path, DCP_METADATA_NAME)
-                with open(md_path, "rb") as f:
-                    md = f.read()
-                if len(md) != m.dcp_metadata.length or checksum(md) != m.dcp_metadata.checksum:
-                    raise CorruptCheckpointError(f"{md_path}: size or checksum does not match the manifest; "
-                                                 "this step is not drained")
+                md = _checked_metadata(os.path.join(ls.path, DCP_METADATA_NAME), m)
                 self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, DCP_METADATA_NAME), md)
                 self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, MANIFEST_NAME), m.to_json().encode())
         res.missing_domains = self.try_commit(ls.run_id, ls.step, m)
@@ -278,6 +260,18 @@ class StepDrainer:
         self.tier.put_bytes(f"{prefix}/{DCP_METADATA_NAME}", md)
         self.tier.put_bytes(f"{prefix}/{MANIFEST_NAME}", markers[first].as_durable().to_json().encode())
         return []
+
+
+def _checked_metadata(path: str, m: Manifest) -> bytes:
+    """The bytes of a local ``.metadata``, checked as every reader checks them (size, checksum, and the
+    allow-list of globals, without torch): a step plain DCP readers would run code from is never made
+    durable."""
+    try:
+        data = read_regular_file(path, m.dcp_metadata.length, what="DCP metadata")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: missing; this step is not drained") from None
+    check_metadata_bytes(data, m.dcp_metadata, source=path)
+    return data
 
 
 def drain_lag(local: Iterable[tuple[int, float]], durable: Iterable[int], now: float) -> tuple[float, int | None]:

@@ -50,7 +50,7 @@ from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmE
 from ..manifest import MANIFEST_NAME, parse_step_dirname, read_manifest_file, step_dirname
 from ..paths import default_local_dir, default_run_id, expand_local_dir, node_name
 from ..slurm import JobInfo, SlurmClient, slurm_client
-from ..slurm.client import remaining_seconds
+from ..slurm.client import expand_hostlist, remaining_seconds
 from ..storage.fileio import atomic_write
 from ..storage.registry import DURABLE_SETTINGS
 from ..telemetry import EventLog
@@ -65,6 +65,7 @@ from .policy import (
     ProgressHistory,
     Reason,
     RequeuePolicy,
+    restore_unavailable,
     traceback_location,
 )
 from .processes import Children, LocalRanks, RankExit, SrunStep
@@ -132,6 +133,8 @@ class Launcher:
             raise ConfigError("rslurm launch: no command given; usage: rslurm launch [options] -- srun ... "
                               "| -n N -- cmd ...")
         self.env = dict(os.environ if env is None else env)
+        # Every setting the ranks and the daemon read too: a bad value fails here, before any rank starts.
+        config.validate(self.env, config_path=config_path)
         self.cfg = config.resolve(SETTINGS, dict(settings or {}), self.env, config_path=config_path)
         if nprocs is not None and nprocs < 1:
             raise ConfigError(f"rslurm launch: -n must be >= 1, got {nprocs}")
@@ -199,16 +202,12 @@ class Launcher:
         return env
 
     def _num_nodes(self) -> int:
-        try:
-            return int(self.env.get("SLURM_JOB_NUM_NODES") or self.env.get("SLURM_NNODES") or "1")
-        except ValueError:
-            return 1
+        """Nodes of the job: the drain daemon's job step runs one task on each."""
+        return job_num_nodes(self.env)
 
     def _multi_node(self) -> bool:
-        try:
-            return int(self.env.get("SLURM_JOB_NUM_NODES") or self.env.get("SLURM_NNODES") or "1") > 1
-        except ValueError:
-            return True
+        """True when ranks may run on other nodes (save requests then go through Slurm)."""
+        return job_num_nodes(self.env) > 1
 
     def _warn_if_not_exec(self) -> None:
         """``--signal=B:...`` reaches the batch shell only: a launcher under it never hears the signal."""
@@ -439,6 +438,9 @@ class Launcher:
                            detail=f"rank {first.rank} on {first.node or self.node} killed by signal {first.signal}")
         if failed:
             first = failed[0]
+            if any(restore_unavailable(self._stderr_of(children, e)) for e in failed):
+                return replace(base, reason=Reason.STORAGE_UNAVAILABLE, rank=first.rank,
+                               detail="a rank could not restore: checkpoint storage failed (RestoreUnavailableError)")
             return replace(base, reason=Reason.USER_ERROR, rank=first.rank, exit_code=first.exit_code,
                            error_location=self._error_location(children, first))
         return replace(base, reason=Reason.COMPLETED)
@@ -447,7 +449,8 @@ class Launcher:
         """Give the newest committed step a bounded chance to become durable before the requeue (or the
         end of a completed job): within the deadline when stopped, ``durable_wait`` at most."""
         step = outcome.committed_step
-        if self.drain is None or step is None or outcome.reason in (Reason.USER_ERROR, Reason.NODE_FAILURE):
+        if self.drain is None or step is None or outcome.reason in (Reason.USER_ERROR, Reason.NODE_FAILURE,
+                                                                   Reason.STORAGE_UNAVAILABLE):
             return
         now = time.time()
         timeout = float(self.cfg["durable_wait"])
@@ -469,9 +472,13 @@ class Launcher:
             log.warning("step %d is not durable yet after %.1f s; going ahead with the local commit (the daemon "
                         "drains it later; a resume on other nodes uses the newest durable step)", step, waited)
 
-    def _error_location(self, children: Children, failed: RankExit) -> str | None:
+    @staticmethod
+    def _stderr_of(children: Children, failed: RankExit) -> str:
         idx = failed.rank if isinstance(children, LocalRanks) and failed.rank is not None else 0
-        return traceback_location(children.stderr_tail(idx), failed.rank)
+        return children.stderr_tail(idx)
+
+    def _error_location(self, children: Children, failed: RankExit) -> str | None:
+        return traceback_location(self._stderr_of(children, failed), failed.rank)
 
     def _read_history(self) -> ProgressHistory:
         path = os.path.join(self.run_dir, HISTORY_FILE)
@@ -566,6 +573,34 @@ class Launcher:
         return LaunchResult(code, outcome, Decision(Action.EXIT, code, msg, outcome.reason.value), self.timings)
 
 
+NODE_COUNT_VARS = ("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+
+
+def job_num_nodes(env: Mapping[str, str]) -> int:
+    """Nodes of the Slurm job, for :meth:`Launcher._num_nodes` and :meth:`Launcher._multi_node`:
+    ``SLURM_JOB_NUM_NODES``, else ``SLURM_NNODES``, else the hosts in ``SLURM_JOB_NODELIST``, else 1.
+    A malformed variable (not an integer >= 1) is logged as a warning that names it and skipped, so
+    both callers go on with the next source: one node count, never two different guesses."""
+    for var in NODE_COUNT_VARS:
+        raw = env.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n >= 1:
+            return n
+        log.warning("%s=%r is not a node count (an integer >= 1); ignoring it", var, raw)
+    nodelist = env.get("SLURM_JOB_NODELIST", "")
+    try:
+        hosts = expand_hostlist(nodelist)
+    except ValueError as exc:
+        log.warning("SLURM_JOB_NODELIST=%r: %s; assuming one node", nodelist, exc)
+        return 1
+    return max(1, len(hosts))
+
+
 def _ending(job: JobInfo) -> bool:
     """Slurm is killing the job or has ended it: a requeue request would be ignored."""
     return job.finished or job.state == "COMPLETING"
@@ -577,5 +612,5 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-__all__ = ["HISTORY_FILE", "HOLD_EXIT_CODE", "LaunchResult", "Launcher", "StopRequest",
+__all__ = ["HISTORY_FILE", "HOLD_EXIT_CODE", "LaunchResult", "Launcher", "StopRequest", "job_num_nodes",
            "newest_committed"]

@@ -17,7 +17,9 @@ Rules (``RequeuePolicy``), first match wins:
 * ``completed`` -> exit 0.
 * ``user_error`` (a rank exited non-zero on its own) -> exit with that rank's exit code, never requeued:
   an error in the program would repeat on every restart.
-* ``preempted``, ``time_limit``, ``node_failure``, ``cloud_termination`` -> requeue, unless a hold rule
+* ``preempted``, ``time_limit``, ``node_failure``, ``cloud_termination``, ``storage_unavailable`` (a rank
+  raised RestoreUnavailableError: checkpoints exist but storage kept them from being restored) -> requeue,
+  unless a hold rule
   fires: ``NoProgressRule`` (the last K incarnations in a row committed nothing past the step committed
   before each of them) or ``MaxRestartsRule`` (requeueing once more would exceed ``max_restarts``).
   Extra ``HoldRule`` callables can be composed in.
@@ -54,12 +56,14 @@ class Reason(str, Enum):
     TIME_LIMIT = "time_limit"                # the job's time limit (SIGUSR1 from --signal, or SIGTERM)
     NODE_FAILURE = "node_failure"            # a rank vanished: killed by a signal we did not send
     CLOUD_TERMINATION = "cloud_termination"  # the cloud provider announced the instance's end
+    STORAGE_UNAVAILABLE = "storage_unavailable"  # a rank could not restore: checkpoint storage failed
     USER_ERROR = "user_error"                # a rank exited non-zero on its own
     COMPLETED = "completed"                  # every rank exited 0
 
 
 # Reasons caused by the environment, not the program: a restart can succeed.
-RESTARTABLE = frozenset({Reason.PREEMPTED, Reason.TIME_LIMIT, Reason.NODE_FAILURE, Reason.CLOUD_TERMINATION})
+RESTARTABLE = frozenset({Reason.PREEMPTED, Reason.TIME_LIMIT, Reason.NODE_FAILURE, Reason.CLOUD_TERMINATION,
+                         Reason.STORAGE_UNAVAILABLE})
 
 
 class Action(str, Enum):
@@ -322,6 +326,9 @@ def _describe(outcome: Outcome) -> str:
         return "a cloud termination notice"
     if r is Reason.PREEMPTED:
         return "preemption"
+    if r is Reason.STORAGE_UNAVAILABLE:
+        who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
+        return f"a restore that checkpoint storage failed ({who}: RestoreUnavailableError)"
     return r.value
 
 
@@ -397,6 +404,15 @@ _TRACEBACK_LINE = re.compile(
     r'(?:, in (?P<func>\S+))?', re.M)
 
 
+_RESTORE_UNAVAILABLE = re.compile(r"^(?:\[rank\d+\]:|\d+: )?\s*resilient_slurm\.errors\.RestoreUnavailableError: ", re.M)
+
+
+def restore_unavailable(text: str) -> bool:
+    """Whether a rank's stderr ends in the RestoreUnavailableError traceback that ``Checkpointer.restore``
+    raises when storage kept existing checkpoints from being restored (so the job may run again later)."""
+    return _RESTORE_UNAVAILABLE.search(text) is not None
+
+
 def traceback_location(text: str, rank: int | None = None) -> str | None:
     """The innermost ``file:line in func`` of the last Python traceback in ``text`` (a rank's stderr).
 
@@ -427,5 +443,5 @@ def replay(policy: RequeuePolicy, outcomes: Iterable[Outcome],
 __all__ = [
     "HOLD_EXIT_CODE", "REQUEUE_EXIT_CODE", "RESTARTABLE", "Action", "Decision", "HoldRule", "Incarnation",
     "MaxRestartsRule", "NoProgressRule", "Outcome", "ProgressHistory", "Reason", "RequeuePolicy", "replay",
-    "traceback_location",
+    "restore_unavailable", "traceback_location",
 ]

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import xxhash
 
-from ..errors import InsufficientSpaceError, StorageError
+from .. import paths
+from ..errors import InsufficientSpaceError, StorageError, UnsafePathError
 
 if TYPE_CHECKING:  # torch is imported where buffers are made, so the launcher can use this module without it
     import torch
@@ -298,6 +299,14 @@ def atomic_write(path: str, data: bytes, *, tmp: str | None = None) -> None:
             os.close(fd)
         os.replace(tmp, path)
         fsync_dir(d)
+
+
+def open_regular(path: str, *, what: str = "a file") -> int:
+    """Open a file of a checkpoint tree (local or POSIX durable) read-only, through
+    :func:`resilient_slurm.paths.open_regular`: never through a final symbolic link, never blocking on
+    a FIFO, only a regular file. A link or special file raises :class:`UnsafePathError` naming the path
+    and ``what`` should be there; FileNotFoundError and OSError as ``os.open``."""
+    return paths.open_regular(path, os.O_RDONLY, error=UnsafePathError, where=f"a checkpoint tree (where {what} goes)")
 
 
 @contextlib.contextmanager

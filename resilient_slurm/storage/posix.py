@@ -10,16 +10,18 @@ mismatch deletes the temp file and publishes nothing.
 from __future__ import annotations
 
 import builtins
+import errno
 import logging
 import mmap
 import os
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from ..errors import CorruptCheckpointError, ObjectNotFoundError, StorageError
-from .fileio import BLOCK, atomic_write, fsync_dir, unpublished_on_error, write_file
+from ..errors import CorruptCheckpointError, ObjectNotFoundError, StorageError, UnsafePathError
+from .fileio import BLOCK, atomic_write, fsync_dir, open_regular, unpublished_on_error, write_file
 from .tier import IncompleteTransfer, ObjectInfo, Progress, RateLimiter, StorageTier, TransferStats
 
 log = logging.getLogger(__name__)
@@ -27,6 +29,22 @@ log = logging.getLogger(__name__)
 TMP_MARK = ".tmp-rslurm-"
 XATTR = "user.rslurm.xxh3"
 PIECE = 16 << 20
+
+
+def _unmap(views: list[memoryview], mm: mmap.mmap | None) -> None:
+    """Release the source mapping. A failed write's traceback still holds slices of it (the writer
+    thread's frame), and closing it then raises BufferError, which would replace the real error (a full
+    tier): the mapping is then left to be unmapped when the last slice goes."""
+    for v in views:
+        try:
+            v.release()
+        except BufferError:
+            pass
+    if mm is not None:
+        try:
+            mm.close()
+        except BufferError:
+            log.debug("source mapping still referenced by a failed write; it is unmapped when that goes")
 
 
 def _safe_key(key: str) -> str:
@@ -55,7 +73,25 @@ class PosixTier(StorageTier):
                                "and permissions (RSLURM_DURABLE)") from exc
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, _safe_key(key))
+        """The path of ``key``, refusing one that passes through a symbolic link below the root (a step
+        directory linked elsewhere would make writes land, and retention delete, outside the tier). The
+        root itself may be a link. Components that do not exist yet are created later as directories."""
+        rel = _safe_key(key)
+        cur = self.root
+        for part in rel.split("/"):
+            cur = os.path.join(cur, part)
+            try:
+                mode = os.lstat(cur).st_mode
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                raise StorageError(f"{cur}: cannot stat it: {exc}") from exc
+            if stat.S_ISLNK(mode):
+                raise UnsafePathError(
+                    f"{cur}: a symbolic link inside the durable tier {self.root}; rslurm never reads, writes or "
+                    "deletes through one. Remove the link (move the real directory into the tier if it holds a "
+                    "checkpoint you need)")
+        return os.path.join(self.root, rel)
 
     # ------------------------------------------------------------------ transfers
     def _copy(self, src: str, dst: str, size: int, checksum: str, progress: Progress | None,
@@ -71,7 +107,7 @@ class PosixTier(StorageTier):
         t0 = time.perf_counter()
         stats = TransferStats(key=key)
         try:
-            fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+            fin = open_regular(src, what=f"a {what}")
         except FileNotFoundError as exc:
             raise ObjectNotFoundError(f"{src}: does not exist") from exc
         tmp = f"{dst}{TMP_MARK}{secrets.token_hex(4)}"
@@ -117,10 +153,8 @@ class PosixTier(StorageTier):
                 os.replace(tmp, dst)
                 fsync_dir(os.path.dirname(dst))
         finally:
-            for v in views:
-                v.release()
-            if mm is not None:
-                mm.close()
+            segments = []
+            _unmap(views, mm)
             os.close(fin)
         stats.seconds = time.perf_counter() - t0
         return stats
@@ -148,10 +182,14 @@ class PosixTier(StorageTier):
         """See :meth:`StorageTier.get_bytes`."""
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                return f.read()
+            fd = open_regular(path, what="a durable object")
         except FileNotFoundError as exc:
             raise ObjectNotFoundError(f"{path}: does not exist") from exc
+        except OSError as exc:
+            raise StorageError(f"{path}: read failed: {exc}") from exc
+        try:
+            with os.fdopen(fd, "rb") as f:
+                return f.read()
         except OSError as exc:
             raise StorageError(f"{path}: read failed: {exc}") from exc
 
@@ -160,9 +198,12 @@ class PosixTier(StorageTier):
         """See :meth:`StorageTier.stat`."""
         path = self._path(key)
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             return None
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path}: not a regular file ({stat.filemode(st.st_mode)}); rslurm never reads, "
+                                  "writes or deletes through a link or a special file. Remove it")
         try:
             recorded: str | None = os.getxattr(path, XATTR).decode()
         except OSError:
@@ -174,9 +215,9 @@ class PosixTier(StorageTier):
         base = self._path(prefix) if prefix.strip("/") else self.root
         for dirpath, _, files in os.walk(base):
             for name in files:
-                if TMP_MARK in name:
-                    continue
                 path = os.path.join(dirpath, name)
+                if TMP_MARK in name or not os.path.isfile(path) or os.path.islink(path):
+                    continue  # links and special files are not objects (os.walk does not enter linked dirs)
                 info = self.stat(os.path.relpath(path, self.root))
                 if info is not None:
                     yield info
@@ -185,7 +226,7 @@ class PosixTier(StorageTier):
         """See :meth:`StorageTier.list_dirs`."""
         base = self._path(prefix) if prefix.strip("/") else self.root
         try:
-            return sorted(e.name for e in os.scandir(base) if e.is_dir() and TMP_MARK not in e.name)
+            return sorted(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False) and TMP_MARK not in e.name)
         except FileNotFoundError:
             return []
         except OSError as exc:
@@ -203,15 +244,17 @@ class PosixTier(StorageTier):
                 pass
             except OSError as exc:
                 raise StorageError(f"{path}: cannot delete it: {exc}") from exc
-        for d in dirs:
+        for d in dirs:  # the unlink of a manifest is an uncommit: it must be durable before the rest goes
             try:
                 fsync_dir(d)
-            except OSError:
-                pass
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:  # a filesystem that cannot fsync a directory: nothing to wait for
+                    continue
+                raise StorageError(f"{d}: cannot fsync the directory after deleting from it: {exc}") from exc
 
     def delete_prefix(self, prefix: str) -> int:
         """See :meth:`StorageTier.delete_prefix`."""
-        base = self._path(prefix)
+        base = self._path(prefix)  # refuses a linked directory; rmtree itself never follows links below it
         n = sum(len(files) for _, _, files in os.walk(base))
         shutil.rmtree(base, ignore_errors=True)
         if os.path.exists(base):
