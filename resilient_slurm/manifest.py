@@ -284,8 +284,9 @@ def _check(m: Manifest, source: str) -> None:
         raise bad(f"step {m.step} / world_size {m.world_size} out of range")
     if not m.nodes:
         raise bad("field 'nodes' names no storage domain")
-    if m.node not in m.nodes:
-        raise bad(f"field 'node' ({_short(repr(m.node))}) is not one of the domains in 'nodes'")
+    # 'node' is the domain holding this copy: one of 'nodes', or another one for a copy that restore fetched
+    # from the durable tier onto other nodes (its shards then name that domain too).
+    holders = {*m.nodes, m.node}
     for d, ranks in m.nodes.items():
         if any(not 0 <= r < m.world_size for r in ranks):
             raise bad(f"domain {_short(repr(d))} lists ranks {_short(list(ranks))} outside world size {m.world_size}")
@@ -294,7 +295,7 @@ def _check(m: Manifest, source: str) -> None:
     for sh in m.shards:
         if os.path.isabs(sh.path) or ".." in sh.path.split("/"):
             raise bad(f"shard path {_short(repr(sh.path))} escapes the step directory")
-        if not 0 <= sh.rank < m.world_size or sh.size < 0 or sh.node not in m.nodes:
+        if not 0 <= sh.rank < m.world_size or sh.size < 0 or sh.node not in holders:
             raise bad(f"shard {_short(repr(sh.path))} has rank {sh.rank}, size {sh.size} or domain "
                       f"{_short(repr(sh.node))} out of range")
         if any(c.offset < 0 or c.length < 0 or c.offset + c.length > sh.size for c in sh.chunks):

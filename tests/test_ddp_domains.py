@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, checkpoint_entries, run_ranks
+from conftest import REPO, checkpoint_entries, run_ranks, start_ranks
 
 from resilient_slurm.checkpoint.planning import load_metadata
 
@@ -143,9 +143,18 @@ def test_two_nodes_each_hold_a_full_copy_and_restore_locally(tmp_path: Path) -> 
     _assert_restored(saved, restored)
     _assert_weights_equal(restored[0]["model"], restored[1]["model"])
 
-    # Node n2 lost its NVMe: rank 1 cannot restore locally, and there is no durable tier fallback yet.
+    # Node n2 lost its NVMe: rank 1 cannot restore locally, and there is no durable tier to fetch from.
+    # By default every rank stops, naming the step, rather than start a long run over from step 0.
     shutil.rmtree(tmp_path / "n2")
-    lost, job = _job("restore", 2, tmp_path, local_dir, "lost", TWO_NODES)
+    argv = [WORKER, "restore", "--local-dir", local_dir, "--run-id", RUN, "--out", str(tmp_path / "out"),
+            "--tag", "refused"]
+    refused = start_ranks(argv, 2, tmp_path, env=ENV, per_rank_env=TWO_NODES)
+    assert refused.wait(120) == [1, 1]
+    for r in range(2):
+        assert "CorruptCheckpointError: committed steps [3] exist" in refused.output(r), refused.output(r)[-2000:]
+    # restore_fallback=fresh starts from step 0, untouched, with a warning.
+    lost, job = _job("restore", 2, tmp_path, local_dir, "lost",
+                     [{**e, "RSLURM_RESTORE_FALLBACK": "fresh"} for e in TWO_NODES])
     for r, d in enumerate(lost):
         assert d["step"] == 0, f"rank {r} restored step {d['step']}"
         assert d["untouched"], f"rank {r}: weights changed although nothing was restored"
