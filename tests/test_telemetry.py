@@ -43,7 +43,7 @@ from typing import Any
 
 import pytest
 import s3_support
-from conftest import REPO, clean_env, read_jsonl, wait_for_step
+from conftest import REPO, clean_env, free_port, read_jsonl, wait_for_step
 from prometheus_client.parser import text_string_to_metric_families
 from s3_support import MotoServer
 from slurm_cluster import SlurmCluster
@@ -339,6 +339,16 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, moto_server: MotoServer) 
             r = _daemon(sc, _env(sc, ctl, **posix, RSLURM_RUN_ID="desync",
                                  RSLURM_METRICS_TEXTFILE=str(sc.prom("desync"))), "desync")
             assert r.returncode == 0, r.stderr
+
+        # 4e. nothing local and a durable tier nobody answers on: restore refuses to start over
+        #     (restore_failed) and the launcher requeues (storage_unavailable)
+        with Phase(sc, "unreachable"):
+            dead = {"RSLURM_DURABLE": "s3://nobody/x", "RSLURM_S3_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+                    "RSLURM_S3_MAX_ATTEMPTS": "1"}
+            proc, err = _launch(sc, _env(sc, ctl, **dead, RSLURM_RUN_ID="unreach"),
+                                [*_toy(sc)[:-2], "--log", str(root / "unreach.%r.jsonl")], 1, "unreach")
+            assert _wait(proc, err, 120) == REQUEUE, err.read_text(errors="replace")[-3000:]
+            assert "storage_unavailable" in err.read_text(errors="replace")
         yield sc
     finally:
         shutil.rmtree(ctl, ignore_errors=True)
@@ -354,7 +364,8 @@ def test_every_documented_event_appears_with_exactly_its_fields(scenario: Scenar
     for p in scenario.nvme.glob("*/events.jsonl"):
         check_order(read_jsonl(p), str(p))
         assert all(len(line) < 4000 for line in p.read_bytes().splitlines())
-    assert {r["node"] for r in records} == {"n1"} and {r["run_id"] for r in records} == {RUN, "stuck", "full", "desync"}
+    assert {r["node"] for r in records} == {"n1"} and {r["run_id"] for r in records} == {RUN, "stuck", "full", "desync",
+                                                                             "unreach"}
 
 
 def test_save_events_match_the_manifests(scenario: Scenario) -> None:
