@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m resilient_slurm.demo
+	$(PY) -m resilient_slurm.examples.demo
 
 test: $(STAMP)
 	$(PY) -m ruff check resilient_slurm tests bench

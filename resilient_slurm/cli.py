@@ -369,15 +369,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if not args.dry_run:
             run_gc(catalog, actions, stale_after=args.stale_after)
     failed = [a for a in actions if a.state == "failed"]
+    errors = list(catalog.errors)  # directories that could not be listed: nothing in them was deleted
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "keep_last": policy.keep_last, "keep_every": policy.keep_every,
-                          "stale_after_s": args.stale_after, "ok": not failed,
-                          "actions": [a.to_json() for a in actions]}, indent=1))
-        return 1 if failed else 0
+                          "stale_after_s": args.stale_after, "ok": not failed and not errors,
+                          "actions": [a.to_json() for a in actions], "errors": errors}, indent=1))
+        return 1 if failed or errors else 0
     con = _console()
+    for e in errors:
+        print(f"rslurm gc: {e}; nothing in it was deleted", file=sys.stderr)
     if not actions:
         con.print("nothing to delete", markup=False)
-        return 0
+        return 1 if errors else 0
     head = "would delete (dry run; nothing was deleted):" if args.dry_run else "gc:"
     con.print(head, markup=False)
     cols = ["TIER", "RUN", "STEP", "WHAT", "SIZE", "WHERE", "WHY"] + ([] if args.dry_run else ["RESULT"])
@@ -387,7 +390,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     total = sum(a.bytes or 0 for a in actions if args.dry_run or a.state == "deleted")
     con.print(f"{'would free' if args.dry_run else 'freed'} {_size(total)}"
               + (f"; {len(failed)} failed" if failed else ""), markup=False)
-    return 1 if failed else 0
+    return 1 if failed or errors else 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -471,7 +474,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import main as demo_main
+    from .examples.demo import main as demo_main
 
     return demo_main(list(args.demo_args))
 
@@ -606,7 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rslurm`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # every argument is the demo's own (argparse.REMAINDER refuses a leading option)
-        from .demo import main as demo_main
+        from .examples.demo import main as demo_main
 
         return demo_main(argv[1:])
     args = build_parser().parse_args(argv)

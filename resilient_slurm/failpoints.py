@@ -21,7 +21,7 @@ POINTS = (
     "after_dcp_metadata",  # leader: .metadata written in the tmp dir
     "after_manifest",  # leader: manifest.json written in the tmp dir, not yet renamed
     "after_commit_rename",  # leader: step_X/ in place, before retention
-    "during_retention",  # leader: an old step renamed for deletion, not yet removed
+    "during_retention",  # any step deletion (layout.delete_step): uncommitted (renamed), not yet removed
 )
 
 

@@ -85,6 +85,35 @@ def _a(kind: str) -> str:
     return ("an " if kind[0] in "aeiou" else "a ") + kind
 
 
+def make_missing_dirs(path: str, created: list[str] | None = None, *, exact_mode: bool = True) -> list[str]:
+    """Create ``path`` and each of its missing parents, outermost first, mode 0700; return the
+    directories made here, outermost first, also appended to ``created`` (when given) as each is made.
+
+    ``exact_mode``: chmod each one 0700 after mkdir, whose mode the umask filters (as
+    :func:`ensure_private_dir` does); without it the umask applies, as with ``os.makedirs(mode=0o700)``.
+    A directory that appears meanwhile (FileExistsError) is skipped and not counted: whoever calls this
+    checks what is there. A failed mkdir raises its OSError, whose ``filename`` is the directory that
+    could not be made; ``created`` then holds those made before it. Checks nothing else: that is
+    :func:`ensure_private_dir`, which calls it (and ``rslurm doctor``, for the local directory it makes
+    and removes again)."""
+    made = [] if created is None else created
+    start = len(made)
+    missing = []
+    d = path
+    while not os.path.lexists(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:  # created concurrently; the caller's checks decide whether it is usable
+            continue
+        made.append(d)
+        if exact_mode:
+            os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask; be exact
+    return made[start:]
+
+
 def ensure_private_dir(path: str, *, what: str, why: str, elsewhere: str,
                        error: type[Exception] = ConfigError, deny: int = 0o077,
                        check_parents: bool = True) -> str:
@@ -99,19 +128,11 @@ def ensure_private_dir(path: str, *, what: str, why: str, elsewhere: str,
     and put theirs in its place. One function for every such directory: the control socket's runtime
     directory, the default local directory ``$TMPDIR/rslurm-<uid>`` and ``<local root>/.rslurm``."""
     path = os.path.abspath(path)
-    missing = []
-    d = path
-    while not os.path.lexists(d):
-        missing.append(d)
-        d = os.path.dirname(d)
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:  # created concurrently; the checks below decide whether it is usable
-            continue
-        except OSError as exc:
-            raise error(f"cannot create {what} {d}: {exc.strerror or exc}; {elsewhere}") from exc
-        os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask; be exact
+    try:
+        make_missing_dirs(path)
+    except OSError as exc:
+        raise error(f"cannot create {what} {exc.filename or path}: {exc.strerror or exc}; "
+                    f"{elsewhere}") from exc
     st = os.lstat(path)
     uid = os.geteuid()
     if not stat.S_ISDIR(st.st_mode):

@@ -1,4 +1,4 @@
-"""The README demo (``python -m resilient_slurm.demo``) end to end, as a user runs it.
+"""The README demo (``python -m resilient_slurm.examples.demo``) end to end, as a user runs it.
 
 The demo runs the tiny transformer LM under ``rslurm launch`` (or sbatch) three times and prints its
 verdict. These tests do not take the verdict on trust: they read the demo's output directory
@@ -35,8 +35,8 @@ EVERY = 12
 
 
 def _demo(out: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 600) -> tuple[int, str]:
-    cp = subprocess.run([sys.executable, "-m", "resilient_slurm.demo", "--steps", str(STEPS), "--every-steps",
-                         str(EVERY), "--out", str(out), *args], env=env or clean_env(), cwd=REPO,
+    cp = subprocess.run([sys.executable, "-m", "resilient_slurm.examples.demo", "--steps", str(STEPS),
+                         "--every-steps", str(EVERY), "--out", str(out), *args], env=env or clean_env(), cwd=REPO,
                         capture_output=True, text=True, timeout=timeout)
     text = cp.stdout + cp.stderr
     print(text)

@@ -22,8 +22,8 @@ from conftest import REPO, clean_env, free_port
 from s3_support import FAKE_ENV, MotoServer
 from slurm_cluster import SlurmCluster
 
-from resilient_slurm.doctor_script import launcher_calls, parse_script, parse_signal
-from resilient_slurm.doctor_storage import mount_of
+from resilient_slurm.doctor.script import launcher_calls, parse_script, parse_signal
+from resilient_slurm.doctor.storage import mount_of
 
 moto_server = s3_support.moto_server
 s3_bucket = s3_support.s3_bucket
@@ -355,7 +355,7 @@ def test_dead_s3_endpoint_fails_quickly() -> None:
 NO_PROBE_LEFT = """\
 for i in $(seq 50); do
   squeue -h -s -j $SLURM_JOB_ID -o %j > {work}/steps.txt
-  pgrep -af resilient_slurm.doctor_probe > {work}/probes.txt
+  pgrep -af resilient_slurm.doctor.probe > {work}/probes.txt
   [ "$(cat {work}/steps.txt)" = batch ] && [ ! -s {work}/probes.txt ] && break
   sleep 0.2
 done
@@ -442,7 +442,7 @@ def test_a_signal_that_never_arrives_fails_and_leaves_no_probe(slurm: SlurmClust
     work.mkdir(parents=True, exist_ok=True)
     code = textwrap.dedent(f"""\
         import json, os
-        from resilient_slurm.doctor_probe import probe_signal_delivery
+        from resilient_slurm.doctor.probe import probe_signal_delivery
         from resilient_slurm.slurm import CliSlurmClient
 
         class LostSignal(CliSlurmClient):

@@ -15,10 +15,12 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "resilient_slurm"
 
 # The lower layers, and what they may not import.
-LOWER = ["checkpoint", "storage", "manifest.py", "paths.py", "errors.py", "config.py", "telemetry.py",
+LOWER = ["checkpoint", "storage", "manifest.py", "layout.py", "paths.py", "errors.py", "config.py", "telemetry.py",
          "failpoints.py", "distributed.py"]
+# A package stands for all its modules: "resilient_slurm.doctor" covers doctor/storage.py, doctor/probe.py...;
+# "resilient_slurm.examples" the README demo (examples/demo.py) and the example training programs.
 UPPER = ["resilient_slurm.daemon", "resilient_slurm.launcher", "resilient_slurm.cli", "resilient_slurm.catalog",
-         "resilient_slurm.doctor", "resilient_slurm.submit", "resilient_slurm.demo", "resilient_slurm.slurm"]
+         "resilient_slurm.doctor", "resilient_slurm.submit", "resilient_slurm.examples", "resilient_slurm.slurm"]
 
 
 def _modules() -> list[Path]:
@@ -45,10 +47,14 @@ def _imports(path: Path, text: str | None = None) -> set[str]:
     return names
 
 
+def _upward(names: set[str]) -> list[str]:
+    """The names among ``names`` that are an upper layer or inside one."""
+    return sorted(n for n in names if any(n == u or n.startswith(u + ".") for u in UPPER))
+
+
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PKG)))
 def test_lower_layers_do_not_import_upper_ones(path: Path) -> None:
-    bad = sorted(n for n in _imports(path) if any(n == u or n.startswith(u + ".") or n.startswith(u + "_")
-                                                  for u in UPPER))
+    bad = _upward(_imports(path))
     assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}: move what it needs down a layer"
 
 
@@ -57,3 +63,22 @@ def test_the_check_sees_a_lazy_relative_import() -> None:
     assert "resilient_slurm.daemon.drain" in names
     names = _imports(PKG / "manifest.py", "from .launcher import launch\n")
     assert "resilient_slurm.launcher" in names
+
+
+def test_every_upper_layer_exists() -> None:
+    """A name in UPPER that no longer matches a module or package (one renamed or moved) would make the
+    check pass vacuously."""
+    missing = [u for u in UPPER if not (PKG / (u.split(".", 1)[1] + ".py")).is_file()
+               and not (PKG / u.split(".", 1)[1] / "__init__.py").is_file()]
+    assert not missing, f"UPPER names modules that do not exist: {missing}"
+
+
+def test_the_check_sees_the_doctor_package_and_the_demo() -> None:
+    """doctor and examples are packages: an import of one of their modules, relative or absolute, is upward."""
+    names = _imports(PKG / "storage" / "fileio.py", "def f():\n    from ..doctor.storage import mount_of\n")
+    assert "resilient_slurm.doctor.storage" in _upward(names)
+    names = _imports(PKG / "paths.py", "from resilient_slurm.doctor import probe\n")
+    assert "resilient_slurm.doctor.probe" in _upward(names)
+    names = _imports(PKG / "checkpoint" / "engine.py", "from ..examples.demo import main\n")
+    assert "resilient_slurm.examples.demo" in _upward(names)
+    assert not _upward({"resilient_slurm.paths", "resilient_slurm.storage.fileio", "resilient_slurm.doctoral"})

@@ -26,30 +26,25 @@ apply, per run and per storage domain directory:
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
-import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint.metadata_pickle import check_metadata_bytes
+from ..checkpoint.metadata_pickle import read_checked_metadata
 from ..checkpoint.policy import RetentionPolicy
 from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, ResilientSlurmError, StorageError
+from ..layout import StepBusy, TempKind, delete_durable_step, delete_step, list_run_dir
 from ..manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
     durable_step_key,
-    is_tmp_dirname,
     parse_step_dirname,
     read_manifest_file,
-    read_regular_file,
     step_dirname,
-    tmp_dirname,
 )
-from ..storage.fileio import fsync_dir, remove_tree
+from ..storage.fileio import remove_tree
 from ..storage.tier import StorageTier
 from .inventory import Catalog, StepView
 
@@ -99,11 +94,11 @@ def _local_plan(catalog: Catalog, run: str, durable: set[int] | None,
     for root in catalog.roots:
         run_dir = os.path.join(root, run)
         try:
-            names = os.listdir(run_dir)
-        except (FileNotFoundError, NotADirectoryError):
+            listing = list_run_dir(run_dir)
+        except OSError as exc:
+            catalog.errors.append(f"local tier {run_dir}: cannot list it: {exc.strerror}")
             continue
-        committed = sorted(s for n in names if (s := parse_step_dirname(n)) is not None
-                           and os.path.lexists(os.path.join(run_dir, n, MANIFEST_NAME)))
+        committed = listing.committed
         invalid = {s: why for s in committed if (why := _local_step_problem(run_dir, run, s))}
         protect: set[int] = set()
         if durable is not None:
@@ -122,14 +117,12 @@ def _local_plan(catalog: Catalog, run: str, durable: set[int] | None,
                     "not durable" if durable is not None else "no durable tier")
                 why = f"retention ({_policy_text(policy)}) does not keep it; {where}"
             out.append(GcAction("local", "step", run, s, path, size, why))
-        for n in sorted(names):
-            if not is_tmp_dirname(n):
-                continue
-            path = os.path.join(run_dir, n)
+        for t in listing.temps:
+            path = listing.temp_path(t)
             newest, size = _tree_newest(path)
             age = now - newest
             if age >= stale_after:
-                out.append(GcAction("local", "stale_temp", run, parse_step_dirname(n.split(".tmp-")[0]), path, size,
+                out.append(GcAction("local", "stale_temp", run, t.step, path, size,
                                     f"in-progress directory unchanged for {_age(age)} (>= {_age(stale_after)}): "
                                     "its save or deletion was interrupted"))
     return out
@@ -143,9 +136,7 @@ def _local_step_problem(run_dir: str, run: str, step: int) -> str | None:
         m = read_manifest_file(os.path.join(d, MANIFEST_NAME))
         if m.run_id != run or m.step != step:
             return f"its manifest says run {m.run_id!r} step {m.step}"
-        md = os.path.join(d, DCP_METADATA_NAME)
-        check_metadata_bytes(read_regular_file(md, m.dcp_metadata.length, what="DCP metadata"), m.dcp_metadata,
-                             source=md)
+        read_checked_metadata(os.path.join(d, DCP_METADATA_NAME), m.dcp_metadata)
     except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
         return str(exc)
     except OSError as exc:
@@ -226,23 +217,10 @@ def plan_gc(catalog: Catalog, policy: RetentionPolicy, *, tiers: Iterable[str] =
 
 def _delete_local_step(path: str, step: int) -> tuple[str, str | None]:
     try:
-        fd = os.open(os.path.join(path, MANIFEST_NAME), os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return "skipped", "already gone"
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return "skipped", "being read (a restore or a drain holds it); run gc again later"
-            raise
-        gone = os.path.join(os.path.dirname(path), tmp_dirname(step, f"gc-{secrets.token_hex(4)}"))
-        os.rename(path, gone)  # uncommit first: a crash mid-delete leaves a temp directory, never a half step
-    finally:
-        os.close(fd)
-    fsync_dir(os.path.dirname(path))
-    remove_tree(gone)
-    return "deleted", None
+        gone = delete_step(os.path.dirname(path), step, TempKind.GC)
+    except StepBusy:
+        return "skipped", "being read (a restore or a drain holds it); run gc again later"
+    return ("deleted", None) if gone else ("skipped", "already gone")
 
 
 def _not_in(keys: set[str]) -> Callable[[str], bool]:
@@ -263,10 +241,8 @@ def run_gc(catalog: Catalog, actions: list[GcAction], *, stale_after: float) -> 
             elif a.kind == "incomplete_upload":
                 uploads.setdefault(a.run_id, set()).add(str(a.key))
             else:
-                tier = catalog.durable
-                assert tier is not None and a.key is not None
-                tier.delete([f"{a.key}/{MANIFEST_NAME}"])  # uncommit first: never a half step that looks durable
-                tier.delete_prefix(a.key)
+                assert catalog.durable is not None and a.step is not None
+                delete_durable_step(catalog.durable, a.run_id, a.step)
                 a.state = "deleted"
         except (OSError, ResilientSlurmError) as exc:
             a.state, a.detail = "failed", str(exc)

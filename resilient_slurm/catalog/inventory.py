@@ -43,20 +43,17 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
+from ..layout import list_run_dir, list_runs
 from ..manifest import (
     DOMAINS_DIR,
     MANIFEST_NAME,
     Manifest,
     durable_step_key,
-    is_tmp_dirname,
     parse_step_dirname,
     read_manifest_file,
 )
 from ..paths import default_run_id, expand_local_dir
 from ..storage.tier import StorageTier
-
-# Temp directories that are deletions under way (retention, eviction, a replaced copy), not saves.
-DELETION_MARKS = ("-gc-", "-evict-", "replaced-")
 
 
 def local_roots(template: str, node: str) -> list[str]:
@@ -253,9 +250,7 @@ class Catalog:
         runs: set[str] = set()
         for root in self.roots:
             try:
-                runs |= {d for d in os.listdir(root) if not d.startswith(".") and os.path.isdir(os.path.join(root, d))}
-            except FileNotFoundError:
-                continue
+                runs |= set(list_runs(root))
             except OSError as exc:
                 self.errors.append(f"local tier {root}: cannot list it: {exc.strerror}")
         return sorted(runs)
@@ -298,23 +293,22 @@ class Catalog:
         for root in self.roots:
             run_dir = os.path.join(root, run)
             try:
-                names = os.listdir(run_dir)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
+                listing = list_run_dir(run_dir)
             except OSError as exc:
                 self.errors.append(f"local tier {run_dir}: cannot list it: {exc.strerror}")
                 continue
-            for n in sorted(names):
-                path = os.path.join(run_dir, n)
-                step = parse_step_dirname(n)
-                if step is not None:
-                    copy = _read_local_copy(root, path, run, step)
-                    if copy is not None:
-                        views.setdefault(step, StepView(run, step)).local.append(copy)
-                elif is_tmp_dirname(n) and not any(mark in n for mark in DELETION_MARKS):
-                    s = parse_step_dirname(n.split(".tmp-")[0])
-                    if s is not None:
-                        views.setdefault(s, StepView(run, s)).in_progress.append(path)
+            for step in sorted(listing.committed + listing.uncommitted):
+                copy = _read_local_copy(root, listing.step_dir(step), run, step)
+                if copy is not None:
+                    views.setdefault(step, StepView(run, step)).local.append(copy)
+            for name in listing.foreign:
+                if (n := parse_step_dirname(name)) is not None:
+                    views.setdefault(n, StepView(run, n)).local.append(LocalCopy(
+                        root, os.path.join(run_dir, name), None,
+                        f"{os.path.join(run_dir, name)}: a symbolic link or a file, not a step directory rslurm "
+                        "wrote; it is never read"))
+            for t in listing.in_progress():
+                views.setdefault(t.step, StepView(run, t.step)).in_progress.append(listing.temp_path(t))
 
     def _scan_durable(self, run: str, views: dict[int, StepView]) -> None:
         tier = self.durable

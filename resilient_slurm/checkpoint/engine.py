@@ -29,8 +29,6 @@ event log; the engine itself writes no events.
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import io
 import logging
 import os
@@ -60,6 +58,7 @@ from ..errors import (
     StorageError,
     TransientError,
 )
+from ..layout import StepBusy, TempKind, delete_step, list_run_dir, temp_dirname
 from ..manifest import (
     CHECKSUM_ALGORITHM,
     DCP_METADATA_NAME,
@@ -67,14 +66,12 @@ from ..manifest import (
     ChunkEntry,
     Manifest,
     ShardEntry,
+    durable_step_key,
     durable_steps,
-    is_tmp_dirname,
-    parse_step_dirname,
     read_durable_manifest,
     read_manifest_file,
     split_per_rank_fqn,
     step_dirname,
-    tmp_dirname,
 )
 from ..storage.fileio import (
     BLOCK,
@@ -388,7 +385,7 @@ class Engine:
         rank raises :class:`SaveError` naming the rank and the path.
         """
         topo = self.topo
-        tmp = os.path.join(self.run_dir, tmp_dirname(p.step, p.token))
+        tmp = os.path.join(self.run_dir, temp_dirname(p.step, TempKind.SAVE, p.token))
         fname = shard_filename(topo.rank)
         t0 = time.perf_counter()
         result: dict[str, Any]
@@ -560,7 +557,7 @@ class Engine:
         then removed."""
         final = os.path.join(self.run_dir, step_dirname(step))
         if os.path.exists(final):
-            aside = os.path.join(self.run_dir, tmp_dirname(step, f"replaced-{token}"))
+            aside = os.path.join(self.run_dir, temp_dirname(step, TempKind.REPLACED, token))
             os.rename(final, aside)
             os.rename(tmp, final)
             fsync_dir(self.run_dir)
@@ -572,16 +569,7 @@ class Engine:
     # ------------------------------------------------------------------ retention / listing
     def committed_steps(self) -> list[int]:
         """Steps with a manifest in this domain's run directory (not validated), ascending."""
-        try:
-            names = os.listdir(self.run_dir)
-        except FileNotFoundError:
-            return []
-        steps = []
-        for n in names:
-            s = parse_step_dirname(n)
-            if s is not None and os.path.exists(os.path.join(self.run_dir, n, MANIFEST_NAME)):
-                steps.append(s)
-        return sorted(steps)
+        return list_run_dir(self.run_dir).committed
 
     def clean_stale(self, *, spare_current: bool) -> None:
         """Remove abandoned temp directories (saves, fetches and deletions of killed processes). Leader only.
@@ -590,41 +578,26 @@ class Engine:
         incarnation's nonce). Retention runs on the leader's writer thread while the other ranks of its
         domain may already write the next save into its temp directory; only a restore, before any
         save of this incarnation, removes them all."""
-        try:
-            names = os.listdir(self.run_dir)
-        except FileNotFoundError:
-            return
-        for n in names:
-            if is_tmp_dirname(n) and not (spare_current and self.topo.nonce in n.split(".tmp-", 1)[1]):
-                log.info("removing abandoned in-progress directory %s", os.path.join(self.run_dir, n))
-                _remove_quietly(os.path.join(self.run_dir, n))
+        listing = list_run_dir(self.run_dir)
+        for t in listing.temps:
+            if not (spare_current and t.owned_by(self.topo.nonce)):
+                log.info("removing abandoned %s directory %s", t.kind.value, listing.temp_path(t))
+                _remove_quietly(listing.temp_path(t))
 
     def apply_retention(self) -> list[int]:
         """Delete steps the policy does not keep (never the newest, never one being read)."""
         self.clean_stale(spare_current=True)
         deleted = []
         for s in self.retention.deletable(self.committed_steps()):
-            d = os.path.join(self.run_dir, step_dirname(s))
             try:
-                fd = os.open(os.path.join(d, MANIFEST_NAME), os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as exc:
-                    if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        log.info("retention: step %d is being read; keeping it for now", s)
-                        continue
-                    raise
-                gone = os.path.join(self.run_dir, tmp_dirname(s, f"gc-{self.topo.nonce}"))
-                os.rename(d, gone)  # uncommit first, so a crash mid-delete never leaves a half step
-            finally:
-                os.close(fd)
-            fsync_dir(self.run_dir)
-            failpoints.hit("during_retention")
-            _remove_quietly(gone)
-            deleted.append(s)
+                if delete_step(self.run_dir, s, TempKind.GC, self.topo.nonce):
+                    deleted.append(s)
+            except StepBusy:
+                log.info("retention: step %d is being read; keeping it for now", s)
+            except OSError as exc:
+                # Uncommitted but not all removed: an abandoned temp directory, removed by the next
+                # clean_stale. Not even uncommitted: kept, and tried again at the next save.
+                log.warning("retention: cannot remove step %d from %s: %s", s, self.run_dir, exc)
         if deleted:
             log.info("retention removed steps %s from %s", deleted, self.run_dir)
         return deleted
@@ -827,10 +800,10 @@ class Engine:
         os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
         total = sum(by_path[p].size for p in wanted)
         check_free_space(self.run_dir, total + self.free_space_margin, what=f"fetching step {step}")
-        tmp = os.path.join(self.run_dir, tmp_dirname(step, f"fetch-{topo.nonce}"))
+        tmp = os.path.join(self.run_dir, temp_dirname(step, TempKind.FETCH, topo.nonce))
         _remove_quietly(tmp)
         os.makedirs(tmp, mode=0o700)
-        prefix = f"{self.run_id}/{step_dirname(step)}"
+        prefix = durable_step_key(self.run_id, step)
         try:
             for p in sorted(wanted):
                 e = by_path[p]

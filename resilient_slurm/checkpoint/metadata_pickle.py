@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..manifest import ChunkEntry
+from ..manifest import ChunkEntry, read_regular_file
 from ..storage.fileio import checksum
 
 ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
@@ -126,4 +126,18 @@ def check_metadata_bytes(data: bytes, expected: ChunkEntry, *, source: str) -> N
     scan(data, source=source)
 
 
-__all__ = ["ALLOWED_GLOBALS", "allowed", "check_metadata_bytes", "scan"]
+def read_checked_metadata(path: str, expected: ChunkEntry) -> bytes:
+    """The bytes of a local ``.metadata`` file, read as a regular file only (never through a link, never
+    more bytes than the manifest records) and checked with :func:`check_metadata_bytes`: the one reader of
+    a local ``.metadata`` (restore and verify unpickle what it returns; the daemon drains it; ``gc`` and
+    retention judge a step valid by it). A missing file is corruption too. Raises CorruptCheckpointError
+    (or OSError when the file cannot be read) naming ``path``."""
+    try:
+        data = read_regular_file(path, expected.length, what="DCP metadata")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: missing") from None
+    check_metadata_bytes(data, expected, source=path)
+    return data
+
+
+__all__ = ["ALLOWED_GLOBALS", "allowed", "check_metadata_bytes", "read_checked_metadata", "scan"]

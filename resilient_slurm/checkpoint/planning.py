@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItemType
 
 from ..errors import CorruptCheckpointError
-from ..manifest import ChunkEntry, per_rank_fqn, per_rank_path, read_regular_file, split_per_rank_fqn
-from .metadata_pickle import allowed, check_metadata_bytes
+from ..manifest import ChunkEntry, per_rank_fqn, per_rank_path, split_per_rank_fqn
+from .metadata_pickle import allowed, check_metadata_bytes, read_checked_metadata
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -75,13 +75,9 @@ def check_metadata(data: bytes, expected: ChunkEntry, *, source: str) -> Metadat
 
 
 def read_metadata_file(path: str, expected: ChunkEntry) -> Metadata:
-    """:func:`check_metadata` of a local ``.metadata`` file, read as a regular file only (never through a
-    link, never more bytes than the manifest records). A missing file is corruption too."""
-    try:
-        data = read_regular_file(path, expected.length, what="DCP metadata")
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: missing") from None
-    return check_metadata(data, expected, source=path)
+    """:func:`~.metadata_pickle.read_checked_metadata` of a local ``.metadata`` file, then the restricted
+    unpickler."""
+    return load_metadata(read_checked_metadata(path, expected), source=path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,8 +30,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..checkpoint.metadata_pickle import check_metadata_bytes
+from ..checkpoint.metadata_pickle import read_checked_metadata
 from ..errors import CorruptCheckpointError, ObjectNotFoundError, ResilientSlurmError
+from ..layout import list_run_dir, list_runs
 from ..manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -39,10 +40,8 @@ from ..manifest import (
     domain_key,
     durable_step_key,
     durable_steps,
-    parse_step_dirname,
     read_durable_manifest,
     read_manifest_file,
-    read_regular_file,
 )
 from ..storage.fileio import checksum, reading_step
 from ..storage.tier import StorageTier
@@ -80,22 +79,16 @@ def scan_local(root: str, run_ids: Iterable[str] | None = None,
     """Committed steps under ``root`` (every run, or ``run_ids``). A step whose manifest cannot be read
     is reported through ``invalid(path, reason)`` and left out: it is never drained."""
     out: list[LocalStep] = []
-    try:
-        runs = sorted(run_ids) if run_ids is not None else sorted(
-            d for d in os.listdir(root) if not d.startswith(".") and os.path.isdir(os.path.join(root, d)))
-    except FileNotFoundError:
-        return out
+    runs = sorted(run_ids) if run_ids is not None else list_runs(root)
     for run in runs:
-        run_dir = os.path.join(root, run)
         try:
-            names = os.listdir(run_dir)
-        except (FileNotFoundError, NotADirectoryError):
+            listing = list_run_dir(os.path.join(root, run))
+        except OSError as exc:
+            if invalid:
+                invalid(os.path.join(root, run), f"cannot list it: {exc.strerror}")
             continue
-        for n in names:
-            step = parse_step_dirname(n)
-            if step is None:
-                continue
-            path = os.path.join(run_dir, n)
+        for step in listing.committed:
+            path = listing.step_dir(step)
             try:
                 m = read_manifest(path)
             except FileNotFoundError:
@@ -192,7 +185,7 @@ class StepDrainer:
                     res.bytes_sent += st.bytes - st.reused_bytes
                     res.bytes_reused += st.reused_bytes
                     res.retries += st.retries
-                md = _checked_metadata(os.path.join(ls.path, DCP_METADATA_NAME), m)
+                md = read_checked_metadata(os.path.join(ls.path, DCP_METADATA_NAME), m.dcp_metadata)
                 self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, DCP_METADATA_NAME), md)
                 self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, MANIFEST_NAME), m.to_json().encode())
         res.missing_domains = self.try_commit(ls.run_id, ls.step, m)
@@ -260,18 +253,6 @@ class StepDrainer:
         self.tier.put_bytes(f"{prefix}/{DCP_METADATA_NAME}", md)
         self.tier.put_bytes(f"{prefix}/{MANIFEST_NAME}", markers[first].as_durable().to_json().encode())
         return []
-
-
-def _checked_metadata(path: str, m: Manifest) -> bytes:
-    """The bytes of a local ``.metadata``, checked as every reader checks them (size, checksum, and the
-    allow-list of globals, without torch): a step plain DCP readers would run code from is never made
-    durable."""
-    try:
-        data = read_regular_file(path, m.dcp_metadata.length, what="DCP metadata")
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: missing; this step is not drained") from None
-    check_metadata_bytes(data, m.dcp_metadata, source=path)
-    return data
 
 
 def drain_lag(local: Iterable[tuple[int, float]], durable: Iterable[int], now: float) -> tuple[float, int | None]:

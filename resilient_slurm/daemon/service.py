@@ -33,7 +33,6 @@ import fcntl
 import json
 import logging
 import os
-import secrets
 import signal
 import threading
 import time
@@ -44,9 +43,10 @@ from typing import Any
 
 from ..checkpoint.policy import RetentionPolicy
 from ..errors import ConfigError, CorruptCheckpointError, ResilientSlurmError, StorageError
-from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname, tmp_dirname
+from ..layout import StepBusy, TempKind, delete_durable_step, delete_step
+from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname
 from ..paths import open_state_file
-from ..storage.fileio import atomic_write, fsync_dir, remove_tree
+from ..storage.fileio import atomic_write
 from ..storage.tier import StorageTier
 from ..telemetry import DaemonMetrics, EventLog, RunGauges, check_metrics_path, write_metrics_textfile
 from .drain import DrainResult, LocalStep, StepDrainer, drain_lag, drain_order, durable_steps, scan_local
@@ -485,10 +485,8 @@ class Daemon:
         steps = self._durable.get(run, [])
         deleted = []
         for s in self.retention.deletable(steps):
-            prefix = durable_step_key(run, s)
             try:
-                self.tier.delete([f"{prefix}/{MANIFEST_NAME}"])  # uncommit first: never a half step that looks durable
-                self.tier.delete_prefix(prefix)
+                delete_durable_step(self.tier, run, s)
                 log.info("retention: removed run %s step %d from %s", run, s, self.tier.url)
             except StorageError as exc:
                 log.warning("retention on %s: cannot remove run %s step %d: %s", self.tier.url, run, s, exc)
@@ -536,23 +534,16 @@ class Daemon:
 
     def _evict(self, s: LocalStep) -> bool:
         try:
-            fd = os.open(os.path.join(s.path, MANIFEST_NAME), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                return False  # being read (restore, drain): keep it for now
-            gone = os.path.join(os.path.dirname(s.path), tmp_dirname(s.step, f"evict-{secrets.token_hex(4)}"))
-            os.rename(s.path, gone)
-        finally:
-            os.close(fd)
-        fsync_dir(os.path.dirname(s.path))
-        try:
-            remove_tree(gone)
+            if not delete_step(os.path.dirname(s.path), s.step, TempKind.EVICT):
+                return False
+        except StepBusy:
+            return False  # being read (restore, drain): keep it for now
         except OSError as exc:
-            log.warning("could not remove %s: %s", gone, exc)
+            # Uncommitted but not all removed: the tree is an abandoned temp directory that retention
+            # and `rslurm gc` remove; or not even uncommitted, and then not evicted.
+            log.warning("eviction of %s: %s", s.path, exc)
+            if os.path.lexists(s.path):
+                return False
         durable = s.step in self._durable.get(s.run_id, ())
         log.warning("local tier below local_min_free=%s: evicted run %s step %d (%s)", self.min_free, s.run_id,
                     s.step, "durable" if durable else "older than the newest step, not durable")

@@ -23,23 +23,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ResilientSlurmError
-from ..manifest import DOMAINS_DIR, is_tmp_dirname, parse_step_dirname
+from ..layout import list_run_dir, list_runs
+from ..manifest import DOMAINS_DIR, parse_step_dirname
 from .drain import drain_lag, durable_steps, scan_local
 from .service import daemon_running, read_status
 
 
 def _tmp_steps(root: str, run: str) -> list[int]:
     try:
-        names = os.listdir(os.path.join(root, run))
+        return [t.step for t in list_run_dir(os.path.join(root, run)).in_progress()]
     except OSError:
         return []
-    out = []
-    for n in names:
-        if is_tmp_dirname(n) and "-gc-" not in n and "-evict-" not in n and "replaced-" not in n:
-            s = parse_step_dirname(n.split(".tmp-")[0])
-            if s is not None:
-                out.append(s)
-    return out
 
 
 def collect_status(root: str, cfg: Mapping[str, Any], *, run_id: str | None = None,
@@ -51,14 +45,13 @@ def collect_status(root: str, cfg: Mapping[str, Any], *, run_id: str | None = No
     alive = daemon_running(root)
     dstate = {(s["run_id"], s["step"]): s for s in (daemon or {}).get("steps", [])}
     runs = sorted({s.run_id for s in local} | ({run_id} if run_id else set()))
+    errors: list[str] = []
     if not run_id:
         try:
-            runs = sorted(set(runs) | {d for d in os.listdir(root) if not d.startswith(".")
-                                        and os.path.isdir(os.path.join(root, d))})
-        except FileNotFoundError:
-            pass
+            runs = sorted(set(runs) | set(list_runs(root)))
+        except OSError as exc:
+            errors.append(f"local tier {root}: cannot list it: {exc.strerror}")
     tier = None
-    errors: list[str] = []
     if cfg.get("durable"):
         from ..storage import open_durable
 

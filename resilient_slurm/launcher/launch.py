@@ -47,7 +47,8 @@ import psutil
 from .. import config
 from ..control import ControlServer, default_socket_path
 from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError
-from ..manifest import MANIFEST_NAME, parse_step_dirname, read_manifest_file, step_dirname
+from ..layout import list_run_dir
+from ..manifest import MANIFEST_NAME, read_manifest_file, step_dirname
 from ..paths import default_local_dir, default_run_id, expand_local_dir, node_name
 from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import expand_hostlist, remaining_seconds
@@ -90,10 +91,11 @@ INTERRUPT_EXIT_CODE = 130  # local mode, Ctrl-C: the shell convention
 def newest_committed(run_dir: str) -> tuple[int | None, str | None]:
     """The newest step under ``run_dir`` with a readable manifest, and its reason."""
     try:
-        names = os.listdir(run_dir)
-    except FileNotFoundError:
+        committed = list_run_dir(run_dir).committed
+    except OSError as exc:
+        log.warning("cannot list %s: %s", run_dir, exc)
         return None, None
-    for step in sorted((s for n in names if (s := parse_step_dirname(n)) is not None), reverse=True):
+    for step in reversed(committed):
         path = os.path.join(run_dir, step_dirname(step), MANIFEST_NAME)
         try:
             return step, read_manifest_file(path).reason

@@ -9,10 +9,10 @@ facts (the --signal lead time) it compares with GraceTime. Read only.
 
 from __future__ import annotations
 
-from .doctor_context import DoctorContext, Finding, Status, one_line
-from .errors import SlurmError
-from .slurm import PartitionInfo, parse_duration, parse_scontrol_record
-from .slurm.cli_backend import partition_info_from_record
+from ..errors import SlurmError
+from ..slurm import PartitionInfo, parse_duration, parse_scontrol_record
+from ..slurm.cli_backend import partition_info_from_record
+from .context import DoctorContext, Finding, Status, one_line
 
 USER_SIGNAL_KEY = "preempt_send_user_signal"
 MIN_KILL_WAIT = 10.0

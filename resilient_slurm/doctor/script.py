@@ -26,9 +26,9 @@ import signal as _signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .doctor_context import DoctorContext, Finding, Status, one_line
-from .errors import ConfigError, SlurmError
-from .launcher.signals import TRAPPED
+from ..errors import ConfigError, SlurmError
+from ..launcher.signals import TRAPPED
+from .context import DoctorContext, Finding, Status, one_line
 
 # slurmctld looks for jobs due a --signal about every 30 s (docs/testing.md), so the signal comes up to
 # that much later than asked.

@@ -9,14 +9,15 @@ table or as one JSON document (``--json``).
 
 Call order: :func:`resilient_slurm.cli.build_parser` calls :func:`add_parser`; ``rslurm doctor`` runs
 :func:`cmd_doctor`, which resolves the settings (a bad one is a ConfigError: exit 2), builds a
-:class:`~resilient_slurm.doctor_context.DoctorContext` and calls :func:`run_checks`. That runs the
+:class:`~resilient_slurm.doctor.context.DoctorContext` and calls :func:`run_checks`. That runs the
 groups in this order, because later ones use what earlier ones found: ``where``, ``script``
-(:mod:`~resilient_slurm.doctor_script`), ``cluster`` (:mod:`~resilient_slurm.doctor_cluster`), ``local``
-and ``durable`` (:mod:`~resilient_slurm.doctor_storage`), ``signals`` (:mod:`~resilient_slurm.doctor_probe`).
-Exit codes: 0 no FAIL (WARN allowed), 1 at least one FAIL, 2 bad settings or usage.
+(:mod:`.script`), ``cluster`` (:mod:`.cluster`), ``local`` and ``durable`` (:mod:`.storage`), ``signals``
+(:mod:`.probe`). Exit codes: 0 no FAIL (WARN allowed), 1 at least one FAIL, 2 bad settings or usage.
 
-This module is imported with the CLI, so it imports nothing heavy at module level (no rich, no boto3,
-no torch): the check modules are imported when the command runs.
+This package's ``__init__`` is imported with the CLI, and before :mod:`.probe` whenever the probe task
+starts on a node, so at module level it imports only the standard library, :mod:`resilient_slurm.config`
+and :mod:`resilient_slurm.errors` (no rich, no boto3, no torch): the check modules are imported when the
+command runs.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import config
-from .errors import ConfigError
+from .. import config
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .doctor_context import DoctorContext, Finding
+    from .context import DoctorContext, Finding
 
 # Every check, by group, in report order (what --skip accepts: a group or one check).
 CHECKS: dict[str, tuple[str, ...]] = {
@@ -113,9 +114,9 @@ def _skips(names: Sequence[str]) -> frozenset[str]:
 
 def build_context(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> DoctorContext:
     """Resolve the settings and gather where we are (raises ConfigError for bad settings)."""
-    from .doctor_context import DoctorContext, DoctorOptions, make_slurm_client
-    from .paths import default_local_dir, expand_local_dir, node_name
-    from .storage.registry import parse_url
+    from ..paths import default_local_dir, expand_local_dir, node_name
+    from ..storage.registry import parse_url
+    from .context import DoctorContext, DoctorOptions, make_slurm_client
 
     env = os.environ if env is None else env
     cfg = config.resolve(SETTINGS, {"local_dir": args.local_dir, "durable": args.durable}, env,
@@ -142,7 +143,7 @@ def build_context(args: argparse.Namespace, env: Mapping[str, str] | None = None
 
 
 def _where(ctx: DoctorContext) -> Finding:
-    from .doctor_context import Finding, Status
+    from .context import Finding, Status
 
     tools = "" if ctx.slurm_tools else "; the Slurm client tools (scontrol, srun) are not on PATH"
     details: dict[str, Any] = {"node": ctx.node, "job_id": ctx.job_id, "in_allocation": ctx.in_allocation,
@@ -167,17 +168,17 @@ def _where(ctx: DoctorContext) -> Finding:
 
 def run_checks(ctx: DoctorContext) -> list[Finding]:
     """Every finding, in report order (see the module docstring for the order and why)."""
-    from . import doctor_cluster, doctor_probe, doctor_script, doctor_storage
-    from .doctor_context import Finding, Status
-    from .errors import ResilientSlurmError
+    from ..errors import ResilientSlurmError
+    from . import cluster, probe, script, storage
+    from .context import Finding, Status
 
     groups: list[tuple[str, Callable[[DoctorContext], list[Finding]]]] = [
         ("where", lambda c: [_where(c)]),
-        ("script", doctor_script.check),
-        ("cluster", doctor_cluster.check),
-        ("local", doctor_storage.check_local),
-        ("durable", doctor_storage.check_durable),
-        ("signals", doctor_probe.check),
+        ("script", script.check),
+        ("cluster", cluster.check),
+        ("local", storage.check_local),
+        ("durable", storage.check_durable),
+        ("signals", probe.check),
     ]
     skip = ctx.options.skip
     findings: list[Finding] = []
@@ -201,7 +202,7 @@ def run_checks(ctx: DoctorContext) -> list[Finding]:
 
 def summary(findings: Sequence[Finding]) -> dict[str, int]:
     """Counts per status and the exit code they give."""
-    from .doctor_context import Status
+    from .context import Status
 
     counts = {s.value.lower(): sum(1 for f in findings if f.status is s) for s in Status}
     counts["exit_code"] = EXIT_FAIL if counts["fail"] else EXIT_OK
@@ -210,7 +211,7 @@ def summary(findings: Sequence[Finding]) -> dict[str, int]:
 
 def to_json(ctx: DoctorContext, findings: Sequence[Finding]) -> dict[str, Any]:
     """The ``--json`` document."""
-    from . import __version__
+    from .. import __version__
 
     return {"version": JSON_VERSION, "resilient_slurm": __version__, "node": ctx.node, "job_id": ctx.job_id,
             "in_allocation": ctx.in_allocation, "local_dir": ctx.local_dir,

@@ -1,9 +1,9 @@
 """The README demo: a tiny transformer trained under ``rslurm launch``, stopped mid-run, resumed, and
 bitwise identical to a run that never stopped.
 
-    python -m resilient_slurm.demo [--ranks 2] [--steps 200] [--every-steps 25] [--out demo-output]
-                                   [--kill] [--at STEP]
-    python -m resilient_slurm.demo --slurm [--partition P] [--nodes N] [--sbatch-arg=ARG ...]
+    python -m resilient_slurm.examples.demo [--ranks 2] [--steps 200] [--every-steps 25] [--out demo-output]
+                                            [--kill] [--at STEP]
+    python -m resilient_slurm.examples.demo --slurm [--partition P] [--nodes N] [--sbatch-arg=ARG ...]
 
 The program is ``resilient_slurm.examples.train_tiny_lm``: a character-level decoder-only transformer
 (dropout, AdamW, warmup + cosine LR, gradient clipping, a shuffled resumable sampler over DataLoader
@@ -49,11 +49,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError, ResilientSlurmError
-from .manifest import MANIFEST_NAME, Manifest, read_manifest_file
+from ..errors import ConfigError, ResilientSlurmError
+from ..manifest import MANIFEST_NAME, Manifest, read_manifest_file
 
 if TYPE_CHECKING:
-    from .slurm import CliSlurmClient, JobInfo
+    from ..slurm import CliSlurmClient, JobInfo
 
 PROGRAM = "resilient_slurm.examples.train_tiny_lm"
 RUN_ID = "tiny-lm"
@@ -382,7 +382,7 @@ def _local_env() -> dict[str, str]:
            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_"))
            and not (k.startswith("RSLURM_") and k not in KEPT_RSLURM)
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                          *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")
     env["RSLURM_RUN_ID"] = RUN_ID
@@ -540,7 +540,7 @@ SCRIPT = """\
 #SBATCH --open-mode=append
 #SBATCH --output={root}/job.out
 #SBATCH --chdir={root}
-# Written by `python -m resilient_slurm.demo --slurm`. The launcher must BE the batch shell (exec), so
+# Written by `python -m resilient_slurm.examples.demo --slurm`. The launcher must BE the batch shell (exec), so
 # that the USR1 sent {grace} s before the time limit (or by `scancel --signal=USR1 --batch`) reaches it.
 export RSLURM_LOCAL_DIR={local_dir}
 export RSLURM_RUN_ID={run_id}
@@ -560,7 +560,7 @@ def _slurm_env() -> dict[str, str]:
 
 
 def _slurm_client(env: Mapping[str, str]) -> CliSlurmClient:
-    from .slurm import CliSlurmClient
+    from ..slurm import CliSlurmClient
 
     return CliSlurmClient(env=env, timeout=20.0)
 
@@ -573,7 +573,7 @@ def _check_cluster(client: CliSlurmClient) -> str:
     conf = (client.env or os.environ).get("SLURM_CONF")
     if conf and not os.path.exists(conf):
         raise ConfigError(f"--slurm: SLURM_CONF={conf} does not exist; point it at the cluster's slurm.conf")
-    from .slurm import CliSlurmClient
+    from ..slurm import CliSlurmClient
 
     try:  # one short try: without a controller scontrol itself retries for a minute
         cp = CliSlurmClient(env=client.env, timeout=10.0, retries=0).run(["scontrol", "ping"])
@@ -595,7 +595,7 @@ def _submit(client: CliSlurmClient, run: Run, args: argparse.Namespace, kind: st
     script = SCRIPT.format(
         kind=kind, ranks=args.ranks, nodes=args.nodes, time=args.time, grace=args.grace, root=run.root,
         local_dir=shlex.quote(run.local_dir), run_id=RUN_ID,
-        pythonpath=shlex.quote(str(Path(__file__).resolve().parent.parent)), launch=_launch_prefix(),
+        pythonpath=shlex.quote(str(Path(__file__).resolve().parents[2])), launch=_launch_prefix(),
         python=shlex.quote(sys.executable), program=PROGRAM, program_args=shlex.join(run.program_args(args)))
     path = run.root / "job.sh"
     path.write_text(script)
@@ -621,7 +621,7 @@ class JobWatch:
 
     def until(self, pred: Callable[[JobInfo], bool], what: str) -> JobInfo:
         """Poll until ``pred(info)``; DemoFailed when the job ends otherwise or --timeout passes."""
-        from .slurm import FINISHED_STATES
+        from ..slurm import FINISHED_STATES
 
         while True:
             info = self.client.job_info(self.job)
@@ -706,7 +706,7 @@ def run_slurm(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------------- entry point
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m resilient_slurm.demo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m resilient_slurm.examples.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2, help="ranks (DDP over gloo when > 1; default 2)")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
@@ -733,7 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m resilient_slurm.demo`` and ``rslurm demo [--] ARGS``."""
+    """Entry point of ``python -m resilient_slurm.examples.demo`` and ``rslurm demo [--] ARGS``."""
     if argv and argv[0] == "--":
         argv = argv[1:]
     args = build_parser().parse_args(argv)

@@ -2,7 +2,7 @@
 
 Call order: :func:`resilient_slurm.doctor.run_checks` builds one :class:`DoctorContext` (settings
 resolved, where we are, a Slurm client when the tools are installed), then calls each group's check
-function in turn (``doctor_script``, ``doctor_cluster``, ``doctor_storage``, ``doctor_probe``). Each
+function in turn (:mod:`.script`, :mod:`.cluster`, :mod:`.storage`, :mod:`.probe`). Each
 returns :class:`Finding` rows and may leave figures in :attr:`DoctorContext.facts` for later groups
 (the signal's lead time for the bandwidth cross-check, for instance). Everything runs in one thread;
 nothing here is shared across processes.
@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import SlurmError
-from .slurm import CliSlurmClient, JobInfo
+from ..errors import SlurmError
+from ..slurm import CliSlurmClient, JobInfo
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ the way the launcher sends it; and can this node hold the launcher's control soc
 
 Two roles in one module:
 
-* **The probe task** (``python -m resilient_slurm.doctor_probe --signal USR2``), run as one job step with
+* **The probe task** (``python -m resilient_slurm.doctor.probe --signal USR2``), run as one job step with
   one task per node. It reports how it found the signal (default, ignored, blocked: a rank's
   ``Checkpointer`` traps only a signal left at its default), installs a handler like a rank does (the
   handler only sets a flag), prints a ``ready`` JSON line, and prints ``received`` when the signal comes,
@@ -33,9 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-# Only the standard library at import time: the probe task imports this module on every node.
+# Only the standard library at import time: the probe task imports this module on every node (after the
+# package's __init__, which keeps to the standard library, config and errors too).
 if TYPE_CHECKING:
-    from .doctor_context import DoctorContext, Finding
+    from .context import DoctorContext, Finding
 
 
 # ---------------------------------------------------------------------------------------------- probe task
@@ -57,7 +58,7 @@ def _emit(event: str, **fields: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The probe task: report readiness, wait for the signal, report receipt (exit 0) or timeout (3)."""
-    ap = argparse.ArgumentParser(prog="python -m resilient_slurm.doctor_probe",
+    ap = argparse.ArgumentParser(prog="python -m resilient_slurm.doctor.probe",
                                  description="rslurm doctor's signal probe (one task per node)")
     ap.add_argument("--signal", required=True, help="signal name to wait for (USR2)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it")
@@ -110,7 +111,7 @@ def probe_signal_delivery(slurm: Any, job_id: str, nodes: Sequence[str], sig: st
     n = len(nodes)
     res = ProbeResult(nodes=list(nodes))
     cmd = ["srun", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
-           "--job-name=rslurm-doctor", sys.executable, "-m", "resilient_slurm.doctor_probe",
+           "--job-name=rslurm-doctor", sys.executable, "-m", "resilient_slurm.doctor.probe",
            "--signal", sig, "--timeout", str(start_timeout + signal_timeout + 5)]
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
@@ -201,7 +202,7 @@ def probe_signal_delivery(slurm: Any, job_id: str, nodes: Sequence[str], sig: st
 # ---------------------------------------------------------------------------------------------- checks
 def check(ctx: DoctorContext) -> list[Finding]:
     """``signals.control-dir`` and ``signals.delivery`` findings."""
-    from .doctor_context import Finding, Status
+    from .context import Finding, Status
 
     findings = [check_control_dir(ctx)]
     name = "signals.delivery"
@@ -280,10 +281,10 @@ def _job_nodes(ctx: DoctorContext) -> list[str]:
 def check_control_dir(ctx: DoctorContext) -> Finding:
     """``signals.control-dir``: the launcher's socket directory can be made private (0700) here, and a
     socket path in it fits the Unix limit."""
-    from .control.protocol import default_runtime_dir, default_socket_path
-    from .control.server import ensure_private_dir
-    from .doctor_context import Finding, Status
-    from .errors import ControlSetupError
+    from ..control.protocol import default_runtime_dir, default_socket_path
+    from ..control.server import ensure_private_dir
+    from ..errors import ControlSetupError
+    from .context import Finding, Status
 
     name = "signals.control-dir"
     d = ctx.cfg.get("control_dir") or default_runtime_dir(ctx.env)

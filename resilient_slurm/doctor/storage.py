@@ -29,9 +29,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .doctor_context import DoctorContext, Finding, Status, one_line
-from .errors import ConfigError, ResilientSlurmError
-from .storage.fileio import BLOCK, round_up, write_file
+from ..errors import ConfigError, ResilientSlurmError
+from ..paths import make_missing_dirs
+from ..storage.fileio import BLOCK, round_up, write_file
+from .context import DoctorContext, Finding, Status, one_line
 
 PROBE_PREFIX = ".rslurm-doctor"
 DOCTOR_S3_ATTEMPTS = 3
@@ -121,20 +122,11 @@ def _check_dir(root: str, created: list[str]) -> Finding:
     if os.path.lexists(root) and not os.path.isdir(root):
         return Finding(name, Status.FAIL, f"{root} exists but is not a directory", fix, {"path": root})
     if not os.path.isdir(root):
-        missing = []
-        d = root
-        while not os.path.lexists(d):
-            missing.append(d)
-            d = os.path.dirname(d)
-        for m in reversed(missing):
-            try:
-                os.mkdir(m, 0o700)
-            except FileExistsError:
-                continue
-            except OSError as exc:
-                return Finding(name, Status.FAIL, f"cannot create {root}: {m}: {exc.strerror}", fix,
-                               {"path": root, "errno": exc.errno})
-            created.append(m)
+        try:  # mode 0700 under the umask, as the checkpoint engine makes a run's directory
+            make_missing_dirs(root, created, exact_mode=False)
+        except OSError as exc:
+            return Finding(name, Status.FAIL, f"cannot create {root}: {exc.filename}: {exc.strerror}", fix,
+                           {"path": root, "errno": exc.errno})
     probe = os.path.join(root, f"{PROBE_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}.w")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -338,7 +330,7 @@ def check_durable(ctx: DoctorContext) -> list[Finding]:
 
 
 def _probe_durable(ctx: DoctorContext) -> dict[str, Any]:
-    from .storage.registry import open_durable, parse_url
+    from ..storage.registry import open_durable, parse_url
 
     cfg = dict(ctx.cfg)
     cfg["s3_max_attempts"] = min(int(cfg.get("s3_max_attempts") or DOCTOR_S3_ATTEMPTS), DOCTOR_S3_ATTEMPTS)

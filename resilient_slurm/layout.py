@@ -1,0 +1,233 @@
+"""The local tier's directory layout: what is in a run directory, and the one way to delete a step.
+
+Owner of discovery and deletion on the node-local tier (docs/architecture.md, "On-disk layout")::
+
+    <root>/<run_id>/step_<step:012d>/                committed (it has a manifest.json)
+    <root>/<run_id>/step_<step:012d>.tmp-<token>/    a temp directory; its kind is in the token:
+
+=====================  ===================================================================
+token                  kind (:class:`TempKind`)
+=====================  ===================================================================
+``<nonce>-<seq>``      ``SAVE``: a save being written, or abandoned by a killed process
+``fetch-<nonce>``      ``FETCH``: restore copying a step from the durable tier
+``replaced-<token>``   ``REPLACED``: the older copy of a step committed again, being deleted
+``gc-<tag>``           ``GC``: a step uncommitted by retention or ``rslurm gc``, being deleted
+``evict-<tag>``        ``EVICT``: a step uncommitted by the daemon's eviction, being deleted
+=====================  ===================================================================
+
+Every scanner (engine retention, restore, the daemon's drain, eviction and status, ``rslurm ls/show/gc``,
+the launcher) lists a run directory with :func:`list_run_dir` and runs with :func:`list_runs`; every
+deleter of a committed step goes through :func:`delete_step` (lock, uncommit, fsync, delete), and of a
+durable step through :func:`delete_durable_step` (manifest first, then the prefix). Names and
+the durable tier's keys are built by :mod:`resilient_slurm.manifest`; manifests are read by
+:func:`resilient_slurm.manifest.read_manifest_file`.
+
+Symbolic links are never followed: a run or step "directory" that is a link is not listed, and
+:func:`delete_step` renames the entry itself and removes the tree with :func:`shutil.rmtree` (which
+unlinks links inside it instead of descending into them), so nothing outside the run directory is
+deleted.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import fcntl
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass, field
+
+from . import failpoints
+from .manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname, step_dirname, tmp_dirname
+from .storage.fileio import fsync_dir, remove_tree
+from .storage.tier import StorageTier
+
+
+class TempKind(enum.Enum):
+    """What a ``step_X.tmp-<token>`` directory is (see the module docstring)."""
+
+    SAVE = "save"
+    FETCH = "fetch"
+    REPLACED = "replaced"
+    GC = "gc"
+    EVICT = "evict"
+
+    @property
+    def deleting(self) -> bool:
+        """An uncommitted step on its way out (never shown as a save in progress)."""
+        return self in (TempKind.REPLACED, TempKind.GC, TempKind.EVICT)
+
+
+_TEMP_RE = re.compile(r"^step_(\d{12})\.tmp-([A-Za-z0-9_.-]+)$")
+_KIND_PREFIX = {k: f"{k.value}-" for k in TempKind if k is not TempKind.SAVE}
+
+
+def temp_dirname(step: int, kind: TempKind, tag: str) -> str:
+    """Name of a temp directory of ``step`` of ``kind``; ``tag`` tells its owner (a save's token, an
+    incarnation's nonce, a random tag)."""
+    return tmp_dirname(step, tag if kind is TempKind.SAVE else _KIND_PREFIX[kind] + tag)
+
+
+@dataclass(frozen=True)
+class TempDir:
+    """One ``step_X.tmp-<token>`` directory of a run directory."""
+
+    name: str
+    step: int
+    kind: TempKind
+    token: str  # everything after ".tmp-"
+
+    def owned_by(self, nonce: str) -> bool:
+        """Made by the incarnation whose nonce is ``nonce`` (its saves, fetches and deletions)."""
+        return nonce in self.token
+
+
+def parse_temp_dirname(name: str) -> TempDir | None:
+    """The temp directory ``name`` names, or None if it is not one."""
+    m = _TEMP_RE.match(name)
+    if m is None:
+        return None
+    token = m.group(2)
+    kind = next((k for k, prefix in _KIND_PREFIX.items() if token.startswith(prefix)), TempKind.SAVE)
+    return TempDir(name, int(m.group(1)), kind, token)
+
+
+@dataclass
+class RunListing:
+    """What :func:`list_run_dir` found in one run directory."""
+
+    run_dir: str
+    committed: list[int] = field(default_factory=list)  # ascending; a manifest entry exists (not validated)
+    uncommitted: list[int] = field(default_factory=list)  # step_X directories without a manifest entry
+    temps: list[TempDir] = field(default_factory=list)  # sorted by name
+    foreign: list[str] = field(default_factory=list)  # step or temp names that are links or files: never read
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.run_dir, step_dirname(step))
+
+    def temp_path(self, t: TempDir) -> str:
+        return os.path.join(self.run_dir, t.name)
+
+    def in_progress(self) -> list[TempDir]:
+        """Saves and fetches being written (or abandoned): every temp directory but deletions."""
+        return [t for t in self.temps if not t.kind.deleting]
+
+
+def list_run_dir(run_dir: str) -> RunListing:
+    """The committed steps and temp directories of ``run_dir`` (empty when it does not exist or is not a
+    directory). Entries named like steps that are symbolic links or files go to ``foreign``: they were
+    not made by rslurm and are never followed. Raises OSError when it cannot be listed."""
+    out = RunListing(run_dir)
+    try:
+        if stat.S_ISLNK(os.lstat(run_dir).st_mode):
+            raise OSError(errno.ELOOP, "a symbolic link where a run directory goes; rslurm does not follow it",
+                          run_dir)
+        entries = list(os.scandir(run_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for e in entries:
+        step = parse_step_dirname(e.name)
+        if step is None and not _TEMP_RE.match(e.name):
+            continue
+        try:
+            real_dir = e.is_dir(follow_symlinks=False)
+        except OSError:
+            continue  # gone while listing
+        if not real_dir:
+            out.foreign.append(e.name)
+        elif step is not None:
+            has_manifest = os.path.lexists(os.path.join(e.path, MANIFEST_NAME))
+            (out.committed if has_manifest else out.uncommitted).append(step)
+        elif (t := parse_temp_dirname(e.name)) is not None:
+            out.temps.append(t)
+    out.committed.sort()
+    out.uncommitted.sort()
+    out.temps.sort(key=lambda t: t.name)
+    out.foreign.sort()
+    return out
+
+
+def list_runs(root: str) -> list[str]:
+    """Run directories under a local root, sorted: real directories whose name does not start with a dot
+    (``.rslurm`` and the daemon's files are not runs; a symbolic link is not followed). Empty when ``root``
+    does not exist; OSError when it cannot be listed."""
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        try:
+            if not e.name.startswith(".") and e.is_dir(follow_symlinks=False):
+                out.append(e.name)
+        except OSError:
+            continue
+    return sorted(out)
+
+
+class StepBusy(Exception):  # noqa: N818 -- an expected outcome, not an error
+    """:func:`delete_step` found the step locked by a reader (a restore or a drain holds it)."""
+
+
+def delete_step(run_dir: str, step: int, kind: TempKind, tag: str | None = None) -> bool:
+    """Delete the committed ``step`` of ``run_dir``: the one deletion protocol of the local tier.
+
+    1. lock: a non-blocking exclusive ``flock`` on its manifest (readers hold a shared one), else
+       :class:`StepBusy`;
+    2. uncommit: rename the directory to a ``kind`` temp directory and fsync the run directory, so a
+       crash from here on leaves a temp directory (removed later as abandoned), never a half step;
+    3. delete the temp directory's tree (links inside it are unlinked, never followed).
+
+    Returns False when the step is already gone. A failure to remove the uncommitted tree is raised
+    (OSError) after the step is uncommitted. A step directory that is a symbolic link is refused
+    (OSError ELOOP): it was not made by rslurm, and it is never followed."""
+    path = os.path.join(run_dir, step_dirname(step))
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.ELOOP, "not a directory made by rslurm (a symbolic link or a file); not deleted", path)
+    fd: int | None
+    try:
+        fd = os.open(os.path.join(path, MANIFEST_NAME), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        fd = None  # the manifest is a symbolic link: no reader opens it (O_NOFOLLOW), so nothing to lock
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise StepBusy(path) from None
+                raise
+        gone = os.path.join(run_dir, temp_dirname(step, kind, tag or secrets.token_hex(4)))
+        os.rename(path, gone)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    fsync_dir(run_dir)
+    failpoints.hit("during_retention")
+    remove_tree(gone)
+    return True
+
+
+def delete_durable_step(tier: StorageTier, run_id: str, step: int) -> None:
+    """Delete ``step`` of ``run_id`` from a durable tier: the one deletion protocol of that tier. The
+    manifest goes first (the step stops being durable, so a crash never leaves a half step that looks
+    committed), then everything under the step's prefix. The tier refuses keys through links
+    (PosixTier) and never deletes outside its root. Raises StorageError."""
+    prefix = durable_step_key(run_id, step)
+    tier.delete([f"{prefix}/{MANIFEST_NAME}"])
+    tier.delete_prefix(prefix)
+
+
+__all__ = ["RunListing", "StepBusy", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir",
+           "list_runs",
+           "parse_temp_dirname", "temp_dirname"]
