@@ -161,7 +161,8 @@ class TimedTier:
 
 
 class FetchLog(logging.Handler):
-    """Collects the engine's "fetched ... in X s" lines, to split a durable restore into fetch and read."""
+    """Collects the durable fetcher's "fetched ... in X s" lines (checkpoint/fetch.py), to split a durable
+    restore into fetch and read."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -521,7 +522,7 @@ class Bench:
         if self.s3_restore_url:
             kinds.append(("durable_s3", self.s3_restore_url))
         handler = FetchLog()
-        eng_log = logging.getLogger("resilient_slurm.checkpoint.engine")
+        eng_log = logging.getLogger("resilient_slurm.checkpoint.fetch")
         eng_log.addHandler(handler)
         old_level = eng_log.level
         eng_log.setLevel(logging.INFO)

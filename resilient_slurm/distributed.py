@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from resilient_slurm.errors import ConfigError
+from resilient_slurm.jobenv import JobEnv
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +202,13 @@ def _free_loopback_port() -> int:
 def resolve_distributed_env(
     env: Mapping[str, str], *, expand: Callable[[str], list[str]] = expand_nodelist
 ) -> DistributedEnv | None:
-    """Work out rank, world size, local rank and rendezvous from ``env``; None if not distributed."""
-    has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
+    """Work out rank, world size, local rank and rendezvous from ``env``; None if not distributed.
+
+    Strict, unlike :class:`JobEnv`'s own parsing: a malformed value is a :class:`ConfigError` that quotes
+    it, so the variables are read verbatim from :attr:`JobEnv.raw`."""
+    job = JobEnv.from_env(env, warn=False)
+    raw = job.raw
+    has_rank, has_world = "RANK" in raw, "WORLD_SIZE" in raw
     if has_rank != has_world:
         present, missing = ("RANK", "WORLD_SIZE") if has_rank else ("WORLD_SIZE", "RANK")
         raise ConfigError(
@@ -211,21 +217,21 @@ def resolve_distributed_env(
         )
     if has_rank:
         source = "torchrun"
-        world_size = _int_var(env, "WORLD_SIZE", minimum=1)
-        rank = _int_var(env, "RANK", minimum=0)
+        world_size = _int_var(raw, "WORLD_SIZE", minimum=1)
+        rank = _int_var(raw, "RANK", minimum=0)
         rank_var = "RANK"
-        if "LOCAL_RANK" in env:
-            local_rank = _int_var(env, "LOCAL_RANK", minimum=0)
-        elif "SLURM_LOCALID" in env:
-            local_rank = _int_var(env, "SLURM_LOCALID", minimum=0)
+        if "LOCAL_RANK" in raw:
+            local_rank = _int_var(raw, "LOCAL_RANK", minimum=0)
+        elif "SLURM_LOCALID" in raw:
+            local_rank = _int_var(raw, "SLURM_LOCALID", minimum=0)
         else:
             local_rank = 0
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    elif "SLURM_PROCID" in raw and "SLURM_NTASKS" in raw:
         source = "slurm"
-        world_size = _int_var(env, "SLURM_NTASKS", minimum=1)
-        rank = _int_var(env, "SLURM_PROCID", minimum=0)
+        world_size = _int_var(raw, "SLURM_NTASKS", minimum=1)
+        rank = _int_var(raw, "SLURM_PROCID", minimum=0)
         rank_var = "SLURM_PROCID"
-        local_rank = _int_var(env, "SLURM_LOCALID", minimum=0)
+        local_rank = _int_var(raw, "SLURM_LOCALID", minimum=0)
         if world_size == 1:
             # One task (often plain `python train.py` in the batch script): no group, no port needed.
             return None
@@ -234,11 +240,11 @@ def resolve_distributed_env(
     if rank >= world_size:
         raise ConfigError(f"{rank_var}={rank} is not below the world size {world_size}")
 
-    if env.get("MASTER_ADDR"):
-        master_addr = env["MASTER_ADDR"]
+    if job.master_addr:
+        master_addr = job.master_addr
     else:
-        list_var = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
-        nodelist = env.get(list_var)
+        list_var = "SLURM_STEP_NODELIST" if job.step_nodelist else "SLURM_JOB_NODELIST"
+        nodelist = job.step_nodelist or job.job_nodelist
         if nodelist:
             try:
                 master_addr = expand(nodelist)[0]
@@ -252,10 +258,10 @@ def resolve_distributed_env(
                 "nodes; set MASTER_ADDR to the host of rank 0"
             )
 
-    if env.get("MASTER_PORT"):
-        master_port = _port_var(env, "MASTER_PORT")
-    elif env.get("SLURM_JOB_ID"):
-        master_port = PORT_BASE + _int_var(env, "SLURM_JOB_ID", minimum=0) % PORT_SPAN
+    if raw.get("MASTER_PORT"):
+        master_port = _port_var(raw, "MASTER_PORT")
+    elif job.job_id:
+        master_port = PORT_BASE + _int_var(raw, "SLURM_JOB_ID", minimum=0) % PORT_SPAN
     elif world_size == 1:
         master_port = _free_loopback_port()
     else:
@@ -267,9 +273,10 @@ def resolve_distributed_env(
 
 
 def _local_rank_of_initialized(env: Mapping[str, str]) -> int:
+    raw = JobEnv.from_env(env, warn=False).raw
     for name in ("LOCAL_RANK", "SLURM_LOCALID"):
-        if name in env:
-            return _int_var(env, name, minimum=0)
+        if name in raw:
+            return _int_var(raw, name, minimum=0)
     return 0
 
 
@@ -313,7 +320,7 @@ def init_distributed(
 
     logger.info(
         "job %s rank %d/%d (local %d): init_process_group backend=%s via %s:%d (from %s variables)",
-        os.environ.get("SLURM_JOB_ID", "-"),
+        JobEnv.from_env(warn=False).raw.get("SLURM_JOB_ID", "-"),
         resolved.rank,
         resolved.world_size,
         resolved.local_rank,

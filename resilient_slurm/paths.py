@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Mapping
 
 from .errors import ConfigError
+from .jobenv import JobEnv
 
 # How to leave the default local directory behind; every refusal of it says so.
 LOCAL_DIR_ELSEWHERE = "set RSLURM_LOCAL_DIR (or --local-dir) to a directory of your own"
@@ -24,7 +25,7 @@ LOCAL_DIR_ELSEWHERE = "set RSLURM_LOCAL_DIR (or --local-dir) to a directory of y
 
 def node_name(explicit: str | None = None) -> str:
     """This process's node name: explicit > $SLURMD_NODENAME > hostname."""
-    return explicit or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return explicit or JobEnv.from_env().node_name or socket.gethostname()
 
 
 def expand_local_dir(template: str, node: str) -> str:
@@ -49,10 +50,7 @@ def default_local_dir() -> str:
 
 def default_run_id(env: Mapping[str, str] | None = None) -> str:
     """Slurm job id (``<array job>_<task>`` for array tasks); ``default`` outside Slurm."""
-    env = os.environ if env is None else env
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return env.get("SLURM_JOB_ID") or "default"
+    return JobEnv.from_env(env).run_key() or "default"
 
 
 # --------------------------------------------------------------------------- private directories and files

@@ -24,7 +24,6 @@ leader rank also writes ``save_started`` and ``retention_deleted`` (local tier).
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
@@ -42,6 +41,7 @@ from ..errors import (
     ReplicaMismatchError,
     RestoreUnavailableError,
 )
+from ..jobenv import JobEnv
 from ..paths import default_local_dir, default_run_id, node_name
 from ..storage.registry import open_durable
 from ..telemetry import EventLog
@@ -138,10 +138,11 @@ class Checkpointer:
         self.retention = RetentionPolicy(cfg["keep_last"], cfg["keep_every"])
         self.cadence = Cadence(cfg["every_steps"], cfg["every_seconds"])
         self._coord = Coordinator(timeout_s=cfg["collective_timeout"])
-        if not self._coord.distributed and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        job = JobEnv.from_env()
+        if not self._coord.distributed and (job.world_size or 1) > 1:
             # Several ranks each acting as "rank 0" would write over one another's shards.
             raise ConfigError(
-                f"WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialized; call "
+                f"WORLD_SIZE={job.raw['WORLD_SIZE']} but torch.distributed is not initialized; call "
                 "resilient_slurm.init_distributed() (or torch.distributed.init_process_group) before "
                 "creating the Checkpointer"
             )
@@ -164,8 +165,7 @@ class Checkpointer:
         )
         self.events = EventLog(
             self.topology.root, self.run_id, source="rank", node=self.topology.node,
-            job_id=os.environ.get("SLURM_JOB_ID") or None,
-            restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0), rank=self.topology.rank)
+            job_id=job.job_id, restart_count=job.restart_count, rank=self.topology.rank)
         self._sync_every: int = cfg["sync_every"]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-ckpt")
         self._inflight: Future[SaveOutcome] | None = None
@@ -184,7 +184,7 @@ class Checkpointer:
         # Emergency requests: SIGTERM and save_signal (from Slurm or the launcher), and the launcher's
         # control socket on this node. Built last: a signal from here on only sets a flag.
         self._link = RankLink(
-            self.topology.rank, int(os.environ.get("LOCAL_RANK", "0") or 0),
+            self.topology.rank, job.local_rank or 0,
             on_request=self.request_emergency_save, socket_path=cfg["control_socket"],
             timeout=cfg["control_timeout"], trap_signals=cfg["trap_signals"], save_signal=cfg["save_signal"],
         )

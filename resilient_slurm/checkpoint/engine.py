@@ -1,4 +1,5 @@
-"""The save/restore engine over one node-local tier: staging, background write, commit, restore.
+"""The save/restore engine over one node-local tier: staging, background write, commit, retention;
+restore delegated to restore.py (and the durable fetch to fetch.py).
 
 Call order for a save (every rank, same order):
 
@@ -16,14 +17,21 @@ Call order for a save (every rank, same order):
    directory (commit). A third gather tells every rank that all domains committed. One rank's failure
    anywhere means no domain commits the step, and the error names the rank and the path.
 
-Restore (:meth:`Engine.restore`, collective): domain leaders list committed steps; ranks try the
-newest common step, each reading and verifying (per-item checksums) the byte ranges it needs *before
-touching any live tensor*; only when every rank verified does anyone copy into the model. A corrupt or
-partial step is skipped with a warning naming the file and the reason. Items stored per rank are read
-from the copy of the rank that saved them (``rank_map`` when the world size changed). What a save or
-restore did (bytes, times, where a restore read from, replica mismatches) is returned
-(:class:`SaveOutcome`, :class:`PendingSave`) or kept (:attr:`Engine.last_restore`) for the caller's
-event log; the engine itself writes no events.
+Retention (:meth:`Engine.apply_retention`, domain leader, on the writer thread after a save) deletes
+the steps the policy does not keep; :meth:`Engine.clean_stale` removes abandoned temp directories.
+
+Restore (:meth:`Engine.restore`, collective) is delegated to the engine's :class:`~.restore.Restorer`
+(restore.py), built here with the engine's collaborators; it lists committed steps through this
+engine's :meth:`Engine.committed_steps` and :meth:`Engine.clean_stale`, and reaches the durable tier
+through a :class:`~.fetch.DurableFetcher` (fetch.py), which commits a fetched step with the same
+rename as a save (:meth:`Engine._install`). Domain leaders list committed steps; ranks try the newest
+common step (or a durable one, fetched by the domains that lack it), each reading and verifying
+(per-item checksums) the byte ranges it needs *before touching any live tensor*; only when every rank
+verified does anyone copy into the model. A corrupt or partial step is skipped with a warning naming
+the file and the reason. What a save or restore did (bytes, times, where a restore read from, replica
+mismatches) is returned (:class:`SaveOutcome`, :class:`PendingSave`) or kept
+(:attr:`Engine.last_restore`, a :class:`~.restore.RestoreOutcome`) for the caller's event log; the
+engine itself writes no events.
 """
 
 from __future__ import annotations
@@ -38,25 +46,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from .. import __version__, failpoints
 from ..errors import (
-    CheckpointError,
     ConfigError,
-    CorruptCheckpointError,
-    IncompatibleCheckpointError,
     InsufficientSpaceError,
-    PermanentError,
     ReplicaMismatchError,
     ResilientSlurmError,
-    RestoreUnavailableError,
     SaveError,
-    StorageError,
-    TransientError,
 )
 from ..layout import StepBusy, TempKind, delete_step, list_run_dir, temp_dirname
 from ..manifest import (
@@ -66,10 +66,6 @@ from ..manifest import (
     ChunkEntry,
     Manifest,
     ShardEntry,
-    durable_step_key,
-    durable_steps,
-    read_durable_manifest,
-    read_manifest_file,
     split_per_rank_fqn,
     step_dirname,
 )
@@ -81,8 +77,6 @@ from ..storage.fileio import (
     check_free_space,
     checksum,
     fsync_dir,
-    read_file_into,
-    reading_step,
     remove_tree,
     round_up,
     write_file,
@@ -91,15 +85,13 @@ from ..storage.tier import StorageTier
 from . import state as state_mod
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY, DDPTracker
+from .fetch import DurableFetcher
 from .planning import (
     GlobalSavePlan,
-    SafeLoadPlanner,
-    check_metadata,
     create_global_save_plan,
     domain_storage_data,
     dump_metadata,
     original_index,
-    read_metadata_file,
 )
 from .policy import RetentionPolicy
 from .replication import (
@@ -112,7 +104,8 @@ from .replication import (
     equal_from_reduced,
     mismatch_from_digests,
 )
-from .staging import ShardLayout, StagingBuffer, framing_for
+from .restore import RestoreOutcome, Restorer
+from .staging import ShardLayout, StagingBuffer
 
 log = logging.getLogger(__name__)
 
@@ -163,20 +156,9 @@ class SaveOutcome:
     mismatches: tuple[ReplicaMismatch, ...] = ()  # copies of one item unequal across domains (on domain leaders)
 
 
-@dataclass(frozen=True)
-class RestoreOutcome:
-    """What :meth:`Engine.restore` did on this rank (for the event log)."""
-
-    step: int  # 0: nothing restored
-    tier: str | None  # "local", or "durable" when this rank's node fetched the step; None: nothing restored
-    seconds: float
-    bytes_read: int  # bytes this rank read and verified
-    fetched_bytes: int  # bytes this rank fetched from the durable tier (domain leaders only)
-    skipped: tuple[int, ...] = ()  # steps tried and found unusable
-
-
 class Engine:
-    """Save and restore for one run in the node-local tier. One instance per rank."""
+    """Save, commit and retention for one run in the node-local tier; restore through its
+    :class:`~.restore.Restorer`. One instance per rank."""
 
     def __init__(
         self,
@@ -217,11 +199,18 @@ class Engine:
         self._pin = torch.cuda.is_available()
         self.replicas = ReplicaTracker(replica_check, replica_check_bytes)
         self.replicated = replicated  # state keys the program declares replicated
-        self.restore_fallback = restore_fallback  # fail | fresh: when checkpoints exist but none restores
         self.ddp = DDPTracker()
-        self._source_rank = topo.rank  # whose per-rank state this rank restores (rank_map)
-        self._rank_mapped = False
-        self.last_restore: RestoreOutcome | None = None
+        # Restore and the durable fetch share this engine's collaborators; a fetched step is committed
+        # by the same rename as a save (looked up at each call, as the save path looks it up).
+        self.fetcher = DurableFetcher(
+            durable, topo, coord, run_id, self.run_dir,
+            install=lambda tmp, step, token: self._install(tmp, step, token),
+            free_space_margin=free_space_margin,
+        )
+        self.restorer = Restorer(
+            topo, coord, run_id, self.run_dir, local=self, fetcher=self.fetcher, ddp=self.ddp,
+            io_threads=io_threads, capture_rng=capture_rng, restore_fallback=restore_fallback,
+        )
 
     # ------------------------------------------------------------------ save, foreground
     def plan_layout(self, state: Mapping[str, Any]) -> ShardLayout:
@@ -602,340 +591,20 @@ class Engine:
             log.info("retention removed steps %s from %s", deleted, self.run_dir)
         return deleted
 
-    # ------------------------------------------------------------------ restore
+    # ------------------------------------------------------------------ restore (restore.py, fetch.py)
     def restore(self, state: MutableMapping[str, Any], rank_map: Callable[[int], int] | None = None) -> int:
         """Restore the newest step that every rank can read and verify; return it (0 if none).
 
-        Collective (foreground group). Candidates are the steps committed in every domain's local tier
-        and the steps committed in the durable tier, newest first. A domain that lacks a candidate, or
-        whose copy fails verification, fetches its part from the durable tier into its local tier
-        (verified, then committed there) and the ranks read again. Corrupt steps are skipped with a
-        warning; an incompatible checkpoint (missing key, shape mismatch, newer schema, per-rank state
-        saved at another world size without ``rank_map``) raises on every rank. ``rank_map(rank)`` names
-        the saved rank whose per-rank state and RNG state this rank loads.
-        """
-        topo = self.topo
-        self._source_rank = topo.rank
-        self._rank_mapped = rank_map is not None
-        map_error: str | None = None
-        if rank_map is not None:
-            try:
-                self._source_rank = int(rank_map(topo.rank))
-            except Exception as exc:  # every rank must learn of it, or the others wait in the gather below
-                map_error = f"rank_map({topo.rank}) failed: {exc!r}"
-        t0 = time.perf_counter()
-        self.last_restore = None
-        skipped: list[int] = []
-        if topo.is_leader:
-            self.clean_stale(spare_current=False)
-        mine = self.committed_steps() if topo.is_leader else None
-        durable: list[int] | None = None
-        listing_error: str | None = None
-        if topo.rank == 0 and self.durable is not None:
-            durable, listing_error = self._durable_steps()
-        gathered = self.coord.all_gather((mine, durable, map_error, listing_error))
-        errors = [g[2] for g in gathered if g[2]]
-        if errors:
-            raise ConfigError("; ".join(errors))
-        lists = [g[0] for g in gathered]
-        durable_set = set(gathered[0][1] or [])
-        listing_error = gathered[0][3]
-        unreachable: list[str] = [listing_error] if listing_error else []  # storage failures, not corruption
-        leaders = [r for r in range(topo.world_size) if lists[r] is not None]
-        common = set.intersection(*[set(lists[r]) for r in leaders]) if leaders else set()
-        union = set().union(*[set(lists[r]) for r in leaders]) if leaders else set()
-        if union - common - durable_set and topo.rank == 0:
-            lacking = {
-                topo.domain_of_rank[r]: sorted(union - set(lists[r])) for r in leaders if union - set(lists[r])
-            }
-            log.warning(
-                "steps %s are committed in some storage domains but missing in others (%s)%s",
-                sorted(union - common - durable_set),
-                ", ".join(f"{d} lacks {s}" for d, s in lacking.items()),
-                "" if self.durable is not None else "; they cannot be restored without a durable tier",
-            )
-        initialized = [
-            v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state
-        ]
-        try:
-            for step in sorted(common | durable_set, reverse=True):
-                fetched = False
-                here: int | None = None  # bytes this rank's domain fetched for this step (None: none)
-                if step not in common:
-                    # Some domain lacks it locally: its leader fetches it from the durable tier.
-                    need = topo.is_leader and step not in (mine or [])
-                    ok, here = self._fetch_round(step, need, unreachable)
-                    if not ok:
-                        skipped.append(step)
-                        continue
-                    fetched = need
-                status, message, loaded = self._try_read(step, state)
-                verdicts = self.coord.all_gather((status, message))
-                if not any(s == "incompatible" for s, _ in verdicts) and step in durable_set:
-                    bad_here = any(verdicts[r][0] != "ok" for r in topo.domain_ranks)
-                    if any(v != "ok" for v, _ in verdicts):
-                        # A local copy failed verification: the domains concerned fetch the step again
-                        # from the durable tier, then every rank reads again.
-                        if topo.rank == 0:
-                            for m in (m for v, m in verdicts if v != "ok"):
-                                log.warning("step %d: %s; fetching it from the durable tier", step, m)
-                        need = topo.is_leader and bad_here and not fetched
-                        ok, again = self._fetch_round(step, need, unreachable)
-                        if again is not None:
-                            here = (here or 0) + again
-                        if ok:
-                            status, message, loaded = self._try_read(step, state)
-                            verdicts = self.coord.all_gather((status, message))
-                incompatible = [m for s, m in verdicts if s == "incompatible"]
-                if incompatible:
-                    raise IncompatibleCheckpointError(incompatible[0])
-                bad = [m for s, m in verdicts if s != "ok"]
-                if bad:
-                    if topo.rank == 0:
-                        for m in bad:
-                            log.warning("skipping step %d: %s; trying the previous step", step, m)
-                    skipped.append(step)
-                    continue
-                assert loaded is not None
-                loaded.apply()
-                state_mod.apply_loaded(state, loaded.target, rank=self._source_rank)
-                self.ddp.expect(state, loaded.target.get(DDP_KEY))
-                initialized = []
-                log.info("restored step %d from %s%s", step, self.run_dir,
-                         " (fetched from the durable tier)" if step not in common else "")
-                self.last_restore = RestoreOutcome(
-                    step, "durable" if here is not None else "local", time.perf_counter() - t0, loaded.bytes_read,
-                    (here or 0) if topo.is_leader else 0, tuple(skipped))
-                return step
-        finally:
-            for opt in initialized:  # nothing restored: give back a pristine optimizer
-                opt.state.clear()
-        where = self.run_dir + (f" or {self.durable.url}" if self.durable is not None else "")
-        self.last_restore = RestoreOutcome(0, None, time.perf_counter() - t0, 0, 0, tuple(skipped))
-        if unreachable or union or durable_set:
-            self._no_restore(where, sorted(union | durable_set), unreachable)
-        return 0
+        Collective (foreground group); :meth:`Restorer.restore <.restore.Restorer.restore>` does the work
+        and says what raises. ``rank_map(rank)`` names the saved rank whose per-rank state and RNG state
+        this rank loads."""
+        return self.restorer.restore(state, rank_map)
 
-    def _no_restore(self, where: str, steps: list[int], unreachable: list[str]) -> None:
-        """Checkpoints exist (or may: the durable tier could not be listed or read) and none was restored.
-        Starting from step 0 would silently throw a run away, so this raises on every rank unless
-        ``restore_fallback`` is ``fresh``: RestoreUnavailableError (worth a requeue: storage may come back)
-        when a storage failure was involved, else CorruptCheckpointError (a person must look)."""
-        what = (f"committed steps {steps} exist in {where} but none could be restored" if steps
-                else f"no checkpoint could be found in {where}")
-        if unreachable:
-            what += " because the durable tier failed (" + "; ".join(dict.fromkeys(unreachable)) + ")"
-        if self.restore_fallback == "fresh":
-            if self.topo.rank == 0:
-                log.warning("%s; starting from step 0 (restore_fallback=fresh)", what)
-            return
-        msg = (f"{what}. Not starting over from step 0: fix the cause and run again, or set restore_fallback=fresh "
-               "(RSLURM_RESTORE_FALLBACK) to start from step 0 anyway")
-        if unreachable:
-            raise RestoreUnavailableError(msg)
-        raise CorruptCheckpointError(msg + "; `rslurm verify` names what is wrong with each step")
-
-    def _durable_steps(self) -> tuple[list[int], str | None]:
-        """The durable tier's committed steps, or none and why they could not be listed."""
-        assert self.durable is not None
-        try:
-            return durable_steps(self.durable, self.run_id), None
-        except ResilientSlurmError as exc:
-            log.warning("cannot list the durable tier %s (%s); trying the node-local tier", self.durable.url, exc)
-            return [], f"cannot list {self.durable.url}: {exc}"
-
-    def _fetch_round(self, step: int, need: bool, unreachable: list[str]) -> tuple[bool, int | None]:
-        """Collective: leaders with ``need`` fetch ``step`` from the durable tier. Returns whether every
-        fetch succeeded, and the bytes this rank's domain fetched (None when it fetched nothing). Fetches
-        that failed for a storage reason (not corruption) are appended to ``unreachable``."""
-        err: str | None = None
-        transient = False
-        n: int | None = None
-        if need:
-            try:
-                t0 = time.perf_counter()
-                n = self._fetch(step)
-                dt = time.perf_counter() - t0
-                log.info("step %d: fetched %.1f MiB for %s from %s in %.2f s (%.1f MiB/s)", step, n / 2**20,
-                         self.topo.domain, self.durable.url if self.durable else "?", dt, n / 2**20 / max(dt, 1e-9))
-            except Exception as exc:  # every rank must learn of it, or the others hang
-                err = f"{self.topo.domain}: fetching step {step} from the durable tier failed: {exc}"
-                transient = _storage_failure(exc)
-                log.error("%s", err)
-                n = None
-        gathered = self.coord.all_gather((err, n, transient))
-        errors = [e for e, _, _ in gathered if e]
-        unreachable += [e for e, _, t in gathered if e and t]
-        if errors and self.topo.rank == 0:
-            for e in errors:
-                log.warning("skipping step %d: %s", step, e)
-        return not errors, gathered[self.topo.domain_ranks[0]][1]
-
-    def _fetch(self, step: int) -> int:
-        """Leader: copy this domain's part of ``step`` from the durable tier into the local tier (verified,
-        then committed like a save: temp directory, manifest last, rename). Returns bytes fetched."""
-        from ..manifest import domain_key
-
-        tier = self.durable
-        assert tier is not None
-        topo = self.topo
-        root_m = read_durable_manifest(tier, self.run_id, step)
-        src = topo.domain if topo.domain in root_m.nodes else root_m.first_domain
-        dm = read_durable_manifest(tier, self.run_id, step, src)
-        if dm.save_id != root_m.save_id:
-            raise CorruptCheckpointError(f"{tier.url}: step {step}: the marker of {src} belongs to another save")
-        md_key = domain_key(self.run_id, step, src, DCP_METADATA_NAME)
-        md_bytes = tier.get_bytes(md_key)
-        md = check_metadata(md_bytes, dm.dcp_metadata, source=f"{tier.url}/{md_key}")
-        same_layout = (src == topo.domain and dm.world_size == topo.world_size
-                       and tuple(dm.nodes.get(src, ())) == tuple(topo.domain_ranks))
-        if same_layout:  # the ranks here are the ones that wrote this domain's shards: they need only those
-            wanted = {s.path for s in dm.shards_of_node(src)}
-        else:  # other nodes or another world size: every file this metadata points at
-            wanted = {info.relative_path for info in md.storage_data.values()}
-        by_path = {s.path: s for s in dm.shards}
-        missing = wanted - set(by_path)
-        if missing:
-            raise CorruptCheckpointError(f"{tier.url}: step {step}: files {sorted(missing)} are not in the manifest")
-        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
-        total = sum(by_path[p].size for p in wanted)
-        check_free_space(self.run_dir, total + self.free_space_margin, what=f"fetching step {step}")
-        tmp = os.path.join(self.run_dir, temp_dirname(step, TempKind.FETCH, topo.nonce))
-        _remove_quietly(tmp)
-        os.makedirs(tmp, mode=0o700)
-        prefix = durable_step_key(self.run_id, step)
-        try:
-            for p in sorted(wanted):
-                e = by_path[p]
-                tier.get_file(f"{prefix}/{p}", os.path.join(tmp, p), size=e.size, checksum=e.checksum)
-            atomic_write(os.path.join(tmp, DCP_METADATA_NAME), md_bytes)
-            shards = tuple(dataclasses.replace(s, node=topo.domain) if s.path in wanted else s for s in dm.shards)
-            local = dataclasses.replace(dm, node=topo.domain, shards=shards)
-            atomic_write(os.path.join(tmp, MANIFEST_NAME), local.to_json().encode())
-            fsync_dir(tmp)
-            self._install(tmp, step, f"fetch-{topo.nonce}")
-        except BaseException:
-            _remove_quietly(tmp)
-            raise
-        return total
-
-    def _check_per_rank(self, step: int, step_dir: str, manifest: Manifest, md: Metadata,
-                        state: Mapping[str, Any]) -> None:
-        """Per-rank state is loaded from the rank that saved it: refuse a world-size change that leaves
-        ranks without their state (or drops some), unless ``rank_map`` says which saved rank each resumes."""
-        keys = sorted({split[1] for fqn in md.state_dict_metadata
-                       if (split := split_per_rank_fqn(fqn)) is not None and split[1].split(".")[0] in state})
-        if not keys:
-            return
-        saved, now = manifest.world_size, self.topo.world_size
-        shown = ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-        if saved != now and not self._rank_mapped:
-            raise IncompatibleCheckpointError(
-                f"step {step} in {step_dir} holds per-rank state ({shown}: values that differed between ranks) "
-                f"saved by {saved} ranks; this job has {now}. Pass rank_map= to restore() to say which saved rank "
-                "each rank resumes (docs/integration.md), keep that state equal on every rank or in a DTensor so "
-                "it reshards, or resume with the same number of ranks")
-        if not 0 <= self._source_rank < saved:
-            raise IncompatibleCheckpointError(
-                f"rank_map maps rank {self.topo.rank} to rank {self._source_rank}, but step {step} in {step_dir} "
-                f"was saved by ranks 0..{saved - 1} (per-rank state: {shown})")
-
-    def _try_read(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
-        step_dir = os.path.join(self.run_dir, step_dirname(step))
-        try:
-            with reading_step(step_dir):
-                return "ok", "", self._read_step(step, step_dir, state)
-        except IncompatibleCheckpointError as exc:
-            return "incompatible", str(exc), None
-        except (CorruptCheckpointError, OSError, CheckpointError) as exc:
-            return "corrupt", f"rank {self.topo.rank}: {exc}", None
-        except Exception as exc:  # unexpected: every rank must still learn of it, or the others hang
-            log.exception("step %d: unexpected error while reading %s", step, step_dir)
-            return "incompatible", f"rank {self.topo.rank}: reading step {step} failed: {exc!r}", None
-
-    def _read_step(self, step: int, step_dir: str, state: MutableMapping[str, Any]) -> _Loaded:
-        mpath = os.path.join(step_dir, MANIFEST_NAME)
-        try:
-            manifest = read_manifest_file(mpath)
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{mpath}: missing") from exc
-        if manifest.step != step or manifest.run_id != self.run_id:
-            raise CorruptCheckpointError(
-                f"{mpath}: says run {manifest.run_id!r} step {manifest.step}, expected {self.run_id!r} step {step}"
-            )
-        md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
-        self._check_per_rank(step, step_dir, manifest, md, state)
-        target = state_mod.prepare_load_target(state, md, rank=self.topo.rank, capture_rng=self.capture_rng,
-                                               source_rank=self._source_rank, extra_keys=(DDP_KEY,))
-        planner = SafeLoadPlanner(self._source_rank)
-        planner.set_up_planner(target, md, is_coordinator=self.topo.rank == 0)
-        try:
-            plan = planner.create_local_plan()
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise IncompatibleCheckpointError(
-                f"step {step} in {step_dir} does not fit the state being restored: {exc}. Restore with the "
-                "same model/optimizer structure, or move the run directory aside to start afresh."
-            ) from exc
-        plan = planner.finish_plan(plan)
-        shards = {s.path: s for s in manifest.shards_of_node(manifest.node)}
-        chunk_sums = {(s.path, c.offset): c for s in shards.values() for c in s.chunks}
-        # Group what we need by file, then read each file's needed span once.
-        needed: dict[str, list[Any]] = {}
-        for ri in plan.items:
-            info = md.storage_data[ri.storage_index]
-            if info.relative_path not in shards:
-                raise CorruptCheckpointError(
-                    f"{step_dir}: {ri.storage_index.fqn} lives in {info.relative_path}, which is not stored on "
-                    f"this node ({self.topo.domain}); it must come from another node or the durable tier"
-                )
-            needed.setdefault(info.relative_path, []).append((ri, info))
-        buffers: dict[str, tuple[torch.Tensor, int]] = {}
-        decoded: dict[tuple[str, int], Any] = {}
-        for rel, reqs in needed.items():
-            path = os.path.join(step_dir, rel)
-            entry = shards[rel]
-            try:
-                st = os.stat(path)
-            except FileNotFoundError as exc:
-                raise CorruptCheckpointError(f"{path}: shard file missing") from exc
-            if st.st_size != entry.size:
-                raise CorruptCheckpointError(
-                    f"{path}: size {st.st_size} bytes, manifest says {entry.size} (truncated or overwritten)"
-                )
-            end = max(info.offset + info.length for _, info in reqs)
-            for _, info in reqs:
-                c = chunk_sums.get((rel, info.offset))
-                if c is None or c.length != info.length:
-                    raise CorruptCheckpointError(f"{path}: no checksum recorded for bytes {info.offset}+{info.length}")
-            buf = aligned_buffer(end, prefault=False)  # the read writes every page
-            mv = as_memoryview(buf)
-            sums = read_file_into(
-                path, mv, end, threads=self.io_threads, ranges=[(info.offset, info.length) for _, info in reqs]
-            )
-            for (ri, info), got in zip(reqs, sums):
-                if got != chunk_sums[(rel, info.offset)].checksum:
-                    raise CorruptCheckpointError(
-                        f"{path}: checksum mismatch in {ri.storage_index.fqn} (bytes {info.offset}+{info.length}): "
-                        "the file is corrupt"
-                    )
-                if ri.type == LoadItemType.BYTE_IO:
-                    # Decode plain values now, before anything live is touched: a value the safe loader
-                    # refuses makes the step unusable; it must not half-restore the state.
-                    try:
-                        decoded[(rel, info.offset)] = torch.load(
-                            io.BytesIO(bytes(mv[info.offset : info.offset + info.length])),
-                            map_location="cpu",
-                            weights_only=True,
-                        )
-                    except Exception as exc:
-                        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-                        raise CorruptCheckpointError(
-                            f"{path}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
-                        ) from exc
-            buffers[rel] = (buf, end)
-        read = sum(info.length for reqs in needed.values() for _, info in reqs)
-        return _Loaded(planner=planner, target=target, md=md, needed=needed, buffers=buffers, decoded=decoded,
-                       bytes_read=read)
+    @property
+    def last_restore(self) -> RestoreOutcome | None:
+        """What the last :meth:`restore` did on this rank (for the event log); None before the first, and when
+        the last one raised before it had tried every candidate (an incompatible step, a failing rank_map)."""
+        return self.restorer.last_restore
 
 
 @dataclass(frozen=True)
@@ -955,52 +624,6 @@ def _is_dtensor(v: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(v, DTensor)
-
-
-@dataclass
-class _Loaded:
-    """Verified bytes of one step, ready to be copied into the live state."""
-
-    planner: SafeLoadPlanner
-    target: dict[str, Any]
-    md: Metadata
-    needed: dict[str, list[Any]]
-    buffers: dict[str, tuple[torch.Tensor, int]]
-    decoded: dict[tuple[str, int], Any] = field(default_factory=dict)
-    bytes_read: int = 0
-
-    def apply(self) -> None:
-        for rel, reqs in self.needed.items():
-            buf, _ = self.buffers[rel]
-            for ri, info in reqs:
-                blob = buf[info.offset : info.offset + info.length]
-                if ri.type == LoadItemType.BYTE_IO:
-                    self.planner.set_value(ri, self.decoded[(rel, info.offset)])
-                    continue
-                stored = self._stored_tensor(ri, blob)
-                part = narrow_tensor_by_index(stored, ri.storage_offsets, ri.lengths)
-                dest = self.planner.resolve_tensor(ri).detach()
-                if dest.size() != part.size():
-                    raise IncompatibleCheckpointError(
-                        f"{ri.dest_index.fqn}: checkpoint has size {tuple(part.size())}, state has {tuple(dest.size())}"
-                    )
-                with torch.no_grad():
-                    dest.copy_(part)
-                self.planner.commit_tensor(ri, dest)
-
-    def _stored_tensor(self, ri: Any, blob: torch.Tensor) -> torch.Tensor:
-        tmd = self.md.state_dict_metadata[ri.storage_index.fqn]
-        assert isinstance(tmd, TensorStorageMetadata)
-        chunk = next(c for c in tmd.chunks if tuple(c.offsets) == tuple(ri.storage_index.offset))
-        dtype = tmd.properties.dtype
-        fr = framing_for(dtype, tuple(chunk.sizes))
-        n = len(fr.prefix)
-        nbytes = torch.Size(chunk.sizes).numel() * torch.empty((), dtype=dtype).element_size()
-        if blob.numel() == n + nbytes + len(fr.suffix) and bytes(blob[:n].numpy()) == fr.prefix:
-            raw = blob[n : n + nbytes]
-            return raw.view(dtype).view(tuple(chunk.sizes)) if nbytes else torch.empty(tuple(chunk.sizes), dtype=dtype)
-        # Not our framing (e.g. written by plain DCP): let torch parse it, safely.
-        return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=True)
 
 
 def _cross_domain_mismatches(results: list[dict[str, Any]]) -> tuple[ReplicaMismatch, ...]:
@@ -1034,14 +657,6 @@ def _same_plan(a: SavePlan, b: SavePlan) -> bool:
     return True
 
 
-def _storage_failure(exc: BaseException) -> bool:
-    """A failure that says nothing about the checkpoint (an endpoint down, a timeout, a full local disk),
-    as opposed to corruption or a missing object: the step may restore once storage is back."""
-    if isinstance(exc, (CorruptCheckpointError, IncompatibleCheckpointError, PermanentError)):
-        return isinstance(exc, InsufficientSpaceError)
-    return isinstance(exc, (StorageError, OSError, TransientError))
-
-
 def _remove_quietly(path: str) -> None:
     try:
         remove_tree(path)
@@ -1049,4 +664,4 @@ def _remove_quietly(path: str) -> None:
         log.warning("could not remove %s: %s", path, exc)
 
 
-__all__ = ["Engine", "PendingSave", "RestoreOutcome", "SaveOutcome", "ResilientSlurmError", "shard_filename"]
+__all__ = ["Engine", "PendingSave", "SaveOutcome", "ResilientSlurmError", "shard_filename"]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import config
 from ..errors import ConfigError
+from ..jobenv import JobEnv
 
 if TYPE_CHECKING:
     from .context import DoctorContext, Finding
@@ -133,7 +134,7 @@ def build_context(args: argparse.Namespace, env: Mapping[str, str] | None = None
     options = DoctorOptions(script=args.script, job_id=args.job, sbatch_args=tuple(extra), nccl=args.nccl,
                             bandwidth_size=args.bandwidth_size, checkpoint_size=args.checkpoint_size,
                             signal_timeout=args.signal_timeout, skip=_skips(args.skip))
-    own_job = env.get("SLURM_JOB_ID") or None
+    own_job = JobEnv.from_env(env).job_id
     job_id = args.job or own_job
     node = node_name(cfg["node_name"])
     return DoctorContext(cfg=cfg, env=env, options=options, node=node,
@@ -150,11 +151,12 @@ def _where(ctx: DoctorContext) -> Finding:
                                "slurm_tools": ctx.slurm_tools}
     if ctx.in_allocation:
         job = ctx.job()
-        step = ctx.env.get("SLURM_STEP_ID")
+        slurm_env = JobEnv.from_env(ctx.env)
+        step = slurm_env.step_id
         inside = f"step {step}" if step else "the batch shell" if job and job.raw.get("BatchFlag") == "1" \
             else "the allocation's shell"
         nodes = f"{len(job.nodes)} node(s) {job.node_list}, partition {job.partition}" if job else \
-            f"nodes {ctx.env.get('SLURM_JOB_NODELIST', '?')}"
+            f"nodes {slurm_env.raw.get('SLURM_JOB_NODELIST', '?')}"
         details.update(nodes=list(job.nodes) if job else None, partition=job.partition if job else None)
         return Finding("where", Status.OK, f"inside job {ctx.job_id} ({inside} on {ctx.node}; {nodes}){tools}",
                        "", details)

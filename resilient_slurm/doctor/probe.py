@@ -33,8 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..jobenv import JobEnv  # standard library only, like the rest of what this module imports
+
 # Only the standard library at import time: the probe task imports this module on every node (after the
-# package's __init__, which keeps to the standard library, config and errors too).
+# package's __init__, which keeps to the standard library, config, errors and jobenv too).
 if TYPE_CHECKING:
     from .context import DoctorContext, Finding
 
@@ -52,7 +54,7 @@ def _status_mask(field_name: str) -> int:
 
 
 def _emit(event: str, **fields: Any) -> None:
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    node = JobEnv.from_env().node_name or socket.gethostname()
     print(json.dumps({"event": event, "node": node, "t": time.time(), **fields}), flush=True)
 
 
@@ -74,8 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         got.append(time.time())  # a flag, as a rank's handler sets
 
     signal.signal(num, handler)
-    _emit("ready", pid=os.getpid(), job=os.environ.get("SLURM_JOB_ID"), step=os.environ.get("SLURM_STEP_ID"),
-          procid=os.environ.get("SLURM_PROCID"), signal=args.signal, inherited=inherited, blocked=blocked)
+    raw = JobEnv.from_env().raw  # reported as given, the malformed included
+    _emit("ready", pid=os.getpid(), job=raw.get("SLURM_JOB_ID"), step=raw.get("SLURM_STEP_ID"),
+          procid=raw.get("SLURM_PROCID"), signal=args.signal, inherited=inherited, blocked=blocked)
     deadline = time.monotonic() + args.timeout
     while not got and time.monotonic() < deadline:
         time.sleep(0.02)  # interrupted by the signal; the handler runs between sleeps
@@ -269,7 +272,8 @@ def _job_nodes(ctx: DoctorContext) -> list[str]:
     job = ctx.job()
     if job is not None and job.nodes:
         return list(job.nodes)
-    nodelist = ctx.env.get("SLURM_JOB_NODELIST") or ctx.env.get("SLURM_NODELIST")
+    slurm_env = JobEnv.from_env(ctx.env)
+    nodelist = slurm_env.job_nodelist or slurm_env.nodelist
     if nodelist and ctx.slurm is not None:
         try:
             return list(ctx.slurm.hostnames(nodelist))

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError, SlurmError
+from ..jobenv import JobEnv
 from ..launcher.signals import TRAPPED
 from .context import DoctorContext, Finding, Status, one_line
 
@@ -450,8 +451,8 @@ def _check_requeue(ctx: DoctorContext, script: BatchScript) -> Finding:
 def _check_open_mode(ctx: DoctorContext, script: BatchScript) -> Finding:
     name = "script.open-mode"
     fix = "add `#SBATCH --open-mode=append`"
-    if ctx.in_allocation and ctx.env.get("SLURM_OPEN_MODE") in ("a", "t"):
-        mode = ctx.env["SLURM_OPEN_MODE"]
+    mode = JobEnv.from_env(ctx.env).open_mode
+    if ctx.in_allocation and mode in ("a", "t"):
         if mode == "a":
             return Finding(name, Status.OK, "the job appends to its output (SLURM_OPEN_MODE=a)")
         return Finding(name, Status.WARN, "the job truncates its output (SLURM_OPEN_MODE=t): each requeue "

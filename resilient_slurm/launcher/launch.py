@@ -47,6 +47,7 @@ import psutil
 from .. import config
 from ..control import ControlServer, default_socket_path
 from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError
+from ..jobenv import JobEnv
 from ..layout import list_run_dir
 from ..manifest import MANIFEST_NAME, read_manifest_file, step_dirname
 from ..paths import default_local_dir, default_run_id, expand_local_dir, node_name
@@ -144,7 +145,8 @@ class Launcher:
         self.srun = os.path.basename(self.command[0]) == "srun"
         if self.srun and nprocs is not None:
             raise ConfigError("rslurm launch: -n starts local ranks; with srun, give the task count to srun")
-        self.job_id: str | None = self.env.get("SLURM_JOB_ID") or None
+        job = JobEnv.from_env(self.env)
+        self.job_id: str | None = job.job_id
         if self.srun and not self.job_id:
             raise ConfigError("rslurm launch -- srun ...: not inside a Slurm allocation (SLURM_JOB_ID is not "
                               "set); submit it with sbatch, or run locally with `rslurm launch -n N -- cmd`")
@@ -153,7 +155,7 @@ class Launcher:
         self.run_id: str = self.cfg["run_id"] or default_run_id(self.env)
         root = expand_local_dir(self.cfg["local_dir"] or default_local_dir(), self.node)
         self.run_dir = os.path.join(root, self.run_id)
-        self.restart_count = int(self.env.get("SLURM_RESTART_COUNT", "0") or 0)
+        self.restart_count = job.restart_count
         self.events = EventLog(root, self.run_id, source="launcher", node=self.node, keep_open=False,
                                job_id=self.job_id, restart_count=self.restart_count)
         self.policy = RequeuePolicy(max_restarts=self.cfg["max_restarts"],
@@ -575,32 +577,13 @@ class Launcher:
         return LaunchResult(code, outcome, Decision(Action.EXIT, code, msg, outcome.reason.value), self.timings)
 
 
-NODE_COUNT_VARS = ("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
-
-
 def job_num_nodes(env: Mapping[str, str]) -> int:
     """Nodes of the Slurm job, for :meth:`Launcher._num_nodes` and :meth:`Launcher._multi_node`:
     ``SLURM_JOB_NUM_NODES``, else ``SLURM_NNODES``, else the hosts in ``SLURM_JOB_NODELIST``, else 1.
     A malformed variable (not an integer >= 1) is logged as a warning that names it and skipped, so
-    both callers go on with the next source: one node count, never two different guesses."""
-    for var in NODE_COUNT_VARS:
-        raw = env.get(var, "").strip()
-        if not raw:
-            continue
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if n >= 1:
-            return n
-        log.warning("%s=%r is not a node count (an integer >= 1); ignoring it", var, raw)
-    nodelist = env.get("SLURM_JOB_NODELIST", "")
-    try:
-        hosts = expand_hostlist(nodelist)
-    except ValueError as exc:
-        log.warning("SLURM_JOB_NODELIST=%r: %s; assuming one node", nodelist, exc)
-        return 1
-    return max(1, len(hosts))
+    both callers go on with the next source: one node count, never two different guesses
+    (:meth:`JobEnv.node_count <resilient_slurm.jobenv.JobEnv.node_count>`)."""
+    return JobEnv.from_env(env).node_count(expand_hostlist)
 
 
 def _ending(job: JobInfo) -> bool:

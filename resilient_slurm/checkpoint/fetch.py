@@ -1,0 +1,186 @@
+"""The durable tier's side of a restore: list its committed steps, fetch one domain's part of a step.
+
+Who calls what: :class:`~resilient_slurm.checkpoint.restore.Restorer` (restore.py) holds one
+:class:`DurableFetcher`, built by :class:`~resilient_slurm.checkpoint.engine.Engine` with the engine's
+collaborators and its local commit (``Engine._install``, the rename that also commits a save):
+
+1. rank 0: :meth:`DurableFetcher.steps` -- the durable tier's committed steps (``manifest.durable_steps``),
+   or none and why the tier could not be listed (a storage failure, never raised: the node-local tier may
+   still restore).
+2. every rank, collective (foreground group): :meth:`DurableFetcher.fetch_round` -- the domain leaders
+   that need ``step`` call :meth:`DurableFetcher.fetch`; one all_gather tells every rank whether every
+   fetch succeeded, how many bytes its own domain fetched, and which failures were storage failures
+   (an endpoint down, a timeout, a full local disk: the step may restore once storage is back) rather
+   than corruption.
+3. domain leader: :meth:`DurableFetcher.fetch` -- reads the root manifest and the marker of this domain
+   (or of the first domain, when this node saved nothing of the step), checks the domain's ``.metadata``
+   against the manifest, downloads the shard files this domain's ranks need (``get_file`` checks size and
+   xxh3 as the bytes arrive) into ``step_X.tmp-fetch-<nonce>/``, writes ``.metadata`` and a manifest that
+   names this domain, fsyncs, and commits it locally like a save (the engine's rename). Nothing is left
+   behind on failure.
+
+The fetcher writes only into this rank's node-local run directory; it never writes to the durable tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from ..errors import (
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    InsufficientSpaceError,
+    PermanentError,
+    ResilientSlurmError,
+    StorageError,
+    TransientError,
+)
+from ..layout import TempKind, temp_dirname
+from ..manifest import (
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    domain_key,
+    durable_step_key,
+    durable_steps,
+    read_durable_manifest,
+)
+from ..storage.fileio import atomic_write, check_free_space, fsync_dir, remove_tree
+from ..storage.tier import StorageTier
+from .coordination import Coordinator, Topology
+from .planning import check_metadata
+
+log = logging.getLogger(__name__)
+
+# (temp directory, step, token): commits a complete temp directory as ``step_X/`` in the local tier.
+Install = Callable[[str, int, str], None]
+
+
+class DurableFetcher:
+    """Lists and fetches steps of one run from the durable tier into this node's local tier. One per rank.
+
+    ``tier`` is None when the run has no durable tier: :meth:`fetch_round` still takes part in the
+    collective (every rank must), and a fetch asked of it fails like any other fetch."""
+
+    def __init__(
+        self,
+        tier: StorageTier | None,
+        topo: Topology,
+        coord: Coordinator,
+        run_id: str,
+        run_dir: str,
+        *,
+        install: Install,
+        free_space_margin: int,
+    ) -> None:
+        self.tier = tier
+        self.topo = topo
+        self.coord = coord
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.install = install
+        self.free_space_margin = free_space_margin
+
+    def steps(self) -> tuple[list[int], str | None]:
+        """The durable tier's committed steps, or none and why they could not be listed."""
+        assert self.tier is not None
+        try:
+            return durable_steps(self.tier, self.run_id), None
+        except ResilientSlurmError as exc:
+            log.warning("cannot list the durable tier %s (%s); trying the node-local tier", self.tier.url, exc)
+            return [], f"cannot list {self.tier.url}: {exc}"
+
+    def fetch_round(self, step: int, need: bool, unreachable: list[str]) -> tuple[bool, int | None]:
+        """Collective: leaders with ``need`` fetch ``step`` from the durable tier. Returns whether every
+        fetch succeeded, and the bytes this rank's domain fetched (None when it fetched nothing). Fetches
+        that failed for a storage reason (not corruption) are appended to ``unreachable``."""
+        err: str | None = None
+        transient = False
+        n: int | None = None
+        if need:
+            try:
+                t0 = time.perf_counter()
+                n = self.fetch(step)
+                dt = time.perf_counter() - t0
+                log.info("step %d: fetched %.1f MiB for %s from %s in %.2f s (%.1f MiB/s)", step, n / 2**20,
+                         self.topo.domain, self.tier.url if self.tier else "?", dt, n / 2**20 / max(dt, 1e-9))
+            except Exception as exc:  # every rank must learn of it, or the others hang
+                err = f"{self.topo.domain}: fetching step {step} from the durable tier failed: {exc}"
+                transient = _storage_failure(exc)
+                log.error("%s", err)
+                n = None
+        gathered = self.coord.all_gather((err, n, transient))
+        errors = [e for e, _, _ in gathered if e]
+        unreachable += [e for e, _, t in gathered if e and t]
+        if errors and self.topo.rank == 0:
+            for e in errors:
+                log.warning("skipping step %d: %s", step, e)
+        return not errors, gathered[self.topo.domain_ranks[0]][1]
+
+    def fetch(self, step: int) -> int:
+        """Leader: copy this domain's part of ``step`` from the durable tier into the local tier (verified,
+        then committed like a save: temp directory, manifest last, rename). Returns bytes fetched."""
+        tier = self.tier
+        assert tier is not None
+        topo = self.topo
+        root_m = read_durable_manifest(tier, self.run_id, step)
+        src = topo.domain if topo.domain in root_m.nodes else root_m.first_domain
+        dm = read_durable_manifest(tier, self.run_id, step, src)
+        if dm.save_id != root_m.save_id:
+            raise CorruptCheckpointError(f"{tier.url}: step {step}: the marker of {src} belongs to another save")
+        md_key = domain_key(self.run_id, step, src, DCP_METADATA_NAME)
+        md_bytes = tier.get_bytes(md_key)
+        md = check_metadata(md_bytes, dm.dcp_metadata, source=f"{tier.url}/{md_key}")
+        same_layout = (src == topo.domain and dm.world_size == topo.world_size
+                       and tuple(dm.nodes.get(src, ())) == tuple(topo.domain_ranks))
+        if same_layout:  # the ranks here are the ones that wrote this domain's shards: they need only those
+            wanted = {s.path for s in dm.shards_of_node(src)}
+        else:  # other nodes or another world size: every file this metadata points at
+            wanted = {info.relative_path for info in md.storage_data.values()}
+        by_path = {s.path: s for s in dm.shards}
+        missing = wanted - set(by_path)
+        if missing:
+            raise CorruptCheckpointError(f"{tier.url}: step {step}: files {sorted(missing)} are not in the manifest")
+        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+        total = sum(by_path[p].size for p in wanted)
+        check_free_space(self.run_dir, total + self.free_space_margin, what=f"fetching step {step}")
+        tmp = os.path.join(self.run_dir, temp_dirname(step, TempKind.FETCH, topo.nonce))
+        _remove_quietly(tmp)
+        os.makedirs(tmp, mode=0o700)
+        prefix = durable_step_key(self.run_id, step)
+        try:
+            for p in sorted(wanted):
+                e = by_path[p]
+                tier.get_file(f"{prefix}/{p}", os.path.join(tmp, p), size=e.size, checksum=e.checksum)
+            atomic_write(os.path.join(tmp, DCP_METADATA_NAME), md_bytes)
+            shards = tuple(dataclasses.replace(s, node=topo.domain) if s.path in wanted else s for s in dm.shards)
+            local = dataclasses.replace(dm, node=topo.domain, shards=shards)
+            atomic_write(os.path.join(tmp, MANIFEST_NAME), local.to_json().encode())
+            fsync_dir(tmp)
+            self.install(tmp, step, f"fetch-{topo.nonce}")
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        return total
+
+
+def _storage_failure(exc: BaseException) -> bool:
+    """A failure that says nothing about the checkpoint (an endpoint down, a timeout, a full local disk),
+    as opposed to corruption or a missing object: the step may restore once storage is back."""
+    if isinstance(exc, (CorruptCheckpointError, IncompatibleCheckpointError, PermanentError)):
+        return isinstance(exc, InsufficientSpaceError)
+    return isinstance(exc, (StorageError, OSError, TransientError))
+
+
+def _remove_quietly(path: str) -> None:
+    # The same as engine.py's helper, kept here so this module does not import the engine.
+    try:
+        remove_tree(path)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
+
+
+__all__ = ["DurableFetcher", "Install"]

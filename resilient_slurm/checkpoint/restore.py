@@ -1,0 +1,428 @@
+"""Restore: the newest step every rank can read and verify, loaded in place only once all ranks verified.
+
+Who calls what: :meth:`Engine.restore <resilient_slurm.checkpoint.engine.Engine.restore>` delegates to
+the engine's :class:`Restorer`, built with the engine's collaborators: the topology and coordinator, the
+run directory, the engine itself as :class:`LocalSteps` (its retention methods list committed steps and
+remove abandoned temp directories), the engine's :class:`~resilient_slurm.checkpoint.ddp.DDPTracker` and
+a :class:`~resilient_slurm.checkpoint.fetch.DurableFetcher` (fetch.py) for the durable tier.
+
+Call order of :meth:`Restorer.restore` (collective, foreground group, every rank):
+
+1. domain leaders remove abandoned temp directories and list the steps committed in their domain; rank 0
+   lists the durable tier (:meth:`DurableFetcher.steps`); one all_gather shares both (and a failing
+   ``rank_map``). Candidates are the steps committed in every domain and the durable steps, newest first.
+2. for each candidate: a domain that lacks it fetches its part (:meth:`DurableFetcher.fetch_round`,
+   collective); every rank reads and verifies what it needs (:meth:`Restorer._try_read` ->
+   :meth:`Restorer._read_step`: manifest, ``.metadata``, the per-rank check, a DCP load plan against the
+   live state, the byte ranges it needs read into fresh buffers and checked item by item against the
+   manifest's xxh3, plain values decoded with ``weights_only=True``) *before touching any live tensor*,
+   under a shared lock on the step so retention cannot delete it; an all_gather of the verdicts follows.
+   A copy that failed verification is fetched again from the durable tier when the step is there, and
+   every rank reads again.
+3. an incompatibility anywhere (missing key, shape, per-rank state at another world size without
+   ``rank_map``) raises on every rank; corruption anywhere skips the step on every rank, with a warning
+   naming the file and the reason; only when every rank verified does each copy into its live state
+   (:meth:`_Loaded.apply`, then ``state.apply_loaded``) and hand DDP's recorded layout to the tracker.
+4. nothing restored although checkpoints exist (or the durable tier could not be read): every rank raises
+   (:meth:`Restorer._no_restore`) unless ``restore_fallback`` is ``fresh``.
+
+What the restore did is kept in :attr:`Restorer.last_restore` (:class:`RestoreOutcome`) for the caller's
+event log; nothing here writes events.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from ..errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    RestoreUnavailableError,
+)
+from ..manifest import (
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    Manifest,
+    read_manifest_file,
+    split_per_rank_fqn,
+    step_dirname,
+)
+from ..storage.fileio import aligned_buffer, as_memoryview, read_file_into, reading_step
+from . import state as state_mod
+from .coordination import Coordinator, Topology
+from .ddp import DDP_KEY, DDPTracker
+from .fetch import DurableFetcher
+from .planning import SafeLoadPlanner, read_metadata_file
+from .staging import framing_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RestoreOutcome:
+    """What :meth:`Restorer.restore` (``Engine.restore``) did on this rank (for the event log)."""
+
+    step: int  # 0: nothing restored
+    tier: str | None  # "local", or "durable" when this rank's node fetched the step; None: nothing restored
+    seconds: float
+    bytes_read: int  # bytes this rank read and verified
+    fetched_bytes: int  # bytes this rank fetched from the durable tier (domain leaders only)
+    skipped: tuple[int, ...] = ()  # steps tried and found unusable
+
+
+class LocalSteps(Protocol):
+    """The node-local tier's listing and clean-up, as the engine's retention does them."""
+
+    def committed_steps(self) -> list[int]: ...
+
+    def clean_stale(self, *, spare_current: bool) -> None: ...
+
+
+class Restorer:
+    """Restore for one run from the node-local tier, fetching from the durable tier where needed. One per
+    rank, built by the :class:`~.engine.Engine`."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        coord: Coordinator,
+        run_id: str,
+        run_dir: str,
+        *,
+        local: LocalSteps,
+        fetcher: DurableFetcher,
+        ddp: DDPTracker,
+        io_threads: int = 4,
+        capture_rng: bool = True,
+        restore_fallback: str = "fail",
+    ) -> None:
+        self.topo = topo
+        self.coord = coord
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.local = local
+        self.fetcher = fetcher
+        self.ddp = ddp
+        self.io_threads = io_threads
+        self.capture_rng = capture_rng
+        self.restore_fallback = restore_fallback  # fail | fresh: when checkpoints exist but none restores
+        self._source_rank = topo.rank  # whose per-rank state this rank restores (rank_map)
+        self._rank_mapped = False
+        self.last_restore: RestoreOutcome | None = None
+
+    def restore(self, state: MutableMapping[str, Any], rank_map: Callable[[int], int] | None = None) -> int:
+        """Restore the newest step that every rank can read and verify; return it (0 if none).
+
+        Collective (foreground group). Candidates are the steps committed in every domain's local tier
+        and the steps committed in the durable tier, newest first. A domain that lacks a candidate, or
+        whose copy fails verification, fetches its part from the durable tier into its local tier
+        (verified, then committed there) and the ranks read again. Corrupt steps are skipped with a
+        warning; an incompatible checkpoint (missing key, shape mismatch, newer schema, per-rank state
+        saved at another world size without ``rank_map``) raises on every rank. ``rank_map(rank)`` names
+        the saved rank whose per-rank state and RNG state this rank loads.
+        """
+        topo = self.topo
+        tier = self.fetcher.tier
+        self._source_rank = topo.rank
+        self._rank_mapped = rank_map is not None
+        map_error: str | None = None
+        if rank_map is not None:
+            try:
+                self._source_rank = int(rank_map(topo.rank))
+            except Exception as exc:  # every rank must learn of it, or the others wait in the gather below
+                map_error = f"rank_map({topo.rank}) failed: {exc!r}"
+        t0 = time.perf_counter()
+        self.last_restore = None
+        skipped: list[int] = []
+        if topo.is_leader:
+            self.local.clean_stale(spare_current=False)
+        mine = self.local.committed_steps() if topo.is_leader else None
+        durable: list[int] | None = None
+        listing_error: str | None = None
+        if topo.rank == 0 and tier is not None:
+            durable, listing_error = self.fetcher.steps()
+        gathered = self.coord.all_gather((mine, durable, map_error, listing_error))
+        errors = [g[2] for g in gathered if g[2]]
+        if errors:
+            raise ConfigError("; ".join(errors))
+        lists = [g[0] for g in gathered]
+        durable_set = set(gathered[0][1] or [])
+        listing_error = gathered[0][3]
+        unreachable: list[str] = [listing_error] if listing_error else []  # storage failures, not corruption
+        leaders = [r for r in range(topo.world_size) if lists[r] is not None]
+        common = set.intersection(*[set(lists[r]) for r in leaders]) if leaders else set()
+        union = set().union(*[set(lists[r]) for r in leaders]) if leaders else set()
+        if union - common - durable_set and topo.rank == 0:
+            lacking = {
+                topo.domain_of_rank[r]: sorted(union - set(lists[r])) for r in leaders if union - set(lists[r])
+            }
+            log.warning(
+                "steps %s are committed in some storage domains but missing in others (%s)%s",
+                sorted(union - common - durable_set),
+                ", ".join(f"{d} lacks {s}" for d, s in lacking.items()),
+                "" if tier is not None else "; they cannot be restored without a durable tier",
+            )
+        initialized = [
+            v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state
+        ]
+        try:
+            for step in sorted(common | durable_set, reverse=True):
+                fetched = False
+                here: int | None = None  # bytes this rank's domain fetched for this step (None: none)
+                if step not in common:
+                    # Some domain lacks it locally: its leader fetches it from the durable tier.
+                    need = topo.is_leader and step not in (mine or [])
+                    ok, here = self.fetcher.fetch_round(step, need, unreachable)
+                    if not ok:
+                        skipped.append(step)
+                        continue
+                    fetched = need
+                status, message, loaded = self._try_read(step, state)
+                verdicts = self.coord.all_gather((status, message))
+                if not any(s == "incompatible" for s, _ in verdicts) and step in durable_set:
+                    bad_here = any(verdicts[r][0] != "ok" for r in topo.domain_ranks)
+                    if any(v != "ok" for v, _ in verdicts):
+                        # A local copy failed verification: the domains concerned fetch the step again
+                        # from the durable tier, then every rank reads again.
+                        if topo.rank == 0:
+                            for m in (m for v, m in verdicts if v != "ok"):
+                                log.warning("step %d: %s; fetching it from the durable tier", step, m)
+                        need = topo.is_leader and bad_here and not fetched
+                        ok, again = self.fetcher.fetch_round(step, need, unreachable)
+                        if again is not None:
+                            here = (here or 0) + again
+                        if ok:
+                            status, message, loaded = self._try_read(step, state)
+                            verdicts = self.coord.all_gather((status, message))
+                incompatible = [m for s, m in verdicts if s == "incompatible"]
+                if incompatible:
+                    raise IncompatibleCheckpointError(incompatible[0])
+                bad = [m for s, m in verdicts if s != "ok"]
+                if bad:
+                    if topo.rank == 0:
+                        for m in bad:
+                            log.warning("skipping step %d: %s; trying the previous step", step, m)
+                    skipped.append(step)
+                    continue
+                assert loaded is not None
+                loaded.apply()
+                state_mod.apply_loaded(state, loaded.target, rank=self._source_rank)
+                self.ddp.expect(state, loaded.target.get(DDP_KEY))
+                initialized = []
+                log.info("restored step %d from %s%s", step, self.run_dir,
+                         " (fetched from the durable tier)" if step not in common else "")
+                self.last_restore = RestoreOutcome(
+                    step, "durable" if here is not None else "local", time.perf_counter() - t0, loaded.bytes_read,
+                    (here or 0) if topo.is_leader else 0, tuple(skipped))
+                return step
+        finally:
+            for opt in initialized:  # nothing restored: give back a pristine optimizer
+                opt.state.clear()
+        where = self.run_dir + (f" or {tier.url}" if tier is not None else "")
+        self.last_restore = RestoreOutcome(0, None, time.perf_counter() - t0, 0, 0, tuple(skipped))
+        if unreachable or union or durable_set:
+            self._no_restore(where, sorted(union | durable_set), unreachable)
+        return 0
+
+    def _no_restore(self, where: str, steps: list[int], unreachable: list[str]) -> None:
+        """Checkpoints exist (or may: the durable tier could not be listed or read) and none was restored.
+        Starting from step 0 would silently throw a run away, so this raises on every rank unless
+        ``restore_fallback`` is ``fresh``: RestoreUnavailableError (worth a requeue: storage may come back)
+        when a storage failure was involved, else CorruptCheckpointError (a person must look)."""
+        what = (f"committed steps {steps} exist in {where} but none could be restored" if steps
+                else f"no checkpoint could be found in {where}")
+        if unreachable:
+            what += " because the durable tier failed (" + "; ".join(dict.fromkeys(unreachable)) + ")"
+        if self.restore_fallback == "fresh":
+            if self.topo.rank == 0:
+                log.warning("%s; starting from step 0 (restore_fallback=fresh)", what)
+            return
+        msg = (f"{what}. Not starting over from step 0: fix the cause and run again, or set restore_fallback=fresh "
+               "(RSLURM_RESTORE_FALLBACK) to start from step 0 anyway")
+        if unreachable:
+            raise RestoreUnavailableError(msg)
+        raise CorruptCheckpointError(msg + "; `rslurm verify` names what is wrong with each step")
+
+
+    def _check_per_rank(self, step: int, step_dir: str, manifest: Manifest, md: Metadata,
+                        state: Mapping[str, Any]) -> None:
+        """Per-rank state is loaded from the rank that saved it: refuse a world-size change that leaves
+        ranks without their state (or drops some), unless ``rank_map`` says which saved rank each resumes."""
+        keys = sorted({split[1] for fqn in md.state_dict_metadata
+                       if (split := split_per_rank_fqn(fqn)) is not None and split[1].split(".")[0] in state})
+        if not keys:
+            return
+        saved, now = manifest.world_size, self.topo.world_size
+        shown = ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+        if saved != now and not self._rank_mapped:
+            raise IncompatibleCheckpointError(
+                f"step {step} in {step_dir} holds per-rank state ({shown}: values that differed between ranks) "
+                f"saved by {saved} ranks; this job has {now}. Pass rank_map= to restore() to say which saved rank "
+                "each rank resumes (docs/integration.md), keep that state equal on every rank or in a DTensor so "
+                "it reshards, or resume with the same number of ranks")
+        if not 0 <= self._source_rank < saved:
+            raise IncompatibleCheckpointError(
+                f"rank_map maps rank {self.topo.rank} to rank {self._source_rank}, but step {step} in {step_dir} "
+                f"was saved by ranks 0..{saved - 1} (per-rank state: {shown})")
+
+    def _try_read(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
+        step_dir = os.path.join(self.run_dir, step_dirname(step))
+        try:
+            with reading_step(step_dir):
+                return "ok", "", self._read_step(step, step_dir, state)
+        except IncompatibleCheckpointError as exc:
+            return "incompatible", str(exc), None
+        except (CorruptCheckpointError, OSError, CheckpointError) as exc:
+            return "corrupt", f"rank {self.topo.rank}: {exc}", None
+        except Exception as exc:  # unexpected: every rank must still learn of it, or the others hang
+            log.exception("step %d: unexpected error while reading %s", step, step_dir)
+            return "incompatible", f"rank {self.topo.rank}: reading step {step} failed: {exc!r}", None
+
+    def _read_step(self, step: int, step_dir: str, state: MutableMapping[str, Any]) -> _Loaded:
+        mpath = os.path.join(step_dir, MANIFEST_NAME)
+        try:
+            manifest = read_manifest_file(mpath)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"{mpath}: missing") from exc
+        if manifest.step != step or manifest.run_id != self.run_id:
+            raise CorruptCheckpointError(
+                f"{mpath}: says run {manifest.run_id!r} step {manifest.step}, expected {self.run_id!r} step {step}"
+            )
+        md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
+        self._check_per_rank(step, step_dir, manifest, md, state)
+        target = state_mod.prepare_load_target(state, md, rank=self.topo.rank, capture_rng=self.capture_rng,
+                                               source_rank=self._source_rank, extra_keys=(DDP_KEY,))
+        planner = SafeLoadPlanner(self._source_rank)
+        planner.set_up_planner(target, md, is_coordinator=self.topo.rank == 0)
+        try:
+            plan = planner.create_local_plan()
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise IncompatibleCheckpointError(
+                f"step {step} in {step_dir} does not fit the state being restored: {exc}. Restore with the "
+                "same model/optimizer structure, or move the run directory aside to start afresh."
+            ) from exc
+        plan = planner.finish_plan(plan)
+        shards = {s.path: s for s in manifest.shards_of_node(manifest.node)}
+        chunk_sums = {(s.path, c.offset): c for s in shards.values() for c in s.chunks}
+        # Group what we need by file, then read each file's needed span once.
+        needed: dict[str, list[Any]] = {}
+        for ri in plan.items:
+            info = md.storage_data[ri.storage_index]
+            if info.relative_path not in shards:
+                raise CorruptCheckpointError(
+                    f"{step_dir}: {ri.storage_index.fqn} lives in {info.relative_path}, which is not stored on "
+                    f"this node ({self.topo.domain}); it must come from another node or the durable tier"
+                )
+            needed.setdefault(info.relative_path, []).append((ri, info))
+        buffers: dict[str, tuple[torch.Tensor, int]] = {}
+        decoded: dict[tuple[str, int], Any] = {}
+        for rel, reqs in needed.items():
+            path = os.path.join(step_dir, rel)
+            entry = shards[rel]
+            try:
+                st = os.stat(path)
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"{path}: shard file missing") from exc
+            if st.st_size != entry.size:
+                raise CorruptCheckpointError(
+                    f"{path}: size {st.st_size} bytes, manifest says {entry.size} (truncated or overwritten)"
+                )
+            end = max(info.offset + info.length for _, info in reqs)
+            for _, info in reqs:
+                c = chunk_sums.get((rel, info.offset))
+                if c is None or c.length != info.length:
+                    raise CorruptCheckpointError(f"{path}: no checksum recorded for bytes {info.offset}+{info.length}")
+            buf = aligned_buffer(end, prefault=False)  # the read writes every page
+            mv = as_memoryview(buf)
+            sums = read_file_into(
+                path, mv, end, threads=self.io_threads, ranges=[(info.offset, info.length) for _, info in reqs]
+            )
+            for (ri, info), got in zip(reqs, sums):
+                if got != chunk_sums[(rel, info.offset)].checksum:
+                    raise CorruptCheckpointError(
+                        f"{path}: checksum mismatch in {ri.storage_index.fqn} (bytes {info.offset}+{info.length}): "
+                        "the file is corrupt"
+                    )
+                if ri.type == LoadItemType.BYTE_IO:
+                    # Decode plain values now, before anything live is touched: a value the safe loader
+                    # refuses makes the step unusable; it must not half-restore the state.
+                    try:
+                        decoded[(rel, info.offset)] = torch.load(
+                            io.BytesIO(bytes(mv[info.offset : info.offset + info.length])),
+                            map_location="cpu",
+                            weights_only=True,
+                        )
+                    except Exception as exc:
+                        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+                        raise CorruptCheckpointError(
+                            f"{path}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
+                        ) from exc
+            buffers[rel] = (buf, end)
+        read = sum(info.length for reqs in needed.values() for _, info in reqs)
+        return _Loaded(planner=planner, target=target, md=md, needed=needed, buffers=buffers, decoded=decoded,
+                       bytes_read=read)
+
+
+
+
+@dataclass
+class _Loaded:
+    """Verified bytes of one step, ready to be copied into the live state."""
+
+    planner: SafeLoadPlanner
+    target: dict[str, Any]
+    md: Metadata
+    needed: dict[str, list[Any]]
+    buffers: dict[str, tuple[torch.Tensor, int]]
+    decoded: dict[tuple[str, int], Any] = field(default_factory=dict)
+    bytes_read: int = 0
+
+    def apply(self) -> None:
+        for rel, reqs in self.needed.items():
+            buf, _ = self.buffers[rel]
+            for ri, info in reqs:
+                blob = buf[info.offset : info.offset + info.length]
+                if ri.type == LoadItemType.BYTE_IO:
+                    self.planner.set_value(ri, self.decoded[(rel, info.offset)])
+                    continue
+                stored = self._stored_tensor(ri, blob)
+                part = narrow_tensor_by_index(stored, ri.storage_offsets, ri.lengths)
+                dest = self.planner.resolve_tensor(ri).detach()
+                if dest.size() != part.size():
+                    raise IncompatibleCheckpointError(
+                        f"{ri.dest_index.fqn}: checkpoint has size {tuple(part.size())}, state has {tuple(dest.size())}"
+                    )
+                with torch.no_grad():
+                    dest.copy_(part)
+                self.planner.commit_tensor(ri, dest)
+
+    def _stored_tensor(self, ri: Any, blob: torch.Tensor) -> torch.Tensor:
+        tmd = self.md.state_dict_metadata[ri.storage_index.fqn]
+        assert isinstance(tmd, TensorStorageMetadata)
+        chunk = next(c for c in tmd.chunks if tuple(c.offsets) == tuple(ri.storage_index.offset))
+        dtype = tmd.properties.dtype
+        fr = framing_for(dtype, tuple(chunk.sizes))
+        n = len(fr.prefix)
+        nbytes = torch.Size(chunk.sizes).numel() * torch.empty((), dtype=dtype).element_size()
+        if blob.numel() == n + nbytes + len(fr.suffix) and bytes(blob[:n].numpy()) == fr.prefix:
+            raw = blob[n : n + nbytes]
+            return raw.view(dtype).view(tuple(chunk.sizes)) if nbytes else torch.empty(tuple(chunk.sizes), dtype=dtype)
+        # Not our framing (e.g. written by plain DCP): let torch parse it, safely.
+        return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=True)
+
+
+
+__all__ = ["LocalSteps", "RestoreOutcome", "Restorer"]
