@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from . import __version__, config, doctor, submit
 from .errors import ConfigError, CorruptCheckpointError, ResilientSlurmError
 from .paths import default_local_dir, expand_local_dir, node_name
-from .storage.registry import DURABLE_SETTINGS
 
 if TYPE_CHECKING:  # rich and the catalog are imported by the commands that use them (fast `rslurm launch`)
     from rich.console import Console
@@ -61,8 +60,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-DAEMON_SETTINGS = ["local_dir", "node_name", "run_id", "keep_last", "keep_every", "local_min_free",
-                   "drain_poll_interval", "metrics_textfile", *DURABLE_SETTINGS]
 
 
 def _flag_settings(args: argparse.Namespace, components: tuple[str, ...]) -> dict[str, Any]:
@@ -81,7 +78,6 @@ def _flag_settings(args: argparse.Namespace, components: tuple[str, ...]) -> dic
 
 # ------------------------------------------------------------------ inspection: ls, show, verify, gc, export
 # The logic lives in resilient_slurm.catalog; these functions resolve settings, call it and print.
-INSPECT_SETTINGS = ["local_dir", "node_name", "run_id", "keep_last", "keep_every", *DURABLE_SETTINGS]
 # Storage settings the inspection commands take as flags (how to reach the durable tier).
 INSPECT_STORAGE_FLAGS = ("s3_endpoint_url", "s3_region", "s3_max_attempts", "drain_threads")
 STALE_AFTER_S = 6 * 3600.0  # as the daemon's STALE_UPLOAD_AGE: leftovers older than this have no writer
@@ -97,22 +93,22 @@ def _seconds(v: str) -> float:
     return s
 
 
-def _settings(args: argparse.Namespace) -> dict[str, Any]:
+def _settings(args: argparse.Namespace) -> config.Settings:
     """Settings of an inspection command: flag > RSLURM_* environment > config file > default."""
     given = _flag_settings(args, ("storage", "checkpoint"))
     given.update(local_dir=args.local_dir, durable=args.durable, run_id=args.run_id)
-    return config.resolve(INSPECT_SETTINGS, given, config_path=args.config)
+    return config.load(given, config_path=args.config)
 
 
-def _open_catalog(args: argparse.Namespace, *, durable: bool) -> tuple[Catalog, dict[str, Any]]:
+def _open_catalog(args: argparse.Namespace, *, durable: bool) -> tuple[Catalog, config.Settings]:
     """The catalog of the command's tiers; ``durable`` False leaves the durable tier closed (not read)."""
     from .catalog import Catalog
 
     cfg = _settings(args)
-    if args.tier == "durable" and not cfg["durable"]:
+    if args.tier == "durable" and not cfg.durable:
         raise ConfigError("--tier durable: no durable tier; give --durable URL or set RSLURM_DURABLE")
-    template = cfg["local_dir"] or default_local_dir()
-    node = node_name(cfg["node_name"])
+    template = cfg.local_dir or default_local_dir()
+    node = node_name(cfg.node_name)
     if not durable:
         return Catalog(template, node, None), cfg
     return Catalog.open(cfg, local_template=template, node=node), cfg
@@ -194,7 +190,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
     now = time.time()
     with catalog:
-        runs = [args.run_id or cfg["run_id"]] if (args.run_id or cfg["run_id"]) else catalog.runs(strict=False)
+        runs = [cfg.run_id] if cfg.run_id else catalog.runs(strict=False)
         rows = []
         for run in runs:
             for v in catalog.steps(run, strict=False):
@@ -236,8 +232,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 2 if doc["errors"] else 0
 
 
-def _pick_step(catalog: Catalog, args: argparse.Namespace, cfg: dict[str, Any]) -> StepView:
-    run = catalog.resolve_run(args.run_id or cfg["run_id"])
+def _pick_step(catalog: Catalog, args: argparse.Namespace, cfg: config.Settings) -> StepView:
+    run = catalog.resolve_run(cfg.run_id)
     if args.step is not None:
         return catalog.step(run, args.step)
     views = [v for v in catalog.steps(run) if v.manifest is not None]
@@ -320,10 +316,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reports: list[StepReport] = []
     with catalog:
         if args.step is not None:
-            run = catalog.resolve_run(args.run_id or cfg["run_id"])
+            run = catalog.resolve_run(cfg.run_id)
             scope = [(catalog.step(run, args.step), True)]
         else:
-            runs = [args.run_id or cfg["run_id"]] if (args.run_id or cfg["run_id"]) else catalog.runs()
+            runs = [cfg.run_id] if cfg.run_id else catalog.runs()
             scope = [(v, False) for run in runs for v in catalog.steps(run)]
         for view, explicit in scope:
             reports += verify_view(catalog, view, args.tier, explicit=explicit, progress=progress,
@@ -361,10 +357,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     # Even for --tier local: which local steps are durable decides what may go.
     catalog, cfg = _open_catalog(args, durable=True)
-    policy = RetentionPolicy(cfg["keep_last"], cfg["keep_every"])
+    policy = RetentionPolicy(cfg.keep_last, cfg.keep_every)
     tiers = ("local", "durable") if args.tier == "all" else (args.tier,)
     with catalog:
-        actions = plan_gc(catalog, policy, tiers=tiers, run_id=args.run_id or cfg["run_id"],
+        actions = plan_gc(catalog, policy, tiers=tiers, run_id=cfg.run_id,
                           stale_after=args.stale_after)
         if not args.dry_run:
             run_gc(catalog, actions, stale_after=args.stale_after)
@@ -403,7 +399,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = check_out(args.out, force=args.force, fmt=args.format)
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
     with catalog:
-        run = catalog.resolve_run(args.run_id or cfg["run_id"])
+        run = catalog.resolve_run(cfg.run_id)
         view = catalog.step(run, args.step)
         tier = catalog.choose_tier(view, args.tier)
         src = open_source(catalog, view, tier, scratch=os.path.dirname(out))
@@ -429,10 +425,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     given = _flag_settings(args, ("storage",))
     given.update(local_dir=args.local_dir, durable=args.durable, run_id=args.run_id)
-    cfg = config.resolve(DAEMON_SETTINGS, given, config_path=args.config)
-    node = node_name(cfg["node_name"])
-    root = expand_local_dir(cfg["local_dir"] or default_local_dir(), node)
-    if not cfg["durable"]:
+    cfg = config.load(given, config_path=args.config)
+    node = node_name(cfg.node_name)
+    root = expand_local_dir(cfg.local_dir or default_local_dir(), node)
+    if not cfg.durable:
         raise ConfigError("rslurm daemon: no durable tier; give --durable URL or set RSLURM_DURABLE "
                           "(/path, file:///path or s3://bucket/prefix)")
     if args.job_step and daemon_running(root):
@@ -441,10 +437,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     os.makedirs(root, mode=0o700, exist_ok=True)
     tier = open_durable(cfg)
     assert tier is not None
-    save_signal = config.resolve(["save_signal"], {}, config_path=args.config)["save_signal"]
-    daemon = Daemon(root, tier, node=node, retention=RetentionPolicy(cfg["keep_last"], cfg["keep_every"]),
-                    run_ids=[cfg["run_id"]] if cfg["run_id"] else None, min_free=cfg["local_min_free"],
-                    poll_interval=cfg["drain_poll_interval"], metrics_textfile=cfg["metrics_textfile"],
+    save_signal = cfg.save_signal
+    daemon = Daemon(root, tier, node=node, retention=RetentionPolicy(cfg.keep_last, cfg.keep_every),
+                    run_ids=[cfg.run_id] if cfg.run_id else None, min_free=cfg.local_min_free,
+                    poll_interval=cfg.drain_poll_interval, metrics_textfile=cfg.metrics_textfile,
                     ignore_signals=[] if save_signal == "none" else [getattr(signal, "SIG" + save_signal)])
     try:
         return daemon.run(once=args.once, job_step=args.job_step)
@@ -460,12 +456,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from .daemon.status import collect_status, format_status
 
-    cfg = config.resolve(["local_dir", "node_name", "run_id", *DURABLE_SETTINGS],
-                         {"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run_id},
-                         config_path=args.config)
-    node = node_name(cfg["node_name"])
-    root = expand_local_dir(cfg["local_dir"] or default_local_dir(), node)
-    report = collect_status(root, cfg, run_id=cfg["run_id"])
+    cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run_id},
+                      config_path=args.config)
+    node = node_name(cfg.node_name)
+    root = expand_local_dir(cfg.local_dir or default_local_dir(), node)
+    report = collect_status(root, cfg, run_id=cfg.run_id)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -614,8 +609,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        # only log_level here: each command loads (and checks) every setting itself, doctor reports them
         level = config.resolve(["log_level"], {}, config_path=args.config)["log_level"]
-        logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO), stream=sys.stderr,
+        logging.basicConfig(level=level, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return int(args.func(args))
     except CorruptCheckpointError as exc:  # a fault in the data, not in how rslurm was called

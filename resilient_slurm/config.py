@@ -9,6 +9,7 @@ numeric ones); a bad value, or a file that is not UTF-8 TOML of that shape, is a
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -173,6 +174,15 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _log_level(v: str) -> str:
+    """A logging level name (``debug``, ``INFO``, ``warn``...) normalized to logging's spelling."""
+    s = v.strip().upper()
+    s = "WARNING" if s == "WARN" else s
+    if s not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError(f"expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got {v!r}")
+    return s
+
+
 def _signal_name(v: str) -> str:
     """A signal name for ranks (``USR2``, ``SIGUSR2``, ``TERM``...) normalized to ``USR2``, or ``none``."""
     s = v.strip().upper()
@@ -202,99 +212,128 @@ class Setting:
         return ENV_PREFIX + self.name.upper()
 
 
+def _key(parse: Callable[[str], Any], default: Any, component: str, *help: str) -> Any:
+    """A field of :class:`Settings`: its default, and its parser, component and meaning as metadata."""
+    return dataclasses.field(default=default, metadata={"parse": parse, "component": component,
+                                                        "help": "".join(help)})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, resolved and typed (:func:`load`). Each field's metadata is its :class:`Setting`
+    (parser, meaning, component); :data:`SETTINGS` is built from these fields, so a key has one definition."""
+
+    local_dir: str | None = _key(str, None, "checkpoint",
+                "node-local checkpoint root; '%n' expands to the node name (default: $TMPDIR/rslurm-<uid>/%n)")
+    durable: str | None = _key(str, None, "checkpoint",
+                'durable tier URL: /path, file:///path (Lustre or any shared filesystem) or s3://bucket/prefix; '
+                '`rslurm daemon` drains committed steps there and restore falls back to it')
+    run_id: str | None = _key(str, None, "checkpoint",
+                "run identifier (default: Slurm job id, array-aware, else 'default')")
+    every_steps: int | None = _key(_OPT_COUNT, None, "checkpoint",
+                'save every N optimizer steps')
+    every_seconds: float | None = _key(_OPT_SECONDS, None, "checkpoint",
+                'save when this many seconds passed since the last save')
+    keep_last: int = _key(_count(), 3, "checkpoint",
+                'committed checkpoints kept per tier')
+    keep_every: int | None = _key(_OPT_COUNT, None, "checkpoint",
+                'also keep every step that is a multiple of N')
+    capture_rng: bool = _key(_bool, True, "checkpoint",
+                'capture and restore RNG state of every generator per rank')
+    sync_every: int = _key(_count(), 1, "checkpoint",
+                'steps between the cheap collective in which ranks agree to save (time cadence and emergency requests'
+                ' are seen at this granularity)')
+    io_threads: int = _key(_count(), 4, "checkpoint",
+                'parallel pwrite/pread calls per rank')
+    collective_timeout: float = _key(_seconds(), 600.0, "checkpoint",
+                'seconds before a checkpoint collective gives up')
+    node_name: str | None = _key(str, None, "checkpoint",
+                'storage node name (default: $SLURMD_NODENAME, else the hostname)')
+    replica_check: str = _key(_choice("warn", "fail", "off"), "warn", "checkpoint",
+                'what copies of DDP-replicated or DTensor-replicated state that differ between ranks do at a save: '
+                "warn (a replica_mismatch event and warning; each rank's copy is saved), fail (the save fails), off "
+                '(not checked)')
+    replica_check_bytes: int = _key(_SIZE, 32 << 20, "checkpoint",
+                'bytes of DDP/DTensor-replicated state each rank digests per save for replica_check, a rotating slice'
+                ' (0: only the free cross-node comparison)')
+    restore_fallback: str = _key(_choice("fail", "fresh"), "fail", "checkpoint",
+                'what restore does when committed checkpoints exist (or the durable tier cannot be listed) but none '
+                'can be restored: fail (raise; a storage failure requeues the job under `rslurm launch`) or fresh '
+                '(start from step 0 with a warning)')
+    free_space_margin: int = _key(_count(0), 64 << 20, "checkpoint",
+                'bytes that must stay free after a save')
+    control_socket: str | None = _key(str, None, "rank",
+                "control socket of this node's launcher; `rslurm launch` sets it for its ranks, 'off' disables it "
+                '(ranks then rely on signals alone)')
+    control_timeout: float = _key(_seconds(), 2.0, "rank",
+                'seconds a rank waits for the control socket before it carries on without it')
+    trap_signals: bool = _key(_bool, True, "rank",
+                'ranks turn SIGTERM and save_signal into an emergency save at the next step (only where the program '
+                'left the default handler in place)')
+    save_signal: str = _key(_signal_name, "USR2", "launcher",
+                'signal the launcher sends every rank to request an emergency save (`scancel --signal` reaches other '
+                "nodes), and ranks trap; 'none' disables. Not USR1 under NCCL, which uses it")
+    control_dir: str | None = _key(str, None, "launcher",
+                "directory of the launcher's control sockets (default: $XDG_RUNTIME_DIR/rslurm, else "
+                '/tmp/rslurm-<uid>/run)')
+    max_restarts: int | None = _key(_LIMIT, None, "launcher",
+                "requeue at most this many times (Slurm's restart count; 0 = never requeue, none = no limit)")
+    no_progress_limit: int | None = _key(_OPT_COUNT, 3, "launcher",
+                'hold the job after this many restarts in a row that committed no new step (0 or none disables)')
+    save_timeout: float = _key(_seconds(), 300.0, "launcher",
+                'seconds the emergency save may take when Slurm gives no deadline (local mode, no time limit)')
+    requeue_margin: float = _key(_seconds(zero_ok=True), 3.0, "launcher",
+                "seconds kept before the job's end (time limit or end of GraceTime) for teardown and the requeue call")
+    term_grace: float = _key(_seconds(), 10.0, "launcher",
+                "seconds between SIGTERM and SIGKILL when the launcher tears the ranks' process trees down")
+    cloud_notice: str = _key(_choice("off", "aws", "gce", "generic"), "off", "launcher",
+                'poll the instance metadata service for a termination notice (aws, gce, generic URL) and save on one')
+    cloud_notice_url: str | None = _key(str, None, "launcher",
+                "metadata URL to poll (default: the provider's standard URL; required for generic)")
+    cloud_notice_interval: float = _key(_seconds(), 5.0, "launcher",
+                'seconds between metadata polls')
+    slurm_backend: str = _key(_choice("cli", "pyslurm"), "cli", "launcher",
+                'how rslurm talks to Slurm: scontrol/scancel commands, or libslurm through pyslurm when installed')
+    durable_wait: float = _key(_seconds(zero_ok=True), 300.0, "launcher",
+                "seconds the launcher waits, after the emergency commit (bounded by the job's deadline) or at the end"
+                ' of a completed job, for the newest step to become durable before it requeues or exits; 0 = do not '
+                'wait')
+    daemon: str = _key(_choice("auto", "off"), "auto", "launcher",
+                'auto: with a durable tier set and no `rslurm daemon` service on a node, the launcher runs one as a '
+                'job step (srun --overlap) or a local process; off: never')
+    drain_threads: int = _key(_count(), 8, "storage",
+                'parallel transfers (file pieces, S3 parts) per node to and from the durable tier')
+    drain_bandwidth: int | None = _key(_BANDWIDTH, None, "storage",
+                "cap on the daemon's upload bandwidth in bytes/s (e.g. 200M), to protect shared storage; unset = no "
+                'cap')
+    local_min_free: str = _key(_free_space, "10%", "storage",
+                'the daemon keeps at least this much free in the local tier (a percentage or a size) by evicting '
+                'durable steps first, never the newest step that is not yet durable')
+    drain_poll_interval: float = _key(_seconds(), 5.0, "storage",
+                "seconds between the daemon's rescans of the local tier (it also reacts at once to filesystem events "
+                'through watchdog)')
+    metrics_textfile: str | None = _key(_prom_path, None, "storage",
+                'the daemon writes its Prometheus metrics to this file (must end in .prom; e.g. '
+                "/var/lib/node_exporter/textfile_collector/rslurm.prom for node_exporter's textfile collector), "
+                'replaced atomically after every transfer and every poll interval; unset = no metrics file')
+    s3_endpoint_url: str | None = _key(str, None, "storage",
+                'S3 endpoint for any S3-compatible store (default: AWS, or $AWS_ENDPOINT_URL_S3)')
+    s3_region: str | None = _key(str, None, "storage",
+                "S3 region (default: boto3's usual chain)")
+    s3_part_size: int = _key(_S3_PART, 64 << 20, "storage",
+                'multipart part size for S3 transfers (>= 5M)')
+    s3_max_attempts: int = _key(_count(), 8, "storage",
+                'attempts per S3 request on transient errors (503 SlowDown, resets, timeouts), with jittered '
+                'exponential backoff')
+    config: str | None = _key(str, None, "cli",
+                'path of the TOML config file')
+    log_level: str = _key(_log_level, "INFO", "cli",
+                'log level of rslurm commands and of the example programs')
+
+
 SETTINGS: dict[str, Setting] = {
-    s.name: s
-    for s in [
-        Setting("local_dir", str, None, "node-local checkpoint root; '%n' expands to the node name "
-                "(default: $TMPDIR/rslurm-<uid>/%n)", "checkpoint"),
-        Setting("durable", str, None, "durable tier URL: /path, file:///path (Lustre or any shared "
-                "filesystem) or s3://bucket/prefix; `rslurm daemon` drains committed steps there and restore "
-                "falls back to it", "checkpoint"),
-        Setting("run_id", str, None, "run identifier (default: Slurm job id, array-aware, else 'default')",
-                "checkpoint"),
-        Setting("every_steps", _OPT_COUNT, None, "save every N optimizer steps", "checkpoint"),
-        Setting("every_seconds", _OPT_SECONDS, None, "save when this many seconds passed since the last save",
-                "checkpoint"),
-        Setting("keep_last", _count(), 3, "committed checkpoints kept per tier", "checkpoint"),
-        Setting("keep_every", _OPT_COUNT, None, "also keep every step that is a multiple of N", "checkpoint"),
-        Setting("capture_rng", _bool, True, "capture and restore RNG state of every generator per rank",
-                "checkpoint"),
-        Setting("sync_every", _count(), 1, "steps between the cheap collective in which ranks agree to save "
-                "(time cadence and emergency requests are seen at this granularity)", "checkpoint"),
-        Setting("io_threads", _count(), 4, "parallel pwrite/pread calls per rank", "checkpoint"),
-        Setting("collective_timeout", _seconds(), 600.0, "seconds before a checkpoint collective gives up",
-                "checkpoint"),
-        Setting("node_name", str, None, "storage node name (default: $SLURMD_NODENAME, else the hostname)",
-                "checkpoint"),
-        Setting("replica_check", _choice("warn", "fail", "off"), "warn", "what copies of DDP-replicated or "
-                "DTensor-replicated state that differ between ranks do at a save: warn (a replica_mismatch event "
-                "and warning; each rank's copy is saved), fail (the save fails), off (not checked)", "checkpoint"),
-        Setting("replica_check_bytes", _SIZE, 32 << 20, "bytes of DDP/DTensor-replicated state each rank "
-                "digests per save for replica_check, a rotating slice (0: only the free cross-node comparison)",
-                "checkpoint"),
-        Setting("restore_fallback", _choice("fail", "fresh"), "fail", "what restore does when committed "
-                "checkpoints exist (or the durable tier cannot be listed) but none can be restored: fail (raise; "
-                "a storage failure requeues the job under `rslurm launch`) or fresh (start from step 0 with a "
-                "warning)", "checkpoint"),
-        Setting("free_space_margin", _count(0), 64 << 20, "bytes that must stay free after a save", "checkpoint"),
-        Setting("control_socket", str, None, "control socket of this node's launcher; `rslurm launch` sets it "
-                "for its ranks, 'off' disables it (ranks then rely on signals alone)", "rank"),
-        Setting("control_timeout", _seconds(), 2.0, "seconds a rank waits for the control socket before it "
-                "carries on without it", "rank"),
-        Setting("trap_signals", _bool, True, "ranks turn SIGTERM and save_signal into an emergency save at "
-                "the next step (only where the program left the default handler in place)", "rank"),
-        Setting("save_signal", _signal_name, "USR2", "signal the launcher sends every rank to request an "
-                "emergency save (`scancel --signal` reaches other nodes), and ranks trap; 'none' disables. "
-                "Not USR1 under NCCL, which uses it", "launcher"),
-        Setting("control_dir", str, None, "directory of the launcher's control sockets (default: "
-                "$XDG_RUNTIME_DIR/rslurm, else /tmp/rslurm-<uid>/run)", "launcher"),
-        Setting("max_restarts", _LIMIT, None, "requeue at most this many times (Slurm's restart count; "
-                "0 = never requeue, none = no limit)", "launcher"),
-        Setting("no_progress_limit", _OPT_COUNT, 3, "hold the job after this many restarts in a row that "
-                "committed no new step (0 or none disables)", "launcher"),
-        Setting("save_timeout", _seconds(), 300.0, "seconds the emergency save may take when Slurm gives no "
-                "deadline (local mode, no time limit)", "launcher"),
-        Setting("requeue_margin", _seconds(zero_ok=True), 3.0, "seconds kept before the job's end (time limit "
-                "or end of GraceTime) for teardown and the requeue call", "launcher"),
-        Setting("term_grace", _seconds(), 10.0, "seconds between SIGTERM and SIGKILL when the launcher tears "
-                "the ranks' process trees down", "launcher"),
-        Setting("cloud_notice", _choice("off", "aws", "gce", "generic"), "off", "poll the instance "
-                "metadata service for a termination notice (aws, gce, generic URL) and save on one",
-                "launcher"),
-        Setting("cloud_notice_url", str, None, "metadata URL to poll (default: the provider's standard "
-                "URL; required for generic)", "launcher"),
-        Setting("cloud_notice_interval", _seconds(), 5.0, "seconds between metadata polls", "launcher"),
-        Setting("slurm_backend", _choice("cli", "pyslurm"), "cli", "how rslurm talks to Slurm: scontrol/"
-                "scancel commands, or libslurm through pyslurm when installed", "launcher"),
-        Setting("durable_wait", _seconds(zero_ok=True), 300.0, "seconds the launcher waits, after the "
-                "emergency commit (bounded by the job's deadline) or at the end of a completed job, for the "
-                "newest step to become durable before it requeues or exits; 0 = do not wait", "launcher"),
-        Setting("daemon", _choice("auto", "off"), "auto", "auto: with a durable tier set and no `rslurm daemon` "
-                "service on a node, the launcher runs one as a job step (srun --overlap) or a local process; "
-                "off: never", "launcher"),
-        Setting("drain_threads", _count(), 8, "parallel transfers (file pieces, S3 parts) per node to and from "
-                "the durable tier", "storage"),
-        Setting("drain_bandwidth", _BANDWIDTH, None, "cap on the daemon's upload bandwidth in bytes/s (e.g. "
-                "200M), to protect shared storage; unset = no cap", "storage"),
-        Setting("local_min_free", _free_space, "10%", "the daemon keeps at least this much free in the local "
-                "tier (a percentage or a size) by evicting durable steps first, never the newest step that "
-                "is not yet durable", "storage"),
-        Setting("drain_poll_interval", _seconds(), 5.0, "seconds between the daemon's rescans of the local "
-                "tier (it also reacts at once to filesystem events through watchdog)", "storage"),
-        Setting("metrics_textfile", _prom_path, None, "the daemon writes its Prometheus metrics to this file "
-                "(must end in .prom; e.g. /var/lib/node_exporter/textfile_collector/rslurm.prom for "
-                "node_exporter's textfile collector), replaced atomically after every transfer and every poll "
-                "interval; unset = no metrics file", "storage"),
-        Setting("s3_endpoint_url", str, None, "S3 endpoint for any S3-compatible store (default: AWS, or "
-                "$AWS_ENDPOINT_URL_S3)", "storage"),
-        Setting("s3_region", str, None, "S3 region (default: boto3's usual chain)", "storage"),
-        Setting("s3_part_size", _S3_PART, 64 << 20, "multipart part size for S3 transfers (>= 5M)",
-                "storage"),
-        Setting("s3_max_attempts", _count(), 8, "attempts per S3 request on transient errors (503 SlowDown, "
-                "resets, timeouts), with jittered exponential backoff", "storage"),
-        Setting("config", str, None, "path of the TOML config file", "cli"),
-        Setting("log_level", str, "INFO", "log level of rslurm commands and of the example programs", "cli"),
-    ]
+    f.name: Setting(f.name, f.metadata["parse"], f.default, f.metadata["help"], f.metadata["component"])
+    for f in dataclasses.fields(Settings)
 }
 
 # Variables in the RSLURM_ namespace that are not settings but are set for ranks by our own tools.
@@ -417,7 +456,19 @@ def resolve(
     return out
 
 
+def load(args: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None, *,
+         config_path: str | None = None) -> Settings:
+    """Every setting, typed: explicit non-None ``args`` (``Checkpointer(keep_last=...)``, parsed flags) >
+    ``RSLURM_*`` in ``env`` > config file > default. Every value is parsed and range-checked, including the
+    ones this caller does not use: one broken key fails every command the same way, naming it."""
+    args = dict(args or {})
+    unknown = sorted(set(args) - set(SETTINGS))
+    if unknown:
+        raise TypeError(f"not settings: {', '.join(unknown)}")
+    return Settings(**resolve(list(SETTINGS), args, env, config_path=config_path))
+
+
 def validate(env: Mapping[str, str] | None = None, *, config_path: str | None = None) -> None:
     """Parse and range-check every setting the environment and the config file set. ``rslurm launch``
     calls it before it starts a rank, so that a value only a rank reads fails there, as a ConfigError."""
-    resolve(list(SETTINGS), {}, env, config_path=config_path)
+    load({}, env, config_path=config_path)

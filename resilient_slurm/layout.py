@@ -223,9 +223,8 @@ def delete_durable_step(tier: StorageTier, run_id: str, step: int) -> None:
     manifest goes first (the step stops being durable, so a crash never leaves a half step that looks
     committed), then everything under the step's prefix. The tier refuses keys through links
     (PosixTier) and never deletes outside its root. Raises StorageError."""
-    prefix = durable_step_key(run_id, step)
-    tier.delete([f"{prefix}/{MANIFEST_NAME}"])
-    tier.delete_prefix(prefix)
+    tier.delete([durable_step_key(run_id, step, MANIFEST_NAME)])
+    tier.delete_prefix(durable_step_key(run_id, step))
 
 
 __all__ = ["RunListing", "StepBusy", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir",

@@ -77,14 +77,21 @@ def split_per_rank_fqn(fqn: str) -> tuple[int, str] | None:
     return (int(rank), key) if sep and rank.isdigit() and key else None
 
 
-def durable_step_key(run_id: str, step: int) -> str:
-    """Key prefix of ``step`` of ``run_id`` in a durable tier."""
-    return f"{run_id}/{step_dirname(step)}"
+def durable_step_key(run_id: str, step: int, *names: str) -> str:
+    """Key of ``step`` of ``run_id`` in a durable tier: the step's prefix, or with ``names`` a file below it
+    (``durable_step_key(run, 5, MANIFEST_NAME)``, ``durable_step_key(run, 5, DOMAINS_DIR)``). The one place
+    durable step keys are built."""
+    return "/".join((run_id, step_dirname(step), *names))
+
+
+def durable_run_key(run_id: str, name: str) -> str:
+    """Key of a run-level object (``history.json``...) beside the run's steps in a durable tier."""
+    return f"{run_id}/{name}"
 
 
 def domain_key(run_id: str, step: int, domain: str, name: str) -> str:
     """Key of a domain's own ``manifest.json`` or ``.metadata`` in a durable step."""
-    return f"{durable_step_key(run_id, step)}/{DOMAINS_DIR}/{domain}/{name}"
+    return durable_step_key(run_id, step, DOMAINS_DIR, domain, name)
 
 
 def step_dirname(step: int) -> str:
@@ -190,8 +197,8 @@ class Manifest:
         than Python's recursion limit, NaN or Infinity, a NUL in a name, negative sizes, ranks outside
         the world, a domain list that is empty or does not name this copy's domain."""
         if len(text) > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"{source}: {len(text)} bytes, more than a manifest may have "
-                                         f"({MAX_MANIFEST_BYTES}); the step is not usable")
+            raise CorruptCheckpointError(f"{source}: larger than a manifest may be (more than {MAX_MANIFEST_BYTES} "
+                                         "bytes); the step is not usable")
         try:
             d = json.loads(text, parse_constant=_no_constant)
         except RecursionError:
@@ -395,17 +402,29 @@ def durable_steps(tier: StorageTier, run_id: str) -> list[int]:
         if s is None:
             continue
         try:
-            if tier.stat(f"{run_id}/{name}/{MANIFEST_NAME}") is not None:
+            if tier.stat(durable_step_key(run_id, s, MANIFEST_NAME)) is not None:
                 steps.append(s)
         except UnsafePathError as exc:
             log.warning("durable step %s of run %s is not usable: %s", name, run_id, exc)
     return sorted(steps)
 
 
+def durable_partial_steps(tier: StorageTier, run_id: str) -> dict[int, list[str]]:
+    """Steps of ``run_id`` in the durable tier that are not committed (no root manifest): each with the
+    domain markers drained so far (a drain in progress or abandoned)."""
+    committed = set(durable_steps(tier, run_id))
+    out = {}
+    for name in tier.list_dirs(run_id):
+        s = parse_step_dirname(name)
+        if s is not None and s not in committed:
+            out[s] = tier.list_dirs(durable_step_key(run_id, s, DOMAINS_DIR))
+    return out
+
+
 def read_durable_manifest(tier: StorageTier, run_id: str, step: int, domain: str | None = None) -> Manifest:
     """The durable step's manifest, or one domain's marker manifest when ``domain`` is given."""
     key = (domain_key(run_id, step, domain, MANIFEST_NAME) if domain
-           else f"{durable_step_key(run_id, step)}/{MANIFEST_NAME}")
-    data = tier.get_bytes(key)
+           else durable_step_key(run_id, step, MANIFEST_NAME))
+    data = tier.get_bytes(key, limit=MAX_MANIFEST_BYTES)  # from_json refuses more than that
     return Manifest.from_json(data, source=f"{tier.url}/{key}")
 

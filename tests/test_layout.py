@@ -194,3 +194,39 @@ def test_listing_never_opens_a_manifest(tmp_path: Path) -> None:
     d = _step(run, 4, manifest=False)
     os.mkfifo(d / MANIFEST_NAME)
     assert list_run_dir(str(run)).committed == [4]
+
+
+_TIER_METHODS = {"get_bytes", "put_bytes", "stat", "list_dirs", "get_file", "put_file", "delete", "delete_prefix",
+                 "list", "list_incomplete", "cleanup_incomplete"}
+
+
+def _hand_built_keys(tree: ast.AST) -> list[str]:
+    """Calls of a storage-tier method whose key is an f-string or a concatenation: a durable key built by
+    hand instead of by ``manifest.durable_step_key`` / ``domain_key`` / ``durable_run_key``."""
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _TIER_METHODS):
+            continue
+        if isinstance(node.func.value, ast.Name) and node.func.value.id in {"os", "shutil", "json", "Path"}:
+            continue
+        i = 1 if node.func.attr == "put_file" else 0
+        if len(node.args) <= i:
+            continue
+        a = node.args[i]
+        parts = a.elts if isinstance(a, (ast.List, ast.Tuple)) else [a]
+        if any(isinstance(e, (ast.JoinedStr, ast.BinOp)) for e in parts):
+            out.append(f"line {node.lineno}: {ast.unparse(node)[:100]}")
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PKG.rglob("*.py") if "storage" not in p.relative_to(PKG).parts
+                                        and p.name not in LAYOUT_OWNERS), ids=lambda p: str(p.relative_to(PKG)))
+def test_no_module_builds_durable_keys_by_hand(path: Path) -> None:
+    """Durable keys have one builder (manifest.durable_step_key and friends): nine modules used to join
+    them by hand. The storage package is below keys (it maps keys to paths and objects)."""
+    assert not _hand_built_keys(ast.parse(path.read_text())), path.name
+
+
+def test_the_key_check_sees_a_hand_built_key() -> None:
+    bad = ast.parse('tier.get_bytes(f"{prefix}/manifest.json")\ntier.delete([run + "/x"])\nos.stat(f"{a}/b")\n')
+    assert len(_hand_built_keys(bad)) == 2

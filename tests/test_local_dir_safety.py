@@ -166,6 +166,40 @@ def test_checkpointer_refuses_an_unsafe_default_dir_and_writes_nothing(tmpdir_en
         assert sorted(p.name for p in (tmpdir_env / "someone-elses").iterdir()) == target
 
 
+_RANK_PROGRAM = """
+import sys
+from resilient_slurm import Checkpointer, init_distributed
+from resilient_slurm.errors import ConfigError
+init_distributed()
+try:
+    Checkpointer(run_id="safety")
+except ConfigError as exc:
+    print("CONFIGERROR", exc, flush=True)
+    sys.exit(3)
+print("STARTED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["group-writable", "file"])
+def test_one_rank_refusing_its_directory_stops_every_rank_at_once(tmp_path: Path, kind: str) -> None:
+    """Rank 1's default directory is unsafe (its own $TMPDIR), rank 0's is fine: both stop with a
+    ConfigError in the topology collective, rank 0's naming rank 1 and the problem, instead of rank 0
+    waiting collective_timeout (here 600 s) for a rank that already gave up."""
+    from conftest import start_ranks
+
+    bases = [tmp_path / "tmp0", tmp_path / "tmp1"]
+    for b in bases:
+        b.mkdir()
+    d = hostile(bases[1], kind)
+    job = start_ranks(["-c", _RANK_PROGRAM], 2, tmp_path, env={"RSLURM_COLLECTIVE_TIMEOUT": "600"},
+                      per_rank_env=[{"TMPDIR": str(b), "RSLURM_NODE_NAME": f"n{r}"} for r, b in enumerate(bases)])
+    codes = job.wait(timeout=240)  # far below the collective timeout: a waiting rank 0 fails here
+    out = [log.read_text() for log in job.logs]
+    assert codes == [3, 3], out
+    assert str(d) in out[1] and EXPECT[kind] in out[1]
+    assert "rank 1 (n1)" in out[0] and str(d) in out[0], out[0]
+
+
 def test_checkpointer_with_the_default_dir_saves_into_a_private_one(tmpdir_env: Path) -> None:
     with Checkpointer(run_id="safety") as ck:
         ck.save(1, _state())

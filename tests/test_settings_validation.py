@@ -265,3 +265,92 @@ def test_num_nodes_and_multi_node_agree(home: Path, tmp_path: Path, env: dict[st
     launcher.env.update(env)
     assert launcher._multi_node() is multi
     assert (launcher._num_nodes() > 1) is multi
+
+
+# ------------------------------------------------------------------------------------ typed settings
+_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
+
+
+def _allowed(annotation: str) -> tuple[type, ...]:
+    out: list[type] = []
+    for part in annotation.split("|"):
+        part = part.strip()
+        if part == "None":
+            out.append(type(None))
+        else:
+            t = _TYPES[part]
+            out.extend(t if isinstance(t, tuple) else (t,))
+    return tuple(out)
+
+
+def test_every_setting_is_a_typed_field_and_one_definition() -> None:
+    """Settings reach the code as a typed, frozen object; its fields are the registry (one definition each)."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(cfgmod.Settings)}
+    assert list(fields) == list(SETTINGS)
+    for name, f in fields.items():
+        assert SETTINGS[name].default == f.default and SETTINGS[name].parse is f.metadata["parse"]
+    s = cfgmod.load({}, {})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.keep_last = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("source", ["default", "env", "file", "argument"])
+def test_loaded_values_have_their_declared_types(source: str, tmp_path: Path) -> None:
+    """Whatever the source, a value has the type its field declares: a file's `keep_last = 4` and the
+    environment's "4" both give int 4, a size '64M' gives int bytes, 'true' gives bool."""
+    import dataclasses
+
+    given = {"keep_last": "4", "every_seconds": "2.5", "capture_rng": "false", "replica_check_bytes": "64M",
+             "save_timeout": "30", "drain_bandwidth": "100M", "log_level": "debug", "max_restarts": "0"}
+    env: dict[str, str] = {}
+    args: dict[str, object] = {}
+    if source == "env":
+        env = {SETTINGS[k].env: v for k, v in given.items()}
+    elif source == "file":
+        body = "\n".join(f"{k} = {v if k in ('keep_last', 'max_restarts') else repr(v)}" for k, v in given.items())
+        (tmp_path / "c.toml").write_text("[rslurm]\n" + body.replace("'", '"') + "\n")
+        env = {"RSLURM_CONFIG": str(tmp_path / "c.toml")}
+    elif source == "argument":
+        args = {"keep_last": 4, "every_seconds": 2.5, "capture_rng": False, "replica_check_bytes": 64 << 20,
+                "save_timeout": 30, "drain_bandwidth": 100 << 20, "log_level": "debug", "max_restarts": 0}
+    s = cfgmod.load(args, env)
+    for f in dataclasses.fields(s):
+        v = getattr(s, f.name)
+        assert isinstance(v, _allowed(str(f.type))), (f.name, v, f.type)
+    if source != "default":
+        assert (s.keep_last, s.every_seconds, s.capture_rng, s.replica_check_bytes) == (4, 2.5, False, 64 << 20)
+        assert (s.drain_bandwidth, s.log_level, s.max_restarts) == (100 << 20, "DEBUG", 0)
+
+
+def test_load_refuses_a_name_that_is_not_a_setting() -> None:
+    with pytest.raises(TypeError, match="keep_lsat"):
+        cfgmod.load({"keep_lsat": 2}, {})
+
+
+@pytest.mark.parametrize("value", ["verbose", "5", ""])
+def test_log_level_is_checked(value: str) -> None:
+    env = {"RSLURM_LOG_LEVEL": value}
+    if value == "":
+        assert cfgmod.load({}, env).log_level == "INFO"  # empty: unset
+        return
+    with pytest.raises(ConfigError, match="RSLURM_LOG_LEVEL"):
+        cfgmod.load({}, env)
+
+
+def test_launch_with_config_gives_the_file_to_the_ranks(tmp_path: Path) -> None:
+    """`rslurm --config FILE launch`: the ranks' Checkpointer reads the same file as the launcher."""
+    conf = tmp_path / "c.toml"
+    conf.write_text("keep_last = 7\n")
+    out = tmp_path / "seen"
+    prog = ("import os, pathlib, sys; from resilient_slurm import config; "
+            f"pathlib.Path({str(out)!r}).write_text(os.environ.get('RSLURM_CONFIG', '') + ' ' + "
+            "str(config.load().keep_last))")
+    env = clean_env({"RSLURM_LOCAL_DIR": str(tmp_path / "nvme"), "RSLURM_CONTROL_DIR": str(tmp_path / "ctl"),
+                     "RSLURM_DAEMON": "off"})
+    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "--config", str(conf), "launch", "-n", "1",
+                        "--", sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == f"{conf} 7"

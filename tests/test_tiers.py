@@ -221,6 +221,20 @@ class TierContract:
         info = tier.stat("run/step_1/MANIFEST.json")
         assert info is not None and info.size == 0 and info.mtime > 0
 
+    def test_get_bytes_limit_reads_one_byte_past_it(self, tier: StorageTier, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A capped read (manifests) stops one byte past the cap, and an oversized durable manifest is refused
+        as corrupt, naming it, not read whole: issue 12 (a 200 MB manifest cost 1 GB RSS per command)."""
+        from resilient_slurm import manifest as manifest_mod
+        from resilient_slurm.errors import CorruptCheckpointError
+
+        big = b"{" + b" " * 100_000 + b"}"
+        tier.put_bytes("run/step_000000000001/manifest.json", big)
+        assert tier.get_bytes("run/step_000000000001/manifest.json", limit=10) == big[:11]
+        assert tier.get_bytes("run/step_000000000001/manifest.json", limit=len(big)) == big
+        monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 1000)
+        with pytest.raises(CorruptCheckpointError, match=r"step_000000000001/manifest.json.*larger than"):
+            manifest_mod.read_durable_manifest(tier, "run", 1)
+
     def test_list_and_list_dirs(self, tier: StorageTier) -> None:
         keys = ["run/step_1/a", "run/step_1/b", "run/step_2/sub/c", "run/top", "run2/x", "other/y"]
         for i, k in enumerate(keys):

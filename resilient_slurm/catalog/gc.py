@@ -35,7 +35,7 @@ from typing import Any
 from ..checkpoint.metadata_pickle import read_checked_metadata
 from ..checkpoint.policy import RetentionPolicy
 from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, ResilientSlurmError, StorageError
-from ..layout import StepBusy, TempKind, delete_durable_step, delete_step, list_run_dir
+from ..layout import StepBusy, TempKind, delete_durable_step, delete_step
 from ..manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -91,13 +91,7 @@ def _tree_newest(path: str) -> tuple[float, int]:
 def _local_plan(catalog: Catalog, run: str, durable: set[int] | None,
                 policy: RetentionPolicy, stale_after: float, now: float) -> list[GcAction]:
     out: list[GcAction] = []
-    for root in catalog.roots:
-        run_dir = os.path.join(root, run)
-        try:
-            listing = list_run_dir(run_dir)
-        except OSError as exc:
-            catalog.errors.append(f"local tier {run_dir}: cannot list it: {exc.strerror}")
-            continue
+    for _, run_dir, listing in catalog.listings(run):
         committed = listing.committed
         invalid = {s: why for s in committed if (why := _local_step_problem(run_dir, run, s))}
         protect: set[int] = set()

@@ -29,12 +29,13 @@ from __future__ import annotations
 import glob
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from ..config import Settings
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -43,13 +44,14 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
-from ..layout import list_run_dir, list_runs
+from ..layout import RunListing, list_run_dir, list_runs
 from ..manifest import (
     DOMAINS_DIR,
     MANIFEST_NAME,
     Manifest,
     durable_step_key,
     parse_step_dirname,
+    read_durable_manifest,
     read_manifest_file,
 )
 from ..paths import default_run_id, expand_local_dir
@@ -221,12 +223,12 @@ class Catalog:
         self.errors: list[str] = []  # what could not be read while listing (ls reports them)
 
     @classmethod
-    def open(cls, cfg: Mapping[str, Any], *, local_template: str, node: str) -> Catalog:
-        """A catalog over ``local_template`` and the durable tier named by ``cfg`` (``DURABLE_SETTINGS``)."""
+    def open(cls, cfg: Settings, *, local_template: str, node: str) -> Catalog:
+        """A catalog over ``local_template`` and the durable tier named by ``cfg``."""
         from ..storage import open_durable
 
         tier = open_durable(cfg, upload_cap=False)
-        return cls(local_template, node, tier, durable_url=cfg.get("durable"))
+        return cls(local_template, node, tier, durable_url=cfg.durable)
 
     def close(self) -> None:
         """Close the durable tier."""
@@ -289,7 +291,9 @@ class Catalog:
         raise ConfigError(f"several runs in {where}: {', '.join(runs)}; pick one with --run-id or RSLURM_RUN_ID")
 
     # ------------------------------------------------------------------ steps
-    def _scan_local(self, run: str, views: dict[int, StepView]) -> None:
+    def listings(self, run: str) -> Iterator[tuple[str, str, RunListing]]:
+        """``(root, run directory, listing)`` of ``run`` in each local root that has it; a directory that
+        cannot be listed (a link, no permission) is recorded in :attr:`errors` and skipped."""
         for root in self.roots:
             run_dir = os.path.join(root, run)
             try:
@@ -297,6 +301,10 @@ class Catalog:
             except OSError as exc:
                 self.errors.append(f"local tier {run_dir}: cannot list it: {exc.strerror}")
                 continue
+            yield root, run_dir, listing
+
+    def _scan_local(self, run: str, views: dict[int, StepView]) -> None:
+        for root, run_dir, listing in self.listings(run):
             for step in sorted(listing.committed + listing.uncommitted):
                 copy = _read_local_copy(root, listing.step_dir(step), run, step)
                 if copy is not None:
@@ -402,15 +410,17 @@ def read_durable_copy(tier: StorageTier, run: str, step: int) -> DurableCopy:
     prefix = durable_step_key(run, step)
     where = f"{tier.url}/{prefix}"
     try:
-        data = tier.get_bytes(f"{prefix}/{MANIFEST_NAME}")
+        m = read_durable_manifest(tier, run, step)
     except UnsafePathError as exc:  # a link or special file where the manifest goes
         return DurableCopy("invalid", where, problem=str(exc))
+    except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
+        return DurableCopy("invalid", where, problem=str(exc))
     except ObjectNotFoundError:
-        markers = tier.list_dirs(f"{prefix}/{DOMAINS_DIR}")
+        markers = tier.list_dirs(durable_step_key(run, step, DOMAINS_DIR))
         domains = None
         for d in markers:
             try:
-                domains = len(Manifest.from_json(tier.get_bytes(f"{prefix}/{DOMAINS_DIR}/{d}/{MANIFEST_NAME}")).nodes)
+                domains = len(read_durable_manifest(tier, run, step, d).nodes)
                 break
             except (ObjectNotFoundError, UnsafePathError, CorruptCheckpointError, IncompatibleCheckpointError):
                 continue
@@ -418,10 +428,6 @@ def read_durable_copy(tier: StorageTier, run: str, step: int) -> DurableCopy:
         return DurableCopy("partial", where, markers=markers, domains=domains,
                            problem=f"not committed: {len(markers)}/{n} domain markers ({', '.join(markers) or 'none'}); "
                                    "a drain in progress or abandoned")
-    try:
-        m = Manifest.from_json(data, source=f"{where}/{MANIFEST_NAME}")
-    except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
-        return DurableCopy("invalid", where, problem=str(exc))
     if m.run_id != run or m.step != step:
         return DurableCopy("invalid", where, problem=f"{where}/{MANIFEST_NAME} says run {m.run_id!r} step {m.step}")
     return DurableCopy("durable", where, m, markers=sorted(m.nodes), domains=len(m.nodes))

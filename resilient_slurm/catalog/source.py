@@ -138,7 +138,7 @@ def open_source(catalog: Catalog, view: StepView, tier: str, *, scratch: str | N
         m = view.durable.manifest
         where = view.durable.where
         md_where = f"{where}/{DCP_METADATA_NAME}"
-        md = catalog.durable.get_bytes(f"{durable_step_key(view.run_id, view.step)}/{DCP_METADATA_NAME}")
+        md = catalog.durable.get_bytes(durable_step_key(view.run_id, view.step, DCP_METADATA_NAME))
         dirs = {}
         durable = catalog.durable
     if len(md) != m.dcp_metadata.length or checksum(md) != m.dcp_metadata.checksum:

@@ -39,6 +39,7 @@ from ..errors import (
     ConfigError,
     CorruptCheckpointError,
     ReplicaMismatchError,
+    ResilientSlurmError,
     RestoreUnavailableError,
 )
 from ..jobenv import JobEnv
@@ -53,36 +54,6 @@ from .replication import ReplicaMismatch
 log = logging.getLogger(__name__)
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_SETTINGS = [
-    "local_dir",
-    "durable",
-    "run_id",
-    "every_steps",
-    "every_seconds",
-    "keep_last",
-    "keep_every",
-    "capture_rng",
-    "sync_every",
-    "io_threads",
-    "collective_timeout",
-    "node_name",
-    "replica_check",
-    "replica_check_bytes",
-    "restore_fallback",
-    "free_space_margin",
-    "control_socket",
-    "control_timeout",
-    "trap_signals",
-    "save_signal",
-    "drain_threads",
-    "drain_bandwidth",
-    "s3_endpoint_url",
-    "s3_region",
-    "s3_part_size",
-    "s3_max_attempts",
-]
-
-
 class Checkpointer:
     """Saves and restores the complete training state, sharded per rank, on node-local storage."""
 
@@ -125,19 +96,19 @@ class Checkpointer:
             io_threads=io_threads,
             restore_fallback=restore_fallback,
         )
-        cfg = config.resolve(_SETTINGS, args, config_path=config_path)
-        self.config = cfg
-        self.run_id: str = cfg["run_id"] or default_run_id()
+        cfg = config.load(args, config_path=config_path)
+        self.config: config.Settings = cfg
+        self.run_id: str = cfg.run_id or default_run_id()
         if not _RUN_ID_RE.match(self.run_id):
             raise ConfigError(f"run_id {self.run_id!r}: use letters, digits, '.', '_' and '-' only")
-        self.durable: str | None = cfg["durable"]
+        self.durable: str | None = cfg.durable
         # Restore reads the durable tier when a step is missing or corrupt locally; `rslurm daemon`
         # writes it. Opening it makes no request (S3: the client only), so a dead endpoint costs nothing
         # until a restore needs it; then local steps still restore, and with none, restore_fallback says.
         self._durable_tier = open_durable(cfg, upload_cap=False) if self.durable else None
-        self.retention = RetentionPolicy(cfg["keep_last"], cfg["keep_every"])
-        self.cadence = Cadence(cfg["every_steps"], cfg["every_seconds"])
-        self._coord = Coordinator(timeout_s=cfg["collective_timeout"])
+        self.retention = RetentionPolicy(cfg.keep_last, cfg.keep_every)
+        self.cadence = Cadence(cfg.every_steps, cfg.every_seconds)
+        self._coord = Coordinator(timeout_s=cfg.collective_timeout)
         job = JobEnv.from_env()
         if not self._coord.distributed and (job.world_size or 1) > 1:
             # Several ranks each acting as "rank 0" would write over one another's shards.
@@ -146,27 +117,30 @@ class Checkpointer:
                 "resilient_slurm.init_distributed() (or torch.distributed.init_process_group) before "
                 "creating the Checkpointer"
             )
-        self.topology: Topology = discover_topology(
-            self._coord, cfg["local_dir"] or default_local_dir(), node_name(cfg["node_name"])
-        )
+        template: str | Exception
+        try:  # an unsafe default directory on one rank must stop every rank, not leave them waiting
+            template = cfg.local_dir or default_local_dir()
+        except ResilientSlurmError as exc:
+            template = exc
+        self.topology: Topology = discover_topology(self._coord, template, node_name(cfg.node_name))
         self._engine = Engine(
             self.topology,
             self._coord,
             self.run_id,
             retention=self.retention,
-            io_threads=cfg["io_threads"],
-            free_space_margin=cfg["free_space_margin"],
-            capture_rng=cfg["capture_rng"],
+            io_threads=cfg.io_threads,
+            free_space_margin=cfg.free_space_margin,
+            capture_rng=cfg.capture_rng,
             durable=self._durable_tier,
-            replica_check=cfg["replica_check"],
-            replica_check_bytes=cfg["replica_check_bytes"],
+            replica_check=cfg.replica_check,
+            replica_check_bytes=cfg.replica_check_bytes,
             replicated=tuple(replicated),
-            restore_fallback=cfg["restore_fallback"],
+            restore_fallback=cfg.restore_fallback,
         )
         self.events = EventLog(
             self.topology.root, self.run_id, source="rank", node=self.topology.node,
             job_id=job.job_id, restart_count=job.restart_count, rank=self.topology.rank)
-        self._sync_every: int = cfg["sync_every"]
+        self._sync_every: int = cfg.sync_every
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-ckpt")
         self._inflight: Future[SaveOutcome] | None = None
         self._retention: Future[list[int]] | None = None
@@ -185,8 +159,8 @@ class Checkpointer:
         # control socket on this node. Built last: a signal from here on only sets a flag.
         self._link = RankLink(
             self.topology.rank, job.local_rank or 0,
-            on_request=self.request_emergency_save, socket_path=cfg["control_socket"],
-            timeout=cfg["control_timeout"], trap_signals=cfg["trap_signals"], save_signal=cfg["save_signal"],
+            on_request=self.request_emergency_save, socket_path=cfg.control_socket,
+            timeout=cfg.control_timeout, trap_signals=cfg.trap_signals, save_signal=cfg.save_signal,
         )
         self._hello_sent = False
         self._signals_reported = 0

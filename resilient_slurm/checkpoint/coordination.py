@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError, ResilientSlurmError
 from ..paths import expand_local_dir
 
 log = logging.getLogger(__name__)
@@ -107,8 +108,13 @@ class Topology:
 _PROBE = ".rslurm-probe-"
 
 
-def discover_topology(coord: Coordinator, local_dir_template: str, node: str) -> Topology:
+def discover_topology(coord: Coordinator, local_dir_template: str | Exception, node: str) -> Topology:
     """Collective: agree on storage domains. Creates the local root (mode 0700) of every rank.
+
+    ``local_dir_template`` may be the error this rank met choosing its directory (an unsafe default
+    directory). That error, or one creating the directory, goes through the collective: every rank
+    raises, naming the ranks and their problems, instead of the others waiting for the collective
+    timeout. The rank that met it raises its own error.
 
     Ranks whose roots are one directory on one host (same device and inode) are grouped first. When
     the groups span several hosts, each group's first rank drops a probe file into its root and lists
@@ -116,11 +122,29 @@ def discover_topology(coord: Coordinator, local_dir_template: str, node: str) ->
     merged. A domain is named after the node of its lowest rank, or ``<node>-r<lowest rank>`` when that
     node has several domains (per-GPU directories).
     """
-    root = expand_local_dir(local_dir_template, node)
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    st = os.stat(root)
+    own: Exception | None = local_dir_template if isinstance(local_dir_template, Exception) else None
+    root, dev, ino = "", 0, 0
+    if own is None:
+        assert isinstance(local_dir_template, str)
+        try:
+            root = expand_local_dir(local_dir_template, node)
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            st = os.stat(root)
+            dev, ino = st.st_dev, st.st_ino
+        except (OSError, ResilientSlurmError) as exc:
+            own = exc
     host = socket.gethostname()  # the real host: (device, inode) identify a directory on one host only
-    infos = coord.all_gather((node, root, secrets.token_hex(4), host, st.st_dev, st.st_ino))
+    problem = None if own is None else f"{own}"
+    gathered = coord.all_gather((node, root, secrets.token_hex(4), host, dev, ino, problem))
+    bad = [(r, g[0], g[6]) for r, g in enumerate(gathered) if g[6] is not None]
+    if bad:
+        if own is not None:
+            raise own
+        raise ConfigError("local checkpoint directory unusable on "
+                          + "; ".join(f"rank {r} ({n}): {p}" for r, n, p in bad[:8])
+                          + (f"; and {len(bad) - 8} more ranks" if len(bad) > 8 else "")
+                          + "; every rank stops (see that rank's error for what to do)")
+    infos = [g[:6] for g in gathered]
     nonce = infos[0][2]
     nodes = [i[0] for i in infos]
     group_of_rank: list[int] = []

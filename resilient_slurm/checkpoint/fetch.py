@@ -150,11 +150,10 @@ class DurableFetcher:
         tmp = os.path.join(self.run_dir, temp_dirname(step, TempKind.FETCH, topo.nonce))
         _remove_quietly(tmp)
         os.makedirs(tmp, mode=0o700)
-        prefix = durable_step_key(self.run_id, step)
         try:
             for p in sorted(wanted):
                 e = by_path[p]
-                tier.get_file(f"{prefix}/{p}", os.path.join(tmp, p), size=e.size, checksum=e.checksum)
+                tier.get_file(durable_step_key(self.run_id, step, p), os.path.join(tmp, p), size=e.size, checksum=e.checksum)
             atomic_write(os.path.join(tmp, DCP_METADATA_NAME), md_bytes)
             shards = tuple(dataclasses.replace(s, node=topo.domain) if s.path in wanted else s for s in dm.shards)
             local = dataclasses.replace(dm, node=topo.domain, shards=shards)

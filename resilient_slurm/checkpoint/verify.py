@@ -55,6 +55,7 @@ from ..manifest import (
     ShardEntry,
     domain_key,
     durable_step_key,
+    read_durable_manifest,
     read_manifest_file,
     read_regular_file,
 )
@@ -317,12 +318,12 @@ def verify_durable_step(tier: StorageTier, run_id: str, step: int, *, scratch: s
     prefix = durable_step_key(run_id, step)
     url = f"{tier.url}/{prefix}"
     rep = StepReport(tier="durable", where=url, run_id=run_id, step=step)
-    mkey = f"{prefix}/{MANIFEST_NAME}"
+    mkey = durable_step_key(run_id, step, MANIFEST_NAME)
     try:
-        root = Manifest.from_json(tier.get_bytes(mkey), source=f"{tier.url}/{mkey}")
+        root = read_durable_manifest(tier, run_id, step)
     except ObjectNotFoundError:
         try:
-            markers = tier.list_dirs(f"{prefix}/{DOMAINS_DIR}")
+            markers = tier.list_dirs(durable_step_key(run_id, step, DOMAINS_DIR))
         except StorageError:
             markers = []
         rep.faults.append(Fault(f"{tier.url}/{mkey}", "missing: the step is not committed in the durable tier "
@@ -346,7 +347,7 @@ def verify_durable_step(tier: StorageTier, run_id: str, step: int, *, scratch: s
         ranks = list(root.nodes[d])
         k = domain_key(run_id, step, d, MANIFEST_NAME)
         try:
-            marker = Manifest.from_json(tier.get_bytes(k), source=f"{tier.url}/{k}")
+            marker = read_durable_manifest(tier, run_id, step, d)
         except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
             rep.faults.append(Fault(f"{tier.url}/{k}", f"marker of domain {d} (ranks {ranks}): {exc}"))
             continue
@@ -365,7 +366,7 @@ def verify_durable_step(tier: StorageTier, run_id: str, step: int, *, scratch: s
             rep.faults.append(_storage_fault(f"{tier.url}/{mk}", exc))
     by_path = {s.path: s for s in root.shards}
     names: dict[str, dict[int, str]] = {}
-    mdkey = f"{prefix}/{DCP_METADATA_NAME}"
+    mdkey = durable_step_key(run_id, step, DCP_METADATA_NAME)
     try:
         md = _load_md(tier.get_bytes(mdkey), root.dcp_metadata, f"{tier.url}/{mdkey}", rep)
         if md is not None:
@@ -374,7 +375,7 @@ def verify_durable_step(tier: StorageTier, run_id: str, step: int, *, scratch: s
     except ResilientSlurmError as exc:
         rep.faults.append(_storage_fault(f"{tier.url}/{mdkey}", exc))
     for s in sorted(root.shards, key=lambda x: x.rank):
-        key = f"{prefix}/{s.path}"
+        key = durable_step_key(run_id, step, s.path)
         where = f"{tier.url}/{key}"
         try:
             with durable_file(tier, key, s, scratch=scratch, progress=progress) as (path, checked):

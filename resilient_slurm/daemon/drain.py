@@ -249,9 +249,8 @@ class StepDrainer:
         if checksum(md) != markers[first].dcp_metadata.checksum:
             raise CorruptCheckpointError(f"{self.tier.url}/{domain_key(run_id, step, first, DCP_METADATA_NAME)}: "
                                          "does not match its domain manifest; the step is not committed")
-        prefix = durable_step_key(run_id, step)
-        self.tier.put_bytes(f"{prefix}/{DCP_METADATA_NAME}", md)
-        self.tier.put_bytes(f"{prefix}/{MANIFEST_NAME}", markers[first].as_durable().to_json().encode())
+        self.tier.put_bytes(durable_step_key(run_id, step, DCP_METADATA_NAME), md)
+        self.tier.put_bytes(durable_step_key(run_id, step, MANIFEST_NAME), markers[first].as_durable().to_json().encode())
         return []
 
 

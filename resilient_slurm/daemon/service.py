@@ -156,9 +156,9 @@ class Daemon:
         self.drained: list[DrainResult] = []
         self.started_at = clock()
         if isinstance(metrics_textfile, _FromSettings):
-            from ..config import resolve
+            from ..config import load
 
-            metrics_textfile = resolve(["metrics_textfile"], {})["metrics_textfile"]
+            metrics_textfile = load().metrics_textfile
         assert not isinstance(metrics_textfile, _FromSettings)
         self.metrics_textfile = check_metrics_path(metrics_textfile) if metrics_textfile else None
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)

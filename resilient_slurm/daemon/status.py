@@ -22,9 +22,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ..config import Settings
 from ..errors import ResilientSlurmError
 from ..layout import list_run_dir, list_runs
-from ..manifest import DOMAINS_DIR, parse_step_dirname
+from ..manifest import durable_partial_steps
 from .drain import drain_lag, durable_steps, scan_local
 from .service import daemon_running, read_status
 
@@ -36,7 +37,7 @@ def _tmp_steps(root: str, run: str) -> list[int]:
         return []
 
 
-def collect_status(root: str, cfg: Mapping[str, Any], *, run_id: str | None = None,
+def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
                    now: float | None = None) -> dict[str, Any]:
     """The status report as a JSON-able dict."""
     now = time.time() if now is None else now
@@ -52,13 +53,13 @@ def collect_status(root: str, cfg: Mapping[str, Any], *, run_id: str | None = No
         except OSError as exc:
             errors.append(f"local tier {root}: cannot list it: {exc.strerror}")
     tier = None
-    if cfg.get("durable"):
+    if cfg.durable:
         from ..storage import open_durable
 
         try:
             tier = open_durable(cfg, upload_cap=False)
         except ResilientSlurmError as exc:
-            errors.append(f"durable tier {cfg['durable']}: {exc}")
+            errors.append(f"durable tier {cfg.durable}: {exc}")
     rows: list[dict[str, Any]] = []
     lags: dict[str, float] = {}
     try:
@@ -83,11 +84,7 @@ def collect_status(root: str, cfg: Mapping[str, Any], *, run_id: str | None = No
                     durable = durable_steps(tier, run)
                     for step in durable:
                         row(step)["durable"] = "durable"
-                    for name in tier.list_dirs(run):
-                        step_n = parse_step_dirname(name)
-                        if step_n is None or step_n in durable:
-                            continue
-                        marks = tier.list_dirs(f"{run}/{name}/{DOMAINS_DIR}")
+                    for step_n, marks in durable_partial_steps(tier, run).items():
                         r = row(step_n)
                         n = r.get("domains") or "?"
                         r["durable"] = f"partial {len(marks)}/{n}"
@@ -110,7 +107,7 @@ def collect_status(root: str, cfg: Mapping[str, Any], *, run_id: str | None = No
     finally:
         if tier is not None:
             tier.close()
-    return {"local_root": root, "durable": cfg.get("durable"), "daemon": {
+    return {"local_root": root, "durable": cfg.durable, "daemon": {
         "running": alive, "pid": (daemon or {}).get("pid"), "updated_at": (daemon or {}).get("updated_at"),
         "current": (daemon or {}).get("current")}, "drain_lag_s": lags, "steps": rows, "errors": errors}
 

@@ -45,9 +45,6 @@ CHECKS: dict[str, tuple[str, ...]] = {
     "durable": ("durable",),
     "signals": ("signals.control-dir", "signals.delivery"),
 }
-SETTINGS = ["local_dir", "node_name", "keep_last", "free_space_margin", "io_threads", "save_signal",
-            "requeue_margin", "control_dir", "durable", "drain_threads", "drain_bandwidth", "s3_endpoint_url",
-            "s3_region", "s3_part_size", "s3_max_attempts"]
 JSON_VERSION = 1
 EXIT_OK, EXIT_FAIL = 0, 1
 
@@ -120,10 +117,9 @@ def build_context(args: argparse.Namespace, env: Mapping[str, str] | None = None
     from .context import DoctorContext, DoctorOptions, make_slurm_client
 
     env = os.environ if env is None else env
-    cfg = config.resolve(SETTINGS, {"local_dir": args.local_dir, "durable": args.durable}, env,
-                         config_path=args.config)
-    if cfg["durable"]:
-        parse_url(cfg["durable"])
+    cfg = config.load({"local_dir": args.local_dir, "durable": args.durable}, env, config_path=args.config)
+    if cfg.durable:
+        parse_url(cfg.durable)
     extra = list(args.sbatch_args)
     if extra and extra[0] != "--":
         raise ConfigError(f"rslurm doctor: unexpected argument {extra[0]!r}; sbatch options go after -- "
@@ -136,9 +132,9 @@ def build_context(args: argparse.Namespace, env: Mapping[str, str] | None = None
                             signal_timeout=args.signal_timeout, skip=_skips(args.skip))
     own_job = JobEnv.from_env(env).job_id
     job_id = args.job or own_job
-    node = node_name(cfg["node_name"])
+    node = node_name(cfg.node_name)
     return DoctorContext(cfg=cfg, env=env, options=options, node=node,
-                         local_dir=expand_local_dir(cfg["local_dir"] or default_local_dir(), node),
+                         local_dir=expand_local_dir(cfg.local_dir or default_local_dir(), node),
                          job_id=job_id, in_allocation=own_job is not None and job_id == own_job,
                          slurm=make_slurm_client(env))
 

@@ -79,7 +79,7 @@ def _preemption(ctx: DoctorContext, conf: dict[str, str], part: PartitionInfo | 
     if "SUSPEND" in mode:
         return Finding(name, Status.WARN, f"{where}: preempted jobs are suspended, not stopped; they keep "
                        "their memory (GPU memory included) and nothing asks them to save", "", details)
-    margin = float(ctx.cfg["requeue_margin"])
+    margin = float(ctx.cfg.requeue_margin)
     if grace <= 0:
         kill_wait = parse_duration(conf.get("KillWait", "30")) or 0.0
         return Finding(name, Status.WARN, f"{where}: no GraceTime, so a preempted job gets only KillWait="

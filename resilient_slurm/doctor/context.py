@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import Settings
 from ..errors import SlurmError
 from ..slurm import CliSlurmClient, JobInfo
 
@@ -74,7 +75,7 @@ class DoctorOptions:
 class DoctorContext:
     """Everything the checks read, gathered once."""
 
-    cfg: Mapping[str, Any]               # resolved settings (config.resolve)
+    cfg: Settings                        # resolved settings (config.load)
     env: Mapping[str, str]
     options: DoctorOptions
     node: str                            # this node's name (what %n expands to)

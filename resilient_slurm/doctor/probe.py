@@ -220,7 +220,7 @@ def check(ctx: DoctorContext) -> list[Finding]:
         findings.append(Finding(name, Status.FAIL, "inside an allocation, but scontrol/srun are not on PATH",
                                 "load the Slurm module (or fix PATH) in the batch script"))
         return findings
-    sig = str(ctx.facts.get("save_signal") or ctx.cfg["save_signal"])
+    sig = str(ctx.facts.get("save_signal") or ctx.cfg.save_signal)
     if sig == "none":
         findings.append(Finding(name, Status.SKIP, "save_signal=none: ranks on other nodes hear only the "
                                 "control socket of their own node and Slurm's SIGTERM"))
@@ -291,7 +291,7 @@ def check_control_dir(ctx: DoctorContext) -> Finding:
     from .context import Finding, Status
 
     name = "signals.control-dir"
-    d = ctx.cfg.get("control_dir") or default_runtime_dir(ctx.env)
+    d = ctx.cfg.control_dir or default_runtime_dir(ctx.env)
     missing = []
     p = os.path.abspath(d)
     while not os.path.lexists(p):

@@ -403,7 +403,7 @@ def _check_grace(ctx: DoctorContext,
     name = "script.grace"
     if spec is None or d is None:
         return Finding(name, Status.SKIP, "no usable --signal, so no lead time to check")
-    margin = float(ctx.cfg["requeue_margin"])
+    margin = float(ctx.cfg.requeue_margin)
     window = spec.seconds - SIGNAL_JITTER - margin
     ctx.facts["save_window"] = window
     ctx.facts["signal_seconds"] = spec.seconds
@@ -536,7 +536,7 @@ def _check_nccl(ctx: DoctorContext, script: BatchScript,
     uses = override if override is not None else bool(evidence)
     why = ("--nccl" if override else "--no-nccl") if override is not None else (
         "; ".join(evidence) if evidence else "no GPUs requested")
-    save_signal, save_source = str(ctx.cfg["save_signal"]), "save_signal setting"
+    save_signal, save_source = str(ctx.cfg.save_signal), "save_signal setting"
     in_script = script_save_signal(script)
     if in_script is not None:
         value, where = in_script

@@ -20,6 +20,7 @@ object are removed whatever happens.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import mmap
 import os
@@ -151,8 +152,8 @@ def _check_space(ctx: DoctorContext, root: str) -> Finding:
     except OSError as exc:
         return Finding(name, Status.FAIL, f"cannot read the free space of {where}: {exc.strerror}")
     free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-    margin = int(ctx.cfg["free_space_margin"])
-    keep = int(ctx.cfg["keep_last"])
+    margin = ctx.cfg.free_space_margin
+    keep = ctx.cfg.keep_last
     size = ctx.options.checkpoint_size
     details: dict[str, Any] = {"free_bytes": free, "total_bytes": total, "free_space_margin": margin,
                                "keep_last": keep, "checkpoint_size": size}
@@ -247,22 +248,22 @@ def _check_bandwidth(ctx: DoctorContext, root: str) -> Finding:
         return Finding(name, Status.SKIP, f"skipped (--skip {name})")
     if size <= 0:
         return Finding(name, Status.SKIP, "not measured (--bandwidth-size 0)")
-    margin = int(ctx.cfg["free_space_margin"])
+    margin = ctx.cfg.free_space_margin
     free = ctx.facts.get("local_free")
     if isinstance(free, int) and free < size + margin:
         return Finding(name, Status.SKIP, f"not measured: writing {_gib(size)} would leave less than "
                        f"free_space_margin={_gib(margin)} free", "--bandwidth-size with a smaller size")
     try:
-        seconds, direct = measure_write(root, size, threads=int(ctx.cfg["io_threads"]))
+        seconds, direct = measure_write(root, size, threads=ctx.cfg.io_threads)
     except (OSError, ResilientSlurmError) as exc:
         return Finding(name, Status.FAIL, f"writing a {_gib(size)} probe file in {root} failed: {exc}",
                        "check the filesystem (dmesg) and its free space")
     rate = size / seconds if seconds > 0 else float("inf")
     ctx.facts["local_bandwidth"] = rate
     details: dict[str, Any] = {"bytes": size, "seconds": round(seconds, 4), "mib_per_s": round(rate / 2**20, 1),
-                               "o_direct": direct, "threads": int(ctx.cfg["io_threads"])}
+                               "o_direct": direct, "threads": ctx.cfg.io_threads}
     what = (f"{rate / 2**20:.0f} MiB/s writing {_gib(size)} ({'O_DIRECT' if direct else 'buffered'}, "
-            f"{ctx.cfg['io_threads']} threads, fsync included)")
+            f"{ctx.cfg.io_threads} threads, fsync included)")
     ckpt = ctx.options.checkpoint_size
     if not ckpt:
         return Finding(name, Status.OK, what, "", details)
@@ -274,7 +275,7 @@ def _check_bandwidth(ctx: DoctorContext, root: str) -> Finding:
     limits = []
     if isinstance(window, (int, float)) and est > window:
         limits.append(f"the {window:.0f} s your --signal leaves")
-    if isinstance(grace, (int, float)) and grace > 0 and est > grace - float(ctx.cfg["requeue_margin"]):
+    if isinstance(grace, (int, float)) and grace > 0 and est > grace - ctx.cfg.requeue_margin:
         limits.append(f"the partition's GraceTime={grace:g} s")
     if limits:
         return Finding(name, Status.WARN, what + ", more than " + " and ".join(limits),
@@ -286,7 +287,7 @@ def _check_bandwidth(ctx: DoctorContext, root: str) -> Finding:
 def check_durable(ctx: DoctorContext) -> list[Finding]:
     """The ``durable`` finding: not set, unreachable, or its round-trip latencies."""
     name = "durable"
-    url = ctx.cfg.get("durable")
+    url = ctx.cfg.durable
     if not url:
         return [Finding(name, Status.WARN, "no durable tier: checkpoints live only on each node's local_dir, so "
                         "losing a node loses its shards", "set RSLURM_DURABLE=/lustre/$USER/ckpt or "
@@ -332,9 +333,8 @@ def check_durable(ctx: DoctorContext) -> list[Finding]:
 def _probe_durable(ctx: DoctorContext) -> dict[str, Any]:
     from ..storage.registry import open_durable, parse_url
 
-    cfg = dict(ctx.cfg)
-    cfg["s3_max_attempts"] = min(int(cfg.get("s3_max_attempts") or DOCTOR_S3_ATTEMPTS), DOCTOR_S3_ATTEMPTS)
-    scheme, location = parse_url(str(cfg["durable"]))
+    cfg = dataclasses.replace(ctx.cfg, s3_max_attempts=min(ctx.cfg.s3_max_attempts, DOCTOR_S3_ATTEMPTS))
+    scheme, location = parse_url(str(cfg.durable))
     tier = open_durable(cfg, upload_cap=False)
     assert tier is not None
     unique = f"{ctx.node}-{os.getpid()}-{secrets.token_hex(4)}"

@@ -25,11 +25,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
+from ..config import Settings
 from ..daemon.service import daemon_running
 from ..errors import ObjectNotFoundError, ResilientSlurmError
-from ..manifest import MANIFEST_NAME, durable_step_key
+from ..manifest import MANIFEST_NAME, durable_run_key, durable_step_key
 from ..storage.registry import open_durable
 from ..storage.tier import StorageTier
 from .processes import die_with_parent_by_sigint
@@ -42,7 +42,7 @@ POLL_S = 0.2
 class JobDrain:
     """A job's drain daemon and durability checks (see the module docstring)."""
 
-    def __init__(self, cfg: Mapping[str, Any], env: Mapping[str, str], *, root: str, run_id: str,
+    def __init__(self, cfg: Settings, env: Mapping[str, str], *, root: str, run_id: str,
                  slurm_nodes: int | None, enabled: bool) -> None:
         self.cfg = cfg
         self.env = dict(env)
@@ -60,7 +60,7 @@ class JobDrain:
             try:
                 self._tier = open_durable(self.cfg, upload_cap=False)
             except ResilientSlurmError as exc:
-                log.error("durable tier %s: %s", self.cfg.get("durable"), exc)
+                log.error("durable tier %s: %s", self.cfg.durable, exc)
         return self._tier
 
     def start(self) -> None:
@@ -94,7 +94,7 @@ class JobDrain:
         if tier is None:
             return False
         try:
-            return tier.stat(f"{durable_step_key(self.run_id, step)}/{MANIFEST_NAME}") is not None
+            return tier.stat(durable_step_key(self.run_id, step, MANIFEST_NAME)) is not None
         except ResilientSlurmError as exc:
             log.warning("cannot check the durable tier: %s", exc)
             return False
@@ -123,7 +123,7 @@ class JobDrain:
         if tier is None:
             return None
         try:
-            return tier.get_bytes(f"{self.run_id}/{name}").decode("utf-8", errors="replace")
+            return tier.get_bytes(durable_run_key(self.run_id, name)).decode("utf-8", errors="replace")
         except ObjectNotFoundError:
             return None
         except ResilientSlurmError as exc:
@@ -136,7 +136,7 @@ class JobDrain:
         if tier is None:
             return
         try:
-            tier.put_bytes(f"{self.run_id}/{name}", data)
+            tier.put_bytes(durable_run_key(self.run_id, name), data)
         except ResilientSlurmError as exc:
             log.warning("cannot write %s to the durable tier: %s", name, exc)
 

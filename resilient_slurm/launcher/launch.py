@@ -54,7 +54,6 @@ from ..paths import default_local_dir, default_run_id, expand_local_dir, node_na
 from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import expand_hostlist, remaining_seconds
 from ..storage.fileio import atomic_write
-from ..storage.registry import DURABLE_SETTINGS
 from ..telemetry import EventLog
 from .cloud import Notice, TerminationNoticeWatcher
 from .durability import JobDrain
@@ -75,10 +74,6 @@ from .signals import SignalTrap, TrapEvent
 
 log = logging.getLogger(__name__)
 
-SETTINGS = ["local_dir", "run_id", "node_name", "control_dir", "save_signal", "max_restarts",
-            "no_progress_limit", "save_timeout", "requeue_margin", "term_grace", "cloud_notice",
-            "cloud_notice_url", "cloud_notice_interval", "slurm_backend", "daemon", "durable_wait",
-            *DURABLE_SETTINGS]
 HISTORY_FILE = "launcher-history.json"
 # After one rank failed on its own, how long the others may take to notice (a collective error) and
 # exit before the launcher tears them down.
@@ -136,9 +131,11 @@ class Launcher:
             raise ConfigError("rslurm launch: no command given; usage: rslurm launch [options] -- srun ... "
                               "| -n N -- cmd ...")
         self.env = dict(os.environ if env is None else env)
-        # Every setting the ranks and the daemon read too: a bad value fails here, before any rank starts.
-        config.validate(self.env, config_path=config_path)
-        self.cfg = config.resolve(SETTINGS, dict(settings or {}), self.env, config_path=config_path)
+        if config_path:  # `rslurm --config FILE launch`: the ranks and the daemon read the same file
+            self.env["RSLURM_CONFIG"] = os.path.abspath(config_path)
+        # Every setting, including those only the ranks and the daemon read: a bad value fails here,
+        # before any rank starts.
+        self.cfg = config.load(settings, self.env, config_path=config_path)
         if nprocs is not None and nprocs < 1:
             raise ConfigError(f"rslurm launch: -n must be >= 1, got {nprocs}")
         self.command = list(command)
@@ -151,18 +148,18 @@ class Launcher:
             raise ConfigError("rslurm launch -- srun ...: not inside a Slurm allocation (SLURM_JOB_ID is not "
                               "set); submit it with sbatch, or run locally with `rslurm launch -n N -- cmd`")
         self.nprocs = nprocs
-        self.node = node_name(self.cfg["node_name"])
-        self.run_id: str = self.cfg["run_id"] or default_run_id(self.env)
-        root = expand_local_dir(self.cfg["local_dir"] or default_local_dir(), self.node)
+        self.node = node_name(self.cfg.node_name)
+        self.run_id: str = self.cfg.run_id or default_run_id(self.env)
+        root = expand_local_dir(self.cfg.local_dir or default_local_dir(), self.node)
         self.run_dir = os.path.join(root, self.run_id)
         self.restart_count = job.restart_count
         self.events = EventLog(root, self.run_id, source="launcher", node=self.node, keep_open=False,
                                job_id=self.job_id, restart_count=self.restart_count)
-        self.policy = RequeuePolicy(max_restarts=self.cfg["max_restarts"],
-                                    no_progress_limit=self.cfg["no_progress_limit"] or None)
+        self.policy = RequeuePolicy(max_restarts=self.cfg.max_restarts,
+                                    no_progress_limit=self.cfg.no_progress_limit or None)
         self._slurm = slurm
         sock_name = self.job_id or f"local-{os.getpid()}"
-        self.socket_path = default_socket_path(sock_name, self.node, runtime_dir=self.cfg["control_dir"],
+        self.socket_path = default_socket_path(sock_name, self.node, runtime_dir=self.cfg.control_dir,
                                                env=self.env)
         self.stop: StopRequest | None = None
         self.timings: dict[str, float] = {}
@@ -172,17 +169,17 @@ class Launcher:
         self._interrupts = 0
         self._kill_wait_s: float | None = None
         self.drain: JobDrain | None = None
-        if self.cfg["durable"]:
+        if self.cfg.durable:
             self.drain = JobDrain(self.cfg, self.env, root=root, run_id=self.run_id,
                                   slurm_nodes=self._num_nodes() if self.srun else None,
-                                  enabled=self.cfg["daemon"] == "auto")
+                                  enabled=self.cfg.daemon == "auto")
 
     # ------------------------------------------------------------------ helpers
     @property
     def slurm(self) -> SlurmClient:
         """The Slurm client (built on first use)."""
         if self._slurm is None:
-            self._slurm = slurm_client(self.cfg["slurm_backend"])
+            self._slurm = slurm_client(self.cfg.slurm_backend)
         return self._slurm
 
     def _event(self, kind: str, **fields: Any) -> None:
@@ -202,7 +199,7 @@ class Launcher:
         if env.get("RSLURM_CONTROL_SOCKET", "").strip().lower() != "off":  # off: signals only (tests, policy)
             env["RSLURM_CONTROL_SOCKET"] = self.socket_path
         env["RSLURM_RUN_ID"] = self.run_id  # ranks and launcher must name the same run
-        env["RSLURM_SAVE_SIGNAL"] = self.cfg["save_signal"]
+        env["RSLURM_SAVE_SIGNAL"] = self.cfg.save_signal
         return env
 
     def _num_nodes(self) -> int:
@@ -242,12 +239,12 @@ class Launcher:
                 # The socket is a convenience, not a requirement: signals still reach every rank.
                 log.error("control socket unavailable (%s); ranks get save requests by signal only", exc)
                 self.env["RSLURM_CONTROL_SOCKET"] = "off"
-            if self.cfg["cloud_notice"] != "off":
+            if self.cfg.cloud_notice != "off":
                 def on_notice(n: Notice) -> None:
                     trap.notify("cloud", n.deadline_epoch)
 
-                watcher = TerminationNoticeWatcher(self.cfg["cloud_notice_url"], kind=self.cfg["cloud_notice"],
-                                                   interval=self.cfg["cloud_notice_interval"],
+                watcher = TerminationNoticeWatcher(self.cfg.cloud_notice_url, kind=self.cfg.cloud_notice,
+                                                   interval=self.cfg.cloud_notice_interval,
                                                    on_notice=on_notice).start()
             env = self._rank_env()
             if self.srun:
@@ -309,9 +306,9 @@ class Launcher:
                 self._event("deadline_missed", committed=committed_at is not None)
                 self._teardown(children, grace=0)
                 break
-            if committed_at is not None and now >= committed_at + self.cfg["term_grace"]:
+            if committed_at is not None and now >= committed_at + self.cfg.term_grace:
                 log.warning("ranks did not exit within %.0f s of the committed emergency checkpoint; tearing "
-                            "them down", self.cfg["term_grace"])
+                            "them down", self.cfg.term_grace)
                 self._teardown(children, grace=min(2.0, max(0.0, stop.deadline - now)) if stop else 2.0)
                 break
             if first_failure is None and children.failures():
@@ -319,7 +316,7 @@ class Launcher:
                 log.warning("%s; the others get %.0f s to exit", children.failures()[0].describe(), PEER_EXIT_WAIT)
             if first_failure is not None and now >= first_failure + PEER_EXIT_WAIT:
                 log.error("ranks still running %.0f s after a rank failed: tearing them down", PEER_EXIT_WAIT)
-                self._teardown(children, grace=self.cfg["term_grace"])
+                self._teardown(children, grace=self.cfg.term_grace)
                 break
         self.timings["ranks_exited"] = time.time()
         self._event("ranks_exited", torn_down=children.torn_down)
@@ -355,7 +352,7 @@ class Launcher:
                     deadline_in_s=deadline - time.time())
         log.warning("%s: emergency checkpoint requested (%s); deadline in %.1f s", ev.source, reason.value,
                     deadline - time.time())
-        sig_name = self.cfg["save_signal"]
+        sig_name = self.cfg.save_signal
         if sig_name != "none":
             sig = int(getattr(signal, "SIG" + sig_name))
             registered = bool(server.status()["ranks"])
@@ -376,8 +373,8 @@ class Launcher:
 
     def _deadline(self, ev: TrapEvent, job: JobInfo | None) -> float:
         now = time.time()
-        deadline = now + self.cfg["save_timeout"]
-        margin = self.cfg["requeue_margin"]
+        deadline = now + self.cfg.save_timeout
+        margin = self.cfg.requeue_margin
         if ev.deadline is not None:
             deadline = min(deadline, ev.deadline - margin)
         if job is not None and _ending(job):
@@ -457,13 +454,13 @@ class Launcher:
                                                                    Reason.STORAGE_UNAVAILABLE):
             return
         now = time.time()
-        timeout = float(self.cfg["durable_wait"])
+        timeout = self.cfg.durable_wait
         if self.stop is not None:
             timeout = min(timeout, self.stop.deadline - now)
         elif outcome.reason is not Reason.COMPLETED:
             job = self._job_info()
             if job is not None and not math.isinf(rem := remaining_seconds(job, now)):
-                timeout = min(timeout, rem - self.cfg["requeue_margin"])
+                timeout = min(timeout, rem - self.cfg.requeue_margin)
         t0 = time.time()
         ok = timeout > 0 and self.drain.wait_durable(step, timeout)
         waited = time.time() - t0
@@ -471,7 +468,7 @@ class Launcher:
         self._event("durable" if ok else "not_durable", step=step, waited_s=waited,
                     after_signal_s=(time.time() - self.stop.at) if self.stop else None)
         if ok:
-            log.info("step %d is durable in %s (waited %.2f s)", step, self.cfg["durable"], waited)
+            log.info("step %d is durable in %s (waited %.2f s)", step, self.cfg.durable, waited)
         else:
             log.warning("step %d is not durable yet after %.1f s; going ahead with the local commit (the daemon "
                         "drains it later; a resume on other nodes uses the newest durable step)", step, waited)
@@ -498,7 +495,7 @@ class Launcher:
             # Requeued onto another batch host: the history follows the run in the durable tier.
             text = self.drain.read_object(HISTORY_FILE)
             if text is not None:
-                path = f"{self.cfg['durable']}/{self.run_id}/{HISTORY_FILE}"
+                path = f"{self.cfg.durable}/{self.run_id}/{HISTORY_FILE}"
         history = ProgressHistory.parse(text, source=path)
         if self.restart_count == 0 and history.incarnations:
             # A new submission that reuses the run id (not a requeue): old restarts do not count.

@@ -178,7 +178,7 @@ class PosixTier(StorageTier):
             raise StorageError(f"{os.path.dirname(path)}: cannot create it: {exc}") from exc
         atomic_write(path, data, tmp=f"{path}{TMP_MARK}{secrets.token_hex(4)}")
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, *, limit: int | None = None) -> bytes:
         """See :meth:`StorageTier.get_bytes`."""
         path = self._path(key)
         try:
@@ -189,7 +189,7 @@ class PosixTier(StorageTier):
             raise StorageError(f"{path}: read failed: {exc}") from exc
         try:
             with os.fdopen(fd, "rb") as f:
-                return f.read()
+                return f.read() if limit is None else f.read(limit + 1)
         except OSError as exc:
             raise StorageError(f"{path}: read failed: {exc}") from exc
 

@@ -5,10 +5,11 @@ with an install hint when it is missing)."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from ..config import Settings
 from ..errors import ConfigError
 from .tier import RateLimiter, StorageTier
 
@@ -60,29 +61,21 @@ def open_tier(url: str, *, threads: int = 8, bandwidth: float | None = None,
     return factory(location, threads=threads, limiter=limiter, **options)
 
 
-#: Settings that say how to reach the durable tier (resolve them with :func:`resilient_slurm.config.resolve`).
-DURABLE_SETTINGS = ["durable", "drain_threads", "drain_bandwidth", "s3_endpoint_url", "s3_region",
-                    "s3_part_size", "s3_max_attempts"]
-
-
-def open_durable(cfg: Mapping[str, Any], *, upload_cap: bool = True) -> StorageTier | None:
-    """The durable tier named by resolved settings ``cfg`` (:data:`DURABLE_SETTINGS`); None if unset.
+def open_durable(cfg: Settings, *, upload_cap: bool = True) -> StorageTier | None:
+    """The durable tier named by resolved settings ``cfg`` (``durable`` and the S3 and transfer settings);
+    None if unset.
 
     ``upload_cap`` applies ``drain_bandwidth`` (the daemon); restore passes False: a job waiting to
     resume should not be throttled by a cap meant for background drains."""
-    url = cfg.get("durable")
-    if not url:
+    if not cfg.durable:
         return None
-    scheme, _ = parse_url(url)
+    scheme, _ = parse_url(cfg.durable)
     options: dict[str, Any] = {}
-    if scheme == "s3":
-        options = {"endpoint_url": cfg.get("s3_endpoint_url"), "region": cfg.get("s3_region"),
-                   "part_size": cfg.get("s3_part_size") or 64 << 20,
-                   "max_attempts": cfg.get("s3_max_attempts") or 8}
-        if options["part_size"] < 5 << 20:
-            raise ConfigError(f"s3_part_size={options['part_size']}: S3 needs parts of at least 5 MiB (5M)")
-    return open_tier(url, threads=cfg.get("drain_threads") or 8,
-                     bandwidth=cfg.get("drain_bandwidth") if upload_cap else None, **options)
+    if scheme == "s3":  # part size and attempts are range-checked by their settings' parsers
+        options = {"endpoint_url": cfg.s3_endpoint_url, "region": cfg.s3_region, "part_size": cfg.s3_part_size,
+                   "max_attempts": cfg.s3_max_attempts}
+    return open_tier(cfg.durable, threads=cfg.drain_threads, bandwidth=cfg.drain_bandwidth if upload_cap else None,
+                     **options)
 
 
-__all__ = ["DURABLE_SETTINGS", "open_durable", "open_tier", "parse_url", "register"]
+__all__ = ["open_durable", "open_tier", "parse_url", "register"]

@@ -929,14 +929,14 @@ class S3Tier(StorageTier):
         resp = self._call("PUT", full, once)
         self._check_etag(resp, md5, full, "object")
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, *, limit: int | None = None) -> bytes:
         """See :meth:`StorageTier.get_bytes`."""
         full = self._full(key)
 
         def once() -> bytes:
             body = self._client.get_object(Bucket=self.bucket, Key=full)["Body"]
             try:
-                data: bytes = body.read()
+                data: bytes = body.read() if limit is None else body.read(limit + 1)
             finally:
                 body.close()
             return data

@@ -141,8 +141,10 @@ class StorageTier(abc.ABC):
         """Store a small object atomically (markers, manifests, metadata)."""
 
     @abc.abstractmethod
-    def get_bytes(self, key: str) -> bytes:
-        """Read a small object; :class:`~resilient_slurm.errors.ObjectNotFoundError` if absent."""
+    def get_bytes(self, key: str, *, limit: int | None = None) -> bytes:
+        """Read a small object; :class:`~resilient_slurm.errors.ObjectNotFoundError` if absent. With
+        ``limit``, at most ``limit + 1`` bytes are read: a caller that caps a size (a manifest) sees an
+        oversized object by its length, without reading all of it."""
 
     @abc.abstractmethod
     def stat(self, key: str) -> ObjectInfo | None:
