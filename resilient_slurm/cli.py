@@ -70,9 +70,10 @@ def _flag_settings(args: argparse.Namespace, components: tuple[str, ...]) -> dic
         if s.component not in components or value is None:
             continue
         try:
-            out[name] = s.parse(value)
+            s.parse(value)
         except ValueError as exc:
             raise ConfigError(f"--{name.replace('_', '-')}={value!r}: {exc}") from exc
+        out[name] = value  # the text: an explicit 'none' (unset) then wins over the environment and file
     return out
 
 

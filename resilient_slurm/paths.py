@@ -41,11 +41,16 @@ def default_local_dir() -> str:
     that group and others cannot write, inside parents no other user can modify
     (:func:`ensure_private_dir`). Raises :class:`ConfigError` naming the directory, what is wrong and what
     to do. An explicit ``local_dir`` is the user's choice and is not checked here."""
-    base = os.path.join(tempfile.gettempdir(), f"rslurm-{os.getuid()}")
+    base = default_local_base()
     ensure_private_dir(base, what="default local directory", deny=0o022,
                        why="so that no other user can replace or plant checkpoints in it",
                        elsewhere=LOCAL_DIR_ELSEWHERE)
     return os.path.join(base, "%n")
+
+
+def default_local_base() -> str:
+    """``$TMPDIR/rslurm-<uid>``, the directory :func:`default_local_dir` secures, unchecked (to name it)."""
+    return os.path.join(tempfile.gettempdir(), f"rslurm-{os.getuid()}")
 
 
 def default_run_id(env: Mapping[str, str] | None = None) -> str:

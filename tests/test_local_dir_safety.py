@@ -402,3 +402,21 @@ def test_daemon_refuses_a_symlinked_state_dir(tmp_path: Path) -> None:
     r = _daemon(tmp_path, root)
     _assert_settings_error(r, str(root / ".rslurm"), "symlink")
     assert not list(elsewhere.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["symlink", "group-writable"])
+def test_doctor_reports_an_unsafe_default_dir_as_a_failed_check(tmpdir_env: Path, kind: str) -> None:
+    """`rslurm doctor` is where users look for what is wrong: an unsafe default directory is a local.dir
+    FAIL naming it and what to do (exit 1, the other checks still run), not an exit 2 before any check."""
+    import json
+
+    d = hostile(tmpdir_env, kind)
+    r = _cli(tmpdir_env, "doctor", "--skip", "script,cluster,durable,signals", "--json")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, (r.returncode, r.stdout, r.stderr)
+    rows = {c["check"]: c for c in json.loads(r.stdout)["checks"]}
+    assert rows["local.dir"]["status"] == "FAIL", rows["local.dir"]
+    assert str(d) in rows["local.dir"]["finding"] and EXPECT[kind] in rows["local.dir"]["finding"]
+    assert "RSLURM_LOCAL_DIR" in rows["local.dir"]["fix"]
+    assert {rows[c]["status"] for c in ("local.space", "local.filesystem", "local.bandwidth")} == {"SKIP"}
+    if kind == "symlink":
+        assert not any((tmpdir_env / "someone-elses").iterdir())  # nothing probed through the link

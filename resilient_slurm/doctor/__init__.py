@@ -112,7 +112,7 @@ def _skips(names: Sequence[str]) -> frozenset[str]:
 
 def build_context(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> DoctorContext:
     """Resolve the settings and gather where we are (raises ConfigError for bad settings)."""
-    from ..paths import default_local_dir, expand_local_dir, node_name
+    from ..paths import default_local_base, default_local_dir, expand_local_dir, node_name
     from ..storage.registry import parse_url
     from .context import DoctorContext, DoctorOptions, make_slurm_client
 
@@ -133,8 +133,13 @@ def build_context(args: argparse.Namespace, env: Mapping[str, str] | None = None
     own_job = JobEnv.from_env(env).job_id
     job_id = args.job or own_job
     node = node_name(cfg.node_name)
+    problem = None
+    try:
+        template = cfg.local_dir or default_local_dir()
+    except ConfigError as exc:  # an unsafe default directory: a local.dir FAIL finding, not an exit 2
+        template, problem = os.path.join(default_local_base(), "%n"), str(exc)
     return DoctorContext(cfg=cfg, env=env, options=options, node=node,
-                         local_dir=expand_local_dir(cfg.local_dir or default_local_dir(), node),
+                         local_dir=expand_local_dir(template, node), local_dir_problem=problem,
                          job_id=job_id, in_allocation=own_job is not None and job_id == own_job,
                          slurm=make_slurm_client(env))
 

@@ -83,6 +83,7 @@ class DoctorContext:
     job_id: str | None                   # the job inspected (own allocation or --job)
     in_allocation: bool                  # this process runs inside that job's allocation
     slurm: CliSlurmClient | None = None  # None when the Slurm client tools are not installed
+    local_dir_problem: str | None = None  # why the default local directory is refused (a local.dir FAIL)
     facts: dict[str, Any] = field(default_factory=dict)
     _job: JobInfo | None = None
     _job_error: str | None = None

@@ -100,6 +100,12 @@ def _gib(n: float) -> str:
 def check_local(ctx: DoctorContext) -> list[Finding]:
     """Every ``local.*`` finding: dir, space, filesystem, bandwidth."""
     root = ctx.local_dir
+    if ctx.local_dir_problem is not None:
+        fix = ("remove or fix it as the message says, or point RSLURM_LOCAL_DIR (or --local-dir) at a private "
+               "node-local directory")
+        return [Finding("local.dir", Status.FAIL, ctx.local_dir_problem, fix, {"path": root}),
+                *(Finding(c, Status.SKIP, f"{root} is not usable, nothing measured")
+                  for c in ("local.space", "local.filesystem", "local.bandwidth"))]
     created: list[str] = []
     try:
         dir_finding = _check_dir(root, created)
