@@ -174,6 +174,22 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _hang_timeout(v: str) -> float | None:
+    """``auto`` (None: learned from the step times), ``off`` (inf: never), or seconds > 0."""
+    s = v.strip().lower()
+    if s in ("", "auto"):
+        return None
+    if s in ("off", "none"):
+        return math.inf
+    try:
+        n = float(s)
+    except ValueError:
+        raise ValueError(f"expected auto, off or a number of seconds > 0, got {v!r}") from None
+    if not math.isfinite(n) or n <= 0:
+        raise ValueError(f"expected auto, off or a finite number of seconds > 0, got {v!r}")
+    return n
+
+
 def _log_level(v: str) -> str:
     """A logging level name (``debug``, ``INFO``, ``warn``...) normalized to logging's spelling."""
     s = v.strip().upper()
@@ -286,6 +302,18 @@ class Settings:
                 "seconds kept before the job's end (time limit or end of GraceTime) for teardown and the requeue call")
     term_grace: float = _key(_seconds(), 10.0, "launcher",
                 "seconds between SIGTERM and SIGKILL when the launcher tears the ranks' process trees down")
+    hang_timeout: float | None = _key(_hang_timeout, None, "launcher",
+                "seconds without a step on any rank of the launcher's node after which the job is hung: its "
+                "ranks' Python stacks are written to the run directory, a hang event names the ranks and "
+                "their last step, and the ranks are torn down; auto: 10 times the slowest of the recent "
+                "steps, at least 120 s; off: never")
+    in_job_restarts: int = _key(_count(0), 3, "launcher",
+                "times the launcher restarts the ranks inside the same allocation (a new srun step; in local "
+                "mode new processes) after a hang or a rank killed by a signal, from the last commit, with "
+                "exponential backoff, before it falls back to requeue; 0: never")
+    hang_startup_timeout: float = _key(_seconds(), 1800.0, "launcher",
+                "seconds a rank may take from building its Checkpointer to its first step (restore "
+                "included) before the job counts as hung")
     cloud_notice: str = _key(_choice("off", "aws", "gce", "generic"), "off", "launcher",
                 'poll the instance metadata service for a termination notice (aws, gce, generic URL) and save on one')
     cloud_notice_url: str | None = _key(str, None, "launcher",

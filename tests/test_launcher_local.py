@@ -412,8 +412,10 @@ def test_a_rank_that_fails_is_a_user_error_with_its_exit_code_and_location(sandb
 
 def test_a_rank_killed_from_outside_is_a_node_failure_and_the_rerun_resumes(
         sandbox: Sandbox, reference: Sandbox) -> None:
+    """With in-job restarts off, the requeue path: exit 75, and running the command again resumes.
+    (In-job restarts, the default, are tested in test_hang.py and test_launcher_slurm.py.)"""
     sb = sandbox
-    run = sb.launch(sb.toy())
+    run = sb.launch(sb.toy(), env={"RSLURM_IN_JOB_RESTARTS": "0"})
     wait_for_steps(sb, run, 6)
     wait_for(lambda: (sb.run_dir / step_dirname(EVERY) / "manifest.json").exists(),
              f"step {EVERY} to be committed", run)

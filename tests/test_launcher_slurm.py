@@ -9,7 +9,8 @@ Every job runs two ranks, one per node (n1, n2), each with its own node-local di
 * preemption by a job in the ``high`` partition, both with ``--signal`` (the launcher hears USR1) and
   without (Slurm sends SIGTERM to the ranks themselves): the same, with no step lost beyond the one
   the request arrived at;
-* a rank SIGKILLed: requeued, resumed from the last committed step;
+* a rank SIGKILLed: restarted in the same allocation (a new srun step), resumed from the last commit;
+* a hung collective: found past hang_timeout, every rank's stacks written, restarted in the allocation;
 * an exception in the program: FAILED with the rank's exit code, not requeued;
 * a checkpoint that kills the program right after every restore: held after K restarts.
 """
@@ -188,10 +189,47 @@ def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     _assert_identical_to(ref, work, steps)
 
 
-def test_rank_sigkill_requeues_and_resumes_from_last_commit(slurm: SlurmCluster, tmp_path: Path):
+def test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them(slurm: SlurmCluster):
+    """A stop that reaches the launcher while the ranks are still starting (seen on the test cluster: the
+    first time-limit check seconds after a requeued job started): the save signal would kill a process
+    that has not trapped it yet. The launcher holds it back until a rank registers (a rank registers
+    only after a collective that every rank enters with its traps installed), so the ranks start,
+    restore, take the emergency checkpoint at their first step and stop; none dies by a signal. Here
+    each task sleeps 8 s in a shell before python starts, and USR1 reaches the launcher 2 s in."""
+    work = slurm.work_dir / "launch-stop-while-starting"
+    work.mkdir()
+    program = ["bash", "-c", "'sleep 8; exec \"$@\"'", "task", *TOY, *_toy_args(work, 30, 0.05)]
+    job = _submit(slurm, work, _script(work, program))
+    deadline = time.monotonic() + 60
+    while not ((work / "nvme" / "n1" / "toy" / "events.jsonl").exists()
+               and any(e["event"] == "start" for e in _events(work))):
+        assert time.monotonic() < deadline, _job_text(work)[-3000:]
+        time.sleep(0.2)
+    time.sleep(2)
+    slurm.scancel("--batch", "--signal=USR1", job)
+    info = _wait_done(slurm, job, work, timeout=240)
+    events = _events(work)
+    diagnosis = "\n".join(map(str, events)) + _job_text(work)[-5000:]
+    first = [e for e in events if e.get("restart_count", 0) == 0]
+    kinds = [e["event"] for e in first]
+    assert "save_signal_deferred" in kinds, diagnosis
+    assert kinds.index("save_signal_deferred") < kinds.index("save_signal_sent"), diagnosis
+    deferred = next(e for e in first if e["event"] == "save_signal_deferred")
+    assert set(deferred) == {"t", "event", "source", "node", "run_id", "job_id", "restart_count", "signal"}, deferred
+    assert deferred["signal"] == "SIGUSR2", deferred  # docs/telemetry.md's fields, the default save signal
+    decision = [e for e in first if e["event"] == "decision"]
+    assert decision and decision[0]["action"] == "requeue", diagnosis
+    exits = _exits(work)
+    assert exits[0]["stopped"] is True and exits[0]["step"] >= 1, (exits, diagnosis)  # saved, not killed
+    assert "killed by signal" not in _job_text(work), diagnosis
+    assert int(info["Restarts"]) == 1 and exits[-1] == {"event": "exit", "step": 30, "stopped": False}, diagnosis
+
+
+def test_rank_sigkill_restarts_in_job_and_resumes_from_last_commit(slurm: SlurmCluster, tmp_path: Path):
     """Rank 1 (on n2) is SIGKILLed mid-run, as the OOM killer or a dying node would: srun reports the task
-    killed, the launcher classifies a node failure, requeues, and the job resumes from the last committed
-    step and still ends bitwise identical."""
+    killed, the launcher classifies a node failure and, without giving the allocation back, starts a new
+    srun step that resumes from the last committed step; the job completes with no requeue and still
+    ends bitwise identical."""
     steps = 60
     work = slurm.work_dir / "launch-sigkill"
     work.mkdir()
@@ -201,12 +239,49 @@ def test_rank_sigkill_requeues_and_resumes_from_last_commit(slurm: SlurmCluster,
     pid = [e for e in read_jsonl(work / "log.1.jsonl") if e.get("event") == "start"][0]["pid"]
     os.kill(pid, signal.SIGKILL)
     info = _wait_done(slurm, job, work, timeout=180)
-    assert int(info["Restarts"]) == 1, info
-    decision = [e for e in _events(work) if e["event"] == "decision"]
-    assert decision[0]["outcome"] == "node_failure" and decision[0]["action"] == "requeue", decision
+    events = _events(work)
+    assert int(info["Restarts"]) == 0, (info, events)
+    [restart] = [e for e in events if e["event"] == "in_job_restart"]
+    assert restart["outcome"] == "node_failure" and restart["attempt"] == 1, restart
+    decision = [e for e in events if e["event"] == "decision"]
+    assert [d["outcome"] for d in decision] == ["completed"], decision
     starts = _starts(work)
+    assert len(starts) == 2 and starts[1]["step"] == restart["committed_step"], (starts, restart)
     assert starts[1]["step"] > 0 and starts[1]["step"] % 4 == 0, starts  # an interval checkpoint
     _assert_identical_to(ref, work, steps)
+
+
+def test_a_hung_collective_is_found_and_restarted_in_job(slurm: SlurmCluster, tmp_path: Path):
+    """Rank 1 (on n2) stops after step 5; rank 0 (on n1, the launcher's node) then waits in step 6's
+    all_reduce. The launcher finds rank 0 idle past hang_timeout, has every rank write its stacks (rank 1
+    through `scancel --signal`, into n2's own run directory), tears the step down and starts a new srun
+    step in the same allocation, which resumes from step 4 and finishes bitwise identical."""
+    worker = [PY, str(REPO / "tests" / "workers" / "hang_worker.py")]
+    ref = tmp_path / "ref"
+    (ref / "out").mkdir(parents=True)
+    run_ranks([str(REPO / "tests" / "workers" / "hang_worker.py"), "--steps", "12", "--out", str(ref / "out")], 2,
+              ref, env={"RSLURM_LOCAL_DIR": str(ref / "nvme"), "RSLURM_RUN_ID": "toy"})
+    work = slurm.work_dir / "launch-hang"
+    (work / "out").mkdir(parents=True)
+    program = [*worker, "--steps", "12", "--out", str(work / "out"), "--hang-at", "5", "--hang-rank", "1"]
+    job = _submit(slurm, work, _script(work, program, extra_env={"RSLURM_HANG_TIMEOUT": "5"}))
+    info = _wait_done(slurm, job, work, timeout=240)
+    events = _events(work)
+    diagnosis = "\n".join(map(str, events)) + _job_text(work)[-5000:]
+    assert int(info["Restarts"]) == 0, (info, diagnosis)
+    [hang] = [e for e in events if e["event"] == "hang"]
+    # rank 0 for sure; rank 1 too on this cluster, whose "nodes" share one host (n2 sees n1's socket)
+    stuck = {s["rank"]: s for s in hang["ranks"]}
+    assert 0 in stuck and all(s["last_step"] == 5 for s in stuck.values()), diagnosis
+    [restart] = [e for e in events if e["event"] == "in_job_restart"]
+    assert restart["outcome"] == "hang" and restart["committed_step"] == 4, diagnosis
+    for node, rank in (("n1", 0), ("n2", 1)):  # each rank wrote its stacks on its own node
+        text = (work / "nvme" / node / "toy" / "stacks" / f"rank{rank}.txt").read_text()
+        assert "hang_worker.py" in text, (node, text)
+    assert "_sleep_forever" in (work / "nvme" / "n2" / "toy" / "stacks" / "rank1.txt").read_text()
+    for rank in (0, 1):
+        assert_same(torch.load(ref / "out" / f"final.{rank}.pt", weights_only=True),
+                    torch.load(work / "out" / f"final.{rank}.pt", weights_only=True), f"rank{rank}")
 
 
 def test_user_error_fails_the_job_without_requeue(slurm: SlurmCluster):
@@ -243,12 +318,13 @@ os.kill(os.getpid(), signal.SIGKILL)  # the first incarnation dies too, after co
 def test_no_progress_loop_is_held(slurm: SlurmCluster):
     """A program that is killed right after every restore makes no progress past the checkpoint: with
     ``no_progress_limit=2`` the job is requeued after the first deaths, then held (not looped) with a
-    reason naming the cause, visible in the job's Comment."""
+    reason naming the cause, visible in the job's Comment. In-job restarts are off here: this is the
+    requeue governor (test_hang.py covers the same rule for in-job restarts)."""
     work = slurm.work_dir / "launch-noprogress"
     work.mkdir()
     (work / "crash.py").write_text(CRASH_AFTER_RESTORE)
     job = _submit(slurm, work, _script(work, [PY, str(work / "crash.py")],
-                                       extra_env={"RSLURM_NO_PROGRESS_LIMIT": "2"}))
+                                       extra_env={"RSLURM_NO_PROGRESS_LIMIT": "2", "RSLURM_IN_JOB_RESTARTS": "0"}))
     deadline = time.monotonic() + 180
     while True:
         info = slurm.job_info(job)

@@ -23,16 +23,19 @@ leader rank also writes ``save_started`` and ``retention_deleted`` (local tier).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
 from .. import config
+from ..control.heartbeat import register_stack_dump, unregister_stack_dump
 from ..control.rank import RankLink
 from ..errors import (
     CheckpointError,
@@ -141,6 +144,11 @@ class Checkpointer:
             self.topology.root, self.run_id, source="rank", node=self.topology.node,
             job_id=job.job_id, restart_count=job.restart_count, rank=self.topology.rank)
         self._sync_every: int = cfg.sync_every
+        # Under `rslurm launch` (which sets control_socket for every rank, on every node), the launcher asks
+        # for every thread's stack when it finds the job hung (control/heartbeat.py).
+        under_launcher = (cfg.control_socket or "off").strip().lower() != "off"
+        self._stacks = (register_stack_dump(os.path.join(self.topology.root, self.run_id), self.topology.rank)
+                        if under_launcher else None)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-ckpt")
         self._inflight: Future[SaveOutcome] | None = None
         self._retention: Future[list[int]] | None = None
@@ -231,7 +239,9 @@ class Checkpointer:
         :attr:`should_stop`) when an emergency save was requested on any rank.
         """
         self._check_open()
-        if not self._hello_sent:
+        if self._link.heartbeat is not None:
+            self._link.heartbeat.beat(step)  # about a microsecond: the launcher's hang detection
+        if not self._hello_sent and not self._coord.multi:
             self._link.hello(0)
             self._hello_sent = True
         self._steps_since_restore += 1
@@ -241,7 +251,7 @@ class Checkpointer:
             self._prepare(state)
         due = self.cadence.due(step)
         heard_socket = False
-        if step % self._sync_every == 0:
+        if step % self._sync_every == 0 and self._hello_sent:  # a poll registers: not before the hello
             heard_socket = self._link.poll(step)  # a launcher request sets the emergency flag
         emergency = self._emergency.is_set()
         heard_here = emergency
@@ -252,6 +262,11 @@ class Checkpointer:
                 # per-rank facts; acting on them must be unanimous.
                 agreed = self._coord.all_max([int(due), int(emergency), int(failed)])
                 due, emergency, failed = (bool(v) for v in agreed)
+                if not self._hello_sent:
+                    # After a collective: every rank has built its Checkpointer, so its signal traps are
+                    # in place. The launcher takes a hello as "the save signal no longer kills a rank".
+                    self._link.hello(0)
+                    self._hello_sent = True
             else:  # between sync points only the deterministic step cadence applies
                 due = self.cadence.every_steps is not None and step % self.cadence.every_steps == 0
                 emergency = failed = False
@@ -273,6 +288,23 @@ class Checkpointer:
                         self.rank, step)
         elif due:
             self.save(step, state, blocking=False, reason="interval")
+
+    @contextlib.contextmanager
+    def section(self, name: str, timeout: float | None = None) -> Iterator[None]:
+        """Mark a phase without ``step()`` calls (evaluation, a long data reload) for the launcher's hang
+        detection: inside it a rank counts as hung only after ``timeout`` seconds (None: the general hang
+        timeout, counted from the start of the section)::
+
+            with ckpt.section("eval", timeout=1800):
+                evaluate(model)
+        """
+        hb = self._link.heartbeat
+        prev = hb.section(name, timeout) if hb is not None else None
+        try:
+            yield
+        finally:
+            if hb is not None and prev is not None and self._link.heartbeat is hb:
+                hb.resume(prev)
 
     def save(self, step: int, state: Mapping[str, Any], blocking: bool = True, *, reason: str = "manual") -> None:
         """Save ``state`` as ``step``. With ``blocking=False`` only the staging copy runs now.
@@ -335,6 +367,8 @@ class Checkpointer:
             self._finish_retention()
             self._pool.shutdown(wait=True)
             self._link.close()
+            unregister_stack_dump(self._stacks)
+            self._stacks = None
             self.events.close()
             if self._durable_tier is not None:
                 self._durable_tier.close()

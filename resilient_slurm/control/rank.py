@@ -6,7 +6,9 @@ of it; user code never needs to):
 1. ``RankLink(...)`` when the Checkpointer is built: installs the signal traps (main thread only, and
    only where the program kept the default handler) and, when the launcher published a control socket
    for this node (``RSLURM_CONTROL_SOCKET``), prepares a client for it.
-2. :meth:`RankLink.hello` once the restore is done, with the step restored.
+2. :meth:`RankLink.hello` once the restore is done, with the step restored. ``link.heartbeat`` (when the
+   node has a socket) is the rank's progress record for the launcher's hang detection
+   (:mod:`~resilient_slurm.control.heartbeat`): the Checkpointer beats it at every step.
 3. :meth:`RankLink.poll` at step boundaries where ranks agree (every ``sync_every`` steps): True when a
    trapped signal or the launcher asks for an emergency save.
 4. :meth:`RankLink.committed` after each committed step (the writer thread may call it).
@@ -37,6 +39,7 @@ from typing import Any
 from ..errors import ControlError, ControlRejectedError
 from . import protocol as p
 from .client import ControlClient
+from .heartbeat import HeartbeatWriter, heartbeat_path
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ class RankLink:
         self._on_request = on_request
         self._clock = clock
         self._client: ControlClient | None = None
+        self.heartbeat: HeartbeatWriter | None = None
         if socket_path and socket_path.lower() != "off":
             try:
                 p.check_socket_path(socket_path)
@@ -70,6 +74,11 @@ class RankLink:
             else:
                 if os.path.exists(socket_path):
                     self._client = ControlClient(socket_path, timeout=timeout)
+                    try:  # progress for the launcher's hang detection: a mapped record, no system call per step
+                        self.heartbeat = HeartbeatWriter(heartbeat_path(socket_path, rank))
+                    except OSError as exc:
+                        log.warning("rank %d: no heartbeat record next to %s (%s); the launcher cannot tell "
+                                    "whether this rank hangs", rank, socket_path, exc)
                 else:
                     # Normal on every node but the launcher's: the socket is node-local.
                     log.debug("rank %d: no control socket at %s on this node; signals only", rank, socket_path)
@@ -178,5 +187,8 @@ class RankLink:
                 if signal.getsignal(num) == self._handler:
                     signal.signal(num, prev)
         self._previous.clear()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+            self.heartbeat = None
         if self._client is not None:
             self._client.close()

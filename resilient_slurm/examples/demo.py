@@ -390,7 +390,10 @@ def _local_env() -> dict[str, str]:
 
 
 def _launch_argv(run: Run, args: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", str(args.ranks), "--",
+    # --kill: the launcher would restart SIGKILLed ranks itself (in-job restarts, docs/launcher.md); the
+    # demo turns that off to show the resume across launcher runs, as after a requeue.
+    restarts = ["--in-job-restarts", "0"] if args.kill else []
+    return [sys.executable, "-m", "resilient_slurm.cli", "launch", *restarts, "-n", str(args.ranks), "--",
             sys.executable, "-m", PROGRAM, *run.program_args(args)]
 
 

@@ -36,6 +36,8 @@ from .processes import die_with_parent_by_sigint
 
 log = logging.getLogger(__name__)
 
+DAEMON_STEP_NAME = "rslurm-daemon"  # the drain daemon's srun step: the launcher's teardown spares it
+
 POLL_S = 0.2
 
 
@@ -77,7 +79,7 @@ class JobDrain:
             cmd = daemon
         else:
             cmd = ["srun", "--overlap", f"--nodes={self.slurm_nodes}", "--ntasks-per-node=1",
-                   f"--ntasks={self.slurm_nodes}", "--kill-on-bad-exit=0", "--job-name=rslurm-daemon", *daemon]
+                   f"--ntasks={self.slurm_nodes}", "--kill-on-bad-exit=0", f"--job-name={DAEMON_STEP_NAME}", *daemon]
         try:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                          preexec_fn=die_with_parent_by_sigint)

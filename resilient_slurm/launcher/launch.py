@@ -34,8 +34,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -46,6 +48,7 @@ import psutil
 
 from .. import config
 from ..control import ControlServer, default_socket_path
+from ..control.heartbeat import DUMP_SIGNAL, STACKS_DIR, clear_heartbeats, stack_dump_path
 from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError
 from ..jobenv import JobEnv
 from ..layout import list_run_dir
@@ -56,7 +59,8 @@ from ..slurm.client import expand_hostlist, remaining_seconds
 from ..storage.fileio import atomic_write
 from ..telemetry import EventLog
 from .cloud import Notice, TerminationNoticeWatcher
-from .durability import JobDrain
+from .durability import DAEMON_STEP_NAME, JobDrain
+from .hang import Hang, HangWatch
 from .policy import (
     HOLD_EXIT_CODE,
     REQUEUE_EXIT_CODE,
@@ -66,6 +70,7 @@ from .policy import (
     ProgressHistory,
     Reason,
     RequeuePolicy,
+    describe_outcome,
     restore_unavailable,
     traceback_location,
 )
@@ -78,6 +83,11 @@ HISTORY_FILE = "launcher-history.json"
 # After one rank failed on its own, how long the others may take to notice (a collective error) and
 # exit before the launcher tears them down.
 PEER_EXIT_WAIT = 30.0
+STACK_DUMP_WAIT_S = 2.0  # after asking for the stacks, before the teardown
+IN_JOB_BACKOFF_S = 2.0  # before the first in-job restart; doubled for each next one
+IN_JOB_BACKOFF_MAX_S = 60.0
+# Ends the ranks can come back from inside the allocation: the job is fine, a rank (or its node) was not.
+IN_JOB_RESTARTABLE = frozenset({Reason.HANG, Reason.NODE_FAILURE})
 # A stop signal with the job's end this close is the time limit (USR1 from --signal, or SIGTERM at the
 # end); further away it is a preemption or an operator's request.
 TIME_LIMIT_WINDOW = 15 * 60.0
@@ -167,6 +177,11 @@ class Launcher:
         self._server: ControlServer | None = None
         self._emergency_seen = False
         self._interrupts = 0
+        self._deferred_signal: int | None = None  # save signal held back until a rank registers
+        self.hang_watch = HangWatch(self.socket_path, timeout=self.cfg.hang_timeout,
+                                    startup_timeout=self.cfg.hang_startup_timeout)
+        self.hang: Hang | None = None
+        self._deferred_check_at = 0.0
         self._kill_wait_s: float | None = None
         self.drain: JobDrain | None = None
         if self.cfg.durable:
@@ -246,23 +261,21 @@ class Launcher:
                 watcher = TerminationNoticeWatcher(self.cfg.cloud_notice_url, kind=self.cfg.cloud_notice,
                                                    interval=self.cfg.cloud_notice_interval,
                                                    on_notice=on_notice).start()
-            env = self._rank_env()
-            if self.srun:
-                children: Children = SrunStep(self.command, env)
-            elif self.nprocs is not None:
-                children = LocalRanks(self.command, self.nprocs, env, _free_port())
-            else:
-                children = LocalRanks(self.command, 1, env, 0, dist_env=False)
-            self._children = children
             if self.drain is not None:
                 self.drain.start()
-            try:
-                children.start()
-            except OSError as exc:
-                children.teardown(0)  # ranks started before the one that failed
-                raise ConfigError(f"rslurm launch: cannot start {self.command[0]!r}: {exc.strerror or exc}") from exc
-            self._loop(trap, children, server)
-            children.finish()
+            restarts = stalled = 0
+            first_baseline = baseline  # what the incarnation restored: its progress is measured from there
+            while True:
+                children = self._start_ranks()
+                self._loop(trap, children, server)
+                children.finish()
+                outcome = self._outcome(children, baseline)
+                if not self._restart_in_job(outcome, restarts, stalled, baseline, trap, server, children):
+                    break
+                stalled = stalled + 1 if outcome.committed_step == baseline else 0
+                restarts += 1
+                baseline = outcome.committed_step
+            baseline = first_baseline
         finally:
             if watcher is not None:
                 watcher.stop()
@@ -279,6 +292,60 @@ class Launcher:
                 self.drain.stop()
             trap.restore()
 
+    def _start_ranks(self) -> Children:
+        """Start one run of the ranks (a new srun step, or new local processes)."""
+        clear_heartbeats(self.socket_path)  # records of ranks killed in an earlier run would look hung
+        self.hang = None
+        self.hang_watch = HangWatch(self.socket_path, timeout=self.cfg.hang_timeout,
+                                    startup_timeout=self.cfg.hang_startup_timeout)
+        env = self._rank_env()
+        if self.srun:
+            children: Children = SrunStep(self.command, env)
+        elif self.nprocs is not None:
+            children = LocalRanks(self.command, self.nprocs, env, _free_port())
+        else:
+            children = LocalRanks(self.command, 1, env, 0, dist_env=False)
+        self._children = children
+        try:
+            children.start()
+        except OSError as exc:
+            children.teardown(0)  # ranks started before the one that failed
+            raise ConfigError(f"rslurm launch: cannot start {self.command[0]!r}: {exc.strerror or exc}") from exc
+        return children
+
+    def _restart_in_job(self, outcome: Outcome, restarts: int, stalled: int, baseline: int | None,
+                        trap: SignalTrap, server: ControlServer, children: Children) -> bool:
+        """After a hang or a rank killed by a signal (nothing asked the ranks to stop): restart them inside
+        this allocation, from the last commit, after an exponential backoff; False when the outcome is not
+        one for that, ``in_job_restarts`` are used up, or restarts in a row commit nothing new
+        (``no_progress_limit``): then the usual requeue path decides."""
+        if outcome.reason not in IN_JOB_RESTARTABLE or self.stop is not None or self._interrupts:
+            return False
+        what = describe_outcome(outcome)
+        if restarts >= self.cfg.in_job_restarts:
+            log.error("in-job restarts used up (%d, in_job_restarts=%d) after %s; falling back to requeue",
+                      restarts, self.cfg.in_job_restarts, what)
+            return False
+        no_progress = stalled + 1 if outcome.committed_step == baseline else 0
+        if self.cfg.no_progress_limit and restarts and no_progress >= self.cfg.no_progress_limit:
+            log.error("%d in-job restarts in a row committed nothing new (no_progress_limit=%d); falling back "
+                      "to requeue", no_progress, self.cfg.no_progress_limit)
+            return False
+        backoff = min(IN_JOB_BACKOFF_MAX_S, IN_JOB_BACKOFF_S * 2 ** restarts)
+        log.warning("%s; restarting the ranks in this allocation from step %s in %.0f s (in-job restart %d of %d)",
+                    what, outcome.committed_step, backoff, restarts + 1, self.cfg.in_job_restarts)
+        self._event("in_job_restart", attempt=restarts + 1, limit=self.cfg.in_job_restarts,
+                    outcome=outcome.reason.value, detail=what, committed_step=outcome.committed_step,
+                    backoff_s=backoff)
+        end = time.time() + backoff
+        while time.time() < end:  # a stop signal during the backoff ends the run as that stop
+            if trap.wait(min(0.2, max(0.0, end - time.time()))):
+                for ev in trap.pop():
+                    self._on_event(ev, children, server)
+            if self.stop is not None or self._interrupts:
+                return False
+        return True
+
     def _loop(self, trap: SignalTrap, children: Children, server: ControlServer) -> None:
         first_failure: float | None = None
         committed_at: float | None = None
@@ -292,6 +359,7 @@ class Launcher:
                 children.teardown(0)
                 break
             stop = self.stop
+            self._send_deferred_signal(server, now)
             if stop is not None and committed_at is None and server.state.save_request is None:
                 committed_at = now
                 self.timings["committed"] = now
@@ -311,6 +379,9 @@ class Launcher:
                             "them down", self.cfg.term_grace)
                 self._teardown(children, grace=min(2.0, max(0.0, stop.deadline - now)) if stop else 2.0)
                 break
+            if stop is None and first_failure is None and (hang := self.hang_watch.check(now)) is not None:
+                self._on_hang(hang, children)
+                break
             if first_failure is None and children.failures():
                 first_failure = now
                 log.warning("%s; the others get %.0f s to exit", children.failures()[0].describe(), PEER_EXIT_WAIT)
@@ -321,13 +392,101 @@ class Launcher:
         self.timings["ranks_exited"] = time.time()
         self._event("ranks_exited", torn_down=children.torn_down)
 
+    def _on_hang(self, hang: Hang, children: Children) -> None:
+        """The job is hung: every rank's stacks to the run directory, a ``hang`` event, then teardown."""
+        self.hang = hang
+        log.error("hang: %s; writing every rank's Python stacks to %s, then tearing the ranks down",
+                  hang.describe(), os.path.join(self.run_dir, STACKS_DIR))
+        stacks = self._dump_stacks(hang)
+        self._event("hang", ranks=[s.to_json() for s in hang.stuck], ranks_seen=hang.ranks_seen,
+                    timeout_s=self.hang_watch.step_limit(), stacks=stacks)
+        self._teardown(children, grace=self.cfg.term_grace)
+
+    def _dump_stacks(self, hang: Hang) -> list[str]:
+        """Ask every rank for its stacks: py-spy for this node's ranks when installed, else the dump signal
+        (faulthandler, registered by each Checkpointer), through Slurm for ranks on other nodes. Returns
+        the files written on this node."""
+        pids = {r: t.last.pid for r, t in self.hang_watch.tracks().items()}
+        pyspy = shutil.which("py-spy")
+        asked = time.time()
+        written = []
+        for rank, pid in sorted(pids.items()):
+            if pyspy:
+                out = stack_dump_path(self.run_dir, rank).replace(".txt", ".py-spy.txt")
+                try:
+                    os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
+                    r = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                                       timeout=30)
+                    if r.returncode == 0:
+                        atomic_write(out, r.stdout.encode())
+                        written.append(out)
+                        continue
+                except (OSError, subprocess.SubprocessError) as exc:
+                    log.warning("py-spy dump of rank %d (pid %d): %s", rank, pid, exc)
+            try:
+                os.kill(pid, DUMP_SIGNAL)
+            except ProcessLookupError:
+                pass
+        if self.srun and self.job_id and self._multi_node():
+            try:
+                self.slurm.signal(self.job_id, DUMP_SIGNAL)
+            except SlurmError as exc:
+                log.warning("could not ask the ranks on other nodes for their stacks: %s", exc)
+        time.sleep(STACK_DUMP_WAIT_S)  # faulthandler writes from the signal handler, at once
+        stacks = os.path.join(self.run_dir, STACKS_DIR)
+        try:  # the files the ranks of this node wrote (a rank writes into its own node's run directory)
+            written += sorted(e.path for e in os.scandir(stacks)
+                              if e.name.endswith(".txt") and not e.name.endswith(".py-spy.txt")
+                              and e.stat(follow_symlinks=False).st_mtime >= asked - 1)
+        except OSError:
+            pass
+        return written
+
+    def _send_save_signal(self, sig: int) -> None:
+        """The save signal to every task of the job, through Slurm."""
+        assert self.job_id is not None
+        name = signal.Signals(sig).name
+        self._event("save_signal_sent", signal=name)
+        try:
+            self.slurm.signal(self.job_id, sig)
+        except SlurmError as exc:
+            log.warning("could not forward %s to the job's tasks: %s; ranks on this node still got the request "
+                        "over the control socket", name, exc)
+
+    def _send_deferred_signal(self, server: ControlServer, now: float) -> None:
+        """Send the save signal held back while no rank had registered, once one has (every rank traps it
+        then), or at half the time to the deadline (ranks that never register: no Checkpointer)."""
+        stop = self.stop
+        if self._deferred_signal is None or stop is None or now < self._deferred_check_at:
+            return
+        self._deferred_check_at = now + 0.5
+        registered = bool(server.status()["ranks"])
+        if registered and not self._multi_node():
+            self._deferred_signal = None  # one node: the socket reached every rank
+            return
+        if registered or now >= stop.at + (stop.deadline - stop.at) / 2:
+            sig, self._deferred_signal = self._deferred_signal, None
+            self._send_save_signal(sig)
+
     def _teardown(self, children: Children, grace: float) -> None:
         if self.srun and self.job_id:
-            try:  # every task on every node; srun then exits
-                self.slurm.signal(self.job_id, signal.SIGKILL)
+            try:  # every task of the ranks' steps on every node; srun then exits
+                self._kill_rank_steps()
             except SlurmError as exc:
                 log.warning("could not kill the job's steps through Slurm: %s", exc)
         children.teardown(grace)
+
+    def _kill_rank_steps(self) -> None:
+        """SIGKILL to the job's steps but the batch script (this launcher), the extern step and the drain
+        daemon's step: `scancel --signal=KILL <job>` would cancel the whole job, and the launcher must
+        outlive the ranks to restart them in-job or requeue."""
+        assert self.job_id is not None
+        keep = (".batch", ".extern")
+        steps = [sid for sid, name in self.slurm.steps(self.job_id)
+                 if not sid.endswith(keep) and name != DAEMON_STEP_NAME]
+        for sid in steps:
+            self.slurm.signal(self.job_id, signal.SIGKILL, step=sid.split(".", 1)[1])
+        log.info("SIGKILL to the ranks' job steps %s", ", ".join(steps) or "(none left)")
 
     def _on_event(self, ev: TrapEvent, children: Children, server: ControlServer) -> None:
         log.warning("received %s", ev.source)
@@ -359,11 +518,18 @@ class Launcher:
             if self.srun and self.job_id and (self._multi_node() or not registered):
                 # Ranks on other nodes have no socket to this launcher (and on this node, none may have
                 # registered): reach them through Slurm.
-                try:
-                    self.slurm.signal(self.job_id, sig)
-                except SlurmError as exc:
-                    log.warning("could not forward SIG%s to the job's tasks: %s; ranks on this node still got "
-                                "the request over the control socket", sig_name, exc)
+                if not registered and self.env.get("RSLURM_CONTROL_SOCKET", "").strip().lower() != "off":
+                    # No rank said hello yet: they are still starting (importing torch, restoring), where
+                    # the save signal's default action would kill them. A hello comes after a collective
+                    # every rank enters with its traps installed, so the signal waits for the first one
+                    # (or half the time to the deadline); the request is already on the socket, and the
+                    # ranks' first step shares it with every rank.
+                    self._deferred_signal = sig
+                    log.info("no rank registered yet (still starting): SIG%s goes to the job's tasks once one "
+                             "does", sig_name)
+                    self._event("save_signal_deferred", signal=f"SIG{sig_name}")
+                else:
+                    self._send_save_signal(sig)
             elif not self.srun and not registered:
                 # No rank registered on the socket (still starting, socket off, or a program without a
                 # Checkpointer): forward SIGTERM, which a Checkpointer traps like the save signal and
@@ -417,6 +583,8 @@ class Launcher:
         base = Outcome(Reason.COMPLETED, committed_step=committed, restored_step=baseline,
                        restart_count=self.restart_count, job_id=self.job_id)
         stop = self.stop
+        if self.hang is not None:
+            return replace(base, reason=Reason.HANG, detail=self.hang.describe())
         if stop is not None:
             # We asked the ranks to stop (or tore them down): whatever their exit codes, the job was
             # stopped from outside and can go on from the last commit.
@@ -450,7 +618,7 @@ class Launcher:
         """Give the newest committed step a bounded chance to become durable before the requeue (or the
         end of a completed job): within the deadline when stopped, ``durable_wait`` at most."""
         step = outcome.committed_step
-        if self.drain is None or step is None or outcome.reason in (Reason.USER_ERROR, Reason.NODE_FAILURE,
+        if self.drain is None or step is None or outcome.reason in (Reason.USER_ERROR, Reason.NODE_FAILURE, Reason.HANG,
                                                                    Reason.STORAGE_UNAVAILABLE):
             return
         now = time.time()

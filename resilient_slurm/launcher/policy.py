@@ -55,6 +55,7 @@ class Reason(str, Enum):
     PREEMPTED = "preempted"                  # Slurm preemption (SIGTERM with GraceTime)
     TIME_LIMIT = "time_limit"                # the job's time limit (SIGUSR1 from --signal, or SIGTERM)
     NODE_FAILURE = "node_failure"            # a rank vanished: killed by a signal we did not send
+    HANG = "hang"                            # no progress on the launcher's node past the hang timeout
     CLOUD_TERMINATION = "cloud_termination"  # the cloud provider announced the instance's end
     STORAGE_UNAVAILABLE = "storage_unavailable"  # a rank could not restore: checkpoint storage failed
     USER_ERROR = "user_error"                # a rank exited non-zero on its own
@@ -62,7 +63,7 @@ class Reason(str, Enum):
 
 
 # Reasons caused by the environment, not the program: a restart can succeed.
-RESTARTABLE = frozenset({Reason.PREEMPTED, Reason.TIME_LIMIT, Reason.NODE_FAILURE, Reason.CLOUD_TERMINATION,
+RESTARTABLE = frozenset({Reason.PREEMPTED, Reason.TIME_LIMIT, Reason.NODE_FAILURE, Reason.HANG, Reason.CLOUD_TERMINATION,
                          Reason.STORAGE_UNAVAILABLE})
 
 
@@ -313,6 +314,11 @@ class MaxRestartsRule:
                 f"restarts are expected, then {_release_hint(outcome)}")
 
 
+def describe_outcome(outcome: Outcome) -> str:
+    """A few words on why the incarnation (or one run of the ranks) ended, for messages and events."""
+    return _describe(outcome)
+
+
 def _describe(outcome: Outcome) -> str:
     """A few words on why the incarnation ended, for messages."""
     r = outcome.reason
@@ -320,6 +326,8 @@ def _describe(outcome: Outcome) -> str:
         who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
         how = f" by {_signal_name(outcome.signal)}" if outcome.signal is not None else ""
         return f"node failure ({who} was killed{how}, not by rslurm: out of memory or node lost?)"
+    if r is Reason.HANG:
+        return f"a hang ({outcome.detail})" if outcome.detail else "a hang"
     if r is Reason.TIME_LIMIT:
         return "the time limit"
     if r is Reason.CLOUD_TERMINATION:
@@ -441,6 +449,7 @@ def replay(policy: RequeuePolicy, outcomes: Iterable[Outcome],
 
 
 __all__ = [
+    "describe_outcome",
     "HOLD_EXIT_CODE", "REQUEUE_EXIT_CODE", "RESTARTABLE", "Action", "Decision", "HoldRule", "Incarnation",
     "MaxRestartsRule", "NoProgressRule", "Outcome", "ProgressHistory", "Reason", "RequeuePolicy", "replay",
     "restore_unavailable", "traceback_location",

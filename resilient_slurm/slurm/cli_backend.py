@@ -475,6 +475,15 @@ class CliSlurmClient(SlurmClient):
             + (f"; did you mean {', '.join(close)}?" if close else "")
             + f" (`scontrol show config` lists {len(conf)} keys)", command=("scontrol", "show", "config"))
 
+    def steps(self, job_id: int | str) -> list[tuple[str, str]]:
+        cp = self.run(["squeue", "--noheader", "--steps", f"--jobs={job_id}", "--format=%i|%j"])
+        out = []
+        for line in cp.stdout.splitlines():
+            sid, sep, name = line.strip().partition("|")
+            if sep and sid:
+                out.append((sid, name))
+        return out
+
     def hostnames(self, nodelist: str) -> list[str]:
         if not nodelist.strip():
             return []

@@ -156,6 +156,11 @@ class SlurmClient(ABC):
     def hostnames(self, nodelist: str) -> list[str]:
         """Expand a Slurm node list (``n[1-2],gpu07``) into host names, as Slurm does."""
 
+    @abstractmethod
+    def steps(self, job_id: int | str) -> list[tuple[str, str]]:
+        """The job's running steps as ``(step id, step name)``: ``("12.0", "python")``, ``("12.batch",
+        "batch")``, ``("12.extern", "extern")``."""
+
     def config_seconds(self, key: str) -> float | None:
         """A duration setting in seconds (``KillWait``, ``MessageTimeout``); None for INFINITE/UNLIMITED."""
         return parse_duration(self.config_value(key))

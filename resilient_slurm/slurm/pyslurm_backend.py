@@ -95,5 +95,8 @@ class PyslurmSlurmClient(SlurmClient):
     def hostnames(self, nodelist: str) -> list[str]:
         return self.cli.hostnames(nodelist)
 
+    def steps(self, job_id: int | str) -> list[tuple[str, str]]:
+        return self.cli.steps(job_id)
+
 
 __all__ = ["INSTALL_HINT", "PYSLURM_AVAILABLE", "PYSLURM_IMPORT_ERROR", "PyslurmSlurmClient"]

@@ -1,0 +1,148 @@
+"""Hang detection: the launcher reads its node's rank heartbeats and decides when the job is hung.
+
+Who calls what, and when (:class:`~resilient_slurm.launcher.launch.Launcher` does all of it):
+
+1. ``HangWatch(socket_path, timeout=..., startup_timeout=...)`` before the ranks start.
+2. ``watch.check(now)`` from the launcher's loop (it reads the heartbeats at most once a second):
+   None while every rank moves, else a :class:`Hang` naming the ranks that stopped, their last step and
+   the limit they passed.
+
+A rank is judged by the limit of where it is:
+
+* before its first ``step()`` (section ``startup``, which covers the restore): ``startup_timeout``,
+  counted from when its Checkpointer was built;
+* inside a section with its own limit (``ckpt.section("eval", timeout=...)``): that limit;
+* otherwise the hang timeout: ``timeout`` when set, else adaptive, ``ADAPTIVE_FACTOR`` times the slowest
+  step time seen in the last ``WINDOW`` steps (a step time is the time between two beats divided by the
+  steps between them), never below ``ADAPTIVE_FLOOR_S``.
+
+Only ranks on the launcher's node are seen. A hung collective stops every rank, and a rank stuck on its
+own (a filesystem, a deadlock) stops its peers at their next collective, so the node's ranks stop too.
+A rank whose record is gone ended on its own (the Checkpointer removes it when it closes).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..control.heartbeat import Heartbeat, read_heartbeats
+
+ADAPTIVE_FACTOR = 10.0
+ADAPTIVE_FLOOR_S = 120.0
+WINDOW = 50
+READ_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """One rank that passed its limit."""
+
+    rank: int
+    pid: int
+    step: int          # -1: it never reached a step
+    section: str       # "startup", the program's section, or ""
+    idle_s: float      # seconds since its last beat (or since its section began)
+    limit_s: float
+
+    def to_json(self) -> dict[str, object]:
+        return {"rank": self.rank, "pid": self.pid, "last_step": self.step, "section": self.section,
+                "idle_s": round(self.idle_s, 3), "limit_s": round(self.limit_s, 3)}
+
+
+@dataclass(frozen=True)
+class Hang:
+    """The launcher's verdict: these ranks stopped making progress."""
+
+    stuck: tuple[Stuck, ...]
+    ranks_seen: int
+
+    def describe(self) -> str:
+        parts = []
+        for s in self.stuck[:8]:
+            where = f"before its first step ({s.section})" if s.step < 0 else (
+                f"after step {s.step}" + (f" in section {s.section!r}" if s.section else ""))
+            parts.append(f"rank {s.rank} {where}, idle {s.idle_s:.0f} s > {s.limit_s:.0f} s")
+        more = f"; and {len(self.stuck) - 8} more" if len(self.stuck) > 8 else ""
+        return "; ".join(parts) + more
+
+
+@dataclass
+class _Track:
+    last: Heartbeat
+    times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+
+class HangWatch:
+    """Reads the heartbeats of one node's ranks and judges them (see the module docstring)."""
+
+    def __init__(self, socket_path: str, *, timeout: float | None, startup_timeout: float) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout                # None: adaptive; inf: off
+        self.startup_timeout = startup_timeout
+        self._tracks: dict[int, _Track] = {}
+        self._next_read = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return not (self.timeout is not None and math.isinf(self.timeout))
+
+    def observe(self, beats: dict[int, Heartbeat]) -> None:
+        """Take in a reading (``check`` reads for itself; tests feed this directly)."""
+        for rank, hb in beats.items():
+            t = self._tracks.get(rank)
+            if t is None or t.last.pid != hb.pid:
+                self._tracks[rank] = _Track(hb)
+                continue
+            if hb.step > t.last.step >= 0 and hb.beat_t > t.last.beat_t:
+                t.times.append((hb.beat_t - t.last.beat_t) / (hb.step - t.last.step))
+            t.last = hb
+        for rank in list(self._tracks):
+            if rank not in beats:  # closed: the rank ended on its own
+                del self._tracks[rank]
+
+    def tracks(self) -> dict[int, _Track]:
+        """The ranks seen, with their last record."""
+        return dict(self._tracks)
+
+    def step_limit(self) -> float:
+        """The hang timeout now: the setting, or the adaptive one."""
+        if self.timeout is not None:
+            return self.timeout
+        slowest = max((max(t.times) for t in self._tracks.values() if t.times), default=0.0)
+        return max(ADAPTIVE_FLOOR_S, ADAPTIVE_FACTOR * slowest)
+
+    def judge(self, now: float) -> Hang | None:
+        """The verdict on what was last observed."""
+        if not self.enabled or not self._tracks:
+            return None
+        step_limit = self.step_limit()
+        stuck = []
+        for rank, t in sorted(self._tracks.items()):
+            hb = t.last
+            if hb.section == "startup":
+                limit, since = self.startup_timeout, hb.section_t
+            elif hb.section and hb.section_timeout > 0:
+                limit, since = hb.section_timeout, hb.section_t
+            else:
+                limit, since = step_limit, hb.beat_t
+            idle = now - since
+            if idle > limit:
+                stuck.append(Stuck(rank, hb.pid, hb.step, hb.section, idle, limit))
+        return Hang(tuple(stuck), len(self._tracks)) if stuck else None
+
+    def check(self, now: float | None = None) -> Hang | None:
+        """Read the heartbeats (at most once a second) and judge them."""
+        if not self.enabled:
+            return None
+        now = time.time() if now is None else now
+        if now < self._next_read:
+            return None
+        self._next_read = now + READ_EVERY_S
+        self.observe(read_heartbeats(self.socket_path))
+        return self.judge(now)
+
+
+__all__ = ["ADAPTIVE_FACTOR", "ADAPTIVE_FLOOR_S", "Hang", "HangWatch", "Stuck"]

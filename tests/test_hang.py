@@ -1,0 +1,254 @@
+"""Hang detection: rank heartbeats (control/heartbeat.py) read by the launcher (launcher/hang.py).
+
+End to end in local mode (``rslurm launch -n 2``, real processes, gloo, real signals): a rank that stops
+in the middle of training (its peer then waits in an all_reduce: a hung collective) and a rank that
+stops before its first step are found within the configured timeout; every rank's Python stacks (all
+threads) are written to the run directory; a ``hang`` event names the ranks and their last step; the
+process trees are torn down; the launcher exits 75 (restartable); and running the command again resumes
+from the last commit and ends bitwise identical to a run that never hung. A rank inside a section with
+its own limit is not a hang. The heartbeat record and the adaptive timeout are tested as units.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import REPO, assert_same, clean_env, read_jsonl
+from test_telemetry import check_records, read_docs
+
+from resilient_slurm.control.heartbeat import Heartbeat, HeartbeatWriter, heartbeat_path, read_heartbeats
+from resilient_slurm.launcher.hang import ADAPTIVE_FACTOR, ADAPTIVE_FLOOR_S, HangWatch
+
+WORKER = [sys.executable, str(REPO / "tests" / "workers" / "hang_worker.py")]
+REQUEUE = 75
+STEPS = 12
+
+
+def _launch(tmp: Path, out: Path, *worker_args: str, env: dict[str, str] | None = None,
+            timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    e = clean_env({"RSLURM_LOCAL_DIR": str(tmp / "nvme"), "RSLURM_RUN_ID": "hang", "RSLURM_NODE_NAME": "n1",
+                   "RSLURM_CONTROL_DIR": str(tmp / "ctl"), "RSLURM_DAEMON": "off", **(env or {})})
+    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", *WORKER,
+                           "--steps", str(STEPS), "--out", str(out), *worker_args],
+                          env=e, cwd=tmp, capture_output=True, text=True, timeout=timeout)
+
+
+def _events(tmp: Path) -> list[dict]:
+    return read_jsonl(tmp / "nvme" / "hang" / "events.jsonl")
+
+
+def _reference(tmp: Path) -> Path:
+    ref = tmp / "ref"
+    (ref / "out").mkdir(parents=True)
+    r = _launch(ref, ref / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return ref / "out"
+
+
+def _no_worker_left(out: Path) -> None:
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert not left, [p.info["cmdline"] for p in left]
+
+
+def _assert_like(ref: Path, out: Path) -> None:
+    for rank in (0, 1):
+        assert_same(torch.load(ref / f"final.{rank}.pt", weights_only=True),
+                    torch.load(out / f"final.{rank}.pt", weights_only=True), f"rank{rank}")
+
+
+def _restored_steps(work: Path) -> list[int]:
+    return [e["step"] for e in _events(work) if e["event"] == "restore" and e.get("rank") == 0]
+
+
+@pytest.mark.parametrize("where", ["collective", "startup"])
+def test_a_hang_is_found_its_stacks_written_and_the_ranks_restarted_in_job(tmp_path: Path, where: str) -> None:
+    """Rank 1 stops after step 5 (rank 0 then waits in step 6's all_reduce), or rank 0 stops before its
+    restore (rank 1 waits in the restore's collective): found past the limit, stacks of every thread of
+    every rank written, a hang event, the process trees torn down, and the ranks restarted in the same
+    launcher run from the last commit: exit 0, bitwise identical to a run that never hung."""
+    ref = _reference(tmp_path)
+    work = tmp_path / "work"
+    out = work / "out"
+    out.mkdir(parents=True)
+    hang = ["--hang-at", "5", "--hang-rank", "1"] if where == "collective" else ["--hang-startup", "--hang-rank", "0"]
+    env = {"RSLURM_HANG_TIMEOUT": "4", "RSLURM_HANG_STARTUP_TIMEOUT": "20" if where == "collective" else "6"}
+    t0 = time.time()
+    r = _launch(work, out, *hang, env=env)
+    diag = r.stderr[-4000:]
+    assert r.returncode == 0, diag
+    _no_worker_left(out)
+    [ev] = [e for e in _events(work) if e["event"] == "hang"]
+    check_records(read_docs(), _events(work))  # every record, the hang included, as docs/telemetry.md says
+    stuck = {s["rank"]: s for s in ev["ranks"]}
+    if where == "collective":
+        # rank 1 sleeps after step 5; rank 0 waits in step 6's all_reduce: both stop at step 5
+        assert set(stuck) == {0, 1} and {s["last_step"] for s in stuck.values()} == {5}, ev
+        assert ev["timeout_s"] == 4 and all(s["limit_s"] == 4 for s in stuck.values()), ev
+    else:
+        # rank 0 sleeps before its restore; rank 1 waits for it in the restore's collective
+        assert {s["section"] for s in stuck.values()} == {"startup"} and 0 in stuck, ev
+        assert all(s["last_step"] == -1 and s["limit_s"] == 6 for s in stuck.values()), ev
+    assert ev["t"] - t0 < 200  # found, not left to the test's own timeout
+    for rank in (0, 1):  # every rank's stacks, all threads, in the run directory
+        text = (work / "nvme" / "hang" / "stacks" / f"rank{rank}.txt").read_text()
+        assert "thread 0x" in text.lower() and "hang_worker.py" in text, text
+    hung_rank = 1 if where == "collective" else 0
+    assert "_sleep_forever" in (work / "nvme" / "hang" / "stacks" / f"rank{hung_rank}.txt").read_text()
+    [restart] = [e for e in _events(work) if e["event"] == "in_job_restart"]
+    assert restart["outcome"] == "hang" and restart["attempt"] == 1, restart
+    assert "hang:" in r.stderr and "restarting the ranks" in r.stderr, diag
+    # the restarted ranks resumed from the last commit (step 4 for the collective hang; none before it)
+    assert _restored_steps(work) == ([4] if where == "collective" else []), _events(work)
+    _assert_like(ref, out)
+
+
+def test_without_in_job_restarts_a_hang_requeues_and_the_rerun_resumes(tmp_path: Path) -> None:
+    ref = _reference(tmp_path)
+    work = tmp_path / "work"
+    out = work / "out"
+    out.mkdir(parents=True)
+    env = {"RSLURM_HANG_TIMEOUT": "4", "RSLURM_IN_JOB_RESTARTS": "0"}
+    r = _launch(work, out, "--hang-at", "5", "--hang-rank", "1", env=env)
+    assert r.returncode == REQUEUE, r.stderr[-4000:]
+    _no_worker_left(out)
+    assert [e["event"] for e in _events(work)].count("hang") == 1
+    assert not [e for e in _events(work) if e["event"] == "in_job_restart"]
+    r2 = _launch(work, out, "--hang-at", "5", "--hang-rank", "1", env=env)
+    assert r2.returncode == 0, r2.stderr[-4000:]
+    assert _restored_steps(work) == [4]
+    _assert_like(ref, out)
+
+
+@pytest.mark.parametrize("sig", ["KILL", "SEGV"])
+def test_a_crashed_rank_is_restarted_in_job_and_ends_bitwise(tmp_path: Path, sig: str) -> None:
+    """Rank 1 dies by SIGKILL or a real segmentation fault after step 7: the launcher
+    tears down its peer, restarts both from the last commit in the same run after a short backoff, exit 0."""
+    ref = _reference(tmp_path)
+    work = tmp_path / "work"
+    out = work / "out"
+    out.mkdir(parents=True)
+    r = _launch(work, out, "--crash-at", "7", "--crash-rank", "1", "--crash-signal", sig)
+    assert r.returncode == 0, r.stderr[-4000:]
+    [restart] = [e for e in _events(work) if e["event"] == "in_job_restart"]
+    # step 6's save is asynchronous: usually committed before the crash, else step 4 is the newest
+    assert restart["outcome"] == "node_failure" and restart["committed_step"] in (4, 6), restart
+    assert f"SIG{sig}" in restart["detail"], restart
+    assert _restored_steps(work) == [restart["committed_step"]]
+    _assert_like(ref, out)
+
+
+@pytest.mark.parametrize("limit", ["in_job_restarts", "no_progress_limit"])
+def test_repeated_crashes_fall_back_to_requeue(tmp_path: Path, limit: str) -> None:
+    """A rank that dies after step 3 at every run (step 2 is the newest commit): two in-job restarts, then
+    the launcher falls back to the requeue path (exit 75 in local mode) instead of looping; either because
+    in_job_restarts=2 are used up, or because two restarts in a row committed nothing new
+    (no_progress_limit=2, with in_job_restarts=5)."""
+    work = tmp_path / "work"
+    out = work / "out"
+    out.mkdir(parents=True)
+    env = ({"RSLURM_IN_JOB_RESTARTS": "2"} if limit == "in_job_restarts"
+           else {"RSLURM_IN_JOB_RESTARTS": "5", "RSLURM_NO_PROGRESS_LIMIT": "2"})
+    r = _launch(work, out, "--crash-at", "3", "--crash-rank", "0", "--always", env=env)
+    assert r.returncode == REQUEUE, r.stderr[-4000:]
+    restarts = [e for e in _events(work) if e["event"] == "in_job_restart"]
+    assert [e["attempt"] for e in restarts] == [1, 2], restarts
+    assert restarts[1]["backoff_s"] > restarts[0]["backoff_s"], restarts
+    why = "in-job restarts used up" if limit == "in_job_restarts" else "committed nothing new"
+    assert why in r.stderr, r.stderr[-3000:]
+
+
+def test_a_section_with_its_own_limit_is_not_a_hang_and_off_disables(tmp_path: Path) -> None:
+    """Every rank spends 4 s in ``ckpt.section("eval", timeout=30)`` with a 2 s hang timeout: no hang. With
+    ``hang_timeout=off``, a 4 s section without a limit is no hang either."""
+    for env, section_timeout in (({"RSLURM_HANG_TIMEOUT": "2"}, "30"), ({"RSLURM_HANG_TIMEOUT": "off"}, None)):
+        work = tmp_path / f"w{len(env)}{section_timeout}"
+        out = work / "out"
+        out.mkdir(parents=True)
+        args = ["--section-at", "3", *(["--section-timeout", section_timeout] if section_timeout else [])]
+        r = _launch(work, out, *args, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert not [e for e in _events(work) if e["event"] == "hang"]
+
+
+# ------------------------------------------------------------------------------------------------ units
+def test_the_record_round_trips_and_is_removed_at_close(tmp_path: Path) -> None:
+    sock = str(tmp_path / "job.n1.sock")
+    w = HeartbeatWriter(heartbeat_path(sock, 3))
+    hb = read_heartbeats(sock)[3]
+    assert (hb.pid, hb.step, hb.section) == (os.getpid(), -1, "startup")
+    w.beat(7)
+    hb = read_heartbeats(sock)[3]
+    assert (hb.step, hb.section) == (7, "") and abs(hb.beat_t - time.time()) < 60
+    prev = w.section("eval", 90)
+    hb = read_heartbeats(sock)[3]
+    assert (hb.section, hb.section_timeout) == ("eval", 90)
+    w.resume(prev)
+    assert read_heartbeats(sock)[3].section == ""
+    (tmp_path / "job.n1.sock.hb.x").write_text("not a rank")  # ignored
+    os.symlink(tmp_path / "elsewhere", tmp_path / "job.n1.sock.hb.9")  # a link is not read
+    assert set(read_heartbeats(sock)) == {3}
+    w.close()
+    assert read_heartbeats(sock) == {}
+
+
+def test_a_reader_never_sees_a_torn_record(tmp_path: Path) -> None:
+    """A writer in another process beats as fast as it can; every record read is one it wrote whole
+    (the time and the step move together: beat_t was taken after the step was set)."""
+    sock = str(tmp_path / "s")
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r})\n"
+            "from resilient_slurm.control.heartbeat import HeartbeatWriter, heartbeat_path\n"
+            f"w = HeartbeatWriter(heartbeat_path({sock!r}, 0)); print('ready', flush=True)\n"
+            "for i in range(2_000_000): w.beat(i)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    seen = []
+    while p.poll() is None and len(seen) < 3000:
+        hb = read_heartbeats(sock).get(0)
+        if hb is not None:
+            seen.append(hb)
+    p.kill()
+    p.wait()
+    steps = [h.step for h in seen]
+    assert steps == sorted(steps) and len(set(steps)) > 10, steps[:20]
+
+
+def _hb(rank: int, step: int, t: float, section: str = "", section_t: float = 0.0, limit: float = 0.0,
+        pid: int = 100) -> Heartbeat:
+    return Heartbeat(rank, pid, step, t, section, section_t, limit)
+
+
+def test_the_adaptive_timeout_follows_the_slowest_recent_step() -> None:
+    w = HangWatch("/nonexistent", timeout=None, startup_timeout=50)
+    w.observe({0: _hb(0, -1, 0.0, "startup", 0.0)})
+    assert w.judge(49) is None and w.judge(51) is not None  # startup limit, from the section's start
+    w.observe({0: _hb(0, 1, 60.0)})
+    for s in range(2, 12):
+        w.observe({0: _hb(0, s, 60.0 + 2.0 * (s - 1))})  # 2 s steps
+    assert w.step_limit() == ADAPTIVE_FLOOR_S
+    w.observe({0: _hb(0, 13, 60.0 + 20 + 40.0)})  # one 20 s step: 10 x 20 s
+    assert w.step_limit() == ADAPTIVE_FACTOR * 20.0
+    last = 60.0 + 20 + 40.0
+    assert w.judge(last + 199) is None
+    hang = w.judge(last + 201)
+    assert hang is not None and hang.stuck[0].step == 13 and "after step 13" in hang.describe()
+
+
+def test_sections_restarts_and_closed_ranks() -> None:
+    w = HangWatch("/nonexistent", timeout=5, startup_timeout=50)
+    w.observe({0: _hb(0, 3, 100.0, "eval", 100.0, 60.0), 1: _hb(1, 3, 100.0)})
+    hang = w.judge(110)
+    assert hang is not None and [s.rank for s in hang.stuck] == [1]  # rank 0 is inside its 60 s section
+    w.observe({0: _hb(0, 3, 100.0, "eval", 100.0, 60.0)})  # rank 1's record is gone: it ended on its own
+    assert w.judge(110) is None and w.judge(161) is not None
+    w.observe({0: _hb(0, -1, 200.0, "startup", 200.0, pid=101)})  # a new process for rank 0
+    assert w.judge(240) is None
+    off = HangWatch("/nonexistent", timeout=float("inf"), startup_timeout=1)
+    off.observe({0: _hb(0, 1, 0.0)})
+    assert not off.enabled and off.check(1e9) is None
