@@ -104,8 +104,11 @@ def test_a_hang_is_found_its_stacks_written_and_the_ranks_restarted_in_job(tmp_p
     [restart] = [e for e in _events(work) if e["event"] == "in_job_restart"]
     assert restart["outcome"] == "hang" and restart["attempt"] == 1, restart
     assert "hang:" in r.stderr and "restarting the ranks" in r.stderr, diag
-    # the restarted ranks resumed from the last commit (step 4 for the collective hang; none before it)
+    # the restarted ranks resumed from the last commit (step 4 for the collective hang; none before it),
+    # and the launcher says what they restored, not what was on disk when it started
     assert _restored_steps(work) == ([4] if where == "collective" else []), _events(work)
+    said = "the ranks resumed from step 4" if where == "collective" else "the ranks resumed from nothing (a fresh start)"
+    assert said in r.stderr, diag
     _assert_like(ref, out)
 
 

@@ -31,6 +31,7 @@ the outside. The ranks and the drain daemon on this node append to the same file
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -53,11 +54,11 @@ from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmE
 from ..jobenv import JobEnv
 from ..layout import list_run_dir
 from ..manifest import MANIFEST_NAME, read_manifest_file, step_dirname
-from ..paths import default_local_dir, default_run_id, expand_local_dir, node_name
+from ..paths import default_local_dir, default_run_id, expand_local_dir, node_name, open_regular
 from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import expand_hostlist, remaining_seconds
 from ..storage.fileio import atomic_write
-from ..telemetry import EventLog
+from ..telemetry import EventLog, events_path
 from .cloud import Notice, TerminationNoticeWatcher
 from .durability import DAEMON_STEP_NAME, JobDrain
 from .hang import Hang, HangWatch
@@ -597,7 +598,8 @@ class Launcher:
             reason = Reason.PREEMPTED
             if job is not None and job.preempt_time is None and remaining_seconds(job, time.time()) <= TIME_LIMIT_WINDOW:
                 reason = Reason.TIME_LIMIT
-            return replace(base, reason=reason, detail="ranks took an emergency checkpoint on a signal from Slurm")
+            source = "a signal from Slurm" if self.job_id else "a signal sent to the ranks, not to the launcher"
+            return replace(base, reason=reason, detail=f"ranks took an emergency checkpoint on {source}")
         if killed:
             first = killed[0]
             job = self._job_info()
@@ -670,9 +672,36 @@ class Launcher:
             return ProgressHistory()
         return history
 
+    def _ranks_resumed_from(self) -> str:
+        """What this node's ranks reported restoring in this launcher run (their ``restore`` events; the
+        last run of the ranks after in-job restarts), in words: the step on disk at the start is only
+        what they could resume from."""
+        last: dict[int, int] = {}
+        started = self.timings.get("start", 0.0)
+        try:
+            fd = open_regular(events_path(os.path.dirname(self.run_dir), self.run_id), os.O_RDONLY | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                lines = f.read(64 << 20).splitlines()
+        except (OSError, ConfigError):  # none yet, or a link or special file there
+            return "unknown (no event log)"
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if (isinstance(rec, dict) and rec.get("source") == "rank" and rec.get("event") in ("restore", "restore_none")
+                    and isinstance(rec.get("t"), (int, float)) and rec["t"] >= started and isinstance(rec.get("rank"), int)):
+                last[rec["rank"]] = int(rec.get("step") or 0) if rec["event"] == "restore" else 0
+        if not last:
+            return "nothing (no rank on this node reported a restore)"
+        steps = sorted(set(last.values()))
+        if steps == [0]:
+            return "nothing (a fresh start)"
+        return f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
+
     def _act(self, outcome: Outcome) -> LaunchResult:
-        log.info("incarnation ended: %s (committed step %s, resumed from %s)", outcome.reason.value,
-                 outcome.committed_step, outcome.restored_step)
+        log.info("incarnation ended: %s (committed step %s; the ranks resumed from %s)", outcome.reason.value,
+                 outcome.committed_step, self._ranks_resumed_from())
         if not self.job_id:
             return self._act_local(outcome)
         history = self._read_history()
