@@ -268,3 +268,34 @@ RuntimeError: shape mismatch
 def test_traceback_location() -> None:
     assert traceback_location(TRACEBACK) == "/home/u/model.py:57 in forward"
     assert traceback_location("Killed\n") is None
+
+
+def test_an_error_raised_in_library_code_names_the_users_line() -> None:
+    """A restore that refuses a checkpoint raises inside rslurm: the location is the user's call, with
+    the library frame after it (it used to name restore.py alone)."""
+    import os
+
+    import torch
+
+    import resilient_slurm
+
+    pkg = os.path.dirname(resilient_slurm.__file__)
+    tb = (f'''Traceback (most recent call last):
+  File "/home/u/train.py", line 91, in main
+    step = ckpt.restore(state)
+  File "{pkg}/checkpoint/checkpointer.py", line 212, in restore
+    step = self._engine.restore(state, rank_map=rank_map)
+  File "{pkg}/checkpoint/restore.py", line 140, in restore
+    raise IncompatibleCheckpointError("...")
+  File "{os.path.dirname(torch.__file__)}/serialization.py", line 9, in load
+    raise X
+resilient_slurm.errors.IncompatibleCheckpointError: ...
+''')
+    assert traceback_location(tb) == f"/home/u/train.py:91 in main (raised in {os.path.dirname(torch.__file__)}/serialization.py:9)"
+    only_library = f'''Traceback (most recent call last):
+  File "{pkg}/cli.py", line 3, in main
+    x()
+'''
+    assert traceback_location(only_library) == f"{pkg}/cli.py:3 in main"
+    # frames of an earlier traceback (the one being handled) do not count as the user's
+    assert traceback_location(TRACEBACK + tb) == traceback_location(tb)

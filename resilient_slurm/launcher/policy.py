@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -421,20 +422,49 @@ def restore_unavailable(text: str) -> bool:
     return _RESTORE_UNAVAILABLE.search(text) is not None
 
 
+_TRACEBACK_START = re.compile(r"^(?:\[rank\d+\]:|\d+: )?\s*Traceback \(most recent call last\):", re.M)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where code that is not the user's lives: this package, the standard library, site-packages."""
+    import sysconfig
+
+    dirs = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            dirs.add(os.path.abspath(path))
+    return tuple(d.rstrip(os.sep) + os.sep for d in dirs)
+
+
 def traceback_location(text: str, rank: int | None = None) -> str | None:
-    """The innermost ``file:line in func`` of the last Python traceback in ``text`` (a rank's stderr).
+    """Where the last Python traceback in ``text`` (a rank's stderr) points: the innermost frame in the
+    user's code (``file:line in func``), or the innermost frame when every frame is library code. An error
+    raised inside rslurm or torch (a restore that refused a checkpoint) then names the user's line that
+    called it, with the library frame after it: ``train.py:91 in main (raised in .../restore.py:212)``.
 
     With ``rank``, lines prefixed for that rank (``[rank1]: ``, ``1: ``) are preferred when there are any,
     so the failing rank's own traceback is named when several ranks print one."""
+    starts = [m.start() for m in _TRACEBACK_START.finditer(text)]
     matches = list(_TRACEBACK_LINE.finditer(text))
     if rank is not None:
         own = [m for m in matches if str(rank) in (m["rank"], m["label"])]
         matches = own or matches
     if not matches:
         return None
-    m = matches[-1]
-    func = f" in {m['func']}" if m["func"] else ""
-    return f"{m['file']}:{m['line']}{func}"
+    begin = max((s for s in starts if s <= matches[-1].start()), default=0)
+    frames = [m for m in matches if m.start() >= begin] or matches[-1:]
+
+    def where(m: re.Match[str]) -> str:
+        func = f" in {m['func']}" if m["func"] else ""
+        return f"{m['file']}:{m['line']}{func}"
+
+    library = _library_dirs()
+    inner = frames[-1]
+    users = [m for m in frames if not os.path.abspath(m["file"]).startswith(library)]
+    if not users or users[-1] is inner:
+        return where(inner)
+    return f"{where(users[-1])} (raised in {inner['file']}:{inner['line']})"
 
 
 def replay(policy: RequeuePolicy, outcomes: Iterable[Outcome],
