@@ -87,9 +87,9 @@ def test_loader_state_is_plain_data_and_restores_the_exact_position(tmp_path: Pa
 
 
 # --------------------------------------------------------------------------------------- end to end
-def _launch(work: Path, *extra: str) -> subprocess.Popen[bytes]:
+def _launch(work: Path, *extra: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     work.mkdir(parents=True, exist_ok=True)
-    env = clean_env({"RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"), "RSLURM_RUN_ID": "sdl"})
+    env = clean_env({"RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"), "RSLURM_RUN_ID": "sdl", **(env_extra or {})})
     cmd = [sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", sys.executable, str(WORKER),
            "--steps", str(STEPS), "--every-steps", str(EVERY), "--log", str(work / "log.%r.jsonl"),
            "--out", str(work / "out.%r.pt"), *extra]
@@ -128,7 +128,10 @@ def test_stopped_mid_epoch_resumes_with_the_same_batches_bitwise(reference: Path
     # SIGTERM while epoch 2 runs (steps 15-21), SIGKILL in epoch 2 as well: the last interval checkpoint
     # (step 12) is then in the middle of epoch 1 (steps 8-14).
     at = 16 if how == "sigterm" else 17
-    proc = _launch(work, "--step-sleep", "0.05")  # sleeping changes nothing computed, only when
+    # SIGKILL: in-job restarts off, so the launcher exits 75 and the second launch resumes (the requeue
+    # path); an in-job restart resumes the same way (tests/test_hang.py)
+    proc = _launch(work, "--step-sleep", "0.05",  # sleeping changes nothing computed, only when
+                   env_extra={"RSLURM_IN_JOB_RESTARTS": "0"} if how == "sigkill" else None)
     deadline = time.monotonic() + 180
     while not (work / "log.0.jsonl").exists() or not any(e["step"] >= at for e in _steps(work, 0)):
         assert proc.poll() is None and time.monotonic() < deadline, (work / "launcher.log").read_text()[-3000:]
