@@ -77,7 +77,7 @@ from ..storage.fileio import (
     check_free_space,
     checksum,
     fsync_dir,
-    remove_tree,
+    remove_tree_quietly,
     round_up,
     write_file,
 )
@@ -418,7 +418,7 @@ class Engine:
                 log.error("step %d: commit in %s failed: %s", p.step, self.run_dir, exc)
                 commit_error = f"domain {topo.domain}: renaming {tmp} failed: {exc}"
         if (errors or commit_error) and topo.is_leader:
-            _remove_quietly(tmp)
+            remove_tree_quietly(tmp)
         if errors:
             msg = f"save of step {p.step} (run {self.run_id}) failed, no domain committed it: " + "; ".join(errors)
             if mismatches and self.replicas.check == "fail":
@@ -550,7 +550,7 @@ class Engine:
             os.rename(final, aside)
             os.rename(tmp, final)
             fsync_dir(self.run_dir)
-            _remove_quietly(aside)
+            remove_tree_quietly(aside)
         else:
             os.rename(tmp, final)
             fsync_dir(self.run_dir)
@@ -571,7 +571,7 @@ class Engine:
         for t in listing.temps:
             if not (spare_current and t.owned_by(self.topo.nonce)):
                 log.info("removing abandoned %s directory %s", t.kind.value, listing.temp_path(t))
-                _remove_quietly(listing.temp_path(t))
+                remove_tree_quietly(listing.temp_path(t))
 
     def apply_retention(self) -> list[int]:
         """Delete steps the policy does not keep (never the newest, never one being read)."""
@@ -655,13 +655,6 @@ def _same_plan(a: SavePlan, b: SavePlan) -> bool:
             if x.tensor_data.chunk != y.tensor_data.chunk or x.tensor_data.properties.dtype != y.tensor_data.properties.dtype:
                 return False
     return True
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        remove_tree(path)
-    except OSError as exc:
-        log.warning("could not remove %s: %s", path, exc)
 
 
 __all__ = ["Engine", "PendingSave", "SaveOutcome", "ResilientSlurmError", "shard_filename"]

@@ -48,7 +48,7 @@ from ..manifest import (
     durable_steps,
     read_durable_manifest,
 )
-from ..storage.fileio import atomic_write, check_free_space, fsync_dir, remove_tree
+from ..storage.fileio import atomic_write, check_free_space, fsync_dir, remove_tree_quietly
 from ..storage.tier import StorageTier
 from .coordination import Coordinator, Topology
 from .planning import check_metadata
@@ -148,7 +148,7 @@ class DurableFetcher:
         total = sum(by_path[p].size for p in wanted)
         check_free_space(self.run_dir, total + self.free_space_margin, what=f"fetching step {step}")
         tmp = os.path.join(self.run_dir, temp_dirname(step, TempKind.FETCH, topo.nonce))
-        _remove_quietly(tmp)
+        remove_tree_quietly(tmp)
         os.makedirs(tmp, mode=0o700)
         try:
             for p in sorted(wanted):
@@ -161,7 +161,7 @@ class DurableFetcher:
             fsync_dir(tmp)
             self.install(tmp, step, f"fetch-{topo.nonce}")
         except BaseException:
-            _remove_quietly(tmp)
+            remove_tree_quietly(tmp)
             raise
         return total
 
@@ -172,14 +172,6 @@ def _storage_failure(exc: BaseException) -> bool:
     if isinstance(exc, (CorruptCheckpointError, IncompatibleCheckpointError, PermanentError)):
         return isinstance(exc, InsufficientSpaceError)
     return isinstance(exc, (StorageError, OSError, TransientError))
-
-
-def _remove_quietly(path: str) -> None:
-    # The same as engine.py's helper, kept here so this module does not import the engine.
-    try:
-        remove_tree(path)
-    except OSError as exc:
-        log.warning("could not remove %s: %s", path, exc)
 
 
 __all__ = ["DurableFetcher", "Install"]

@@ -332,6 +332,14 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
 
 
+def remove_tree_quietly(path: str) -> None:
+    """:func:`remove_tree` for clean-ups whose failure must not fail the caller: an OSError is logged."""
+    try:
+        remove_tree(path)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
+
+
 def _ignore_missing(func: object, path: str, exc_info: tuple) -> None:  # type: ignore[type-arg]
     exc = exc_info[1]
     if isinstance(exc, FileNotFoundError):
