@@ -13,20 +13,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import errno
-import gc
-import json
 import mmap
 import os
-import platform
 import shutil
-import statistics
 import sys
-import tempfile
-import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,371 +26,57 @@ import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import (  # noqa: E402
+    GB,
+    BenchBase,
+    Cache,
+    add_wait_quiet_arg,
+    best_gbps,
+    build_state,
+    describe,
+    fmt,
+    machine_facts,
+    med,
+    now,
+    ratio,
+    raw_read,
+    raw_write,
+    release_memory,
+    remove,
+    run_main,
+    same_state,
+    state_dict_of,
+    tensors_of,
+    torch_save_fsync,
+)
+
 from resilient_slurm import Checkpointer  # noqa: E402
 from resilient_slurm.checkpoint import engine as engine_mod  # noqa: E402
 from resilient_slurm.checkpoint import restore as restore_mod  # noqa: E402
 from resilient_slurm.checkpoint import state as state_mod  # noqa: E402
 from resilient_slurm.storage import fileio  # noqa: E402
 
-warnings.filterwarnings("ignore")  # DCP warns about no_dist / experimental async on every call
-
-IO_CHUNK = 16 << 20
-BLOCK = 4096
-O_DIRECT = getattr(os, "O_DIRECT", 0)
-GB = 1e9
-MiB = 2**20
-
-# --------------------------------------------------------------------------------------------- helpers
-
-
-def now() -> float:
-    return time.perf_counter()
-
-
-def med(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def release_memory() -> None:
-    """Free what the previous phase left behind (Python objects, then glibc's free lists)."""
-    gc.collect()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class Cache:
-    """Drops the page cache: globally when allowed, else per file with posix_fadvise(DONTNEED)."""
-
-    def __init__(self) -> None:
-        self.method = "drop_caches"
-        try:
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-        except OSError:
-            self.method = "fadvise"
-
-    def drop(self, *paths: str) -> None:
-        os.sync()
-        if self.method == "drop_caches":
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-            return
-        for p in paths:
-            for f in _files(p):
-                with contextlib.suppress(OSError):
-                    fd = os.open(f, os.O_RDONLY)
-                    try:
-                        os.fdatasync(fd)
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
-
-    @property
-    def note(self) -> str:
-        if self.method == "drop_caches":
-            return "page cache dropped before each read (echo 3 > /proc/sys/vm/drop_caches)"
-        return ("not root: page cache evicted per file with posix_fadvise(DONTNEED); buffered reads "
-                "(torch.load, dcp.load) may still hit cached pages")
-
-
-def _files(path: str) -> Iterator[str]:
-    if os.path.isfile(path):
-        yield path
-        return
-    for root, _, names in os.walk(path):
-        for n in names:
-            yield os.path.join(root, n)
-
-
-def cpu_sample() -> tuple[float, float, float]:
-    """(busy CPU seconds of the whole machine, this process's CPU seconds, wall) for noise accounting."""
-    hz = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        vals = [int(v) for v in f.readline().split()[1:]]
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    busy = (sum(vals[:8]) - idle) / hz
-    t = os.times()
-    return busy, t.user + t.system, now()
-
-
-def foreign_load(a: tuple[float, float, float], b: tuple[float, float, float]) -> float:
-    """Average number of cores other processes kept busy between two samples."""
-    wall = max(b[2] - a[2], 1e-9)
-    return max(0.0, ((b[0] - a[0]) - (b[1] - a[1])) / wall)
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    os.sync()
-
-
-def fs_type(path: str) -> str:
-    path = os.path.realpath(path)
-    best, kind, dev = "", "?", "?"
-    with open("/proc/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) < 3:
-                continue
-            mnt = parts[1].replace("\\040", " ")
-            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, kind, dev = mnt, parts[2], parts[0]
-    return f"{kind} ({dev} on {best})"
-
-
-def machine_facts(target: str) -> dict[str, Any]:
-    mem = 0
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    cpu = platform.processor() or "?"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    st = os.statvfs(target)
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "memory_gib": round(mem / 2**30, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "target_dir": target,
-        "filesystem": fs_type(target),
-        "free_gib": round(st.f_bavail * st.f_frsize / 2**30, 1),
-        "loadavg_at_start": os.getloadavg()[0],
-    }
-
-
-# --------------------------------------------------------------------------------------------- state
-
-
-class Block(torch.nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln1 = torch.nn.LayerNorm(d)
-        self.qkv = torch.nn.Linear(d, 3 * d)
-        self.proj = torch.nn.Linear(d, d)
-        self.ln2 = torch.nn.LayerNorm(d)
-        self.up = torch.nn.Linear(d, 4 * d)
-        self.down = torch.nn.Linear(4 * d, d)
-
-
-class TinyLM(torch.nn.Module):
-    """Transformer-shaped parameters (never run forward): big embedding/head, 4 Linears + 2 LNs a layer."""
-
-    def __init__(self, vocab: int, d: int, layers: int, ctx: int) -> None:
-        super().__init__()
-        self.tok = torch.nn.Embedding(vocab, d)
-        self.pos = torch.nn.Embedding(ctx, d)
-        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
-        self.ln_f = torch.nn.LayerNorm(d)
-        self.head = torch.nn.Linear(d, vocab, bias=False)
-
-
-def shape_for(total_bytes: int) -> tuple[int, int, int, int]:
-    """(vocab, d, layers, ctx) whose params + 2 Adam moments (fp32) come to about ``total_bytes``."""
-    params = total_bytes // 12  # 4 bytes each, three copies (param, exp_avg, exp_avg_sq)
-    for d in (1024, 768, 512, 256, 128, 64):
-        ctx = min(1024, 4 * d)
-        per_layer = 12 * d * d + 13 * d
-        fixed = ctx * d + 2 * d
-        min_vocab = 2048
-        layers = (params - fixed - 2 * min_vocab * d) // per_layer
-        if layers >= 2 or d == 64:
-            layers = max(1, layers)
-            vocab = max(min_vocab, (params - fixed - layers * per_layer) // (2 * d))
-            return vocab, d, layers, ctx
-    raise AssertionError("unreachable")
-
-
-def build_state(total_bytes: int, seed: int, device: str = "cpu") -> tuple[TinyLM, torch.optim.Adam]:
-    """Model + Adam with exp_avg/exp_avg_sq materialized by one optimizer step, on ``device``."""
-    torch.manual_seed(seed)
-    vocab, d, layers, ctx = shape_for(total_bytes)
-    with torch.no_grad():
-        model = TinyLM(vocab, d, layers, ctx).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p).mul_(1e-2)
-    opt.step()
-    for p in model.parameters():
-        p.grad = None
-    return model, opt
-
-
-def state_dict_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": model.state_dict(), "optim": opt.state_dict()}
-
-
-def tensors_of(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tensors_of(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors_of(v)
-
-
-def describe(sd: dict[str, Any]) -> dict[str, Any]:
-    ts = list(tensors_of(sd))
-    sizes = sorted((t.numel() * t.element_size() for t in ts), reverse=True)
-    return {
-        "tensors": len(ts),
-        "bytes": sum(sizes),
-        "params_bytes": sum(t.numel() * t.element_size() for t in tensors_of(sd["model"])),
-        "largest_mib": round(sizes[0] / MiB, 1),
-        "tensors_over_10mib": sum(1 for s in sizes if s >= 10 * MiB),
-        "tensors_under_64kib": sum(1 for s in sizes if s < 64 * 1024),
-    }
-
-
-def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    ta, tb = list(tensors_of(a)), list(tensors_of(b))
-    return len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
-
-
-# --------------------------------------------------------------------------------------------- raw I/O
-
-
-def page_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
-    """Page-aligned anonymous buffer, every page faulted in.
-
-    Transparent huge pages, like the engine's own buffers: O_DIRECT pins every page of the user buffer,
-    and with 4 KiB pages that pinning, not the disk, can be what limits the "raw" figure.
-    """
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            mm.madvise(mmap.MADV_HUGEPAGE)
-    mv = memoryview(mm)
-    for off in range(0, nbytes, IO_CHUNK):
-        n = min(IO_CHUNK, nbytes - off)
-        mv[off : off + n] = b"\x5a" * n
-    return mm, mv
-
-
-def fill_from_state(mv: memoryview, sd: dict[str, Any]) -> None:
-    """Put the state's own bytes in the buffer (non-zero, incompressible-ish data)."""
-    off = 0
-    for t in tensors_of(sd):
-        b = memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
-        n = min(len(b), len(mv) - off)
-        mv[off : off + n] = b[:n]
-        off += n
-
-
-def open_direct(path: str, flags: int) -> tuple[int, bool]:
-    if O_DIRECT:
-        try:
-            return os.open(path, flags | O_DIRECT, 0o600), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    return os.open(path, flags, 0o600), False
-
-
-def raw_write(path: str, mv: memoryview, threads: int) -> tuple[float, bool]:
-    t0 = now()
-    fd, direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        offs = range(0, len(mv), IO_CHUNK)
-
-        def put(off: int) -> None:
-            v = mv[off : off + IO_CHUNK]
-            done = 0
-            while done < len(v):
-                done += os.pwrite(fd, v[done:], off + done)
-
-        if threads <= 1:
-            for off in offs:
-                put(off)
-        else:
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(put, offs))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return now() - t0, direct
-
-
-def raw_read(path: str, mv: memoryview, threads: int) -> tuple[float, bool]:
-    t0 = now()
-    fd, direct = open_direct(path, os.O_RDONLY)
-    try:
-        def get(off: int) -> int:
-            v = mv[off : off + IO_CHUNK]
-            got = 0
-            while got < len(v):
-                r = os.preadv(fd, [v[got:]], off + got)
-                if r == 0:
-                    break
-                got += r
-            return got
-
-        offs = range(0, len(mv), IO_CHUNK)
-        if threads <= 1:
-            total = sum(get(o) for o in offs)
-        else:
-            with ThreadPoolExecutor(threads) as pool:
-                total = sum(pool.map(get, offs))
-        assert total == len(mv), f"short read {total} of {len(mv)}"
-    finally:
-        os.close(fd)
-    return now() - t0, direct
-
-
 # --------------------------------------------------------------------------------------------- phases
 
 
-class Bench:
+class Bench(BenchBase):
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.repeats = max(1, args.repeats)
         self.threads = args.io_threads
-        base = args.dir or tempfile.gettempdir()
-        os.makedirs(base, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix="rslurm-bench-", dir=base)
+        super().__init__(args, "rslurm-bench-")
         self.cache = Cache()
         self.r: dict[str, Any] = {"errors": {}}
         self.notes: list[str] = [self.cache.note]
-        self.raw_buf: tuple[mmap.mmap, memoryview] | None = None
         self.ck: Checkpointer | None = None
         self.dcp_stager: Any = None
         self.ours_step = 0
 
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
     def phase(self, name: str, fn: Callable[[], None]) -> None:
         self.log(f"phase {name} ...")
-        t0 = now()
-        c0 = cpu_sample()
-        try:
-            fn()
-        except Exception as exc:  # keep going: one broken baseline must not hide the others
-            import traceback
 
-            traceback.print_exc()
-            self.r["errors"][name] = f"{type(exc).__name__}: {exc}"
-        finally:
-            load = foreign_load(c0, cpu_sample())
-            self.r.setdefault("foreign_cpu_load", {}).setdefault(name, []).append(round(load, 2))
-            release_memory()
-            self.log(f"phase {name} done in {now() - t0:.1f}s (other processes kept {load:.2f} cores busy)")
+        def done(dt: float, load: float | None) -> None:
+            self.log(f"phase {name} done in {dt:.1f}s (other processes kept {load:.2f} cores busy)")
+
+        self.guarded(name, fn, done)  # keep going: one broken baseline must not hide the others
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -411,9 +88,7 @@ class Bench:
         self.r["state"] = describe(sd)
         self.nbytes = self.r["state"]["bytes"]
         self.r["machine"] = machine_facts(self.root)
-        need = 4 * self.nbytes + (256 << 20)
-        if self.r["machine"]["free_gib"] * 2**30 < need:
-            raise SystemExit(f"{self.root}: needs ~{need / 2**30:.1f} GiB free for this size")
+        self.check_free(4 * self.nbytes + (256 << 20))
 
     def state_dict(self) -> dict[str, Any]:
         return state_dict_of(self.model, self.opt)
@@ -468,31 +143,15 @@ class Bench:
     def measured(self, method: str, fn: Callable[[int], None], i: int) -> None:
         if method in self.r["errors"]:
             return
-        c0 = cpu_sample()
-        t0 = now()
-        try:
-            fn(i)
-        except Exception as exc:  # keep going: one broken method must not hide the others
-            import traceback
 
-            traceback.print_exc()
-            self.r["errors"][method] = f"{type(exc).__name__}: {exc}"
-        finally:
-            load = foreign_load(c0, cpu_sample())
-            self.r.setdefault("foreign_cpu_load", {}).setdefault(method, []).append(round(load, 2))
-            release_memory()
-            self.log(f"round {i} {method}: {now() - t0:.1f}s (other processes kept {load:.2f} cores busy)")
+        def done(dt: float, load: float | None) -> None:
+            self.log(f"round {i} {method}: {dt:.1f}s (other processes kept {load:.2f} cores busy)")
 
-    def add(self, section: str, key: str, value: Any) -> None:
-        self.r.setdefault(section, {}).setdefault(key, []).append(value)
+        self.guarded(method, lambda: fn(i), done)  # keep going: one broken method must not hide the others
 
     # ---------------------------------------------------------------- raw device
     def raw_round(self, i: int) -> None:
-        if self.raw_buf is None:
-            n = fileio.round_up(self.nbytes, BLOCK)
-            self.raw_buf = page_buffer(n)
-            fill_from_state(self.raw_buf[1], self.state_dict())
-        mv = self.raw_buf[1]
+        mv = self.raw_buffer()
         n = len(mv)
         path = os.path.join(self.root, "raw.bin")
         for threads in sorted({1, self.threads}):
@@ -511,12 +170,7 @@ class Bench:
         path = os.path.join(self.root, "torch_save.pt")
         remove(path)
         sd = self.state_dict()
-        t0 = now()
-        with open(path, "wb") as f:
-            torch.save(sd, f)
-            f.flush()
-            os.fsync(f.fileno())
-        self.add("torch", "save_fsync_s", now() - t0)
+        self.add("torch", "save_fsync_s", torch_save_fsync(path, sd))
         del sd
         self.r["torch"]["file_bytes"] = os.path.getsize(path)
         self.cache.drop(path)
@@ -645,18 +299,14 @@ class Bench:
             with contextlib.suppress(Exception):
                 self.dcp_stager.close()
             self.dcp_stager = None
-        if self.raw_buf is not None:
-            mm, mv = self.raw_buf
-            mv.release()
-            mm.close()
-            self.raw_buf = None
+        self.free_raw_buffer()
         remove(os.path.join(self.root, "ours"))
         release_memory()
         raw = self.r.get("raw", {})
         for kind in ("write", "read"):
-            bws = [raw["bytes"] / med(v) / GB for k, v in raw.items() if k.startswith(kind + "_t")]
-            if bws:
-                raw[f"{kind}_gbps"] = max(bws)
+            bw = best_gbps(raw, kind)
+            if bw is not None:
+                raw[f"{kind}_gbps"] = bw
         if raw and not raw.get("o_direct", True):
             self.notes.append("O_DIRECT refused by the target filesystem: raw numbers are buffered I/O + fsync")
 
@@ -799,9 +449,6 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
             cur = cur[p]
         return cur
 
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return a / b if a is not None and b else None
-
     s["raw_write_gbps"] = get("raw", "write_gbps")
     s["raw_read_gbps"] = get("raw", "read_gbps")
     s["torch_save_fsync_s"] = med(get("torch", "save_fsync_s") or [])
@@ -847,10 +494,6 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
-def fmt_s(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:8.3f} s"
-
-
 def fmt_bw(n: int, t: float | None) -> str:
     return "" if not t else f"{n / t / GB:6.2f} GB/s"
 
@@ -891,7 +534,7 @@ def print_report(r: dict[str, Any]) -> None:
     raw = r.get("raw", {})
 
     def row(label: str, t: float | None, bw: bool = True) -> None:
-        print(f"{label:58s} {fmt_s(t):>10s} {fmt_bw(n, t) if bw else '':>12s}")
+        print(f"{label:58s} {fmt(t, '8.3f', ' s'):>10s} {fmt_bw(n, t) if bw else '':>12s}")
 
     for k in sorted(raw):
         if k.endswith("_s") and isinstance(raw[k], list):
@@ -942,19 +585,6 @@ def print_report(r: dict[str, Any]) -> None:
             print(f"ERROR in phase {k}: {v}")
 
 
-def wait_quiet(limit_s: float, cores: float = 0.3) -> None:
-    """Wait (at most ``limit_s``) until other processes use less than ``cores`` CPUs over 3 s."""
-    t_end = now() + limit_s
-    while True:
-        a = cpu_sample()
-        time.sleep(3)
-        load = foreign_load(a, cpu_sample())
-        if load < cores or now() > t_end:
-            print(f"[{time.strftime('%H:%M:%S')}] other processes use {load:.2f} cores; starting",
-                  file=sys.stderr, flush=True)
-            return
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0, help="state size: params + 2 Adam moments")
@@ -964,21 +594,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="repeats per measurement (medians are reported)")
     ap.add_argument("--io-threads", type=int, default=4, help="our io_threads and the raw multi-thread run")
     ap.add_argument("--json", default=None, help="write every number here as JSON")
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                    help="first wait up to S seconds for other processes to leave the CPUs idle")
+    add_wait_quiet_arg(ap)
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                     help="skip the timed-parts run of our save and restore")
     args = ap.parse_args(argv)
-    t0 = now()
-    if args.wait_quiet > 0:
-        wait_quiet(args.wait_quiet)
-    r = Bench(args).run()
-    r["wall_s"] = now() - t0
-    print_report(r)
-    print(f"\n(total benchmark wall time {r['wall_s']:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2, default=str)
+    r = run_main(args, Bench, print_report)
     return 1 if r["errors"] else 0
 
 

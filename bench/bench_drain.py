@@ -4,7 +4,7 @@ copy tools, and restore from the durable tier against a local restore, all in on
     .venv/bin/python bench/bench_drain.py [--size-mib 512] [--repeats 3] [--posix] [--s3] [--json OUT]
 
 With neither --posix nor --s3, both run. The state (a transformer-shaped model + Adam, as in
-bench_checkpoint.py) is saved once by the real engine (``Checkpointer.save``, world size 1) into a fresh
+bench/common.py) is saved once by the real engine (``Checkpointer.save``, world size 1) into a fresh
 directory under --dir (default /tmp), and every method then copies that step's shard file(s):
 
 POSIX, into a fresh durable directory per method and repeat (removed and synced before the next one):
@@ -31,19 +31,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import resource
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psutil
@@ -54,46 +50,42 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
-from bench_checkpoint import (  # noqa: E402
+from common import (  # noqa: E402
     BLOCK,
     IO_CHUNK,
+    BenchBase,
     Cache,
+    MiB,
+    add_wait_quiet_arg,
+    buffered_write,
     build_state,
     cpu_sample,
+    fmt,
+    free_port,
+    git_facts,
+    log,
     machine_facts,
+    med,
+    now,
     page_buffer,
+    ratio,
     raw_write,
-    release_memory,
     remove,
+    run_main,
+    same_state,
     state_dict_of,
     tensors_of,
-    wait_quiet,
 )
-from bench_emergency import git_facts  # noqa: E402
 
 from resilient_slurm import Checkpointer  # noqa: E402
 from resilient_slurm.daemon.drain import LocalStep, StepDrainer, scan_local  # noqa: E402
 from resilient_slurm.storage.posix import PosixTier  # noqa: E402
 
-MiB = 2**20
 RUN_ID = "bench"
 STEP = 7
 BUCKET = "rslurm-bench-drain"
 POSIX_TARGET = 0.90  # our drain throughput / raw write bandwidth
 S3_TARGET = 1.00  # our drain throughput / s5cmd throughput
-
-
-def now() -> float:
-    return time.perf_counter()
-
-
-def med(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def warm(paths: list[str]) -> None:
@@ -103,36 +95,6 @@ def warm(paths: list[str]) -> None:
         with open(p, "rb", buffering=0) as f:
             while f.readinto(buf):
                 pass
-
-
-def buffered_write(path: str, mv: memoryview, threads: int) -> float:
-    """Buffered 16 MiB pwrites from memory, then fsync (the I/O path PosixTier uses)."""
-    t0 = now()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        def put(off: int) -> None:
-            v = mv[off : off + IO_CHUNK]
-            done = 0
-            while done < len(v):
-                done += os.pwrite(fd, v[done:], off + done)
-
-        offs = range(0, len(mv), IO_CHUNK)
-        if threads <= 1:
-            for off in offs:
-                put(off)
-        else:
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(put, offs))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return now() - t0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class TimedTier:
@@ -225,15 +187,11 @@ def own_cpu() -> float:
     return t.user + t.system
 
 
-class Bench:
+class Bench(BenchBase):
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.repeats = max(1, args.repeats)
         self.threads = args.threads
         self.part = args.part_size_mib * MiB
-        base = args.dir or tempfile.gettempdir()
-        os.makedirs(base, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix="rslurm-drain-", dir=base)
+        super().__init__(args, "rslurm-drain-")
         self.local = os.path.join(self.root, "local")
         self.cache = Cache()
         self.r: dict[str, Any] = {"errors": {}, "notes": [], "config": vars(args).copy()}
@@ -248,9 +206,7 @@ class Bench:
         self.model, self.opt = build_state(want, seed=1)
         self.fresh_model, self.fresh_opt = build_state(want, seed=2)
         self.r["machine"] = machine_facts(self.root)
-        need = 6 * want + (512 << 20)
-        if self.r["machine"]["free_gib"] * 2**30 < need:
-            raise SystemExit(f"{self.root}: needs ~{need / 2**30:.1f} GiB free for this size")
+        self.check_free(6 * want + (512 << 20))
         with Checkpointer(local_dir=self.local, run_id=RUN_ID, io_threads=4) as ck:
             ck.save(STEP, {"model": self.model, "optim": self.opt}, blocking=True)
         steps = [s for s in scan_local(self.local, [RUN_ID]) if s.step == STEP]
@@ -584,9 +540,7 @@ class Bench:
             self.measure("restore", kind, run)
         finally:
             ck.close()
-        a = list(tensors_of(state_dict_of(self.model, self.opt)))
-        b = list(tensors_of(state_dict_of(self.fresh_model, self.fresh_opt)))
-        ok = len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+        ok = same_state(state_dict_of(self.model, self.opt), state_dict_of(self.fresh_model, self.fresh_opt))
         self.r.setdefault("verified", {}).setdefault(kind, []).append(ok)
         if not ok:
             self.r["errors"][f"restore/{kind}"] = "restored state differs from the saved state"
@@ -594,17 +548,7 @@ class Bench:
     # ---------------------------------------------------------------- run
     def phase(self, name: str, fn: Callable[[], None]) -> None:
         log(f"phase {name} ...")
-        t0 = now()
-        try:
-            fn()
-        except Exception as exc:
-            import traceback
-
-            traceback.print_exc()
-            self.r["errors"][name] = f"{type(exc).__name__}: {exc}"
-        finally:
-            release_memory()
-            log(f"phase {name} done in {now() - t0:.1f}s")
+        self.guarded(name, fn, lambda dt, _: log(f"phase {name} done in {dt:.1f}s"), cpu_load=False)
 
     def run(self) -> dict[str, Any]:
         self.r["git"] = git_facts()
@@ -657,9 +601,6 @@ def summarize(r: dict[str, Any], nbytes: int) -> dict[str, Any]:
     def mibps(t: float | None) -> float | None:
         return nbytes / MiB / t if t else None
 
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return a / b if a is not None and b else None
-
     posix = r.get("posix", {})
     if posix:
         raw = {m: med(times("posix", m)) for m in posix if m.startswith("raw_")}
@@ -707,10 +648,6 @@ def summarize(r: dict[str, Any], nbytes: int) -> dict[str, Any]:
                 x[k]["ratio_to_local"] = ratio(x[k]["s"], loc)
         s["restore"] = x
     return s
-
-
-def fmt(v: float | None, spec: str) -> str:
-    return "n/a" if v is None else format(v, spec)
 
 
 def print_report(r: dict[str, Any]) -> None:
@@ -821,23 +758,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part-size-mib", type=int, default=64, help="S3 part size for every S3 method")
     ap.add_argument("--dir", default=None, help="where the local and durable dirs go (default /tmp; removed at the end)")
     ap.add_argument("--settle-s", type=float, default=1.0, help="pause after sync before each measurement")
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                    help="first wait up to S seconds for other processes to leave the CPUs idle")
+    add_wait_quiet_arg(ap)
     ap.add_argument("--json", default=None, help="write every sample and the summary here")
     args = ap.parse_args(argv)
     if not args.posix and not args.s3:
         args.posix = args.s3 = True
     os.environ.setdefault("RSLURM_CONTROL_SOCKET", "off")
-    t0 = now()
-    if args.wait_quiet > 0:
-        wait_quiet(args.wait_quiet)
-    r = Bench(args).run()
-    r["wall_s"] = now() - t0
-    print_report(r)
-    print(f"\n(total benchmark wall time {r['wall_s']:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2, default=str)
+    r = run_main(args, Bench, print_report)
     return 1 if r["errors"] else 0
 
 

@@ -39,59 +39,46 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import hashlib
 import json
 import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
-from bench_checkpoint import (  # noqa: E402
-    BLOCK,
+from common import (  # noqa: E402
     GB,
+    BenchBase,
+    add_wait_quiet_arg,
+    best_gbps,
     build_state,
-    cpu_sample,
     describe,
-    fill_from_state,
-    foreign_load,
+    fmt,
+    git_facts,
     machine_facts,
-    page_buffer,
+    med,
+    now,
     raw_write,
     release_memory,
     remove,
+    run_main,
     state_dict_of,
-    wait_quiet,
+    torch_save_fsync,
 )
-
-from resilient_slurm.storage import fileio  # noqa: E402
 
 PY = sys.executable
 WORKER = os.path.join(HERE, "emergency_worker.py")
 REQUEUE_EXIT_CODE = 75  # rslurm launch, local mode, stopped by a signal: "run again to resume"
 MODES = ("cold", "warm", "restored")
-
-
-def now() -> float:
-    return time.perf_counter()
-
-
-def med(xs: list[Any]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -122,43 +109,14 @@ def tail(path: str, n: int = 4000) -> str:
         return f"({path} unreadable)"
 
 
-def git_facts() -> dict[str, Any]:
-    """HEAD, and a digest of the library's working-tree sources: the code the launched processes import."""
-    def git(*a: str) -> str:
-        cp = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30)
-        return cp.stdout.strip()
-
-    out: dict[str, Any] = {}
-    with contextlib.suppress(Exception):
-        out = {"head": git("rev-parse", "--short", "HEAD"),
-               "dirty_files_in_resilient_slurm": len(git("status", "--porcelain", "resilient_slurm").splitlines())}
-    h = hashlib.sha256()
-    for path in sorted(glob.glob(os.path.join(REPO, "resilient_slurm", "**", "*.py"), recursive=True)):
-        with contextlib.suppress(OSError), open(path, "rb") as f:
-            h.update(path.encode() + b"\0" + f.read())
-    out["sources_sha256"] = h.hexdigest()[:16]
-    return out
-
-
-class Bench:
+class Bench(BenchBase):
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.repeats = max(1, args.repeats)
-        base = args.dir or tempfile.gettempdir()
-        os.makedirs(base, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix="rslurm-bench-emergency-", dir=base)
+        super().__init__(args, "rslurm-bench-emergency-")
         self.r: dict[str, Any] = {"errors": {}, "problems": [], "runs": []}
-        self.raw_buf: Any = None
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     def problem(self, msg: str) -> None:
         self.log("PROBLEM: " + msg)
         self.r["problems"].append(msg)
-
-    def add(self, section: str, key: str, value: Any) -> None:
-        self.r.setdefault(section, {}).setdefault(key, []).append(value)
 
     # ---------------------------------------------------------------- setup and baselines
     def setup(self) -> None:
@@ -169,32 +127,19 @@ class Bench:
         self.nbytes = self.r["state"]["bytes"]
         self.r["machine"] = machine_facts(self.root)
         self.r["git"] = git_facts()
-        if self.r["machine"]["free_gib"] * 2**30 < 4 * self.nbytes:
-            raise SystemExit(f"{self.root}: needs ~{4 * self.nbytes / 2**30:.1f} GiB free for this size")
+        self.check_free(4 * self.nbytes)
 
     def measured(self, name: str, fn: Callable[[int], None], i: int) -> None:
-        c0 = cpu_sample()
-        t0 = now()
-        try:
-            fn(i)
-        except Exception as exc:  # keep going: one broken method must not hide the others
-            import traceback
-
-            traceback.print_exc()
-            self.r["errors"].setdefault(name, []).append(f"{type(exc).__name__}: {exc}")
-        finally:
-            load = foreign_load(c0, cpu_sample())
-            self.r.setdefault("foreign_cpu_load", {}).setdefault(name, []).append(round(load, 2))
-            release_memory()
+        def done(dt: float, load: float | None) -> None:
             who = "other processes, the launched job included" if name.startswith(("local", "slurm")) else \
                 "other processes"
-            self.log(f"round {i} {name}: {now() - t0:.1f}s (CPU of {who}: {load:.2f} cores)")
+            self.log(f"round {i} {name}: {dt:.1f}s (CPU of {who}: {load:.2f} cores)")
+
+        # keep going: one broken method must not hide the others
+        self.guarded(name, lambda: fn(i), done, error_list=True)
 
     def raw_round(self, i: int) -> None:
-        if self.raw_buf is None:
-            self.raw_buf = page_buffer(fileio.round_up(self.nbytes, BLOCK))
-            fill_from_state(self.raw_buf[1], state_dict_of(self.model, self.opt))
-        mv = self.raw_buf[1]
+        mv = self.raw_buffer()
         path = os.path.join(self.root, "raw.bin")
         for threads in sorted({1, self.args.io_threads}):
             remove(path)
@@ -208,12 +153,7 @@ class Bench:
         path = os.path.join(self.root, "torch_save.pt")
         remove(path)
         sd = state_dict_of(self.model, self.opt)
-        t0 = now()
-        with open(path, "wb") as f:
-            torch.save(sd, f)
-            f.flush()
-            os.fsync(f.fileno())
-        self.add("torch", "save_fsync_s", now() - t0)
+        self.add("torch", "save_fsync_s", torch_save_fsync(path, sd))
         remove(path)
 
     # ---------------------------------------------------------------- the worker under the launcher
@@ -513,10 +453,7 @@ class Bench:
                 k = i % len(methods)
                 for name, fn in methods[k:] + methods[:k]:
                     self.measured(name, fn, i)
-            if self.raw_buf is not None:
-                self.raw_buf[1].release()
-                self.raw_buf[0].close()
-                self.raw_buf = None
+            self.free_raw_buffer()
             del self.model, self.opt
             release_memory()
             if self.args.slurm:
@@ -539,8 +476,7 @@ class Bench:
             self.problem(f"the code changed during the run: {self.r.get('git')} at the start, {end} at the end")
         self.r["git_at_end"] = end
         raw = self.r.get("raw", {})
-        bws = [raw["bytes"] / med(v) / GB for k, v in raw.items() if k.startswith("write_t")]
-        raw["write_gbps"] = max(bws) if bws else None
+        raw["write_gbps"] = best_gbps(raw, "write")
         self.r["config"] = {k: getattr(self.args, k) for k in ("size_gib", "repeats", "slurm_repeats", "step_s",
                                                                  "io_threads", "ranks_io_threads", "modes", "poll_s",
                                                                  "settle_s")}
@@ -599,10 +535,6 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
-def fmt(v: float | None, unit: str = "s") -> str:
-    return "n/a" if v is None else f"{v:.3f} {unit}"
-
-
 def print_report(r: dict[str, Any]) -> None:
     s = r["summary"]
     m = r.get("machine", {})
@@ -625,9 +557,9 @@ def print_report(r: dict[str, Any]) -> None:
     for k in sorted(raw):
         if k.startswith("write_t"):
             mode = "O_DIRECT" if raw.get("o_direct") else "buffered"
-            print(f"{'raw ' + mode + ' write + fsync, ' + k[7:-2] + ' thread(s)':58s} {fmt(med(raw[k])):>10s}")
-    print(f"{'torch.save + fsync':58s} {fmt(s['torch_save_fsync_s']):>10s}")
-    print(f"{'training step (worker, median)':58s} {fmt(s['step_s']):>10s}")
+            print(f"{'raw ' + mode + ' write + fsync, ' + k[7:-2] + ' thread(s)':58s} {fmt(med(raw[k]), '.3f', ' s'):>10s}")
+    print(f"{'torch.save + fsync':58s} {fmt(s['torch_save_fsync_s'], '.3f', ' s'):>10s}")
+    print(f"{'training step (worker, median)':58s} {fmt(s['step_s'], '.3f', ' s'):>10s}")
     bw = s["raw_write_gbps"]
     print(f"raw write bandwidth (best) {bw:.3f} GB/s" if bw else "raw write bandwidth n/a")
     if s["budget_s"] is not None:
@@ -689,21 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="parent of the run directory (default /tmp; removed at the end)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (logs) for inspection")
     ap.add_argument("--json", default=None, help="write every number here as JSON")
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                    help="first wait up to S seconds for other processes to leave the CPUs idle")
+    add_wait_quiet_arg(ap)
     args = ap.parse_args(argv)
     if args.slurm and os.geteuid() != 0:
         raise SystemExit("--slurm starts a private Slurm cluster whose daemons run as root: run as root")
-    t0 = now()
-    if args.wait_quiet > 0:
-        wait_quiet(args.wait_quiet)
-    r = Bench(args).run()
-    r["wall_s"] = now() - t0
-    print_report(r)
-    print(f"\n(total benchmark wall time {r['wall_s']:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2, default=str)
+    r = run_main(args, Bench, print_report)
     return 1 if r["errors"] or r["problems"] else 0
 
 

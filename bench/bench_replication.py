@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_replication.py [--ranks 2] [--size-gib 1.0] [--saves 6] [--json OUT]
 
-Every rank builds bench_checkpoint.py's transformer-shaped state (parameters + Adam's two moments, the
+Every rank builds the benchmarks' transformer-shaped state (common.py) (parameters + Adam's two moments, the
 same on every rank) plus a per-rank cursor under a shared key, and saves it ``--saves`` times
 (non-blocking, then ``wait()``) under three set-ups, in rotated order:
 
@@ -30,7 +30,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,10 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import free_port  # noqa: E402
+
 SETUPS = ("ddp", "ddp-check-off", "no-ddp", "no-ddp-declared")
 
 
@@ -46,8 +49,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     sys.path.insert(0, os.path.dirname(HERE))
-    sys.path.insert(0, HERE)
-    from bench_checkpoint import build_state
+    from common import build_state
 
     from resilient_slurm import Checkpointer, init_distributed
 
@@ -111,9 +113,7 @@ def main() -> int:
         return worker(args)
     base = tempfile.mkdtemp(prefix="rslurm-bench-repl-", dir=args.dir or "/tmp")
     out = os.path.join(base, "results.json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.time()
     procs = []
     for r in range(args.ranks):

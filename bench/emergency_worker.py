@@ -4,7 +4,7 @@
                                      [--prime-save | --save-and-exit] [--expect-restore] [--ready-s S]
 
 Run under ``rslurm launch``. It builds the same transformer-shaped model + Adam (moments created) as
-bench_checkpoint.py, then trains: every step runs a small forward/backward on a head that is part of the
+bench/common.py, then trains: every step runs a small forward/backward on a head that is part of the
 state, nudges one row of the big model (so every step really changes the state), sleeps to ``--step-s``
 and calls ``ckpt.step(step, state)``. ``Checkpointer(every_steps=None)``: no interval saves, so the
 emergency save the launcher requests is the only save unless ``--prime-save`` asks for one blocking save
@@ -12,15 +12,14 @@ at step 1 (the staging buffer is then allocated before the signal, as in a job w
 
 Before training it always calls ``ckpt.restore(state)``. In an empty run directory that returns 0. When
 the run directory holds a committed step (the benchmark's ``restored`` mode: a priming run with
-``--save-and-exit`` saved one step and exited 0), training resumes from that step, and the Checkpointer
+``--save-and-exit`` saved one step and exited 0), training resumes from that step. At the first ``ckpt.step()`` (after a restore or not) the Checkpointer
 plans the save and allocates + pre-faults the staging buffer on its writer thread in the background. The
 worker logs when that background allocation finished (a done-callback on the Checkpointer's private
 ``_prepared`` future: read only, for the log), so a benchmark can tell whether the emergency save found
 the buffer ready. ``--expect-restore`` makes a run that restored nothing exit 4.
 
 It appends JSON lines to ``--log`` (wall-clock ``time.time()`` stamps, comparable with the launcher's
-events on the same host): ``built``, ``restored`` (step, how long ``restore()`` took, whether the
-background allocation was started), ``training`` (the first step starts), ``prepared`` (the background
+events on the same host): ``built``, ``restored`` (step, how long ``restore()`` took), ``training`` (the first step starts), ``prepared`` (the background
 allocation finished; logged at the next step boundary with the time it finished), ``ready`` (after
 ``--ready-steps`` steps and ``--ready-s`` seconds of training), one ``step`` line per step with its
 duration, ``emergency`` (when ``ckpt.step`` was entered on the step that saved, when it returned, and the
@@ -44,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_checkpoint import build_state, describe, state_dict_of  # noqa: E402
+from common import build_state, describe, state_dict_of  # noqa: E402
 
 from resilient_slurm import Checkpointer  # noqa: E402
 
@@ -93,10 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     restore_s = time.perf_counter() - t_r
     restored_at = time.time()
     prepared_at: list[float] = []  # set on the writer thread when the background allocation is done
-    fut = getattr(ckpt, "_prepared", None)
-    if fut is not None:
-        fut.add_done_callback(lambda _f: prepared_at.append(time.time()))
-    log("restored", step=step, restore_s=restore_s, preparing=fut is not None)
+    watching = False  # the first ckpt.step() starts the allocation: watch it from then on
+    log("restored", step=step, restore_s=restore_s)
     if args.expect_restore and step == 0:
         log("nothing_restored")
         ckpt.close()
@@ -139,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         t_call = time.time()
         ckpt.step(step, state)
         t_ret = time.time()
+        fut = getattr(ckpt, "_prepared", None)
+        if not watching and fut is not None:
+            fut.add_done_callback(lambda _f: prepared_at.append(time.time()))
+            watching = True
         if ckpt.should_stop:
             o = ckpt.last_outcome
             log("emergency", step=step, t_call=t_call, t_return=t_ret, save_s=t_ret - t_call,
