@@ -1,6 +1,6 @@
 """``rslurm``: the command-line entry point. The only place that configures logging.
 
-Commands: ``launch``, ``daemon``, ``status``, ``submit``, ``doctor``, the demo, and the inspection
+Commands: ``launch``, ``daemon``, ``status``, ``history``, ``submit``, ``doctor``, the demo, and the inspection
 commands over the on-disk contract on both tiers (``ls``, ``show``, ``verify``, ``gc``, ``export``),
 whose logic lives in :mod:`resilient_slurm.catalog` (this module parses, resolves settings and prints;
 see docs/cli.md). Exit codes: 0 ok; 1 a fault in the data (verify, export of a corrupt step, a gc
@@ -469,6 +469,38 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_history(args: argparse.Namespace) -> int:
+    from .catalog.history import format_history, history_rows, read_history
+    from .layout import list_runs
+    from .storage import open_durable
+
+    cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run_id},
+                      config_path=args.config)
+    root = expand_local_dir(cfg.local_dir or default_local_dir(), node_name(cfg.node_name))
+    tier = open_durable(cfg, upload_cap=False) if cfg.durable else None
+    try:
+        if cfg.run_id:
+            runs = [cfg.run_id]
+        else:
+            try:
+                runs = list_runs(root)
+            except FileNotFoundError:
+                runs = []
+            if tier is not None:
+                runs = sorted(set(runs) | set(tier.list_dirs("")))
+        found = [read_history(root, run, tier) for run in runs]
+    finally:
+        if tier is not None:
+            tier.close()
+    found = [h for h in found if h.source or h.errors or cfg.run_id]
+    if args.json:
+        print(json.dumps({"runs": [{"run_id": h.run_id, "source": h.source, "errors": list(h.errors),
+                                    "ends": history_rows(h)} for h in found]}, indent=1))
+    else:
+        print(format_history(found))
+    return 1 if any(h.errors for h in found) else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .examples.demo import main as demo_main
 
@@ -592,6 +624,17 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--durable", default=None, help="durable tier URL (RSLURM_DURABLE)")
     sp.set_defaults(func=cmd_status)
+    sp = sub.add_parser("history", help="every incarnation of a run: how it ended (preempted, time limit, hang, "
+                        "out of memory, ...) and the evidence",
+                        description="Every end of a run's incarnations and of its in-job restarts, oldest first: "
+                        "the class (preempted, time limit, cloud termination, hang, killed by signal, out of memory, "
+                        "communicator error, node failure, storage unavailable, user error, completed), the evidence "
+                        "it was read from (signal, matched line, OOM counter), the rank and node, the steps and what "
+                        "the launcher did. Read from the run directory and the durable tier (the newer copy). "
+                        "Exit codes: 0 ok, 1 a history file is unreadable, 2 bad usage or settings.")
+    common(sp)
+    sp.add_argument("--durable", default=None, help="durable tier URL (RSLURM_DURABLE)")
+    sp.set_defaults(func=cmd_history)
     submit.add_parser(sub)
     doctor.add_parser(sub)
     sp = sub.add_parser("demo", help="tiny transformer under rslurm launch: SIGTERM, emergency save, resume, "

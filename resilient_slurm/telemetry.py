@@ -198,6 +198,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "newest durable step (-1: none)"),
     MetricSpec("rslurm_steps_pending_drain", "gauge", _RUN,
                "local steps this node still has to send to the durable tier"),
+    MetricSpec("rslurm_incarnation_ends", "gauge", (*_RUN, "reason"),
+               "ends of the run's incarnations and in-job restarts in its history on this node, by class "
+               "(preempted, time_limit, hang, out_of_memory, ...; rslurm history)"),
 )
 
 
@@ -209,6 +212,7 @@ class RunGauges:
     local_newest_step: int
     durable_newest_step: int
     steps_pending_drain: int
+    ends: Mapping[str, int] = field(default_factory=dict)  # class -> count, from the run's history
 
 
 @dataclass(frozen=True)
@@ -245,7 +249,11 @@ class DaemonMetrics:
             "rslurm_steps_pending_drain": lambda g: g.steps_pending_drain,
         }
         for spec in METRICS:
-            if spec.name in per_run:
+            if spec.name == "rslurm_incarnation_ends":
+                for run, g in sorted(self.runs.items()):
+                    for reason, n in sorted(g.ends.items()):
+                        yield spec, (*node, run, reason), float(n)
+            elif spec.name in per_run:
                 for run, g in sorted(self.runs.items()):
                     yield spec, (*node, run), float(per_run[spec.name](g))
             else:

@@ -141,7 +141,7 @@ def test_a_crashed_rank_is_restarted_in_job_and_ends_bitwise(tmp_path: Path, sig
     assert r.returncode == 0, r.stderr[-4000:]
     [restart] = [e for e in _events(work) if e["event"] == "in_job_restart"]
     # step 6's save is asynchronous: usually committed before the crash, else step 4 is the newest
-    assert restart["outcome"] == "node_failure" and restart["committed_step"] in (4, 6), restart
+    assert restart["outcome"] == "killed_by_signal" and restart["committed_step"] in (4, 6), restart
     assert f"SIG{sig}" in restart["detail"], restart
     assert _restored_steps(work) == [restart["committed_step"]]
     _assert_like(ref, out)

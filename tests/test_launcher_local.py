@@ -410,7 +410,7 @@ def test_a_rank_that_fails_is_a_user_error_with_its_exit_code_and_location(sandb
     assert_nothing_survives(sb, run)
 
 
-def test_a_rank_killed_from_outside_is_a_node_failure_and_the_rerun_resumes(
+def test_a_rank_killed_from_outside_is_killed_by_signal_and_the_rerun_resumes(
         sandbox: Sandbox, reference: Sandbox) -> None:
     """With in-job restarts off, the requeue path: exit 75, and running the command again resumes.
     (In-job restarts, the default, are tested in test_hang.py and test_launcher_slurm.py.)"""

@@ -17,15 +17,17 @@ Every job runs two ranks, one per node (n1, n2), each with its own node-local di
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_same, read_jsonl, run_ranks, wait_for_step
+from conftest import REPO, assert_same, clean_env, read_jsonl, run_ranks, wait_for_step
 from slurm_cluster import SlurmCluster
 
 PY = sys.executable
@@ -90,6 +92,15 @@ def _events(work: Path, node: str = "n1") -> list[dict]:
     return [e for e in read_jsonl(work / "nvme" / node / "toy" / "events.jsonl") if e["source"] == "launcher"]
 
 
+def _history(work: Path) -> list[dict]:
+    """The run's history on the batch host (n1), as `rslurm history --json` shows it."""
+    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "history", "--local-dir", str(work / "nvme" / "n1"),
+                        "--run-id", "toy", "--json"], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    [run] = json.loads(r.stdout)["runs"]
+    return run["ends"]
+
+
 def _job_text(work: Path) -> str:
     p = work / "job.out"
     return p.read_text(errors="replace") if p.exists() else ""
@@ -152,6 +163,13 @@ def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     if user_signal and socket:
         committed = [e for e in events if e["event"] == "committed"]
         assert committed and committed[0]["after_signal_s"] < 5, events
+    ends = _history(work)
+    assert [(e["reason"], e["action"]) for e in ends] == [("preempted", "requeue"), ("completed", "exit")], ends
+    assert ends[0]["job_id"] == ends[1]["job_id"] == str(job) and ends[0]["committed_step"] == exits[0]["step"], ends
+    if user_signal:  # the launcher heard the signal, and scontrol showed the job's PreemptTime
+        assert ends[0]["evidence"].startswith("SIGUSR1 at ") and "PreemptTime" in ends[0]["evidence"], ends
+    else:
+        assert "emergency checkpoint on a signal from Slurm" in ends[0]["evidence"], ends
     print(f"preemption cycle: {time.time() - t0:.1f} s")
     _assert_identical_to(ref, work, steps)
 
@@ -242,7 +260,12 @@ def test_rank_sigkill_restarts_in_job_and_resumes_from_last_commit(slurm: SlurmC
     events = _events(work)
     assert int(info["Restarts"]) == 0, (info, events)
     [restart] = [e for e in events if e["event"] == "in_job_restart"]
-    assert restart["outcome"] == "node_failure" and restart["attempt"] == 1, restart
+    assert restart["outcome"] == "killed_by_signal" and restart["attempt"] == 1, restart
+    # srun's task line names the rank, its node and the signal
+    assert restart["evidence"].startswith("rank 1 on n") and restart["evidence"].endswith("killed by SIGKILL"), restart
+    ends = _history(work)
+    assert [(e["kind"], e["reason"]) for e in ends] == [("in_job_restart", "killed_by_signal"),
+                                                        ("incarnation", "completed")], ends
     decision = [e for e in events if e["event"] == "decision"]
     assert [d["outcome"] for d in decision] == ["completed"], decision
     starts = _starts(work)

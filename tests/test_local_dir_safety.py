@@ -167,7 +167,7 @@ def test_checkpointer_refuses_an_unsafe_default_dir_and_writes_nothing(tmpdir_en
 
 
 _RANK_PROGRAM = """
-import sys
+import os
 from resilient_slurm import Checkpointer, init_distributed
 from resilient_slurm.errors import ConfigError
 init_distributed()
@@ -175,7 +175,7 @@ try:
     Checkpointer(run_id="safety")
 except ConfigError as exc:
     print("CONFIGERROR", exc, flush=True)
-    sys.exit(3)
+    os._exit(3)  # not sys.exit: gloo may abort (SIGABRT) in interpreter teardown once the peer has gone
 print("STARTED", flush=True)
 """
 

@@ -54,8 +54,17 @@ CASES = [
      ["time limit", "step 400"]),
     ("cloud termination", {}, Outcome("cloud_termination", 350, 300, 3), PROGRESSING, Action.REQUEUE,
      REQUEUE_EXIT_CODE, ["cloud termination"]),
-    ("node failure", {}, Outcome("node_failure", 350, 300, 3, rank=5, signal=9), PROGRESSING, Action.REQUEUE,
-     REQUEUE_EXIT_CODE, ["rank 5", "SIGKILL"]),
+    ("killed by a signal", {}, Outcome("killed_by_signal", 350, 300, 3, rank=5, signal=9), PROGRESSING,
+     Action.REQUEUE, REQUEUE_EXIT_CODE, ["rank 5", "SIGKILL"]),
+    ("node failure", {}, Outcome("node_failure", 350, 300, 3, rank=5, node="n2"), PROGRESSING, Action.REQUEUE,
+     REQUEUE_EXIT_CODE, ["node failure", "n2"]),
+    ("killed by the OOM killer is requeued", {}, Outcome("out_of_memory", 350, 300, 3, rank=1, signal=9),
+     PROGRESSING, Action.REQUEUE, REQUEUE_EXIT_CODE, ["out of memory", "OOM killer"]),
+    ("out of memory raised by the program is not", {},
+     Outcome("out_of_memory", 350, 300, 3, rank=1, exit_code=1, evidence="torch.OutOfMemoryError: CUDA out of memory"),
+     PROGRESSING, Action.EXIT, 1, ["not requeued", "rank 1 ran out of memory", "CUDA out of memory"]),
+    ("communicator error", {}, Outcome("communicator_error", 350, 300, 3, rank=0, exit_code=1), PROGRESSING,
+     Action.REQUEUE, REQUEUE_EXIT_CODE, ["communicator error", "rank 0"]),
     ("first run preempted before any save", {}, Outcome("preempted", None, None, 0), EMPTY, Action.REQUEUE,
      REQUEUE_EXIT_CODE, ["from the start"]),
     ("third restart in a row without progress is held", {}, Outcome("node_failure", 400, 400, 3, job_id="1234"),
@@ -177,7 +186,7 @@ def test_history_json_round_trip() -> None:
               Outcome("time_limit", 400, 400, 2)]:
         h = h.record(o)
     text = h.to_json()
-    assert json.loads(text)["version"] == 1
+    assert json.loads(text)["version"] == 2
     back = ProgressHistory.from_json(text, source=HISTORY_FILE)
     assert back == h
     assert back.incarnations[1] == Incarnation(1, "node_failure", None, 400)
@@ -211,7 +220,12 @@ MALFORMED = [
     ("truncated file", '{"version": 1, "incarn', None, "not valid JSON"),
     ("empty file", "", None, "not valid JSON"),
     ("a list", "[]", None, "expected a JSON object"),
-    ("future version", mutate("version", 2), "version", "unsupported version 2"),
+    ("future version", mutate("version", 3), "version", "unsupported version 3"),
+    ("evidence not text", mutate("incarnations.0.evidence", 5), "incarnations[0].evidence", "a string"),
+    ("time not finite", mutate("incarnations.0.ended_at", "NaN"), "incarnations[0].ended_at", "a time"),
+    ("in-job runs not a list", mutate("incarnations.0.in_job", {}), "incarnations[0].in_job", "a list"),
+    ("in-job run unknown reason", mutate("incarnations.0.in_job", [{"reason": "oops"}]), "incarnations[0].in_job[0]",
+     "known reason"),
     ("no incarnations", json.dumps({"version": 1}), "incarnations", "missing or not a list"),
     ("entry not an object", json.dumps({"version": 1, "incarnations": [3]}), "incarnations[0]", "not an object"),
     ("bad step", mutate("incarnations.1.committed_step", "400"), "incarnations[1].committed_step",
@@ -299,3 +313,39 @@ resilient_slurm.errors.IncompatibleCheckpointError: ...
     assert traceback_location(only_library) == f"{pkg}/cli.py:3 in main"
     # frames of an earlier traceback (the one being handled) do not count as the user's
     assert traceback_location(TRACEBACK + tb) == traceback_location(tb)
+
+
+def test_history_keeps_the_attribution() -> None:
+    from resilient_slurm.launcher.policy import RankRun
+
+    o = Outcome("out_of_memory", 400, 300, 2, rank=1, signal=9, job_id="77", node="n2",
+                evidence="rank 1 on n2 killed by SIGKILL; memory cgroup /x: oom_kill 0 -> 1")
+    runs = [RankRun("killed_by_signal", "rank 0 killed by SIGSEGV", 350, 1000.5)]
+    h = EMPTY.record(o, started_at=900.0, ended_at=1100.0, action="requeue", in_job=runs)
+    back = ProgressHistory.from_json(h.to_json(), source=HISTORY_FILE)
+    assert back == h
+    e = back.incarnations[0]
+    assert (e.job_id, e.rank, e.node, e.action, e.started_at, e.ended_at) == ("77", 1, "n2", "requeue", 900.0, 1100.0)
+    assert "oom_kill 0 -> 1" in e.evidence and e.in_job == tuple(runs)
+
+
+def test_version_1_history_still_reads() -> None:
+    text = json.dumps({"version": 1, "incarnations": [
+        {"restart_count": 0, "reason": "node_failure", "restored_step": None, "committed_step": 400}]})
+    h = ProgressHistory.from_json(text, source=HISTORY_FILE)
+    assert h.incarnations == (Incarnation(0, "node_failure", None, 400),)
+
+
+def test_the_rules_count_only_this_jobs_incarnations() -> None:
+    """A new submission reusing the run id starts afresh; a requeue (same job id) continues the count."""
+    old = [Outcome("killed_by_signal", 400, 400, n, job_id="10") for n in range(3)]
+    h = EMPTY
+    for o in old:
+        h = h.record(o)
+    assert h.of_job("10", 3).no_progress_streak() == 3
+    assert h.of_job("11", 0) == EMPTY
+    h = h.record(Outcome("preempted", 400, 400, 0, job_id="11"))
+    assert [e.job_id for e in h.of_job("11", 1).incarnations] == ["11"]
+    # Entries without job ids (version 1): restart count 0 is a new submission, as before.
+    v1 = hist((None, 400), (400, 400))
+    assert v1.of_job("12", 0) == EMPTY and v1.of_job("12", 2) == v1

@@ -36,7 +36,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -603,7 +603,7 @@ class Daemon:
             runs[run] = RunGauges(drain_lag_seconds=self._lag(run, now)[0],
                                   local_newest_step=max((st.step for st in mine), default=-1),
                                   durable_newest_step=max(self._durable.get(run, ()), default=-1),
-                                  steps_pending_drain=pending)
+                                  steps_pending_drain=pending, ends=self._ends(run))
         try:
             min_free: int | None = min_free_bytes(self.min_free, self.root)
         except (OSError, ValueError):
@@ -611,6 +611,12 @@ class Daemon:
         return DaemonMetrics(node=self.node, local_root=self.root, up=self._up, start_time=self.started_at, updated_at=now,
                              counters=dict(self.counters), throughput=self._throughput,
                              local_free_bytes=self._free_bytes(), local_min_free_bytes=min_free, runs=runs)
+
+    def _ends(self, run: str) -> Mapping[str, int]:
+        """The run's ends by class, from its history on this node (the batch host's); empty elsewhere."""
+        from ..catalog.history import ends_by_reason, read_history
+
+        return ends_by_reason(read_history(self.root, run).history)
 
     def _write_status(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -12,7 +12,8 @@ States of a step:
   ``-`` (nothing there).
 
 The drain lag is the age of the oldest committed local step newer than the newest durable step: how far
-the durable tier trails this node.
+the durable tier trails this node. The run's history (``catalog/history.py``) adds how its last incarnation
+ended, with the evidence, and how many ends of each class it had.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ..catalog.history import label, read_history, summary
 from ..config import Settings
 from ..errors import ResilientSlurmError
 from ..layout import list_run_dir, list_runs
@@ -62,8 +64,13 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
             errors.append(f"durable tier {cfg.durable}: {exc}")
     rows: list[dict[str, Any]] = []
     lags: dict[str, float] = {}
+    histories: dict[str, Any] = {}
     try:
         for run in runs:
+            h = read_history(root, run, tier)
+            errors += list(h.errors)
+            if (last := summary(h)) is not None:
+                histories[run] = last
             by_step: dict[int, dict[str, Any]] = {}
 
             def row(step: int, by_step: dict[int, dict[str, Any]] = by_step, run: str = run) -> dict[str, Any]:
@@ -109,7 +116,8 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
             tier.close()
     return {"local_root": root, "durable": cfg.durable, "daemon": {
         "running": alive, "pid": (daemon or {}).get("pid"), "updated_at": (daemon or {}).get("updated_at"),
-        "current": (daemon or {}).get("current")}, "drain_lag_s": lags, "steps": rows, "errors": errors}
+        "current": (daemon or {}).get("current")}, "drain_lag_s": lags, "steps": rows, "history": histories,
+        "errors": errors}
 
 
 def _size(n: int | None) -> str:
@@ -132,6 +140,10 @@ def format_status(report: Mapping[str, Any]) -> str:
                                                                if d.get("updated_at") else ""))
     for run, lag in sorted(report["drain_lag_s"].items()):
         lines.append(f"drain lag    run {run}: {lag:.0f} s")
+    for run, h in sorted(report.get("history", {}).items()):
+        counts = ", ".join(f"{n} {label(r)}" for r, n in sorted(h["ends"].items()))
+        lines.append(f"last end     run {run}: {h['last_class']} ({h['last_evidence'] or 'no evidence'}); "
+                     f"{h['incarnations']} incarnation(s): {counts}; rslurm history --run-id {run}")
     lines.append("")
     lines.append(f"{'RUN':<16} {'STEP':>10} {'REASON':<9} {'SIZE':>10} {'LOCAL':<11} {'DRAIN':<9} {'DURABLE':<12} AGE")
     now = time.time()

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 
 from ..config import Settings
 from ..daemon.service import daemon_running
-from ..errors import ObjectNotFoundError, ResilientSlurmError
+from ..errors import ResilientSlurmError
 from ..manifest import MANIFEST_NAME, durable_run_key, durable_step_key
 from ..storage.registry import open_durable
 from ..storage.tier import StorageTier
@@ -118,19 +118,6 @@ class JobDrain:
                             step)
                 return self.is_durable(step)
             time.sleep(POLL_S)
-
-    def read_object(self, name: str) -> str | None:
-        """A small run-level file kept in the durable tier (``<run_id>/<name>``), or None."""
-        tier = self.tier
-        if tier is None:
-            return None
-        try:
-            return tier.get_bytes(durable_run_key(self.run_id, name)).decode("utf-8", errors="replace")
-        except ObjectNotFoundError:
-            return None
-        except ResilientSlurmError as exc:
-            log.warning("cannot read %s from the durable tier: %s", name, exc)
-            return None
 
     def write_object(self, name: str, data: bytes) -> None:
         """Keep a small run-level file in the durable tier too (best effort)."""

@@ -59,19 +59,23 @@ from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import expand_hostlist, remaining_seconds
 from ..storage.fileio import atomic_write
 from ..telemetry import EventLog, events_path
+from .attribution import OomCounters, attribute_failure
 from .cloud import Notice, TerminationNoticeWatcher
 from .durability import DAEMON_STEP_NAME, JobDrain
 from .hang import Hang, HangWatch
 from .policy import (
+    HISTORY_FILE,
     HOLD_EXIT_CODE,
     REQUEUE_EXIT_CODE,
     Action,
     Decision,
     Outcome,
     ProgressHistory,
+    RankRun,
     Reason,
     RequeuePolicy,
     describe_outcome,
+    restartable,
     restore_unavailable,
     traceback_location,
 )
@@ -80,15 +84,21 @@ from .signals import SignalTrap, TrapEvent
 
 log = logging.getLogger(__name__)
 
-HISTORY_FILE = "launcher-history.json"
 # After one rank failed on its own, how long the others may take to notice (a collective error) and
 # exit before the launcher tears them down.
 PEER_EXIT_WAIT = 30.0
 STACK_DUMP_WAIT_S = 2.0  # after asking for the stacks, before the teardown
 IN_JOB_BACKOFF_S = 2.0  # before the first in-job restart; doubled for each next one
 IN_JOB_BACKOFF_MAX_S = 60.0
-# Ends the ranks can come back from inside the allocation: the job is fine, a rank (or its node) was not.
-IN_JOB_RESTARTABLE = frozenset({Reason.HANG, Reason.NODE_FAILURE})
+# Ends the ranks can come back from inside the allocation: the job and its nodes are fine, a rank was not
+# (an out-of-memory only when the kernel killed the rank: one the program raised would repeat). A lost
+# node is not among them: a new step would be placed on it again.
+IN_JOB_RESTARTABLE = frozenset({Reason.HANG, Reason.KILLED_BY_SIGNAL, Reason.OUT_OF_MEMORY,
+                                Reason.COMMUNICATOR_ERROR})
+# Ends after which waiting for the newest step to become durable is not worth it (the ranks failed: that
+# step, if any, was an interval save the daemon drains anyway).
+_NO_DURABLE_WAIT = frozenset({Reason.USER_ERROR, Reason.NODE_FAILURE, Reason.HANG, Reason.STORAGE_UNAVAILABLE,
+                              Reason.KILLED_BY_SIGNAL, Reason.OUT_OF_MEMORY, Reason.COMMUNICATOR_ERROR})
 # A stop signal with the job's end this close is the time limit (USR1 from --signal, or SIGTERM at the
 # end); further away it is a preemption or an operator's request.
 TIME_LIMIT_WINDOW = 15 * 60.0
@@ -184,6 +194,9 @@ class Launcher:
         self.hang: Hang | None = None
         self._deferred_check_at = 0.0
         self._kill_wait_s: float | None = None
+        self._oom = OomCounters()
+        self._root_failures: list[RankExit] = []  # the ranks found failed first, in this run of the ranks
+        self._in_job_runs: list[RankRun] = []  # runs of the ranks that ended in an in-job restart
         self.drain: JobDrain | None = None
         if self.cfg.durable:
             self.drain = JobDrain(self.cfg, self.env, root=root, run_id=self.run_id,
@@ -273,6 +286,8 @@ class Launcher:
                 outcome = self._outcome(children, baseline)
                 if not self._restart_in_job(outcome, restarts, stalled, baseline, trap, server, children):
                     break
+                self._in_job_runs.append(RankRun(outcome.reason.value, outcome.evidence or outcome.detail,
+                                                 outcome.committed_step, time.time()))
                 stalled = stalled + 1 if outcome.committed_step == baseline else 0
                 restarts += 1
                 baseline = outcome.committed_step
@@ -297,6 +312,8 @@ class Launcher:
         """Start one run of the ranks (a new srun step, or new local processes)."""
         clear_heartbeats(self.socket_path)  # records of ranks killed in an earlier run would look hung
         self.hang = None
+        self._root_failures = []
+        self._oom = OomCounters()
         self.hang_watch = HangWatch(self.socket_path, timeout=self.cfg.hang_timeout,
                                     startup_timeout=self.cfg.hang_startup_timeout)
         env = self._rank_env()
@@ -312,6 +329,7 @@ class Launcher:
         except OSError as exc:
             children.teardown(0)  # ranks started before the one that failed
             raise ConfigError(f"rslurm launch: cannot start {self.command[0]!r}: {exc.strerror or exc}") from exc
+        self._oom.watch(children.pids)
         return children
 
     def _restart_in_job(self, outcome: Outcome, restarts: int, stalled: int, baseline: int | None,
@@ -320,7 +338,8 @@ class Launcher:
         this allocation, from the last commit, after an exponential backoff; False when the outcome is not
         one for that, ``in_job_restarts`` are used up, or restarts in a row commit nothing new
         (``no_progress_limit``): then the usual requeue path decides."""
-        if outcome.reason not in IN_JOB_RESTARTABLE or self.stop is not None or self._interrupts:
+        if (outcome.reason not in IN_JOB_RESTARTABLE or not restartable(outcome) or self.stop is not None
+                or self._interrupts):
             return False
         what = describe_outcome(outcome)
         if restarts >= self.cfg.in_job_restarts:
@@ -336,8 +355,8 @@ class Launcher:
         log.warning("%s; restarting the ranks in this allocation from step %s in %.0f s (in-job restart %d of %d)",
                     what, outcome.committed_step, backoff, restarts + 1, self.cfg.in_job_restarts)
         self._event("in_job_restart", attempt=restarts + 1, limit=self.cfg.in_job_restarts,
-                    outcome=outcome.reason.value, detail=what, committed_step=outcome.committed_step,
-                    backoff_s=backoff)
+                    outcome=outcome.reason.value, detail=what, evidence=outcome.evidence,
+                    committed_step=outcome.committed_step, backoff_s=backoff)
         end = time.time() + backoff
         while time.time() < end:  # a stop signal during the backoff ends the run as that stop
             if trap.wait(min(0.2, max(0.0, end - time.time()))):
@@ -385,6 +404,7 @@ class Launcher:
                 break
             if first_failure is None and children.failures():
                 first_failure = now
+                self._root_failures = list(children.failures())
                 log.warning("%s; the others get %.0f s to exit", children.failures()[0].describe(), PEER_EXIT_WAIT)
             if first_failure is not None and now >= first_failure + PEER_EXIT_WAIT:
                 log.error("ranks still running %.0f s after a rank failed: tearing them down", PEER_EXIT_WAIT)
@@ -585,43 +605,76 @@ class Launcher:
                        restart_count=self.restart_count, job_id=self.job_id)
         stop = self.stop
         if self.hang is not None:
-            return replace(base, reason=Reason.HANG, detail=self.hang.describe())
+            return replace(base, reason=Reason.HANG, detail=self.hang.describe(), evidence=self.hang.describe())
         if stop is not None:
             # We asked the ranks to stop (or tore them down): whatever their exit codes, the job was
             # stopped from outside and can go on from the last commit.
-            return replace(base, reason=stop.reason, detail=f"stopped by {stop.source}")
-        killed = [e for e in exits if e.signal is not None]
-        failed = [e for e in exits if e.exit_code not in (None, 0)]
-        if self._emergency_seen and not failed:
+            return replace(base, reason=stop.reason, detail=f"stopped by {stop.source}",
+                           evidence=self._stop_evidence(stop))
+        failed = self._failed_in_order(children, exits)
+        if self._emergency_seen and not any(e.exit_code not in (None, 0) for e in exits):
             # Slurm signalled the ranks directly (preemption without --signal): they saved and left.
             job = self._job_info()
             reason = Reason.PREEMPTED
             if job is not None and job.preempt_time is None and remaining_seconds(job, time.time()) <= TIME_LIMIT_WINDOW:
                 reason = Reason.TIME_LIMIT
             source = "a signal from Slurm" if self.job_id else "a signal sent to the ranks, not to the launcher"
-            return replace(base, reason=reason, detail=f"ranks took an emergency checkpoint on {source}")
-        if killed:
-            first = killed[0]
+            detail = f"ranks took an emergency checkpoint on {source}"
+            return replace(base, reason=reason, detail=detail, evidence=detail)
+        if not failed:
+            return replace(base, reason=Reason.COMPLETED, evidence="every rank exited 0")
+        first = failed[0]
+        if first.signal is not None:
             job = self._job_info()
             if job is not None and job.preempt_time is not None:
-                return replace(base, reason=Reason.PREEMPTED, rank=first.rank, signal=first.signal)
-            return replace(base, reason=Reason.NODE_FAILURE, rank=first.rank, signal=first.signal,
-                           detail=f"rank {first.rank} on {first.node or self.node} killed by signal {first.signal}")
-        if failed:
-            first = failed[0]
-            if any(restore_unavailable(self._stderr_of(children, e)) for e in failed):
-                return replace(base, reason=Reason.STORAGE_UNAVAILABLE, rank=first.rank,
-                               detail="a rank could not restore: checkpoint storage failed (RestoreUnavailableError)")
-            return replace(base, reason=Reason.USER_ERROR, rank=first.rank, exit_code=first.exit_code,
-                           error_location=self._error_location(children, first))
-        return replace(base, reason=Reason.COMPLETED)
+                return replace(base, reason=Reason.PREEMPTED, rank=first.rank, signal=first.signal, node=first.node,
+                               evidence=f"{first.describe()}; Slurm set the job's PreemptTime")
+        coded = [e for e in failed if e.exit_code not in (None, 0)]
+        if any(restore_unavailable(self._stderr_of(children, e)) for e in coded):
+            return replace(base, reason=Reason.STORAGE_UNAVAILABLE, rank=coded[0].rank,
+                           detail="a rank could not restore: checkpoint storage failed (RestoreUnavailableError)",
+                           evidence="resilient_slurm.errors.RestoreUnavailableError")
+        att = attribute_failure(failed, lambda e: self._stderr_of(children, e), oom_evidence=self._oom.evidence(),
+                                srun_text=children.stderr_tail(0) if self.srun else "")
+        assert att is not None
+        who = att.failed
+        if att.reason is Reason.USER_ERROR:
+            return replace(base, reason=Reason.USER_ERROR, rank=who.rank, exit_code=who.exit_code, node=who.node,
+                           error_location=self._error_location(children, who),
+                           evidence=att.evidence or f"exit code {who.exit_code}, no Python traceback")
+        return replace(base, reason=att.reason, rank=who.rank, signal=who.signal, exit_code=who.exit_code,
+                       node=who.node, evidence=att.evidence, detail=att.evidence)
+
+    def _failed_in_order(self, children: Children, exits: Sequence[RankExit]) -> list[RankExit]:
+        """The ranks that failed, the root cause first: those the loop found failed first (before any
+        teardown), then the others that failed on their own. When the loop saw none first (every rank
+        ended between two polls), ranks killed by a signal come before ranks that exited with a code."""
+        failed = [e for e in exits if not e.ok and (e.signal is not None or e.exit_code not in (None, 0))]
+        root = list(self._root_failures)
+        if root:
+            rest = [e for e in failed if e not in root and (e.signal is None or not children.torn_down)]
+            return root + rest
+        return [e for e in failed if e.signal is not None] + [e for e in failed if e.signal is None]
+
+    def _stop_evidence(self, stop: StopRequest) -> str:
+        """What a stop's class was read from: the signal, and what Slurm said about the job then."""
+        parts = [f"{stop.source} at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(stop.at))}"]
+        job = stop.job
+        if stop.reason is Reason.CLOUD_TERMINATION:
+            parts.append(f"termination notice from {self.cfg.cloud_notice} metadata")
+        elif job is not None and job.preempt_time is not None:
+            parts.append("Slurm set the job's PreemptTime")
+        elif job is not None:
+            rem = remaining_seconds(job, stop.at)
+            if not math.isinf(rem):
+                parts.append(f"{max(rem, 0.0):.0f} s of the time limit left")
+        return "; ".join(parts)
 
     def _await_durable(self, outcome: Outcome) -> None:
         """Give the newest committed step a bounded chance to become durable before the requeue (or the
         end of a completed job): within the deadline when stopped, ``durable_wait`` at most."""
         step = outcome.committed_step
-        if self.drain is None or step is None or outcome.reason in (Reason.USER_ERROR, Reason.NODE_FAILURE, Reason.HANG,
-                                                                   Reason.STORAGE_UNAVAILABLE):
+        if self.drain is None or step is None or outcome.reason in _NO_DURABLE_WAIT:
             return
         now = time.time()
         timeout = self.cfg.durable_wait
@@ -652,25 +705,30 @@ class Launcher:
         return traceback_location(self._stderr_of(children, failed), failed.rank)
 
     def _read_history(self) -> ProgressHistory:
-        path = os.path.join(self.run_dir, HISTORY_FILE)
+        """The run's history: this node's copy or the durable tier's (requeued onto another batch host, the
+        history follows the run there), whichever ended last. An unreadable copy is logged and skipped:
+        a broken history must not keep a preempted job from being requeued (it only resets the counts)."""
+        from ..catalog.history import read_history
+
+        run = read_history(os.path.dirname(self.run_dir), self.run_id,
+                           self.drain.tier if self.drain is not None else None)
+        for err in run.errors:
+            log.warning("%s; counting restarts without it", err)
+        return run.history
+
+    def _record_history(self, history: ProgressHistory, outcome: Outcome, decision: Decision | None) -> None:
+        """Append this incarnation's end (class, evidence, in-job restarts, the action) to the run's history
+        in the run directory and, when there is one, the durable tier (best effort: a failure is logged)."""
+        data = history.record(outcome, started_at=self.timings.get("start"), ended_at=time.time(),
+                              action=decision.action.value if decision else Action.EXIT.value,
+                              in_job=self._in_job_runs).to_json().encode()
         try:
-            with open(path) as f:
-                text: str | None = f.read()
-        except FileNotFoundError:
-            text = None
+            os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+            atomic_write(os.path.join(self.run_dir, HISTORY_FILE), data)
         except OSError as exc:
-            log.warning("cannot read %s (%s); counting restarts afresh", path, exc)
-            text = None
-        if text is None and self.drain is not None:
-            # Requeued onto another batch host: the history follows the run in the durable tier.
-            text = self.drain.read_object(HISTORY_FILE)
-            if text is not None:
-                path = f"{self.cfg.durable}/{self.run_id}/{HISTORY_FILE}"
-        history = ProgressHistory.parse(text, source=path)
-        if self.restart_count == 0 and history.incarnations:
-            # A new submission that reuses the run id (not a requeue): old restarts do not count.
-            return ProgressHistory()
-        return history
+            log.warning("cannot write the run's history in %s: %s", self.run_dir, exc)
+        if self.drain is not None:
+            self.drain.write_object(HISTORY_FILE, data)
 
     def _ranks_resumed_from(self) -> str:
         """What this node's ranks reported restoring in this launcher run (their ``restore`` events; the
@@ -705,20 +763,12 @@ class Launcher:
         if not self.job_id:
             return self._act_local(outcome)
         history = self._read_history()
-        decision = self.policy.decide(outcome, history)
-        if decision.action is not Action.EXIT:
-            try:
-                os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
-                data = history.record(outcome).to_json().encode()
-                atomic_write(os.path.join(self.run_dir, HISTORY_FILE), data)
-            except OSError as exc:
-                log.warning("cannot write the progress history in %s: %s", self.run_dir, exc)
-            else:
-                if self.drain is not None:
-                    self.drain.write_object(HISTORY_FILE, data)
+        # The requeue rules count the earlier incarnations of this job only (a new submission starts afresh).
+        decision = self.policy.decide(outcome, history.of_job(self.job_id, self.restart_count))
+        self._record_history(history, outcome, decision)  # before the requeue: it kills this process
         self._event("decision", action=decision.action.value, rule=decision.rule, message=decision.message,
                     outcome=outcome.reason.value, committed_step=outcome.committed_step,
-                    restored_step=outcome.restored_step)
+                    restored_step=outcome.restored_step, evidence=outcome.evidence)
         (log.error if decision.action is Action.HOLD or decision.exit_code not in (0, REQUEUE_EXIT_CODE)
          else log.warning if decision.action is Action.REQUEUE else log.info)("%s", decision.message)
         result = LaunchResult(decision.exit_code, outcome, decision, self.timings)
@@ -756,9 +806,14 @@ class Launcher:
         return result
 
     def _act_local(self, outcome: Outcome) -> LaunchResult:
+        result = self._decide_local(outcome)
+        self._record_history(self._read_history(), outcome, result.decision)
+        return result
+
+    def _decide_local(self, outcome: Outcome) -> LaunchResult:
         if outcome.reason is Reason.COMPLETED:
             return LaunchResult(0, outcome, None, self.timings)
-        if outcome.reason is Reason.USER_ERROR:
+        if outcome.reason is Reason.USER_ERROR or not restartable(outcome):
             d = self.policy.decide(outcome, ProgressHistory())
             log.error("%s", d.message)
             return LaunchResult(d.exit_code, outcome, d, self.timings)

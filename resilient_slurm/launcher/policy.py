@@ -17,9 +17,12 @@ Rules (``RequeuePolicy``), first match wins:
 * ``completed`` -> exit 0.
 * ``user_error`` (a rank exited non-zero on its own) -> exit with that rank's exit code, never requeued:
   an error in the program would repeat on every restart.
-* ``preempted``, ``time_limit``, ``node_failure``, ``cloud_termination``, ``storage_unavailable`` (a rank
-  raised RestoreUnavailableError: checkpoints exist but storage kept them from being restored) -> requeue,
-  unless a hold rule
+* ``out_of_memory`` raised by the program (MemoryError, CUDA out of memory: the rank exited with a code)
+  -> exit with that code, like a user error: the same batch would run out of memory again.
+* ``preempted``, ``time_limit``, ``node_failure``, ``cloud_termination``, ``hang``, ``killed_by_signal``,
+  ``out_of_memory`` (a rank killed by the kernel's OOM killer), ``communicator_error``, ``storage_unavailable``
+  (a rank raised RestoreUnavailableError: checkpoints exist but storage kept them from being restored) ->
+  requeue, unless a hold rule
   fires: ``NoProgressRule`` (the last K incarnations in a row committed nothing past the step committed
   before each of them) or ``MaxRestartsRule`` (requeueing once more would exceed ``max_restarts``).
   Extra ``HoldRule`` callables can be composed in.
@@ -29,9 +32,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol, TypeGuard
@@ -45,9 +49,11 @@ logger = logging.getLogger(__name__)
 REQUEUE_EXIT_CODE = 75
 # 78 is EX_CONFIG: the job cannot go on until a person changes something.
 HOLD_EXIT_CODE = 78
+# The run's history: in the run directory of the batch host, and a copy in the durable tier.
+HISTORY_FILE = "launcher-history.json"
 # Bounds the history file; far more than any sensible no_progress_limit.
 HISTORY_MAX_ENTRIES = 64
-HISTORY_VERSION = 1
+HISTORY_VERSION = 2  # 2 added the attribution (job, times, evidence, where, the action, in-job restarts)
 
 
 class Reason(str, Enum):
@@ -55,7 +61,10 @@ class Reason(str, Enum):
 
     PREEMPTED = "preempted"                  # Slurm preemption (SIGTERM with GraceTime)
     TIME_LIMIT = "time_limit"                # the job's time limit (SIGUSR1 from --signal, or SIGTERM)
-    NODE_FAILURE = "node_failure"            # a rank vanished: killed by a signal we did not send
+    NODE_FAILURE = "node_failure"            # Slurm reports a node of the job lost (srun's "Node failure")
+    KILLED_BY_SIGNAL = "killed_by_signal"    # a rank killed by a signal nobody in rslurm sent (SIGKILL, SIGSEGV)
+    OUT_OF_MEMORY = "out_of_memory"          # the OOM killer (cgroup counter, srun), or MemoryError / CUDA OOM
+    COMMUNICATOR_ERROR = "communicator_error"  # a rank's collective failed (gloo/NCCL error, timeout, peer gone)
     HANG = "hang"                            # no progress on the launcher's node past the hang timeout
     CLOUD_TERMINATION = "cloud_termination"  # the cloud provider announced the instance's end
     STORAGE_UNAVAILABLE = "storage_unavailable"  # a rank could not restore: checkpoint storage failed
@@ -65,7 +74,27 @@ class Reason(str, Enum):
 
 # Reasons caused by the environment, not the program: a restart can succeed.
 RESTARTABLE = frozenset({Reason.PREEMPTED, Reason.TIME_LIMIT, Reason.NODE_FAILURE, Reason.HANG, Reason.CLOUD_TERMINATION,
-                         Reason.STORAGE_UNAVAILABLE})
+                         Reason.STORAGE_UNAVAILABLE, Reason.KILLED_BY_SIGNAL, Reason.OUT_OF_MEMORY,
+                         Reason.COMMUNICATOR_ERROR})
+
+# How `rslurm history` and `rslurm status` name each class.
+REASON_LABELS = {
+    Reason.PREEMPTED: "preempted", Reason.TIME_LIMIT: "time limit", Reason.NODE_FAILURE: "node failure",
+    Reason.KILLED_BY_SIGNAL: "killed by signal", Reason.OUT_OF_MEMORY: "out of memory",
+    Reason.COMMUNICATOR_ERROR: "communicator error", Reason.HANG: "hang",
+    Reason.CLOUD_TERMINATION: "cloud termination", Reason.STORAGE_UNAVAILABLE: "storage unavailable",
+    Reason.USER_ERROR: "user error", Reason.COMPLETED: "completed",
+}
+
+
+def raised_by_program(outcome: Outcome) -> bool:
+    """An out-of-memory the program raised and exited on (MemoryError, CUDA OOM): it would repeat."""
+    return outcome.reason is Reason.OUT_OF_MEMORY and outcome.signal is None and outcome.exit_code is not None
+
+
+def restartable(outcome: Outcome) -> bool:
+    """Whether the environment, not the program, ended the incarnation: a restart can succeed."""
+    return outcome.reason in RESTARTABLE and not raised_by_program(outcome)
 
 
 class Action(str, Enum):
@@ -84,8 +113,10 @@ class Outcome:
     ``restored_step``: the step this incarnation resumed from (None: it started fresh).
     ``restart_count``: SLURM_RESTART_COUNT of this incarnation (0 for the first run).
     For ``user_error``: ``rank``, ``exit_code`` (1..255; None is read as 1) and ``error_location``
-    (``"train.py:57 in forward"``, see ``traceback_location``). For ``node_failure``: ``rank`` and
-    ``signal`` when known.
+    (``"train.py:57 in forward"``, see ``traceback_location``). For ``killed_by_signal``: ``rank`` and
+    ``signal`` when known. ``evidence``: what the class was read from (the signal and who sent it, the
+    matched line of a rank's stderr or srun's, the OOM counter), shown by ``rslurm history``; ``node``: where
+    the failing rank ran, when known.
     """
 
     reason: Reason
@@ -98,6 +129,8 @@ class Outcome:
     signal: int | None = None
     job_id: str | None = None
     detail: str = ""
+    evidence: str = ""
+    node: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -128,13 +161,42 @@ class Decision:
 
 
 @dataclass(frozen=True)
+class RankRun:
+    """One run of the ranks inside an incarnation that ended in an in-job restart."""
+
+    reason: str
+    evidence: str = ""
+    committed_step: int | None = None
+    ended_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reason": self.reason, "evidence": self.evidence, "committed_step": self.committed_step,
+                "ended_at": self.ended_at}
+
+
+@dataclass(frozen=True)
 class Incarnation:
-    """One past incarnation as the history keeps it."""
+    """One past incarnation as the history keeps it: why it ended (the class and its evidence), and the
+    runs of its ranks that ended in an in-job restart before that (``in_job``, oldest first)."""
 
     restart_count: int
     reason: str
     restored_step: int | None
     committed_step: int | None
+    job_id: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    evidence: str = ""
+    rank: int | None = None
+    node: str | None = None
+    action: str | None = None  # requeue, hold or exit; None before the decision
+    in_job: tuple[RankRun, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"restart_count": self.restart_count, "reason": self.reason, "restored_step": self.restored_step,
+                "committed_step": self.committed_step, "job_id": self.job_id, "started_at": self.started_at,
+                "ended_at": self.ended_at, "evidence": self.evidence, "rank": self.rank, "node": self.node,
+                "action": self.action, "in_job": [r.to_dict() for r in self.in_job]}
 
 
 def _made_progress(committed: int | None, baseline: int | None) -> bool:
@@ -154,11 +216,28 @@ class ProgressHistory:
 
     incarnations: tuple[Incarnation, ...] = ()
 
-    def record(self, outcome: Outcome, *, max_entries: int = HISTORY_MAX_ENTRIES) -> ProgressHistory:
+    def record(self, outcome: Outcome, *, max_entries: int = HISTORY_MAX_ENTRIES, started_at: float | None = None,
+               ended_at: float | None = None, action: str | None = None,
+               in_job: Sequence[RankRun] = ()) -> ProgressHistory:
         """A new history with ``outcome`` appended (oldest entries dropped beyond ``max_entries``)."""
         entry = Incarnation(outcome.restart_count, outcome.reason.value, outcome.restored_step,
-                            outcome.committed_step)
+                            outcome.committed_step, job_id=outcome.job_id, started_at=started_at,
+                            ended_at=ended_at, evidence=outcome.evidence or outcome.detail, rank=outcome.rank,
+                            node=outcome.node, action=action, in_job=tuple(in_job))
         return ProgressHistory((*self.incarnations, entry)[-max_entries:])
+
+    def of_job(self, job_id: str | None, restart_count: int) -> ProgressHistory:
+        """The entries the requeue rules count for this incarnation: the earlier incarnations of the same
+        Slurm job (a requeue keeps the job id). A new submission that reuses the run id starts afresh; so
+        does a first incarnation (restart count 0) where older entries carry no job id."""
+        if job_id is not None and any(e.job_id is not None for e in self.incarnations):
+            tail: list[Incarnation] = []
+            for e in reversed(self.incarnations):
+                if e.job_id != job_id:
+                    break
+                tail.append(e)
+            return ProgressHistory(tuple(reversed(tail)))
+        return ProgressHistory() if restart_count == 0 else self
 
     def last_committed(self) -> int | None:
         """The committed step after the most recent incarnation (None: no history or nothing committed)."""
@@ -183,14 +262,8 @@ class ProgressHistory:
 
     def to_json(self) -> str:
         """The history as a JSON document (versioned)."""
-        return json.dumps({
-            "version": HISTORY_VERSION,
-            "incarnations": [
-                {"restart_count": e.restart_count, "reason": e.reason, "restored_step": e.restored_step,
-                 "committed_step": e.committed_step}
-                for e in self.incarnations
-            ],
-        }, indent=1)
+        return json.dumps({"version": HISTORY_VERSION, "incarnations": [e.to_dict() for e in self.incarnations]},
+                          indent=1)
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "<string>") -> ProgressHistory:
@@ -208,8 +281,8 @@ class ProgressHistory:
             raise fail(f"not valid JSON ({exc})", None) from exc
         if not isinstance(doc, dict):
             raise fail(f"expected a JSON object, got {type(doc).__name__}", None)
-        if doc.get("version") != HISTORY_VERSION:
-            raise fail(f"unsupported version {doc.get('version')!r} (this rslurm reads {HISTORY_VERSION})",
+        if doc.get("version") not in (1, HISTORY_VERSION):
+            raise fail(f"unsupported version {doc.get('version')!r} (this rslurm reads 1 to {HISTORY_VERSION})",
                        "version")
         items = doc.get("incarnations")
         if not isinstance(items, list):
@@ -231,7 +304,7 @@ class ProgressHistory:
                 if v is not None and (not _is_int(v) or v < 0):
                     raise fail(f"expected a step number or null, got {v!r}", f"{fld}.{key}")
                 steps.append(v)
-            out.append(Incarnation(restart_count, reason, steps[0], steps[1]))
+            out.append(Incarnation(restart_count, reason, steps[0], steps[1], **_attribution_fields(item, fld, fail)))
         return cls(tuple(out))
 
     @classmethod
@@ -257,6 +330,45 @@ class ProgressHistory:
 
 def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+_TEXT_MAX = 4096  # evidence is a line or two; a longer one is cut, not refused
+
+
+def _attribution_fields(item: dict[str, Any], fld: str,
+                        fail: Callable[[str, str | None], ProgressHistoryError]) -> dict[str, Any]:
+    """The version-2 fields of one history entry, checked (absent in version 1: defaults)."""
+    out: dict[str, Any] = {}
+    for key in ("job_id", "evidence", "node", "action"):
+        v = item.get(key)
+        if v is not None and not isinstance(v, str):
+            raise fail(f"expected a string or null, got {v!r}", f"{fld}.{key}")
+        if v is not None:
+            out[key] = v[:_TEXT_MAX]
+    for key in ("started_at", "ended_at"):
+        v = item.get(key)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
+            raise fail(f"expected a time or null, got {v!r}", f"{fld}.{key}")
+        out[key] = v
+    rank = item.get("rank")
+    if rank is not None and (not _is_int(rank) or rank < 0):
+        raise fail(f"expected a rank or null, got {rank!r}", f"{fld}.rank")
+    out["rank"] = rank
+    runs = item.get("in_job", [])
+    if not isinstance(runs, list):
+        raise fail("expected a list", f"{fld}.in_job")
+    parsed = []
+    for j, run in enumerate(runs):
+        where = f"{fld}.in_job[{j}]"
+        if not isinstance(run, dict) or run.get("reason") not in {r.value for r in Reason}:
+            raise fail("expected an object with a known reason", where)
+        ev, step, at = run.get("evidence", ""), run.get("committed_step"), run.get("ended_at")
+        if not isinstance(ev, str) or (step is not None and (not _is_int(step) or step < 0)) or (
+                at is not None and (not isinstance(at, (int, float)) or isinstance(at, bool) or not math.isfinite(at))):
+            raise fail("evidence must be a string, committed_step a step or null, ended_at a time or null", where)
+        parsed.append(RankRun(run["reason"], ev[:_TEXT_MAX], step, at))
+    out["in_job"] = tuple(parsed)
+    return out
 
 
 class HoldRule(Protocol):
@@ -323,10 +435,18 @@ def describe_outcome(outcome: Outcome) -> str:
 def _describe(outcome: Outcome) -> str:
     """A few words on why the incarnation ended, for messages."""
     r = outcome.reason
-    if r is Reason.NODE_FAILURE:
-        who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
+    who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
+    if r is Reason.KILLED_BY_SIGNAL:
         how = f" by {_signal_name(outcome.signal)}" if outcome.signal is not None else ""
-        return f"node failure ({who} was killed{how}, not by rslurm: out of memory or node lost?)"
+        return f"{who} killed{how}, not by rslurm"
+    if r is Reason.NODE_FAILURE:
+        where = f" ({outcome.node})" if outcome.node else ""
+        return f"a node failure{where}"
+    if r is Reason.OUT_OF_MEMORY:
+        how = "killed by the OOM killer" if outcome.signal is not None else "ran out of memory"
+        return f"out of memory ({who} {how})"
+    if r is Reason.COMMUNICATOR_ERROR:
+        return f"a communicator error ({who}: a collective failed)"
     if r is Reason.HANG:
         return f"a hang ({outcome.detail})" if outcome.detail else "a hang"
     if r is Reason.TIME_LIMIT:
@@ -336,9 +456,8 @@ def _describe(outcome: Outcome) -> str:
     if r is Reason.PREEMPTED:
         return "preemption"
     if r is Reason.STORAGE_UNAVAILABLE:
-        who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
         return f"a restore that checkpoint storage failed ({who}: RestoreUnavailableError)"
-    return r.value
+    return REASON_LABELS.get(r, r.value)
 
 
 def _signal_name(sig: int) -> str:
@@ -387,6 +506,14 @@ class RequeuePolicy:
                 Action.EXIT, code,
                 f"not requeued: {who} failed with exit code {code}{at}; an error in the program "
                 "would repeat on every restart; fix it and resubmit", "user_error")
+        if raised_by_program(outcome):
+            who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
+            code = outcome.exit_code or 1
+            return Decision(
+                Action.EXIT, code,
+                f"not requeued: {who} ran out of memory and exited with code {code} ({outcome.evidence}); it "
+                "would run out again on every restart: lower the memory use (batch size, activation "
+                "checkpointing) and resubmit", "out_of_memory")
         for rule in self.rules:
             message = rule(outcome, history)
             if message is not None:
@@ -479,7 +606,7 @@ def replay(policy: RequeuePolicy, outcomes: Iterable[Outcome],
 
 
 __all__ = [
-    "describe_outcome",
+    "HISTORY_FILE", "describe_outcome", "raised_by_program", "restartable", "REASON_LABELS", "RankRun",
     "HOLD_EXIT_CODE", "REQUEUE_EXIT_CODE", "RESTARTABLE", "Action", "Decision", "HoldRule", "Incarnation",
     "MaxRestartsRule", "NoProgressRule", "Outcome", "ProgressHistory", "Reason", "RequeuePolicy", "replay",
     "restore_unavailable", "traceback_location",

@@ -54,6 +54,7 @@ class RankExit:
     exit_code: int | None
     signal: int | None
     node: str | None = None
+    oom: bool = False  # srun said "Out Of Memory" (its step's cgroup saw an OOM kill)
 
     @property
     def ok(self) -> bool:
@@ -89,10 +90,11 @@ def parse_task_line(line: str) -> list[RankExit]:
     em = _EXITED.search(what)
     if em:
         return [RankExit(r, int(em.group(1)), None, m["node"]) for r in ranks]
-    sig = _BY_DESCRIPTION.get(what.split(" (core dumped)")[0].strip().lower())
+    said = what.split(" (core dumped)")[0].strip().lower()
+    sig = _BY_DESCRIPTION.get(said)
     if sig is None:
         return []  # another kind of srun error line, not a task end
-    return [RankExit(r, None, sig, m["node"]) for r in ranks]
+    return [RankExit(r, None, sig, m["node"], oom=said == "out of memory") for r in ranks]
 
 
 class _Tee(threading.Thread):

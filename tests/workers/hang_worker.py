@@ -1,14 +1,17 @@
 """One rank of a small job that can hang on purpose, for the hang-detection tests (tests/test_hang.py).
 
     python hang_worker.py --steps N --out O [--hang-at S --hang-rank R] [--hang-startup --hang-rank R]
-                          [--crash-at S --crash-rank R --crash-signal KILL|SEGV] [--always]
-                          [--step-sleep T] [--section-at S --section-timeout T]
+                          [--crash-at S --crash-rank R --crash-signal KILL|SEGV|OOM|MEMORYERROR|STOP]
+                          [--always] [--step-sleep T] [--section-at S --section-timeout T] [--pg-timeout T]
 
 Each step: a random update of a small model (torch RNG, so a resume must restore it), one all_reduce of
 the parameters across ranks, ``ckpt.step``. ``--hang-at S``: rank R sleeps for an hour after step S (its
 peers then wait in the next all_reduce: a hung collective). ``--hang-startup``: rank R sleeps after
 building its Checkpointer, before the restore (a hang before the first step). ``--crash-at S``: rank R
-kills itself with the signal after step S (SEGV: a real segmentation fault, through ctypes). Each fault
+kills itself with the signal after step S (SEGV: a real segmentation fault, through ctypes), or: OOM
+allocates and touches memory until the kernel's OOM killer ends it (run it in a memory-limited cgroup),
+MEMORYERROR raises MemoryError, STOP stops itself with SIGSTOP (its peers' next collective then times out
+after ``--pg-timeout`` seconds: a communicator error). Each fault
 happens once per output directory (a marker file ``O/fault.<rank>``) unless ``--always``, so a restart
 resumes past it. ``--section-at S``: every
 rank spends 4 s in ``ckpt.section("eval", timeout=T)`` after step S (no steps, but inside its limit).
@@ -46,7 +49,17 @@ def _fault_due(args: argparse.Namespace, rank: int) -> bool:
 
 
 def _crash(sig: str) -> None:
-    print(f"crashing with SIG{sig}", flush=True)
+    print(f"crashing with {sig}", flush=True)
+    if sig == "MEMORYERROR":
+        raise MemoryError("hang_worker: out of memory on purpose")
+    if sig == "STOP":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    if sig == "OOM":
+        hog = []
+        while True:  # 64 MiB at a time, every page touched, until the OOM killer ends this process
+            hog.append(bytearray(64 << 20))
+            hog[-1][::4096] = b"\x01" * len(hog[-1][::4096])
     if sig == "SEGV":
         import ctypes
 
@@ -66,10 +79,11 @@ def main() -> int:
     ap.add_argument("--section-timeout", type=float, default=None)
     ap.add_argument("--crash-at", type=int, default=None)
     ap.add_argument("--crash-rank", type=int, default=0)
-    ap.add_argument("--crash-signal", choices=("KILL", "SEGV"), default="KILL")
+    ap.add_argument("--crash-signal", choices=("KILL", "SEGV", "OOM", "MEMORYERROR", "STOP"), default="KILL")
+    ap.add_argument("--pg-timeout", type=float, default=None, help="the process group's collective timeout")
     ap.add_argument("--always", action="store_true", help="fault at every run, not once")
     args = ap.parse_args()
-    rank, world, _ = init_distributed(backend="gloo")
+    rank, world, _ = init_distributed(backend="gloo", timeout=args.pg_timeout)
     torch.manual_seed(1000 + rank)
     model = torch.nn.Linear(8, 8)
     state = {"model": model}
