@@ -1,6 +1,6 @@
 """``rslurm``: the command-line entry point. The only place that configures logging.
 
-Commands: ``launch``, ``daemon``, ``status``, ``history``, ``submit``, ``doctor``, the demo, and the inspection
+Commands: ``launch``, ``daemon``, ``status``, ``history``, ``health``, ``submit``, ``doctor``, the demo, and the inspection
 commands over the on-disk contract on both tiers (``ls``, ``show``, ``verify``, ``gc``, ``export``),
 whose logic lives in :mod:`resilient_slurm.catalog` (this module parses, resolves settings and prints;
 see docs/cli.md). Exit codes: 0 ok; 1 a fault in the data (verify, export of a corrupt step, a gc
@@ -501,6 +501,14 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 1 if any(h.errors for h in found) else 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    from .launcher.health import cli_main
+
+    cfg = config.load({"local_dir": args.local_dir, "run_id": args.run_id,
+                       "health_check_command": args.set_health_check_command}, config_path=args.config)
+    return cli_main(cfg, as_json=args.json)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .examples.demo import main as demo_main
 
@@ -635,6 +643,15 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--durable", default=None, help="durable tier URL (RSLURM_DURABLE)")
     sp.set_defaults(func=cmd_history)
+    sp = sub.add_parser("health", help="this node's health checks, as the launcher runs them on every node before "
+                        "each launch", description="The checks `rslurm launch` runs on every node before it starts "
+                        "the ranks: the local directory is writable with room for the run's newest checkpoint, the "
+                        "GPUs answer nvidia-smi when the node has any, and health_check_command exits 0. Exit codes: "
+                        "0 healthy, 1 not, 2 bad settings.")
+    common(sp)
+    sp.add_argument("--health-check-command", dest="set_health_check_command", default=None, metavar="CMD",
+                    help=f"{config.SETTINGS['health_check_command'].help} (RSLURM_HEALTH_CHECK_COMMAND)")
+    sp.set_defaults(func=cmd_health)
     submit.add_parser(sub)
     doctor.add_parser(sub)
     sp = sub.add_parser("demo", help="tiny transformer under rslurm launch: SIGTERM, emergency save, resume, "

@@ -314,6 +314,16 @@ class Settings:
     hang_startup_timeout: float = _key(_seconds(), 1800.0, "launcher",
                 "seconds a rank may take from building its Checkpointer to its first step (restore "
                 "included) before the job counts as hung")
+    health_check: str = _key(_choice("on", "off"), "on", "launcher",
+                "on: before each launch of the ranks (and each in-job restart) check every node: its local "
+                "directory is writable with room for the newest checkpoint, and its GPUs answer nvidia-smi when "
+                "it has any; an unhealthy node is excluded (srun --exclude) when the allocation has spare nodes, "
+                "else the job is requeued with the node excluded; off: no built-in checks")
+    health_check_command: str | None = _key(str, None, "launcher",
+                "a shell command run on every node before each launch, with the built-in checks; a non-zero exit "
+                "marks the node unhealthy (its last output line is the evidence)")
+    health_timeout: float = _key(_seconds(), 120.0, "launcher",
+                "seconds the node health checks may take; a node that has not answered by then is unhealthy")
     cloud_notice: str = _key(_choice("off", "aws", "gce", "generic"), "off", "launcher",
                 'poll the instance metadata service for a termination notice (aws, gce, generic URL) and save on one')
     cloud_notice_url: str | None = _key(str, None, "launcher",

@@ -41,7 +41,7 @@ def _toy_args(work: Path, steps: int, sleep: float | str) -> list[str]:
 
 
 def _script(work: Path, program: list[str], *, extra_env: dict[str, str] | None = None,
-            before: str = "") -> str:
+            before: str = "", srun: tuple[str, ...] = ("-N2", "-n2")) -> str:
     # MASTER_ADDR: the emulated nodes n1 and n2 are names for this host that only Slurm knows.
     env = {"MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
            "RSLURM_RUN_ID": "toy", "RSLURM_LOG_LEVEL": "INFO",
@@ -49,7 +49,7 @@ def _script(work: Path, program: list[str], *, extra_env: dict[str, str] | None 
            # time (another pytest, a benchmark) apart. work = <cluster root>/work/<test>.
            "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl"), **(extra_env or {})}
     exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
-    cmd = " ".join([PY, "-m", "resilient_slurm.cli", "launch", "--", "srun", "-N2", "-n2", *program])
+    cmd = " ".join([PY, "-m", "resilient_slurm.cli", "launch", "--", "srun", *srun, *program])
     return (f"#!/bin/bash\n{exports}"
             f'echo "incarnation ${{SLURM_RESTART_COUNT:-0}} start $(date +%s.%N)" >> {work}/batch.log\n'
             f"{before}"
@@ -87,15 +87,16 @@ def _assert_identical_to(ref: Path, work: Path, steps: int) -> None:
             assert (seen[s]["batch"], seen[s]["loss"]) == (want[s]["batch"], want[s]["loss"]), f"rank {r} step {s}"
 
 
-def _events(work: Path, node: str = "n1") -> list[dict]:
+def _events(work: Path, node: str = "n1") -> list[dict]:  # n1: the batch host of a 2-node job
     """The launcher's records in the run's event log on ``node`` (ranks and the daemon write there too)."""
     return [e for e in read_jsonl(work / "nvme" / node / "toy" / "events.jsonl") if e["source"] == "launcher"]
 
 
-def _history(work: Path) -> list[dict]:
+def _history(work: Path, node: str = "n1", *args: str) -> list[dict]:
     """The run's history on the batch host (n1), as `rslurm history --json` shows it."""
-    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "history", "--local-dir", str(work / "nvme" / "n1"),
-                        "--run-id", "toy", "--json"], env=clean_env(), capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "history", "--local-dir", str(work / "nvme" / node),
+                        "--run-id", "toy", "--json", *args], env=clean_env(), capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     [run] = json.loads(r.stdout)["runs"]
     return run["ends"]
@@ -245,7 +246,7 @@ def test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them(slurm: 
 
 def test_rank_sigkill_restarts_in_job_and_resumes_from_last_commit(slurm: SlurmCluster, tmp_path: Path):
     """Rank 1 (on n2) is SIGKILLed mid-run, as the OOM killer or a dying node would: srun reports the task
-    killed, the launcher classifies a node failure and, without giving the allocation back, starts a new
+    killed, the launcher classifies it killed by a signal and, without giving the allocation back, starts a new
     srun step that resumes from the last committed step; the job completes with no requeue and still
     ends bitwise identical."""
     steps = 60
@@ -423,4 +424,54 @@ def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: Slurm
     text = _job_text(work)
     assert "SIGTERM received; draining on" in text, text[-4000:]
     assert "fetched from the durable tier" in text, text[-4000:]
+    _assert_identical_to(ref, work, steps)
+
+
+def test_an_unhealthy_node_is_excluded_when_the_allocation_has_a_spare(slurm: SlurmCluster, tmp_path: Path):
+    """A 2-node allocation whose srun asks for one node: the health check (a user command failing on n2)
+    finds n2 unhealthy before the launch, and the launcher starts the ranks with ``--exclude=n2``: both
+    run on n1, no requeue, bitwise identical."""
+    steps = 12
+    work = slurm.work_dir / "launch-health-spare"
+    work.mkdir()
+    ref = _reference(tmp_path, steps)
+    env = {"RSLURM_HEALTH_CHECK_COMMAND": 'echo "disk on $SLURMD_NODENAME is gone"; test "$SLURMD_NODENAME" != n2'}
+    job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.0)], extra_env=env, srun=("-N1", "-n2")))
+    info = _wait_done(slurm, job, work, timeout=180)
+    assert int(info["Restarts"]) == 0, info
+    events = _events(work)
+    [bad] = [e for e in events if e["event"] == "node_unhealthy"]
+    assert bad["action"] == "excluded" and bad["excluded"] == ["n2"], bad
+    assert bad["nodes"] == [{"node": "n2", "problems": ["health_check_command exited 1: disk on n2 is gone"]}], bad
+    ranks = [e for e in read_jsonl(work / "nvme" / "n1" / "toy" / "events.jsonl") if e["source"] == "rank"]
+    assert {e["rank"] for e in ranks if e["event"] == "restore_none"} == {0, 1}, ranks[:5]
+    assert not (work / "nvme" / "n2" / "toy" / "events.jsonl").exists()  # nothing ran on n2
+    _assert_identical_to(ref, work, steps)
+
+
+def test_an_unhealthy_node_without_a_spare_requeues_the_job_elsewhere(slurm: SlurmCluster, tmp_path: Path):
+    """A 1-node job whose node fails the health check (the first node checked is marked bad for good):
+    no rank starts, the incarnation ends as a node failure, the job is requeued with that node in its
+    ExcNodeList, and the next incarnation runs on the other node and completes. The history, kept in the
+    durable tier, follows the run to the new batch host."""
+    steps = 12
+    work = slurm.work_dir / "launch-health-requeue"
+    work.mkdir()
+    ref = _reference(tmp_path, steps)
+    bad_file = work / "bad-node"
+    check = f'[ -e {bad_file} ] || echo "$SLURMD_NODENAME" > {bad_file}; ! grep -qx "$SLURMD_NODENAME" {bad_file}'
+    env = {"RSLURM_HEALTH_CHECK_COMMAND": check, "RSLURM_DURABLE": str(work / "durable")}
+    script = _script(work, [*TOY, *_toy_args(work, steps, 0.0)], extra_env=env, srun=("-N1", "-n2"))
+    job = slurm.sbatch(script, "-p", "low", "--requeue", "-N1", "--exclusive", "--open-mode=append",
+                       "-o", str(work / "job.out"))
+    info = _wait_done(slurm, job, work, timeout=240)
+    first = bad_file.read_text().strip()
+    other = {"n1": "n2", "n2": "n1"}[first]
+    assert int(info["Restarts"]) == 1 and info["NodeList"] == other, info
+    assert info.get("ExcNodeList") == first, info
+    [bad] = [e for e in _events(work, first) if e["event"] == "node_unhealthy"]
+    assert bad["action"] == "requeue" and bad["nodes"][0]["node"] == first, bad
+    ends = _history(work, other, "--durable", str(work / "durable"))
+    assert [(e["reason"], e["action"]) for e in ends] == [("node_failure", "requeue"), ("completed", "exit")], ends
+    assert ends[0]["evidence"].startswith(f"node health check: {first}: health_check_command exited 1"), ends
     _assert_identical_to(ref, work, steps)

@@ -68,7 +68,7 @@ def kill_self(sig: int) -> None:
     ("srun: error: n1: task 0: Segmentation fault (core dumped)", [RankExit(0, None, signal.SIGSEGV, "n1")]),
     ("srun: error: n1: task 0: Segmentation fault", [RankExit(0, None, signal.SIGSEGV, "n1")]),
     ("srun: error: n1: task 0: Aborted (core dumped)", [RankExit(0, None, signal.SIGABRT, "n1")]),
-    ("srun: error: n1: task 0: Out Of Memory", [RankExit(0, None, signal.SIGKILL, "n1")]),
+    ("srun: error: n1: task 0: Out Of Memory", [RankExit(0, None, signal.SIGKILL, "n1", oom=True)]),
     ("srun: error: gpu-a100-12: task 15: Exited with exit code 1", [RankExit(15, 1, None, "gpu-a100-12")]),
 ])
 def test_parse_task_line_reads_srun_task_ends(line: str, expected: list[RankExit]) -> None:

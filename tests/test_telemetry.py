@@ -66,6 +66,9 @@ SLURM_STARTUP_ONLY = {"save_signal_deferred"}
 # A hung or crashed run of the ranks: tests/test_hang.py writes these (and checks their fields against
 # docs/telemetry.md with check_records).
 HANG_ONLY = {"hang", "in_job_restart"}
+# A node that fails its health check: tests/test_health.py (local) and test_launcher_slurm.py write it,
+# test_health checks its fields against docs/telemetry.md.
+HEALTH_ONLY = {"node_unhealthy"}
 
 # A rank that never saves: ignores SIGTERM (which the launcher forwards when no rank registered) and the
 # save signal, and says when it is ready.
@@ -365,7 +368,8 @@ def test_every_documented_event_appears_with_exactly_its_fields(scenario: Scenar
     docs = read_docs()
     records = scenario.all_events()
     seen = check_records(docs, records)
-    missing = set(docs.events) - seen - {("launcher", e) for e in SLURM_ONLY | SLURM_STARTUP_ONLY | HANG_ONLY}
+    missing = set(docs.events) - seen - {("launcher", e) for e in SLURM_ONLY | SLURM_STARTUP_ONLY | HANG_ONLY
+                                                            | HEALTH_ONLY}
     assert not missing, f"documented but never written: {sorted(missing)}"
     for p in scenario.nvme.glob("*/events.jsonl"):
         check_order(read_jsonl(p), str(p))

@@ -63,6 +63,8 @@ from .attribution import OomCounters, attribute_failure
 from .cloud import Notice, TerminationNoticeWatcher
 from .durability import DAEMON_STEP_NAME, JobDrain
 from .hang import Hang, HangWatch
+from .health import NodeHealth, check_allocation, exclude, requested_nodes
+from .health import summary as health_summary
 from .policy import (
     HISTORY_FILE,
     HOLD_EXIT_CODE,
@@ -197,6 +199,9 @@ class Launcher:
         self._oom = OomCounters()
         self._root_failures: list[RankExit] = []  # the ranks found failed first, in this run of the ranks
         self._in_job_runs: list[RankRun] = []  # runs of the ranks that ended in an in-job restart
+        self._unhealthy: list[NodeHealth] = []  # nodes the last health check found bad and could not exclude
+        self._excluded: list[str] = []  # nodes taken out of the srun command (the allocation had spares)
+        self._user_command = list(self.command)
         self.drain: JobDrain | None = None
         if self.cfg.durable:
             self.drain = JobDrain(self.cfg, self.env, root=root, run_id=self.run_id,
@@ -279,7 +284,11 @@ class Launcher:
                 self.drain.start()
             restarts = stalled = 0
             first_baseline = baseline  # what the incarnation restored: its progress is measured from there
+            children: Children | None = None
             while True:
+                self._unhealthy = self._health_gate()
+                if self._unhealthy:
+                    break  # no spare nodes: the incarnation ends as a node failure, the job is requeued
                 children = self._start_ranks()
                 self._loop(trap, children, server)
                 children.finish()
@@ -307,6 +316,47 @@ class Launcher:
             if self.drain is not None:
                 self.drain.stop()
             trap.restore()
+
+    def _allocation_nodes(self) -> list[str]:
+        """The hosts of the job's allocation (SLURM_JOB_NODELIST), as Slurm names them."""
+        nodelist = JobEnv.from_env(self.env).job_nodelist or ""
+        try:
+            return self.slurm.hostnames(nodelist) if nodelist else []
+        except SlurmError:
+            return expand_hostlist(nodelist)
+
+    def _health_gate(self) -> list[NodeHealth]:
+        """Check every node before a launch of the ranks. Unhealthy nodes are taken out of the srun command
+        when the allocation still has the nodes it asks for (``srun -N``); returns those that could not be
+        (then the incarnation ends as a node failure). A check that no node answered is logged and ignored:
+        the check itself failed, not the nodes."""
+        nodes = self._allocation_nodes() if self.srun else None
+        if self.srun and not nodes:
+            return []
+        results = check_allocation(self.cfg, self._rank_env(), nodes=nodes, run_id=self.run_id,
+                                   exclude=self._excluded)
+        bad = [h for h in results if not h.ok]
+        if not bad:
+            return []
+        if len(bad) == len(results) and all(h.problems[0].startswith("no answer") for h in bad) and len(results) > 1:
+            log.warning("the node health check step failed on every node (%s); going on without it",
+                        health_summary(bad))
+            return []
+        action = "requeue" if self.job_id else "exit"
+        if self.srun and nodes is not None:
+            need = requested_nodes(self._user_command)
+            healthy = len(nodes) - len(self._excluded) - len(bad)
+            if need is not None and healthy >= need:
+                self._excluded += [h.node for h in bad]
+                self.command = exclude(self._user_command, self._excluded)
+                action = "excluded"
+        (log.warning if action == "excluded" else log.error)(
+            "unhealthy node(s): %s; %s", health_summary(bad),
+            f"starting the ranks without them ({' '.join(self.command[:2])})" if action == "excluded"
+            else "the allocation has no spare node for them")
+        self._event("node_unhealthy", nodes=[{"node": h.node, "problems": list(h.problems)} for h in bad],
+                    action=action, excluded=list(self._excluded))
+        return [] if action == "excluded" else bad
 
     def _start_ranks(self) -> Children:
         """Start one run of the ranks (a new srun step, or new local processes)."""
@@ -596,13 +646,17 @@ class Launcher:
         return Reason.PREEMPTED
 
     # ------------------------------------------------------------------ outcome and action
-    def _outcome(self, children: Children, baseline: int | None) -> Outcome:
+    def _outcome(self, children: Children | None, baseline: int | None) -> Outcome:
         committed, newest_reason = newest_committed(self.run_dir)
         if newest_reason == "emergency" and committed is not None and committed != baseline:
             self._emergency_seen = True
-        exits = children.exits()
         base = Outcome(Reason.COMPLETED, committed_step=committed, restored_step=baseline,
                        restart_count=self.restart_count, job_id=self.job_id)
+        if self._unhealthy or children is None:
+            bad = self._unhealthy
+            return replace(base, reason=Reason.NODE_FAILURE, node=",".join(h.node for h in bad) or None,
+                           evidence=f"node health check: {health_summary(bad)}", detail=health_summary(bad))
+        exits = children.exits()
         stop = self.stop
         if self.hang is not None:
             return replace(base, reason=Reason.HANG, detail=self.hang.describe(), evidence=self.hang.describe())
@@ -803,7 +857,30 @@ class Launcher:
         except SlurmError as exc:
             log.error("requeue of job %s failed: %s; exiting %d so the job is not recorded COMPLETED",
                       self.job_id, exc, decision.exit_code)
+        else:
+            if outcome.reason is Reason.NODE_FAILURE and outcome.node:
+                self._exclude_from_job(outcome.node.split(","))
         return result
+
+    def _exclude_from_job(self, nodes: list[str], wait_s: float = 10.0) -> None:
+        """Keep the requeued job off ``nodes``: Slurm changes a job's excluded nodes only once it is pending
+        again, which the requeue makes it within moments (this process is killed only after that)."""
+        assert self.job_id is not None
+        end = time.time() + wait_s
+        while True:
+            try:
+                merged = self.slurm.exclude_nodes(self.job_id, nodes)
+            except SlurmError as exc:
+                if time.time() < end:
+                    time.sleep(0.3)
+                    continue
+                log.error("could not exclude %s from job %s (%s): it may start there again; exclude it yourself "
+                          "with `scontrol update JobId=%s ExcNodeList=%s`", ",".join(nodes), self.job_id, exc,
+                          self.job_id, ",".join(nodes))
+                return
+            log.warning("job %s will not run on %s again (ExcNodeList=%s)", self.job_id, ",".join(nodes),
+                        ",".join(merged))
+            return
 
     def _act_local(self, outcome: Outcome) -> LaunchResult:
         result = self._decide_local(outcome)

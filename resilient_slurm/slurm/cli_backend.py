@@ -475,6 +475,14 @@ class CliSlurmClient(SlurmClient):
             + (f"; did you mean {', '.join(close)}?" if close else "")
             + f" (`scontrol show config` lists {len(conf)} keys)", command=("scontrol", "show", "config"))
 
+    def exclude_nodes(self, job_id: int | str, nodes: Sequence[str]) -> list[str]:
+        current = self.job_info(job_id).raw.get("ExcNodeList", "")
+        have = self.hostnames(current) if current and current != "(null)" else []
+        merged = list(dict.fromkeys([*have, *nodes]))
+        self.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(merged)}"])
+        log.warning("job %s: nodes %s excluded (ExcNodeList=%s)", job_id, ",".join(nodes), ",".join(merged))
+        return merged
+
     def steps(self, job_id: int | str) -> list[tuple[str, str]]:
         cp = self.run(["squeue", "--noheader", "--steps", f"--jobs={job_id}", "--format=%i|%j"])
         out = []

@@ -161,6 +161,12 @@ class SlurmClient(ABC):
         """The job's running steps as ``(step id, step name)``: ``("12.0", "python")``, ``("12.batch",
         "batch")``, ``("12.extern", "extern")``."""
 
+    @abstractmethod
+    def exclude_nodes(self, job_id: int | str, nodes: Sequence[str]) -> list[str]:
+        """Add ``nodes`` to a pending job's excluded nodes (``ExcNodeList``), so that it is not started on
+        them again; returns the whole list. Slurm changes it only while the job is pending (after a requeue):
+        a running job raises SlurmJobStateError."""
+
     def config_seconds(self, key: str) -> float | None:
         """A duration setting in seconds (``KillWait``, ``MessageTimeout``); None for INFINITE/UNLIMITED."""
         return parse_duration(self.config_value(key))

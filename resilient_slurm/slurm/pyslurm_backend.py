@@ -98,5 +98,8 @@ class PyslurmSlurmClient(SlurmClient):
     def steps(self, job_id: int | str) -> list[tuple[str, str]]:
         return self.cli.steps(job_id)
 
+    def exclude_nodes(self, job_id: int | str, nodes: Sequence[str]) -> list[str]:
+        return self.cli.exclude_nodes(job_id, nodes)
+
 
 __all__ = ["INSTALL_HINT", "PYSLURM_AVAILABLE", "PYSLURM_IMPORT_ERROR", "PyslurmSlurmClient"]

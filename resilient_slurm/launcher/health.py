@@ -1,0 +1,268 @@
+"""Node health: checks run on every node before each launch of the ranks, and excluding a bad node.
+
+Who calls what, and when:
+
+* ``rslurm health [--json]`` runs :func:`check_node` on the node it runs on and prints the result (a JSON
+  line with ``--json``); exit 0 healthy, 1 not. It is what the launcher runs on every node.
+* The launcher, before it starts the ranks (the first time and before each in-job restart), calls
+  :func:`check_allocation`: inside Slurm one job step with a task per node of the allocation
+  (``srun --overlap``, named ``rslurm-health``, bounded by ``health_timeout``); locally
+  :func:`check_node` in-process. A node that answers unhealthy, or not at all, is unhealthy.
+* With unhealthy nodes the launcher calls :func:`exclude` on the srun command when the allocation
+  still has the nodes the command asks for (``srun -N``): the ranks start without them. Otherwise the
+  incarnation ends as ``node_failure`` and, after the requeue call, :func:`~resilient_slurm.slurm.
+  SlurmClient.exclude_nodes` adds them to the job's excluded nodes, so the requeued job runs elsewhere.
+
+Built-in checks (``health_check=on``, the default): the run's local directory can be created and written
+(a file written, fsynced, removed), its filesystem has room for the newest committed step of the run on
+this node (one more save of that size must fit), and on a node with NVIDIA devices ``nvidia-smi -L``
+succeeds and lists at least one GPU. ``health_check_command``: a shell command run on every node too;
+a non-zero exit (or no exit within ``health_timeout``) marks the node unhealthy, and its last output line
+is the evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..config import Settings
+from ..layout import list_run_dir
+from ..manifest import MANIFEST_NAME, read_manifest_file, step_dirname
+from ..paths import default_local_dir, expand_local_dir, node_name
+from .rank_env import srun_options
+
+log = logging.getLogger(__name__)
+
+HEALTH_STEP_NAME = "rslurm-health"  # the check's srun step: the teardown and `steps()` readers skip it
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """One node's answer: ``problems`` empty when healthy."""
+
+    node: str
+    problems: tuple[str, ...] = ()
+    checked: tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> str:
+        return json.dumps({"node": self.node, "ok": self.ok, "problems": list(self.problems),
+                           "checked": list(self.checked)})
+
+    @classmethod
+    def from_json(cls, line: str) -> NodeHealth | None:
+        try:
+            d = json.loads(line)
+        except ValueError:
+            return None
+        if not isinstance(d, dict) or not isinstance(d.get("node"), str) or not isinstance(d.get("problems"), list):
+            return None
+        return cls(d["node"], tuple(str(p) for p in d["problems"]), tuple(str(c) for c in d.get("checked") or []))
+
+
+def _newest_step_bytes(run_dir: str) -> int:
+    """Bytes of this node's copy of the newest committed step of the run (0: none)."""
+    try:
+        committed = list_run_dir(run_dir).committed
+    except OSError:
+        return 0
+    for step in reversed(committed):
+        d = os.path.join(run_dir, step_dirname(step))
+        try:
+            read_manifest_file(os.path.join(d, MANIFEST_NAME))
+            total = 0
+            for root, _dirs, files in os.walk(d):
+                for name in files:
+                    total += os.lstat(os.path.join(root, name)).st_size
+            return total
+        except Exception:  # a step being deleted, or invalid: the next older one
+            continue
+    return 0
+
+
+def _gpu_problem(timeout: float) -> str | None:
+    """None when there are no NVIDIA devices here, or nvidia-smi lists at least one GPU."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None and not os.path.exists("/dev/nvidia0"):
+        return None
+    if smi is None:
+        return "/dev/nvidia0 exists but nvidia-smi is not on PATH: cannot check the GPUs"
+    try:
+        r = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"nvidia-smi -L did not answer within {timeout:.0f} s"
+    except OSError as exc:
+        return f"nvidia-smi -L: {exc}"
+    gpus = [line for line in r.stdout.splitlines() if line.startswith("GPU ")]
+    if r.returncode != 0:
+        last = (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
+        return f"nvidia-smi -L failed (exit {r.returncode}): {last[0]}"
+    if not gpus:
+        return "nvidia-smi -L lists no GPU"
+    return None
+
+
+def _command_problem(command: str, env: Mapping[str, str], timeout: float) -> str | None:
+    try:
+        r = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, timeout=timeout,
+                           env=dict(env), stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"health_check_command did not exit within {timeout:.0f} s: {command}"
+    except OSError as exc:
+        return f"health_check_command cannot run: {exc}"
+    if r.returncode == 0:
+        return None
+    last = ((r.stdout or "") + (r.stderr or "")).strip().splitlines()[-1:] or ["(no output)"]
+    return f"health_check_command exited {r.returncode}: {last[0][:300]}"
+
+
+def check_node(cfg: Settings, env: Mapping[str, str] | None = None, *, run_id: str | None = None) -> NodeHealth:
+    """The built-in checks and the user's command on this node."""
+    env = dict(os.environ if env is None else env)
+    node = node_name(cfg.node_name)
+    problems: list[str] = []
+    checked: list[str] = []
+    if cfg.health_check == "on":
+        root = expand_local_dir(cfg.local_dir or default_local_dir(), node)
+        run_dir = os.path.join(root, run_id or cfg.run_id or "")
+        checked.append("local_dir")
+        probe = os.path.join(root, f".health-{uuid.uuid4().hex}")
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, b"rslurm health check\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        except OSError as exc:
+            problems.append(f"local directory {root} is not writable: {exc.strerror or exc}")
+        else:
+            st = os.statvfs(root)
+            free = st.f_bavail * st.f_frsize
+            need = _newest_step_bytes(run_dir) if run_id or cfg.run_id else 0
+            if free <= 0 or free < need:
+                problems.append(f"local directory {root} has {free / 2**30:.2f} GiB free, less than the newest "
+                                f"checkpoint of the run ({need / 2**30:.2f} GiB): the next save would not fit")
+        checked.append("gpus")
+        gpu = _gpu_problem(min(cfg.health_timeout, 60.0))
+        if gpu:
+            problems.append(gpu)
+    if cfg.health_check_command:
+        checked.append("command")
+        p = _command_problem(cfg.health_check_command, env, cfg.health_timeout)
+        if p:
+            problems.append(p)
+    return NodeHealth(node, tuple(problems), tuple(checked))
+
+
+def health_step_command(nodes: int, exclude: Sequence[str]) -> list[str]:
+    """The srun step that runs ``rslurm health --json`` once on each of ``nodes`` nodes of the allocation."""
+    cmd = ["srun", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+           "--kill-on-bad-exit=0", f"--job-name={HEALTH_STEP_NAME}"]
+    if exclude:
+        cmd.append(f"--exclude={','.join(exclude)}")
+    return [*cmd, sys.executable, "-m", "resilient_slurm.cli", "health", "--json"]
+
+
+def check_allocation(cfg: Settings, env: Mapping[str, str], *, nodes: Sequence[str] | None, run_id: str,
+                     exclude: Sequence[str] = ()) -> list[NodeHealth]:
+    """Every node's health: ``nodes`` (the allocation's hosts, Slurm) through one srun step, or this node
+    (``nodes`` None). A node that gives no answer within ``health_timeout`` is unhealthy."""
+    if cfg.health_check == "off" and not cfg.health_check_command:
+        return []
+    if nodes is None:
+        return [check_node(cfg, env, run_id=run_id)]
+    want = [n for n in nodes if n not in exclude]
+    if not want:
+        return []
+    cmd = health_step_command(len(want), exclude)
+    step_env = {**env, "RSLURM_RUN_ID": run_id}
+    for name in ("RSLURM_CONTROL_SOCKET", "RSLURM_NODE_NAME"):
+        step_env.pop(name, None)  # each task names its own node (SLURMD_NODENAME)
+    t0 = time.time()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=step_env, stdin=subprocess.DEVNULL,
+                           timeout=cfg.health_timeout + 30)
+        out, err = r.stdout, r.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = f"the health check step did not end within {cfg.health_timeout + 30:.0f} s"
+    except OSError as exc:
+        log.warning("cannot run the node health check step (%s): %s; going on without it", cmd[0], exc)
+        return []
+    answers = {h.node: h for line in out.splitlines() if (h := NodeHealth.from_json(line.strip())) is not None}
+    result = []
+    for n in want:
+        if n in answers:
+            result.append(answers[n])
+        else:
+            why = (err.strip().splitlines() or ["no answer"])[-1][:300]
+            result.append(NodeHealth(n, (f"no answer from the node health check within {time.time() - t0:.0f} s "
+                                         f"({why})",)))
+    return result
+
+
+def requested_nodes(command: Sequence[str]) -> int | None:
+    """The node count an srun command asks for (``-N 2``, ``-N2``, ``--nodes=2``, ``--nodes 2``; the
+    minimum of a range ``2-4``), or None when it does not say (srun then uses every node of the
+    allocation, SLURM_NNODES)."""
+    found = None
+    for name, value, _, _ in srun_options(command)[0]:
+        if name in ("-N", "--nodes") and value is not None:
+            try:
+                found = int(value.split("-", 1)[0])
+            except ValueError:
+                return None
+    return found
+
+
+def exclude(command: Sequence[str], nodes: Sequence[str]) -> list[str]:
+    """The srun ``command`` with ``--exclude=<nodes>`` added right after ``srun``; a user's own
+    ``--exclude`` / ``-x`` among srun's options is merged into it."""
+    opts, program = srun_options(command)
+    names: list[str] = []
+    drop: set[int] = set()
+    for name, value, first, last in opts:
+        if name in ("-x", "--exclude") and value is not None:
+            names += value.split(",")
+            drop |= set(range(first, last + 1))
+    names += list(nodes)
+    kept = [a for i, a in enumerate(command[1:program], start=1) if i not in drop]
+    merged = ",".join(dict.fromkeys(n for n in names if n))
+    return [command[0], f"--exclude={merged}", *kept, *command[program:]]
+
+
+def cli_main(cfg: Settings, *, as_json: bool) -> int:
+    """``rslurm health``: this node's checks; exit 0 healthy, 1 not."""
+    h = check_node(cfg)
+    if as_json:
+        print(h.to_json(), flush=True)
+    else:
+        print(f"{h.node}: {'healthy' if h.ok else 'UNHEALTHY'} (checked: {', '.join(h.checked) or 'nothing'})")
+        for p in h.problems:
+            print(f"  {p}")
+    return 0 if h.ok else 1
+
+
+def summary(bad: Sequence[NodeHealth]) -> str:
+    """``n2: local directory ... is not writable; n3: no answer ...``"""
+    return "; ".join(f"{h.node}: {', '.join(h.problems)}" for h in bad)
+
+
+__all__ = ["HEALTH_STEP_NAME", "NodeHealth", "check_allocation", "check_node", "cli_main", "exclude",
+           "health_step_command", "requested_nodes", "summary"]
+

@@ -1,0 +1,102 @@
+"""Node health checks (launcher/health.py): the built-in checks and the user's command on a real node, the
+launcher refusing to start ranks on an unhealthy node in local mode, and the srun command rewriting
+that excludes a node. The Slurm cases (a spare node excluded; no spare: requeued with the node in the
+job's ExcNodeList) are in test_launcher_slurm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import clean_env, mounted_tmpfs, read_jsonl
+from test_telemetry import check_records, read_docs
+
+from resilient_slurm import Checkpointer
+from resilient_slurm.config import load
+from resilient_slurm.launcher.health import NodeHealth, check_node, exclude, requested_nodes
+
+SRUN_CASES = [
+    (["srun", "-N1", "-n2", "python", "t.py", "-N", "5"], 1,
+     ["srun", "--exclude=n2", "-N1", "-n2", "python", "t.py", "-N", "5"]),
+    (["srun", "--nodes", "2", "-x", "n3", "python", "t.py"], 2,
+     ["srun", "--exclude=n3,n2", "--nodes", "2", "python", "t.py"]),
+    (["srun", "--nodes=1-3", "--exclude=n2", "--", "python"], 1, ["srun", "--exclude=n2", "--nodes=1-3", "--", "python"]),
+    (["srun", "--overlap", "python", "-x", "y"], None, ["srun", "--exclude=n2", "--overlap", "python", "-x", "y"]),
+    (["srun", "-N", "x", "python"], None, ["srun", "--exclude=n2", "-N", "x", "python"]),
+]
+
+
+@pytest.mark.parametrize(("command", "nodes", "excluded"), SRUN_CASES, ids=[" ".join(c[0]) for c in SRUN_CASES])
+def test_srun_node_count_and_exclusion(command: list[str], nodes: int | None, excluded: list[str]) -> None:
+    """srun's own options are told from the program's (``-N 5`` after the program is the program's), a
+    user's exclusion is merged, and a command without ``-N`` has no spare nodes (srun takes them all)."""
+    assert requested_nodes(command) == nodes
+    assert exclude(command, ["n2"]) == excluded
+
+
+def test_the_answer_round_trips_and_garbage_is_no_answer() -> None:
+    h = NodeHealth("n2", ("disk gone",), ("local_dir", "command"))
+    assert NodeHealth.from_json(h.to_json()) == h and not h.ok
+    assert NodeHealth.from_json("srun: error: n2: task 1: Killed") is None
+    assert NodeHealth.from_json('{"node": 3, "problems": []}') is None
+
+
+def _cfg(local: Path, **settings: str) -> object:
+    return load({"local_dir": str(local), "run_id": "r", "node_name": "n1", **settings}, env={})
+
+
+def test_a_local_directory_that_cannot_be_written_is_unhealthy(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    h = check_node(_cfg(tmp_path / "afile" / "nvme"))  # a path under a file: mkdir fails
+    assert not h.ok and "is not writable" in h.problems[0] and "afile" in h.problems[0], h
+    ok = check_node(_cfg(tmp_path / "nvme"))
+    assert ok.ok and ok.checked[:1] == ("local_dir",), ok
+    assert not list((tmp_path / "nvme").iterdir())  # the probe file is gone
+
+
+def test_no_room_for_the_next_save_is_unhealthy(tmp_path: Path) -> None:
+    """A 128 MiB tmpfs holding a 5 MiB checkpoint of the run, then filled: the next save would not fit."""
+    with mounted_tmpfs(tmp_path / "tiny", "128m") as mnt:
+        with Checkpointer(local_dir=str(mnt), run_id="r", keep_last=1) as ck:
+            ck.save(1, {"w": torch.zeros(5 << 18)})  # 5 MiB
+        assert check_node(_cfg(mnt)).ok
+        with open(mnt / "filler", "wb") as f:
+            f.write(b"\0" * (120 << 20))
+        h = check_node(_cfg(mnt))
+        assert not h.ok and "the next save would not fit" in h.problems[0], h
+
+
+def test_the_users_command_and_its_timeout(tmp_path: Path) -> None:
+    h = check_node(_cfg(tmp_path, health_check_command="echo 'ib0 down'; exit 4", health_check="off"))
+    assert h.checked == ("command",) and h.problems == ("health_check_command exited 4: ib0 down",), h
+    h = check_node(_cfg(tmp_path, health_check_command="sleep 30", health_timeout="1"))
+    assert "did not exit within 1 s" in h.problems[0], h
+
+
+def test_the_launcher_does_not_start_ranks_on_an_unhealthy_node(tmp_path: Path) -> None:
+    """Local mode has no other node: the run ends as a node failure (exit 75, like any restartable end)
+    without starting a rank, and says why; `rslurm health` reports the same."""
+    env = clean_env({"RSLURM_LOCAL_DIR": str(tmp_path / "nvme"), "RSLURM_RUN_ID": "h", "RSLURM_NODE_NAME": "n1",
+                     "RSLURM_HEALTH_CHECK_COMMAND": "echo 'gpu 3 fell off the bus'; exit 1"})
+    marker = tmp_path / "started"
+    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", sys.executable, "-c",
+                        f"open({str(marker)!r}, 'w')"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 75, r.stderr
+    assert not marker.exists()
+    assert "unhealthy node(s): n1: health_check_command exited 1: gpu 3 fell off the bus" in r.stderr, r.stderr
+    events = read_jsonl(tmp_path / "nvme" / "h" / "events.jsonl")
+    check_records(read_docs(), events)  # as docs/telemetry.md says
+    [bad] = [e for e in events if e["event"] == "node_unhealthy"]
+    assert bad["action"] == "exit" and bad["nodes"][0]["node"] == "n1", bad
+    hist = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "history", "--json"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    [end] = json.loads(hist.stdout)["runs"][0]["ends"]
+    assert end["reason"] == "node_failure" and "gpu 3 fell off the bus" in end["evidence"], end
+    h = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "health"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert h.returncode == 1 and "UNHEALTHY" in h.stdout and "gpu 3 fell off the bus" in h.stdout, h.stdout
