@@ -7,7 +7,12 @@ mapped. The rendezvous address is ``MASTER_ADDR`` when set, else the first host 
 ``15000 + SLURM_JOB_ID % 20000``, so every task of a job derives the same port without talking.
 
 Without any distributed environment, and for a Slurm step of a single task, no process group is
-created: single-process training must not need one (nor a free port).
+created: single-process training must not need one (nor a free port). That holds too when the task has
+``RANK=0``/``WORLD_SIZE=1`` from ``rslurm launch -- srun``'s task prolog (every srun task gets torchrun's
+variables there, see docs/integration.md).
+
+After creating the group, ``init_distributed`` exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, as torchrun would have set them.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from resilient_slurm.errors import ConfigError
-from resilient_slurm.jobenv import JobEnv
+from resilient_slurm.jobenv import PORT_BASE, PORT_SPAN, JobEnv, job_master_port, tasks_on_node
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +38,15 @@ __all__ = [
     "DistributedEnv",
     "expand_nodelist",
     "init_distributed",
+    "local_world_size",
     "parse_nodelist",
     "resolve_distributed_env",
+    # Ports derived from job ids: PORT_BASE + SLURM_JOB_ID % PORT_SPAN (jobenv.job_master_port, which the
+    # launcher uses too, so that its srun tasks get the same MASTER_PORT).
+    "PORT_BASE",
+    "PORT_SPAN",
 ]
 
-# Ports derived from job ids stay clear of the privileged range and of Linux's default ephemeral
-# range (32768-60999), where outgoing connections could already hold the port.
-PORT_BASE = 15000
-PORT_SPAN = 20000
 SCONTROL_TIMEOUT_S = 10.0
 
 
@@ -226,6 +232,11 @@ def resolve_distributed_env(
             local_rank = _int_var(raw, "SLURM_LOCALID", minimum=0)
         else:
             local_rank = 0
+        if world_size == 1 and job.step_id is not None and job.ntasks == 1 and "TORCHELASTIC_RUN_ID" not in raw:
+            # The only task of a Slurm step, with RANK=0/WORLD_SIZE=1 from `rslurm launch -- srun`'s task
+            # prolog: single-process, like the Slurm case below. (A worker of torchrun, which sets
+            # TORCHELASTIC_RUN_ID, still gets its group of one, as it always did.)
+            return None
     elif "SLURM_PROCID" in raw and "SLURM_NTASKS" in raw:
         source = "slurm"
         world_size = _int_var(raw, "SLURM_NTASKS", minimum=1)
@@ -261,7 +272,7 @@ def resolve_distributed_env(
     if raw.get("MASTER_PORT"):
         master_port = _port_var(raw, "MASTER_PORT")
     elif job.job_id:
-        master_port = PORT_BASE + _int_var(raw, "SLURM_JOB_ID", minimum=0) % PORT_SPAN
+        master_port = job_master_port(_int_var(raw, "SLURM_JOB_ID", minimum=0))
     elif world_size == 1:
         master_port = _free_loopback_port()
     else:
@@ -270,6 +281,25 @@ def resolve_distributed_env(
             "free port on the host of rank 0"
         )
     return DistributedEnv(rank, world_size, local_rank, master_addr, master_port, source)
+
+
+def local_world_size(env: Mapping[str, str]) -> int:
+    """Ranks on this node, as torchrun's ``LOCAL_WORLD_SIZE``: that variable when set (strict: a malformed
+    value is a :class:`ConfigError`), else this node's entry in Slurm's tasks-per-node list
+    (``SLURM_STEP_TASKS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``, such as ``2(x2)`` or ``3,1``) at
+    ``SLURM_NODEID``, else 1."""
+    job = JobEnv.from_env(env, warn=False)
+    raw = job.raw
+    if raw.get("LOCAL_WORLD_SIZE", "").strip():
+        return _int_var(raw, "LOCAL_WORLD_SIZE", minimum=1)
+    if job.tasks_per_node is None:
+        return 1
+    try:
+        return tasks_on_node(job.tasks_per_node, job.node_id or 0)
+    except ValueError as exc:
+        # Only informative (the group forms without it): warn, do not fail the job.
+        logger.warning("cannot tell the ranks on this node (%s); LOCAL_WORLD_SIZE=1", exc)
+        return 1
 
 
 def _local_rank_of_initialized(env: Mapping[str, str]) -> int:
@@ -305,6 +335,7 @@ def init_distributed(
             f"{resolved.world_size} ranks; install a PyTorch build with distributed support"
         )
 
+    ranks_here = local_world_size(os.environ)  # before anything is exported: a bad value changes nothing
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
@@ -315,6 +346,7 @@ def init_distributed(
     os.environ["RANK"] = str(resolved.rank)
     os.environ["WORLD_SIZE"] = str(resolved.world_size)
     os.environ["LOCAL_RANK"] = str(resolved.local_rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_here)
     os.environ["MASTER_ADDR"] = resolved.master_addr
     os.environ["MASTER_PORT"] = str(resolved.master_port)
 

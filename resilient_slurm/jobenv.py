@@ -8,8 +8,9 @@ silently. Code that must refuse a malformed value instead (``distributed.py`` pl
 job and reports a bad ``RANK`` as an error) parses with ``warn=False`` and reads the verbatim text
 from :attr:`JobEnv.raw`.
 
-Writes stay where they are: the launcher exports rank variables to its ranks, ``init_distributed``
-exports ``MASTER_*``; this module only reads.
+Writes stay where they are: the launcher exports rank variables to its ranks (its srun tasks get them
+from ``launcher/task_env.sh``), ``init_distributed`` exports them after creating the group; this module
+only reads, and holds the pure rules both sides share (:func:`job_master_port`, :func:`tasks_on_node`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,46 @@ VARIABLES = (
     "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT",
     "SLURMD_NODENAME", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NODELIST",
     "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_OPEN_MODE",
+    "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_TASK_PROLOG",
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",  # set by torchrun for its workers
 )
 
 # The node count's sources, first set and valid wins.
 NODE_COUNT_VARS = ("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+
+# The rendezvous port derived from a job id (``distributed.py``, and the launcher for its srun steps): every
+# task of a job finds the same port without talking. Clear of the privileged range and of Linux's default
+# ephemeral range (32768-60999), where outgoing connections could already hold the port.
+PORT_BASE = 15000
+PORT_SPAN = 20000
+
+
+def job_master_port(job_id: int) -> int:
+    """The rendezvous port of job ``job_id``: ``15000 + job_id % 20000``."""
+    return PORT_BASE + job_id % PORT_SPAN
+
+
+def tasks_on_node(tasks_per_node: str, node_index: int) -> int:
+    """The task count of node ``node_index`` (0-based, in the step's node order) from Slurm's compressed
+    tasks-per-node list: ``2(x2)`` (2 on each of 2 nodes), ``3,1``, ``2(x3),1``. ValueError when the list
+    is malformed or has no such node."""
+    if node_index < 0:
+        raise ValueError(f"node index {node_index} is negative")
+    left = node_index
+    for item in tasks_per_node.strip().split(","):
+        count_text, times, repeat_text = item.strip().partition("(x")
+        if times:  # "2(x3)"
+            repeat_text = repeat_text[:-1] if repeat_text.endswith(")") else ""
+        else:
+            repeat_text = "1"
+        if not (count_text.isdigit() and repeat_text.isdigit()):
+            raise ValueError(f"malformed tasks-per-node list {tasks_per_node!r}: {item!r}")
+        repeat = int(repeat_text)
+        if left < repeat:
+            return int(count_text)
+        left -= repeat
+    raise ValueError(f"tasks-per-node list {tasks_per_node!r} has no node {node_index}")
 
 
 def _text(env: Mapping[str, str], var: str) -> str | None:
@@ -101,6 +137,11 @@ class JobEnv:
     """``SLURM_LOCALID``: the task's rank on its node."""
     ntasks: int | None = None
     """``SLURM_NTASKS``: the step's task count (>= 1)."""
+    node_id: int | None = None
+    """``SLURM_NODEID``: the task's node, as an index into the step's nodes."""
+    tasks_per_node: str | None = None
+    """``SLURM_STEP_TASKS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``: tasks on each node, compressed
+    (``2(x2)``, ``3,1``); see :func:`tasks_on_node`."""
     open_mode: str | None = None
     """``SLURM_OPEN_MODE``: ``a`` (append) or ``t`` (truncate) for the job's output files."""
     rank: int | None = None
@@ -140,6 +181,8 @@ class JobEnv:
             localid=_int(env, "SLURM_LOCALID", warn=warn),
             ntasks=_int(env, "SLURM_NTASKS", minimum=1, warn=warn),
             open_mode=_text(env, "SLURM_OPEN_MODE"),
+            node_id=_int(env, "SLURM_NODEID", warn=warn),
+            tasks_per_node=_text(env, "SLURM_STEP_TASKS_PER_NODE") or _text(env, "SLURM_TASKS_PER_NODE"),
             rank=_int(env, "RANK", warn=warn),
             local_rank=_int(env, "LOCAL_RANK", warn=warn),
             world_size=_int(env, "WORLD_SIZE", minimum=1, warn=warn),
@@ -174,4 +217,4 @@ class JobEnv:
         return max(1, len(hosts))
 
 
-__all__ = ["NODE_COUNT_VARS", "VARIABLES", "JobEnv"]
+__all__ = ["NODE_COUNT_VARS", "PORT_BASE", "PORT_SPAN", "VARIABLES", "JobEnv", "job_master_port", "tasks_on_node"]

@@ -29,6 +29,8 @@ from typing import IO
 
 import psutil
 
+from .rank_env import srun_with_rank_env
+
 log = logging.getLogger(__name__)
 
 TAIL_BYTES = 64 << 10
@@ -315,12 +317,13 @@ class LocalRanks(Children):
 
 
 class SrunStep(Children):
-    """One ``srun ...`` job step: ranks on every node of the allocation."""
+    """One ``srun ...`` job step: ranks on every node of the allocation. Every task gets torchrun's
+    variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...) through a task prolog that
+    :func:`~.rank_env.srun_with_rank_env` adds to ``argv``."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
         super().__init__()
-        self.argv = list(argv)
-        self.env = dict(env)
+        self.argv, self.env = srun_with_rank_env(argv, env)
 
     def start(self) -> None:
         self._spawn(self.argv, self.env, "srun", parse_tasks=True)
