@@ -136,6 +136,7 @@ _OPT_COUNT = Number(int, 1, unset=_OFF, zero_unset=True, unset_doc="0/none (off)
 _OPT_SECONDS = Number(float, 0.0, above=True, unset=_OFF, zero_unset=True, unset_doc="0/none (off)")
 _LIMIT = Number(int, 0, unset=(*_OFF, "unlimited"), unset_doc="none (no limit)")  # 0 is a real value here
 _SIZE = Number(int, 0, size=True)
+_RATIO = Number(float, 1.0, above=True, unset=_OFF, zero_unset=True, unset_doc="0/none (off)")
 _BANDWIDTH = Number(int, 0, above=True, size=True, unset=(*_OFF, "off"), zero_unset=True,
                     unset_doc="0/none/off (no cap)")
 _S3_PART = Number(int, 5 << 20, high=5 << 30, size=True)  # S3's smallest and largest part
@@ -286,6 +287,12 @@ class Settings:
     trap_signals: bool = _key(_bool, True, "rank",
                 'ranks turn SIGTERM and save_signal into an emergency save at the next step (only where the program '
                 'left the default handler in place)')
+    straggler_ratio: float | None = _key(_RATIO, 1.5, "rank",
+                "a rank whose own step time (its work between two ckpt.step() calls, less the time it waited for "
+                "its peers) is at least this many times its peers' median over a window is a straggler: a "
+                "straggler event, a warning and a line in `rslurm status` (0/none: off)")
+    straggler_window: int = _key(_count(), 100, "rank",
+                "steps per straggler window: each rank's median own step time over this many steps is compared")
     save_signal: str = _key(_signal_name, "USR2", "launcher",
                 'signal the launcher sends every rank to request an emergency save (`scancel --signal` reaches other '
                 "nodes), and ranks trap; 'none' disables. Not USR1 under NCCL, which uses it")

@@ -22,7 +22,8 @@ from resilient_slurm.launcher.launch import Launcher, job_num_nodes
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 NUMERIC = sorted(n for n, s in SETTINGS.items() if isinstance(s.parse, Number))
 POSITIVE = ["collective_timeout", "control_timeout", "save_timeout", "term_grace", "cloud_notice_interval",
-            "drain_poll_interval", "keep_last", "sync_every", "io_threads", "drain_threads", "s3_max_attempts"]
+            "drain_poll_interval", "keep_last", "sync_every", "io_threads", "drain_threads", "s3_max_attempts",
+            "straggler_window"]
 
 
 def _number(name: str) -> Number:
@@ -37,7 +38,7 @@ def test_the_numeric_settings_are_the_expected_ones() -> None:
     bare = [n for n, s in SETTINGS.items() if s.parse in (int, float)]
     assert not bare, f"settings parsed without a range check: {bare}"
     assert set(POSITIVE) <= set(NUMERIC)
-    assert len(NUMERIC) == 25, NUMERIC
+    assert len(NUMERIC) == 27, NUMERIC
 
 
 @pytest.mark.parametrize("name", NUMERIC)

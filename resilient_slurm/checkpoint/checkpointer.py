@@ -53,6 +53,7 @@ from .coordination import Coordinator, Topology, discover_topology
 from .engine import Engine, PendingSave, SaveOutcome
 from .policy import Cadence, RetentionPolicy
 from .replication import ReplicaMismatch
+from .stragglers import StepClock, StragglerWatch, write_status
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,16 @@ class Checkpointer:
         self._signals_reported = 0
         self._emergency_reported = False
         self._steps_since_restore = 0
+        # Straggler detection (stragglers.py): every rank times its own steps; rank 0 compares them.
+        self._job = job
+        self._clock: StepClock | None = None
+        self._stragglers: StragglerWatch | None = None
+        if cfg.straggler_ratio is not None and self._coord.multi:
+            self._clock = StepClock(cfg.straggler_window)
+            if self.topology.rank == 0:
+                self._stragglers_recorded = False
+                self._stragglers = StragglerWatch(cfg.straggler_ratio, cfg.straggler_window,
+                                                  self.topology.domain_of_rank)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -239,6 +250,16 @@ class Checkpointer:
         :attr:`should_stop`) when an emergency save was requested on any rank.
         """
         self._check_open()
+        if self._clock is not None:
+            self._clock.entered(time.perf_counter())
+            try:
+                self._step(step, state)
+            finally:
+                self._clock.left(time.perf_counter())
+        else:
+            self._step(step, state)
+
+    def _step(self, step: int, state: Mapping[str, Any]) -> None:
         if self._link.heartbeat is not None:
             self._link.heartbeat.beat(step)  # about a microsecond: the launcher's hang detection
         if not self._hello_sent and not self._coord.multi:
@@ -260,8 +281,14 @@ class Checkpointer:
             if step % self._sync_every == 0:
                 # One tiny collective: time cadence, emergency requests and background failures are
                 # per-rank facts; acting on them must be unanimous.
-                agreed = self._coord.all_max([int(due), int(emergency), int(failed)])
-                due, emergency, failed = (bool(v) for v in agreed)
+                flags = [int(due), int(emergency), int(failed)]
+                report = self._clock is not None and self._clock.report_due()
+                if report:  # every rank alike: the count of step() calls is the same everywhere
+                    flags += self._straggler_slots()
+                agreed = self._coord.all_max(flags)
+                due, emergency, failed = (bool(v) for v in agreed[:3])
+                if report and self._stragglers is not None:
+                    self._judge_stragglers(step, agreed[3:])
                 if not self._hello_sent:
                     # After a collective: every rank has built its Checkpointer, so its signal traps are
                     # in place. The launcher takes a hello as "the save signal no longer kills a rank".
@@ -305,6 +332,39 @@ class Checkpointer:
         finally:
             if hb is not None and prev is not None and self._link.heartbeat is hb:
                 hb.resume(prev)
+            if self._clock is not None:  # a section is not a step's work: not a straggler sample
+                self._clock.pause()
+
+    def _straggler_slots(self) -> list[int]:
+        """This rank's own step time over the window (microseconds) in its slot, 0 in the others'."""
+        assert self._clock is not None
+        slots = [0] * self.topology.world_size
+        wait = self._engine.ddp.gradient_wait_s(self._clock.window)
+        # No new DDP sample (the same on every rank: DDP's iterations are in step): not judged this window.
+        slots[self.topology.rank] = self._clock.take(wait) if wait is not None else self._clock.take_none()
+        return slots
+
+    def _judge_stragglers(self, step: int, times_us: list[int]) -> None:
+        """Rank 0, after a window: event and warning for each new straggler, the run's stragglers.json."""
+        assert self._stragglers is not None
+        new, current, cleared = self._stragglers.update(times_us)
+        window = self._stragglers.window
+        for s in new:
+            self.events.emit("straggler", step=step, window=window, threshold=self._stragglers.ratio,
+                             straggler_rank=s.rank, straggler_node=s.node, step_time_s=round(s.step_time_s, 6),
+                             peer_median_s=round(s.peer_median_s, 6), ratio=round(s.ratio, 3))
+            log.warning("straggler at step %d: %s, the median over the last %d steps", step, s.describe(),
+                        window)
+        for r in cleared:
+            self.events.emit("straggler_cleared", step=step, window=window, straggler_rank=r,
+                             straggler_node=self._stragglers.nodes[r])
+        if new or cleared or not self._stragglers_recorded:  # the first window replaces an old run's record
+            self._stragglers_recorded = True
+            try:
+                write_status(self.run_dir, step=step, window=window, ratio=self._stragglers.ratio,
+                             stragglers=current, job_id=self._job.job_id, restart_count=self._job.restart_count)
+            except Exception as exc:  # a status line is not worth a training step
+                log.warning("could not record stragglers in %s: %s", self.run_dir, exc)
 
     def save(self, step: int, state: Mapping[str, Any], blocking: bool = True, *, reason: str = "manual") -> None:
         """Save ``state`` as ``step``. With ``blocking=False`` only the staging copy runs now.

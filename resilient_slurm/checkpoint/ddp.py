@@ -187,6 +187,7 @@ class DDPTracker:
         self._final: dict[str, list[list[int]] | None] = {}
         self._pending: dict[int, tuple[weakref.ReferenceType[torch.nn.Module], list[list[int]]]] = {}
         self._hook: Any = None
+        self._sampling: dict[str, Any] = {}  # state key -> the DDP iteration gradient_wait_s last used
 
     def scan(self, state: Mapping[str, Any]) -> None:
         """Find the DDP around each module of ``state`` (or the DDP itself, when the state holds it)."""
@@ -220,6 +221,37 @@ class DDPTracker:
                 flat = [p for g in v.param_groups for p in g["params"]]
                 prefixes += [f"{k}.state.{i}." for i, p in enumerate(flat) if id(p) in params]
         return frozenset(exact), tuple(prefixes)
+
+    def gradient_wait_s(self, window: int) -> float | None:
+        """Seconds the last iteration DDP sampled waited for its gradient all-reduce after the backward
+        computation ended, summed over the DDPs of the state: ``backward_comm_time -
+        backward_compute_comm_overlap_time`` of DDP's runtime statistics (CPU timers for CPU modules, CUDA
+        events for GPU ones). A fast rank waits there for a slow one; straggler detection subtracts it
+        (stragglers.py). 0.0 without a DDP; None when no DDP sampled a new iteration since the last call
+        (DDP samples iterations 1 to 10, then every 100th: this sets that period to ``window`` when
+        shorter, so each straggler window sees one)."""
+        total, fresh, found = 0.0, False, False
+        for k, ref in self._ddps.items():
+            ddp = ref()
+            if ddp is None:
+                continue
+            found = True
+            if k not in self._sampling and 0 < window < 100:
+                try:
+                    ddp._set_ddp_runtime_logging_sample_rate(window)
+                except Exception:  # internals changed: DDP's default period
+                    pass
+            data = _logging_data(ddp)
+            it = data.get("iteration")
+            comm, overlap = data.get("backward_comm_time"), data.get("backward_compute_comm_overlap_time")
+            if self._sampling.get(k) != it:
+                fresh = True
+            self._sampling[k] = it
+            if isinstance(comm, int) and isinstance(overlap, int) and comm > overlap >= 0:
+                total += (comm - overlap) / 1e9
+        if not found:
+            return 0.0
+        return total if fresh else None
 
     def layouts(self) -> str | None:
         """The layouts to store with this save (JSON), or None when no DDP wraps a module of the state."""

@@ -13,7 +13,8 @@ States of a step:
 
 The drain lag is the age of the oldest committed local step newer than the newest durable step: how far
 the durable tier trails this node. The run's history (``catalog/history.py``) adds how its last incarnation
-ended, with the evidence, and how many ends of each class it had.
+ended, with the evidence, and how many ends of each class it had. The ranks that rank 0 last found slower
+than their peers (``<run dir>/stragglers.json``, checkpoint/stragglers.py) are listed when there are any.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..catalog.history import label, read_history, summary
+from ..checkpoint.stragglers import read_status as read_stragglers
 from ..config import Settings
 from ..errors import ResilientSlurmError
 from ..layout import list_run_dir, list_runs
@@ -65,8 +67,12 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
     rows: list[dict[str, Any]] = []
     lags: dict[str, float] = {}
     histories: dict[str, Any] = {}
+    stragglers: dict[str, Any] = {}
     try:
         for run in runs:
+            strag = read_stragglers(os.path.join(root, run))
+            if strag is not None and strag["stragglers"]:
+                stragglers[run] = strag
             h = read_history(root, run, tier)
             errors += list(h.errors)
             if (last := summary(h)) is not None:
@@ -117,7 +123,7 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
     return {"local_root": root, "durable": cfg.durable, "daemon": {
         "running": alive, "pid": (daemon or {}).get("pid"), "updated_at": (daemon or {}).get("updated_at"),
         "current": (daemon or {}).get("current")}, "drain_lag_s": lags, "steps": rows, "history": histories,
-        "errors": errors}
+        "stragglers": stragglers, "errors": errors}
 
 
 def _size(n: int | None) -> str:
@@ -144,6 +150,14 @@ def format_status(report: Mapping[str, Any]) -> str:
         counts = ", ".join(f"{n} {label(r)}" for r, n in sorted(h["ends"].items()))
         lines.append(f"last end     run {run}: {h['last_class']} ({h['last_evidence'] or 'no evidence'}); "
                      f"{h['incarnations']} incarnation(s): {counts}; rslurm history --run-id {run}")
+    for run, st in sorted(report.get("stragglers", {}).items()):
+        when = f"at step {st['step']}" if st.get("step") is not None else "at an unknown step"
+        if st.get("at"):
+            when += f", {max(0, int(time.time() - st['at']))} s ago"
+        for s in st["stragglers"]:
+            lines.append(f"straggler    run {run}: rank {s['rank']} on {s['node']}: {s['ratio']:.2f}x its peers' "
+                         f"step time ({s['step_time_s'] * 1e3:.1f} ms against {s['peer_median_s'] * 1e3:.1f} ms), "
+                         f"{when}")
     lines.append("")
     lines.append(f"{'RUN':<16} {'STEP':>10} {'REASON':<9} {'SIZE':>10} {'LOCAL':<11} {'DRAIN':<9} {'DURABLE':<12} AGE")
     now = time.time()
