@@ -136,6 +136,8 @@ _OPT_COUNT = Number(int, 1, unset=_OFF, zero_unset=True, unset_doc="0/none (off)
 _OPT_SECONDS = Number(float, 0.0, above=True, unset=_OFF, zero_unset=True, unset_doc="0/none (off)")
 _LIMIT = Number(int, 0, unset=(*_OFF, "unlimited"), unset_doc="none (no limit)")  # 0 is a real value here
 _SIZE = Number(int, 0, size=True)
+_FAILURE_INTERVAL = Number(float, 0.0, above=True, unset=(*_OFF, "auto"), zero_unset=True,
+                           unset_doc="0/none/auto (observed by the launcher, else 86400)")
 _RATIO = Number(float, 1.0, above=True, unset=_OFF, zero_unset=True, unset_doc="0/none (off)")
 _BANDWIDTH = Number(int, 0, above=True, size=True, unset=(*_OFF, "off"), zero_unset=True,
                     unset_doc="0/none/off (no cap)")
@@ -251,6 +253,15 @@ class Settings:
                 'save every N optimizer steps')
     every_seconds: float | None = _key(_OPT_SECONDS, None, "checkpoint",
                 'save when this many seconds passed since the last save')
+    auto_cadence: str = _key(_choice("on", "off"), "on", "checkpoint",
+                "on: without every_steps and every_seconds, save on a time cadence chosen from the measured save "
+                "cost and failure_interval (Daly's optimum, between 60 s and 1 h, at least twice the background "
+                "write; the first save 60 s after the start), logged at the start and when it changes; off: no "
+                "periodic save unless every_steps or every_seconds is set")
+    failure_interval: float | None = _key(_FAILURE_INTERVAL, None, "checkpoint",
+                "mean seconds between unannounced failures (a rank killed, a node lost, a hang) that the default "
+                "cadence plans for; auto: `rslurm launch` sets what the run's history shows (its run time over "
+                "such failures, once there was one), else 86400")
     keep_last: int = _key(_count(), 3, "checkpoint",
                 'committed checkpoints kept per tier')
     keep_every: int | None = _key(_OPT_COUNT, None, "checkpoint",

@@ -111,7 +111,8 @@ class Checkpointer:
         # until a restore needs it; then local steps still restore, and with none, restore_fallback says.
         self._durable_tier = open_durable(cfg, upload_cap=False) if self.durable else None
         self.retention = RetentionPolicy(cfg.keep_last, cfg.keep_every)
-        self.cadence = Cadence(cfg.every_steps, cfg.every_seconds)
+        auto = cfg.auto_cadence == "on" and cfg.every_steps is None and cfg.every_seconds is None
+        self.cadence = Cadence(cfg.every_steps, cfg.every_seconds, auto=auto, failure_interval=cfg.failure_interval)
         self._coord = Coordinator(timeout_s=cfg.collective_timeout)
         job = JobEnv.from_env()
         if not self._coord.distributed and (job.world_size or 1) > 1:
@@ -145,6 +146,9 @@ class Checkpointer:
             self.topology.root, self.run_id, source="rank", node=self.topology.node,
             job_id=job.job_id, restart_count=job.restart_count, rank=self.topology.rank)
         self._sync_every: int = cfg.sync_every
+        self._cadence_reported = 0.0
+        if self.cadence.auto:
+            self._report_cadence("start")
         # Under `rslurm launch` (which sets control_socket for every rank, on every node), the launcher asks
         # for every thread's stack when it finds the job hung (control/heartbeat.py).
         under_launcher = (cfg.control_socket or "off").strip().lower() != "off"
@@ -529,7 +533,29 @@ class Checkpointer:
             return None
         outcome = fut.result()  # re-raises the background error here, on the training thread
         self.last_outcome = outcome
+        if outcome.reason == "interval" and self.cadence.observe(outcome.stall_s, outcome.write_s + outcome.commit_s):
+            self._report_cadence("measured")
         return outcome
+
+    def _report_cadence(self, basis: str) -> None:
+        """Rank 0: log the default cadence's interval and write a ``cadence`` event, at the start and when
+        the measured costs move it by a quarter or more."""
+        interval = self.cadence.every_seconds or 0.0
+        if self.topology.rank != 0 or (basis != "start" and abs(interval - self._cadence_reported)
+                                       < 0.25 * self._cadence_reported):
+            return
+        self._cadence_reported = interval
+        stall, write = self.cadence.costs()
+        mtbf = self.cadence.planned_failure_interval
+        self.events.emit("cadence", basis=basis, interval_s=round(interval, 3), stall_s=round(stall, 6),
+                         write_s=round(write, 6), failure_interval_s=mtbf)
+        if basis == "start":
+            log.info("no every_steps or every_seconds: saving every %.0f s at first, then on Daly's interval "
+                     "for the measured save cost and a failure every %.1f h (auto_cadence=off turns this off)",
+                     interval, mtbf / 3600)
+        else:
+            log.info("default cadence: saving every %.0f s (save stall %.3f s, background write %.1f s, a "
+                     "failure every %.1f h)", interval, stall, write, mtbf / 3600)
 
     def _prepare(self, state: Mapping[str, Any]) -> None:
         """Plan a save of ``state`` now (collective) and allocate the staging buffer in the background.

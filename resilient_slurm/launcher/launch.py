@@ -199,6 +199,7 @@ class Launcher:
         self._oom = OomCounters()
         self._root_failures: list[RankExit] = []  # the ranks found failed first, in this run of the ranks
         self._in_job_runs: list[RankRun] = []  # runs of the ranks that ended in an in-job restart
+        self._history_seen: ProgressHistory | None = None  # read once, for the default cadence
         self._unhealthy: list[NodeHealth] = []  # nodes the last health check found bad and could not exclude
         self._excluded: list[str] = []  # nodes taken out of the srun command (the allocation had spares)
         self._user_command = list(self.command)
@@ -234,7 +235,27 @@ class Launcher:
             env["RSLURM_CONTROL_SOCKET"] = self.socket_path
         env["RSLURM_RUN_ID"] = self.run_id  # ranks and launcher must name the same run
         env["RSLURM_SAVE_SIGNAL"] = self.cfg.save_signal
+        if self.cfg.failure_interval is None:  # the default cadence plans for what this run has seen
+            m = self._observed_failure_interval()
+            if m is not None:
+                env["RSLURM_FAILURE_INTERVAL"] = f"{m:.0f}"
         return env
+
+    def _observed_failure_interval(self) -> float | None:
+        """The run's mean time between unannounced failures, from its history and this incarnation's
+        in-job restarts so far; None before the first failure (the rank's default then applies). The
+        history is read once per launcher run, from this node only (a durable tier that does not answer
+        must not delay the ranks' start for a cadence hint)."""
+        if self._history_seen is None:
+            from ..catalog.history import read_history
+
+            try:
+                self._history_seen = read_history(os.path.dirname(self.run_dir), self.run_id, None).history
+            except Exception as exc:  # a cadence hint is not worth a launch
+                log.warning("cannot read the run's history for the default cadence: %s", exc)
+                self._history_seen = ProgressHistory()
+        return self._history_seen.failure_interval(now=time.time(), started_at=self.timings.get("start"),
+                                                   in_job=self._in_job_runs)
 
     def _num_nodes(self) -> int:
         """Nodes of the job: the drain daemon's job step runs one task on each."""

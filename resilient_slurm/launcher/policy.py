@@ -77,6 +77,11 @@ RESTARTABLE = frozenset({Reason.PREEMPTED, Reason.TIME_LIMIT, Reason.NODE_FAILUR
                          Reason.STORAGE_UNAVAILABLE, Reason.KILLED_BY_SIGNAL, Reason.OUT_OF_MEMORY,
                          Reason.COMMUNICATOR_ERROR})
 
+# Ends that came without a warning: the work since the last commit is lost. The default cadence plans for
+# these (a preemption, a time limit or a cloud notice is announced, and saved for).
+UNANNOUNCED = frozenset({Reason.NODE_FAILURE, Reason.KILLED_BY_SIGNAL, Reason.OUT_OF_MEMORY,
+                         Reason.COMMUNICATOR_ERROR, Reason.HANG})
+
 # How `rslurm history` and `rslurm status` name each class.
 REASON_LABELS = {
     Reason.PREEMPTED: "preempted", Reason.TIME_LIMIT: "time limit", Reason.NODE_FAILURE: "node failure",
@@ -238,6 +243,22 @@ class ProgressHistory:
                 tail.append(e)
             return ProgressHistory(tuple(reversed(tail)))
         return ProgressHistory() if restart_count == 0 else self
+
+    def failure_interval(self, *, now: float | None = None, started_at: float | None = None,
+                         in_job: Sequence[RankRun] = ()) -> float | None:
+        """The run's mean time between unannounced failures (:data:`UNANNOUNCED`, in-job restarts
+        included): its run time, over every incarnation recorded plus the current one (from
+        ``started_at`` to ``now``, with its in-job restarts so far ``in_job``), divided by the failures.
+        None before the first failure."""
+        unannounced = {r.value for r in UNANNOUNCED}
+        run_s = sum(max(0.0, e.ended_at - e.started_at) for e in self.incarnations
+                    if e.started_at is not None and e.ended_at is not None)
+        failures = sum((e.reason in unannounced) + sum(r.reason in unannounced for r in e.in_job)
+                       for e in self.incarnations)
+        if started_at is not None and now is not None:
+            run_s += max(0.0, now - started_at)
+        failures += sum(r.reason in unannounced for r in in_job)
+        return run_s / failures if failures and run_s > 0 else None
 
     def last_committed(self) -> int | None:
         """The committed step after the most recent incarnation (None: no history or nothing committed)."""
