@@ -34,6 +34,7 @@ from conftest import assert_same, clean_env, free_port, run_ranks
 from s3_support import MotoServer
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from resilient_slurm.examples.train_toy import build as build_toy
 from resilient_slurm.manifest import Manifest
 
 RUN = "toy"
@@ -318,11 +319,18 @@ def test_export_matches_the_training_state(tiers: Tiers, trained: Path, tmp_path
     assert r.returncode == 0, r.stderr
     assert f"from the {'local' if tiers.kind == 'local' else 'durable'} tier" in r.stdout
     sd = torch.load(out, weights_only=True)
-    assert set(sd) == {"model", "optimizer", "scheduler", "scaler", "sampler", "progress", "_rslurm_rng", "_rslurm_ddp"}
+    assert set(sd) == {"model", "optimizer", "scheduler", "scaler", "sampler", "progress", "_rslurm_rng", "_rslurm_ddp",
+                       "_rslurm_step"}
+    assert sd["_rslurm_step"] == 12
     assert_same(sd["model"], ref[0]["model"], "model")
-    # DCP keys nested dicts by string: the optimizer's per-parameter state is "0", "1", ...
-    assert_same(sd["optimizer"]["state"], {str(k): v for k, v in ref[0]["optimizer"]["state"].items()}, "optim")
+    # The optimizer's per-parameter state is keyed by index, as Optimizer.state_dict() gives it ...
+    assert_same(sd["optimizer"]["state"], ref[0]["optimizer"]["state"], "optim")
     assert_same(sd["optimizer"]["param_groups"], ref[0]["optimizer"]["param_groups"], "param_groups")
+    # ... so a fresh optimizer reloads its moments from the export (string keys: accepted, moments dropped)
+    model, opt, *_ = build_toy(ref[0]["model"]["0.weight"].shape[0], 0, 0)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optimizer"])
+    assert_same({i: opt.state[p] for i, p in enumerate(model.parameters())}, ref[0]["optimizer"]["state"], "reloaded")
     assert_same(sd["scheduler"], ref[0]["scheduler"], "scheduler")
     assert_same(sd["scaler"], ref[0]["scaler"], "scaler")
     assert sd["progress"] == ref[0]["progress"] and sd["sampler"]["consumed"] == 192
@@ -346,9 +354,12 @@ def test_export_matches_the_training_state(tiers: Tiers, trained: Path, tmp_path
     assert target["progress"] == ref[0]["progress"]
     assert torch.equal(target["_rslurm_rng"]["rank1"]["torch_cpu"], ref[1]["rng"])
 
-    # DCP's own converter (which unpickles without restriction, so rslurm does not use it) agrees.
+    # DCP's own converter (which unpickles without restriction, so rslurm does not use it) agrees, but for
+    # the optimizer's string keys and the step.
     dcp_to_torch_save(d, tmp_path / "by_dcp.pt")
-    assert_same(torch.load(tmp_path / "by_dcp.pt", weights_only=True), sd, "dcp_to_torch_save")
+    by_dcp = torch.load(tmp_path / "by_dcp.pt", weights_only=True)
+    by_dcp["optimizer"]["state"] = {int(k): v for k, v in by_dcp["optimizer"]["state"].items()}
+    assert_same(by_dcp, {k: v for k, v in sd.items() if k != "_rslurm_step"}, "dcp_to_torch_save")
 
     again = tiers.rslurm("export", "12", "--format", "dcp", str(d))
     assert again.returncode == 2 and "--force" in again.stderr, again.stderr

@@ -13,8 +13,11 @@ only with ``force`` (after the new one is complete).
   ``_rslurm_per_rank`` -> rank -> key), tensors as plain CPU tensors (sharded tensors assembled
   from their chunks). Every item is decoded with ``torch.load(weights_only=True)``: nothing in a
   checkpoint runs code, and ``torch.load(out, weights_only=True)`` reads the result. Dict keys are as DCP
-  records them (strings; an optimizer's per-parameter state is keyed "0", "1", ...), as DCP's own
-  ``dcp_to_torch_save`` gives. ``keys`` keeps only some top-level keys (e.g. just ``model``).
+  records them (strings), except an optimizer's per-parameter state, keyed by parameter index (0, 1, ...)
+  as ``Optimizer.state_dict()`` gives, so ``optimizer.load_state_dict(sd["optimizer"])`` restores its
+  moments (DCP's own ``dcp_to_torch_save`` leaves "0", "1", ..., which an optimizer accepts and ignores).
+  ``_rslurm_step`` is the step exported (left out with ``keys``, which keeps only those top-level keys, e.g.
+  just ``model``).
 * ``dcp``: ``.metadata`` (the first domain's, which maps every item to a file of the step), every
   rank's shard from every domain, and the step's durable-style ``manifest.json`` (checksums, for
   ``rslurm``-free tools to check), so plain ``torch.distributed.checkpoint.load`` reads it.
@@ -104,6 +107,25 @@ def _faults(fs: Sequence[Any]) -> str:
     return "; ".join(str(f) for f in fs)
 
 
+#: The step an export was taken from, in a ``--format torch`` file.
+STEP_KEY = "_rslurm_step"
+
+
+def _optimizer_keys(v: Any) -> None:
+    """Key an optimizer's per-parameter state by parameter index (int), as ``Optimizer.state_dict()`` does
+    and ``load_state_dict()`` needs (DCP records the keys as strings: loaded as they are, an optimizer
+    silently attaches no moments). An optimizer state dict is recognized by its shape: ``state`` and
+    ``param_groups``, every group with integer ``params``."""
+    if not isinstance(v, dict) or not isinstance(v.get("state"), dict) or not isinstance(v.get("param_groups"), list):
+        return
+    groups = v["param_groups"]
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+               and all(isinstance(i, int) and not isinstance(i, bool) for i in g["params"]) for g in groups):
+        return
+    if all(isinstance(k, str) and k.isdigit() for k in v["state"]):
+        v["state"] = {int(k): st for k, st in sorted(v["state"].items(), key=lambda kv: int(kv[0]))}
+
+
 def export_torch(src: StepSource, out: str, *, keys: Sequence[str] | None = None,
                  progress: Progress | None = None) -> ExportResult:
     """Write the step's state as one ``torch.save`` file at ``out`` (see the module docstring)."""
@@ -184,6 +206,10 @@ def export_torch(src: StepSource, out: str, *, keys: Sequence[str] | None = None
     sd: dict[str, Any] = {}
     for fqn, path_ in sorted(paths.items(), key=lambda kv: [str(p) for p in kv[1]]):
         set_element(sd, path_, values[fqn])
+    for v in sd.values():
+        _optimizer_keys(v)
+    if not keys and STEP_KEY not in sd:  # --only KEY: what was asked for, nothing more
+        sd[STEP_KEY] = src.step
     tmp = f"{out}{TMP_MARK}{secrets.token_hex(4)}"
     try:
         with open(tmp, "wb") as w:
