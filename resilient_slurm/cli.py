@@ -391,12 +391,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """``rslurm export STEP --format torch|dcp OUT``."""
-    from .catalog.export import check_out, export_dcp, export_torch
+    """``rslurm export STEP --format torch|safetensors|dcp OUT``."""
+    from .catalog.export import check_out, export_dcp, export_safetensors, export_torch
     from .catalog.source import open_source
 
-    if args.only and args.format != "torch":
-        raise ConfigError("--only works with --format torch (a DCP export copies the whole step)")
+    if args.only and args.format == "dcp":
+        raise ConfigError("--only works with --format torch or safetensors (a DCP export copies the whole step)")
     out = check_out(args.out, force=args.force, fmt=args.format)
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
     with catalog:
@@ -408,6 +408,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         with _progress(args)(f"export run {run} step {args.step} ({tier})", total) as adv:
             if args.format == "torch":
                 res = export_torch(src, out, keys=args.only, progress=adv)
+            elif args.format == "safetensors":
+                res = export_safetensors(src, out, keys=args.only, progress=adv)
             else:
                 res = export_dcp(src, out, progress=adv)
     if args.json:
@@ -590,10 +592,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "the step is complete there, else the durable tier.", ("auto", "local", "durable"), "auto")
     sp.add_argument("step", type=int, help="step to export")
     sp.add_argument("out", help="output file (torch) or directory (dcp); its parent must exist")
-    sp.add_argument("--format", choices=("torch", "dcp"), required=True, help="torch file or DCP directory")
+    sp.add_argument("--format", choices=("torch", "safetensors", "dcp"), required=True,
+                    help="torch file (the whole state), safetensors file (model weights) or DCP directory")
     sp.add_argument("--force", action="store_true", help="replace an existing OUT (once the export is complete)")
-    sp.add_argument("--only", action="append", metavar="KEY", help="torch: export only this top-level key "
-                    "(repeatable), e.g. --only model")
+    sp.add_argument("--only", action="append", metavar="KEY", help="torch, safetensors: export only this top-level "
+                    "key (repeatable), e.g. --only model")
     sp.set_defaults(func=cmd_export)
     sp = sub.add_parser(
         "launch", help="run a job resiliently: -- srun ... inside an allocation, or -n N -- cmd ... locally",

@@ -32,6 +32,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import assert_same, clean_env, free_port, run_ranks
 from s3_support import MotoServer
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from resilient_slurm.examples.train_toy import build as build_toy
@@ -336,6 +338,20 @@ def test_export_matches_the_training_state(tiers: Tiers, trained: Path, tmp_path
     assert sd["progress"] == ref[0]["progress"] and sd["sampler"]["consumed"] == 192
     for rank in range(2):  # every rank's RNG, from both nodes' shards
         assert torch.equal(sd["_rslurm_rng"][f"rank{rank}"]["torch_cpu"], ref[rank]["rng"]), rank
+
+    # safetensors: the model's weights alone, under the names the module has, for other tools
+    st = tmp_path / "model.safetensors"
+    doc = ok_json(tiers.rslurm("export", "12", "--format", "safetensors", str(st), "--json"))
+    assert (doc["format"], doc["keys"]) == ("safetensors", ["model"]), doc
+    fresh, *_ = build_toy(ref[0]["model"]["0.weight"].shape[0], 1, 0)
+    fresh.load_state_dict(load_file(st))  # strict: every name and shape matches
+    assert_same(fresh.state_dict(), ref[0]["model"], "safetensors")
+    with safe_open(st, "pt") as f:
+        assert f.metadata() == {"format": "pt", "rslurm_run_id": RUN, "rslurm_step": "12", "rslurm_keys": "model"}
+    both = tmp_path / "both.safetensors"
+    assert tiers.rslurm("export", "12", "--format", "safetensors", "--only", "model", "--only", "scaler",
+                        str(both)).returncode == 2  # the scaler's state is not only tensors: refused, nothing written
+    assert not both.exists()
 
     d = tmp_path / "dcp"
     doc = ok_json(tiers.rslurm("export", "12", "--format", "dcp", str(d), "--json"))

@@ -96,3 +96,24 @@ def test_fsdp_restore_at_same_world_size(saved: tuple[Path, dict[str, Any]]) -> 
     _check_restored(ref, got)
     # Same world size: the resumed step is bitwise the step the saving job took after saving.
     _assert_same(ref["next"], got["next"], "next")
+
+
+def test_exports_consolidate_the_shards(saved: tuple[Path, dict[str, Any]]) -> None:
+    """`rslurm export` assembles each DTensor from the 4 ranks' shards (uneven, one empty): the safetensors
+    file holds the full weights under the module's names, the torch file the full model too."""
+    import subprocess
+
+    from conftest import clean_env
+    from safetensors.torch import load_file
+
+    tmp, ref = saved
+    st, pt = tmp / "model.safetensors", tmp / "state.pt"
+    for fmt, out in (("safetensors", st), ("torch", pt)):
+        r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "export", "3", "--format", fmt, str(out),
+                            "--local-dir", str(tmp / "nvme"), "--run-id", "fsdp"], env=clean_env(),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    assert _assert_same(load_file(st), ref["now"]["model"], "safetensors") == 8
+    exported = torch.load(pt, weights_only=True)
+    assert exported["_rslurm_step"] == 3
+    assert _assert_same(exported["model"], ref["now"]["model"], "torch") == 8

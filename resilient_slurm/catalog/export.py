@@ -1,4 +1,5 @@
-"""``rslurm export``: one step as a plain ``torch.save`` file or as a self-contained DCP directory.
+"""``rslurm export``: one step as a plain ``torch.save`` file, model weights as a safetensors file, or a
+self-contained DCP directory.
 
 Who calls what: ``cli.py`` picks the tier (:meth:`~.inventory.Catalog.choose_tier`), opens a
 :class:`~.source.StepSource` and calls :func:`export_torch` or :func:`export_dcp`. Both check every byte
@@ -18,6 +19,11 @@ only with ``force`` (after the new one is complete).
   moments (DCP's own ``dcp_to_torch_save`` leaves "0", "1", ..., which an optimizer accepts and ignores).
   ``_rslurm_step`` is the step exported (left out with ``keys``, which keeps only those top-level keys, e.g.
   just ``model``).
+* ``safetensors``: the model weights alone, for other tools (``safetensors.torch.load_file``): every
+  top-level key whose value is a module's state_dict (tensors only; not the optimizer, not rslurm's own
+  keys), or the ``keys`` named, assembled like ``torch`` (sharded tensors whole). One key: its tensor
+  names as the module has them (``model.load_state_dict(load_file(out))``); several: prefixed with the
+  key (``model.0.weight``, ``ema.0.weight``). The file's metadata names the run, the step and the keys.
 * ``dcp``: ``.metadata`` (the first domain's, which maps every item to a file of the step), every
   rank's shard from every domain, and the step's durable-style ``manifest.json`` (checksums, for
   ``rslurm``-free tools to check), so plain ``torch.distributed.checkpoint.load`` reads it.
@@ -71,8 +77,8 @@ def check_out(out: str, *, force: bool, fmt: str) -> str:
     if os.path.lexists(out):
         if not force:
             raise ConfigError(f"{out} exists; pass --force to replace it (only once the export is complete)")
-        if fmt == "torch" and os.path.isdir(out):
-            raise ConfigError(f"{out} is a directory; --format torch writes a file (remove it, or choose another OUT)")
+        if fmt != "dcp" and os.path.isdir(out):
+            raise ConfigError(f"{out} is a directory; --format {fmt} writes a file (remove it, or choose another OUT)")
     return out
 
 
@@ -130,6 +136,95 @@ def export_torch(src: StepSource, out: str, *, keys: Sequence[str] | None = None
                  progress: Progress | None = None) -> ExportResult:
     """Write the step's state as one ``torch.save`` file at ``out`` (see the module docstring)."""
     import torch
+
+    sd, res = _assemble(src, out, "torch", keys, progress)
+    if not keys and STEP_KEY not in sd:  # --only KEY: what was asked for, nothing more
+        sd[STEP_KEY] = src.step
+
+    def write(w: Any) -> None:
+        torch.save(sd, w)
+
+    _write_file(out, write)
+    return res
+
+
+def export_safetensors(src: StepSource, out: str, *, keys: Sequence[str] | None = None,
+                       progress: Progress | None = None) -> ExportResult:
+    """Write the model weights of the step as one safetensors file at ``out`` (see the module docstring)."""
+    try:
+        from safetensors.torch import save as st_save
+    except ImportError:
+        raise ConfigError("--format safetensors needs the safetensors package: pip install 'resilient-slurm[export]' "
+                          "(or pip install safetensors)") from None
+    sd, res = _assemble(src, out, "safetensors", keys, progress)
+    chosen = list(keys) if keys else [k for k, v in sd.items() if _weights(k, v)]
+    if not chosen:
+        raise ConfigError(f"run {src.run_id} step {src.step} holds no module weights (a top-level key whose values "
+                          f"are all tensors); its keys are {', '.join(sorted(sd))}: name one with --only KEY")
+    tensors: dict[str, Any] = {}
+    for k in chosen:
+        if not _weights(k, sd[k]) and not _is_tensor(sd[k]):
+            raise ConfigError(f"--only {k}: not module weights (it holds more than tensors); safetensors stores "
+                              "tensors only: use --format torch for it")
+        _flatten(sd[k], "" if len(chosen) == 1 else f"{k}.", tensors, k if len(chosen) == 1 else "")
+    res.keys = sorted(chosen)
+    meta = {"format": "pt", "rslurm_run_id": src.run_id, "rslurm_step": str(src.step), "rslurm_keys": ",".join(chosen)}
+    data = st_save(tensors, metadata=meta)
+    _write_file(out, lambda w: w.write(data))
+    return res
+
+
+def _is_tensor(v: Any) -> bool:
+    import torch
+
+    return isinstance(v, torch.Tensor)
+
+
+def _weights(key: str, v: Any) -> bool:
+    """A module's state_dict: a (nested) dict with tensors only, not an optimizer's, not rslurm's own."""
+    if key.startswith("_rslurm") or not isinstance(v, dict) or not v or ("state" in v and "param_groups" in v):
+        return False
+
+    def tensors_only(x: Any) -> bool:
+        return all(tensors_only(y) for y in x.values()) if isinstance(x, dict) and x else _is_tensor(x)
+
+    return tensors_only(v)
+
+
+def _flatten(v: Any, prefix: str, out: dict[str, Any], name: str) -> None:
+    """Tensors of ``v`` under dotted names (``prefix`` + path), each contiguous and owning its storage
+    (safetensors refuses views and shared storage)."""
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _flatten(x, f"{prefix}{k}.", out, name)
+        return
+    key = prefix[:-1] if prefix.endswith(".") else (prefix or name)
+    t = v.detach().contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+        t = t.clone()
+    out[key] = t
+
+
+def _write_file(out: str, write: Callable[[Any], Any]) -> None:
+    """Write ``out`` through ``write(file)`` at a temp name, fsync, rename into place; nothing on failure."""
+    tmp = f"{out}{TMP_MARK}{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as w:
+            write(w)
+            w.flush()
+            os.fsync(w.fileno())
+        _install(tmp, out)
+    except BaseException as exc:
+        _remove(tmp)
+        if isinstance(exc, OSError):
+            raise StorageError(f"writing {out} failed: {exc}; nothing was written") from exc
+        raise
+
+
+def _assemble(src: StepSource, out: str, fmt: str, keys: Sequence[str] | None,
+              progress: Progress | None) -> tuple[dict[str, Any], ExportResult]:
+    """Every item of the step (of ``keys`` only, when given), checked and decoded, as nested dicts."""
+    import torch
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -169,7 +264,7 @@ def export_torch(src: StepSource, out: str, *, keys: Sequence[str] | None = None
             wanted.setdefault(info.relative_path, []).append((fqn, offsets, info.offset, info.length))
     names = item_names_by_file(md)
     values: dict[str, Any] = {}
-    res = ExportResult(out, "torch", src.run_id, src.step, src.tier, keys=sorted({str(p[0]) for p in paths.values()}))
+    res = ExportResult(out, fmt, src.run_id, src.step, src.tier, keys=sorted({str(p[0]) for p in paths.values()}))
     for rel in sorted(wanted):
         entry = src.shards[rel]
         with src.file(rel, progress) as (path, checked):
@@ -208,21 +303,7 @@ def export_torch(src: StepSource, out: str, *, keys: Sequence[str] | None = None
         set_element(sd, path_, values[fqn])
     for v in sd.values():
         _optimizer_keys(v)
-    if not keys and STEP_KEY not in sd:  # --only KEY: what was asked for, nothing more
-        sd[STEP_KEY] = src.step
-    tmp = f"{out}{TMP_MARK}{secrets.token_hex(4)}"
-    try:
-        with open(tmp, "wb") as w:
-            torch.save(sd, w)
-            w.flush()
-            os.fsync(w.fileno())
-        _install(tmp, out)
-    except BaseException as exc:
-        _remove(tmp)
-        if isinstance(exc, OSError):
-            raise StorageError(f"writing {out} failed: {exc}; nothing was written") from exc
-        raise
-    return res
+    return sd, res
 
 
 def export_dcp(src: StepSource, out: str, *, progress: Progress | None = None) -> ExportResult:
