@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import json
 import os
 import random
 import shutil
@@ -68,10 +67,12 @@ from common import (  # noqa: E402
     med,
     now,
     raw_write,
+    read_jsonl,
     release_memory,
     remove,
     run_main,
     state_dict_of,
+    tail,
     torch_save_fsync,
 )
 
@@ -80,16 +81,6 @@ WORKER = os.path.join(HERE, "emergency_worker.py")
 REQUEUE_EXIT_CODE = 75  # rslurm launch, local mode, stopped by a signal: "run again to resume"
 MODES = ("cold", "warm", "restored")
 
-
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    out = []
-    with contextlib.suppress(FileNotFoundError), open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                with contextlib.suppress(json.JSONDecodeError):
-                    out.append(json.loads(line))
-    return out
 
 
 def launcher_events(path: str) -> list[dict[str, Any]]:
@@ -100,13 +91,6 @@ def launcher_events(path: str) -> list[dict[str, Any]]:
 def first(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
     return next((e for e in events if e.get("event") == kind), None)
 
-
-def tail(path: str, n: int = 4000) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:]
-    except OSError:
-        return f"({path} unreadable)"
 
 
 class Bench(BenchBase):

@@ -5,7 +5,8 @@ a script's own folder is first on ``sys.path`` when it runs as ``python bench/<s
 also put this folder and the repository root on ``sys.path`` themselves. This module does not import
 ``resilient_slurm``, so a script may import it before the repository root is on ``sys.path``.
 
-What is here: timing and formatting (``now``, ``med``, ``ratio``, ``fmt``, ``log``); machine and noise facts
+What is here: timing and formatting (``now``, ``med``, ``ratio``, ``fmt``, ``log``); reading logs (``read_jsonl``,
+``tail``); machine and noise facts
 (``cpu_sample``, ``foreign_load``, ``wait_quiet``, ``machine_facts``, ``git_facts``); page-cache dropping
 (``Cache``); the transformer-shaped model + Adam state every benchmark measures (``build_state`` and its
 helpers); the raw I/O baselines (``page_buffer``, ``raw_write``, ``buffered_write``, ``raw_read``,
@@ -77,6 +78,31 @@ def fmt(v: float | None, spec: str, suffix: str = "") -> str:
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------- logs
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """A JSON-lines file's records (none when it is missing); torn or malformed lines are skipped (a
+    writer may have been SIGKILLed mid-line)."""
+    out = []
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                with contextlib.suppress(json.JSONDecodeError):
+                    out.append(json.loads(line))
+    return out
+
+
+def tail(path: str, n: int = 4000) -> str:
+    """The last ``n`` characters of a text file (a job's output), for a PROBLEM report."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return f"({path} unreadable)"
 
 
 # --------------------------------------------------------------------------------------------- machine
