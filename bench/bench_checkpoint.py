@@ -361,7 +361,7 @@ class Bench(BenchBase):
         wrap(restore_mod.Restorer, "_read_step", "  _read_step", R)
         wrap(state_mod, "prepare_load_target", "    prepare_load_target", R)
         wrap(restore_mod, "aligned_buffer", "    aligned_buffer (mmap + zero_ prefault)", R)
-        wrap(restore_mod, "read_file_into", "    read_file_into (O_DIRECT pread x io_threads)", R)
+        wrap(restore_mod, "read_spans", "    read_spans (O_DIRECT pread x io_threads)", R)
         wrap(engine_mod, "checksum", "    checksum (xxh3 per item, after the read)", R)
         wrap(restore_mod._Loaded, "apply", "  _Loaded.apply (copy into live tensors)", R)
         wrap(restore_mod._Loaded, "_stored_tensor", "    _stored_tensor (framing check, view)", R)

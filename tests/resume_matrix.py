@@ -87,7 +87,9 @@ def check_resume(nodes: int, per_node: int, layout: str, kinds: tuple[str, ...],
         # A save is asynchronous: on a loaded machine the first one may not have committed yet. Kill only
         # once every domain committed a step, so that the resume starts from one.
         deadline = time.monotonic() + 120
-        while len({p.parent.parent for p in d.glob("**/topo/step_*/manifest.json")}) < domains:
+        # (a manifest inside a step_X.tmp-* directory is a save not yet renamed into place: not committed)
+        while len({p.parent.parent for p in d.glob("**/topo/step_*/manifest.json")
+                   if p.parent.name[len("step_"):].isdigit()}) < domains:
             assert time.monotonic() < deadline, f"no step committed in every domain of {d}"
             time.sleep(0.01)
     finally:

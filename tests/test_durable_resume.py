@@ -153,6 +153,12 @@ def test_requeue_onto_new_nodes_restores_every_rank_from_a_posix_tier(
     job = run_ranks(_argv(tmp_path, 0.0), 2, tmp_path, env=_env(tmp_path, durable),
                     per_rank_env=_nodes("n3", "n4"), timeout=240)
     assert "fetched" in job.output(0) and "fetched" in job.output(1)
+    # Same world size: n3 fetched what n1 wrote and n4 what n2 wrote, each file once (not every file of the
+    # step on every new node, which at N nodes would pull N times the checkpoint).
+    saved = sum(f.stat().st_size for n in ("n1", "n2") for f in (tmp_path / "nvme" / n / RUN / step_dirname(step)).glob("*.distcp"))
+    fetched = [e["fetched_bytes"] for n in ("n3", "n4") for e in read_jsonl(tmp_path / "nvme" / n / RUN / "events.jsonl")
+               if e.get("event") == "restore"]
+    assert len(fetched) == 2 and sum(fetched) == saved and all(0 < f < saved for f in fetched), (fetched, saved)
     _assert_identical(tmp_path, reference)
 
 

@@ -9,6 +9,7 @@ parameters, optimizer moments, scheduler/scaler state, the RNG state and the ful
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,13 @@ def test_sigkill_at_random_step_then_resume_is_bitwise_identical(
     job = start_ranks(_argv(steps, workers, res / "log.%r.jsonl", res / "out.%r.pt", sync, sleep=0.02), world, res,
                       env=env_res)
     wait_for_step(res / "log.0.jsonl", kill_at, job=job)
+    # The kill is meant to land after a commit: on a loaded machine the first save (step 4) may still be
+    # writing at step 5, and then there is nothing to resume from. Wait for it, not for a time.
+    events = res / "nvme" / "toy" / "events.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(
+            e.get("event") == "save_committed" for e in (read_jsonl(events) if events.exists() else [])):
+        time.sleep(0.02)
     job.kill()  # SIGKILL every rank and its DataLoader workers, wherever they are (maybe mid-save)
     assert not (res / "out.0.pt").exists(), "the run finished before it could be killed"
     run_ranks(_argv(steps, workers, res / "log.%r.jsonl", res / "out.%r.pt", sync), world, res, env=env_res)

@@ -13,7 +13,8 @@ collaborators and its local commit (``Engine._install``, the rename that also co
    (an endpoint down, a timeout, a full local disk: the step may restore once storage is back) rather
    than corruption.
 3. domain leader: :meth:`DurableFetcher.fetch` -- reads the root manifest and the marker of this domain
-   (or of the first domain, when this node saved nothing of the step), checks the domain's ``.metadata``
+   (or of the domain that held the same ranks, when the job was requeued onto other nodes at the same
+   world size; or of the first domain, whose metadata leads to every file), checks the domain's ``.metadata``
    against the manifest, downloads the shard files this domain's ranks need (``get_file`` checks size and
    xxh3 as the bytes arrive) into ``step_X.tmp-fetch-<nonce>/``, writes ``.metadata`` and a manifest that
    names this domain, fsyncs, and commits it locally like a save (the engine's rename). Nothing is left
@@ -28,7 +29,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ..errors import (
     CorruptCheckpointError,
@@ -127,16 +128,16 @@ class DurableFetcher:
         assert tier is not None
         topo = self.topo
         root_m = read_durable_manifest(tier, self.run_id, step)
-        src = topo.domain if topo.domain in root_m.nodes else root_m.first_domain
+        src = _source_domain(root_m.nodes, root_m.world_size, root_m.first_domain, topo.domain,
+                             tuple(topo.domain_ranks), topo.world_size)
         dm = read_durable_manifest(tier, self.run_id, step, src)
         if dm.save_id != root_m.save_id:
             raise CorruptCheckpointError(f"{tier.url}: step {step}: the marker of {src} belongs to another save")
         md_key = domain_key(self.run_id, step, src, DCP_METADATA_NAME)
         md_bytes = tier.get_bytes(md_key)
         md = check_metadata(md_bytes, dm.dcp_metadata, source=f"{tier.url}/{md_key}")
-        same_layout = (src == topo.domain and dm.world_size == topo.world_size
-                       and tuple(dm.nodes.get(src, ())) == tuple(topo.domain_ranks))
-        if same_layout:  # the ranks here are the ones that wrote this domain's shards: they need only those
+        same_layout = dm.world_size == topo.world_size and tuple(dm.nodes.get(src, ())) == tuple(topo.domain_ranks)
+        if same_layout:  # the ranks here are the ones that wrote src's shards: they need only those
             wanted = {s.path for s in dm.shards_of_node(src)}
         else:  # other nodes or another world size: every file this metadata points at
             wanted = {info.relative_path for info in md.storage_data.values()}
@@ -164,6 +165,21 @@ class DurableFetcher:
             remove_tree_quietly(tmp)
             raise
         return total
+
+
+def _source_domain(saved: Mapping[str, tuple[int, ...]], saved_world: int, first: str, domain: str,
+                   ranks: tuple[int, ...], world: int) -> str:
+    """The saved domain whose part of a step this domain fetches: its own; else, at the same world size,
+    the domain that held exactly the ranks it holds now (a job requeued onto other nodes: each new node
+    needs only what one old node wrote, not every file of the step); else the first domain, whose
+    metadata then leads to every file."""
+    if domain in saved:
+        return domain
+    if saved_world == world:
+        for d in sorted(saved):
+            if tuple(saved[d]) == ranks:
+                return d
+    return first
 
 
 def _storage_failure(exc: BaseException) -> bool:

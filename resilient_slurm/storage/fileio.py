@@ -3,7 +3,7 @@ fsync of files and directories, and small atomic writes (temp name, fsync, renam
 
 Who calls what: the checkpoint engine allocates staging buffers with :func:`aligned_buffer` once per
 state layout, and its background thread calls :func:`write_file` per shard. Restore calls
-:func:`read_ranges`. Every function here is safe to call from any thread; none touches the GIL-heavy
+:func:`read_spans`. Every function here is safe to call from any thread; none touches the GIL-heavy
 parts of torch.
 """
 
@@ -41,16 +41,22 @@ def round_up(n: int, a: int = BLOCK) -> int:
     return (n + a - 1) // a * a
 
 
-def aligned_buffer(nbytes: int, *, pin: bool = False, prefault: bool = True) -> torch.Tensor:
+def aligned_buffer(nbytes: int, *, pin: bool = False, prefault: bool = True, huge: bool | None = None) -> torch.Tensor:
     """A page-aligned, zeroed uint8 CPU tensor of at least ``nbytes`` (rounded up to BLOCK).
 
-    The mapping asks for transparent huge pages: a 1 GiB buffer then costs 512 page faults instead of
-    262144 (measured here: 0.07 s instead of 0.30 s to allocate and touch 1 GiB, and a faster unmap).
     ``prefault`` touches every page now: staging buffers are allocated once and reused, and a first
     touch inside a timed save would run at page-fault speed. Read buffers skip it, since the read
     itself writes every page. ``pin`` uses CUDA pinned memory (page aligned too) for device-to-host
     staging.
+
+    ``huge`` (default: ``prefault``) asks for transparent huge pages. A buffer the CPU touches first then
+    costs 512 page faults per GiB instead of 262144 (measured here: 0.07 s instead of 0.30 s to allocate
+    and touch 1 GiB, and a faster unmap). A read buffer that O_DIRECT fills first does better with 4 KiB
+    pages: faulting in huge pages while the reads pin them made a cold 1 GiB read take 0.68-1.17 s
+    against 0.64-0.68 s (bench/bench_restore.py's raw read into a fresh buffer, three runs each).
     """
+    if huge is None:
+        huge = prefault
     import torch
 
     size = max(round_up(nbytes), BLOCK)
@@ -58,7 +64,7 @@ def aligned_buffer(nbytes: int, *, pin: bool = False, prefault: bool = True) -> 
         t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     else:
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
+        if huge and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 mm.madvise(mmap.MADV_HUGEPAGE)
             except OSError:  # THP disabled: fall back to 4 KiB pages
@@ -212,6 +218,29 @@ def read_file_into(
     Returns the checksums of ``ranges`` ((offset, length) pairs), each computed as soon as the pieces
     covering it have arrived, so hashing overlaps the remaining reads instead of following them.
     """
+    return read_spans(path, [(0, buf)], size, threads=threads, ranges=[(0, off, n) for off, n in ranges])
+
+
+def read_spans(
+    path: str,
+    spans: Sequence[tuple[int, memoryview]],
+    size: int,
+    *,
+    threads: int = 4,
+    ranges: Sequence[tuple[int, int, int]] = (),
+) -> list[str]:
+    """Read parts of file ``path`` (``size`` bytes long) into separate page-aligned buffers.
+
+    Each span is ``(file offset, buffer)``: the offset is a multiple of BLOCK and the buffer page aligned,
+    so every request can bypass the page cache; the span ends at the end of its buffer or of the file.
+    Restore reads a large tensor into a buffer of its own (it then becomes that tensor's memory, see
+    checkpoint/restore.py) and the small items into one shared buffer. Spans may overlap by a block where
+    two of them share one.
+
+    ``ranges`` are ``(span index, offset in that span, length)``; their checksums are returned, each
+    computed as soon as the pieces covering it have arrived, so hashing overlaps the remaining reads.
+    A span that ends short of what the file should hold raises StorageError (the file is truncated).
+    """
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
     direct = bool(_O_DIRECT)
     try:
@@ -221,34 +250,51 @@ def read_file_into(
             raise
         direct, fd = False, os.open(path, flags)
     try:
-        span = round_up(size) if direct else size
+        # What each span must receive, and what it asks for (O_DIRECT rounds the tail up to a block).
+        want = [max(0, min(len(buf), size - off)) for off, buf in spans]
+        ask = [min(len(buf), round_up(w)) if direct else w for (_, buf), w in zip(spans, want)]
+        plan = [(i, o) for i, n in enumerate(ask) for o in range(0, n, _IO_CHUNK)]
+        first: dict[int, int] = {}  # span index -> index of its first piece in plan
+        last: dict[int, int] = {}
+        for k, (i, _) in enumerate(plan):
+            first.setdefault(i, k)
+            last[i] = k
 
-        def get(off: int) -> int:
-            n = min(_IO_CHUNK, span - off)
+        def get(piece: tuple[int, int]) -> int:
+            i, off = piece
+            base, buf = spans[i]
+            n = min(_IO_CHUNK, ask[i] - off)
             got = 0
             while got < n:
-                r = os.preadv(fd, [buf[off + got : off + n]], off + got)
+                r = os.preadv(fd, [buf[off + got : off + n]], base + off + got)
                 if r == 0:
                     break
                 got += r
-            return got
+            return min(got, want[i] - off)
 
         workers = max(1, threads)
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rslurm-read") as readers, \
                 ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rslurm-hash") as hashers:
-            pieces = [readers.submit(get, off) for off in range(0, span, _IO_CHUNK)]
+            pieces = [readers.submit(get, p) for p in plan]
 
-            def digest(r: tuple[int, int]) -> str:
-                off, n = r
-                last = min(len(pieces) - 1, (off + max(n, 1) - 1) // _IO_CHUNK)
-                for i in range(min(off // _IO_CHUNK, last), last + 1):
-                    pieces[i].result()  # wait for exactly the pieces this range lies in
-                return checksum(buf[off : off + n])
+            def digest(r: tuple[int, int, int]) -> str:
+                i, off, n = r
+                if i in first:
+                    lo = first[i] + off // _IO_CHUNK
+                    hi = min(last[i], first[i] + (off + max(n, 1) - 1) // _IO_CHUNK)
+                else:
+                    lo, hi = 0, -1  # the span asked for nothing
+                for k in range(min(lo, hi), hi + 1):
+                    pieces[k].result()  # wait for exactly the pieces this range lies in
+                return checksum(spans[i][1][off : off + n])
 
             sums = [hashers.submit(digest, r) for r in ranges]
-            total = sum(f.result() for f in pieces)
-            if total < size:
-                raise StorageError(f"{path}: short read ({total} of {size} bytes): the file is truncated")
+            got = [0] * len(spans)
+            for (i, _), f in zip(plan, pieces):
+                got[i] += f.result()
+            for (off, _), w, g in zip(spans, want, got):
+                if g < w:
+                    raise StorageError(f"{path}: short read ({off + g} of {size} bytes): the file is truncated")
             return [f.result() for f in sums]
     finally:
         os.close(fd)

@@ -1,0 +1,267 @@
+#!/usr/bin/env python3
+"""Cold restore: a fresh process, the page cache dropped, restores the benchmark state, against the floors.
+
+Every measurement runs in a new Python process (what a requeued or restarted rank is), after the page cache
+is dropped, and the methods take turns round by round, so drift in the disk's speed hits all of them alike:
+
+- ``raw read, prefaulted buffer``: O_DIRECT reads of the step's shard files into memory that was touched
+  beforehand (the disk's own speed; the issue's baseline);
+- ``raw read, fresh buffer``: the same into a fresh transparent-huge-page buffer, which a fresh process must
+  also fault in: the floor for any restore that does not already own the memory;
+- ``ours``: ``Checkpointer.restore`` into a freshly built model + Adam (verification included: every item's
+  xxh3 checked before anything live is touched);
+- ``ours, copying``: the same with the zero-copy path off (every tensor copied out of the read buffer, as
+  before it existed);
+- ``torch.load + load_state_dict``: ``torch.load(weights_only=True, mmap=False)`` of a ``torch.save`` file of
+  the same state, then ``model.load_state_dict`` and ``optimizer.load_state_dict``;
+- ``dcp.load``: ``torch.distributed.checkpoint.load`` of a ``dcp.save`` of the same state, then the optimizer's
+  ``load_state_dict``.
+
+Each child checks that what it restored equals the saved state (a digest of every tensor) and reports its
+time; building the fresh model is not timed. Usage::
+
+    .venv/bin/python bench/bench_restore.py [--size-gib 1] [--repeats 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+import torch  # noqa: E402
+from common import (  # noqa: E402
+    BLOCK,
+    IO_CHUNK,
+    Cache,
+    add_wait_quiet_arg,
+    build_state,
+    fmt,
+    log,
+    machine_facts,
+    med,
+    now,
+    open_direct,
+    page_buffer,
+    ratio,
+    remove,
+    state_dict_of,
+    tensors_of,
+    wait_quiet,
+)
+
+MODES = ("raw_prefaulted", "raw_fresh", "ours", "ours_copying", "torch_load", "dcp_load")
+LABELS = {
+    "raw_prefaulted": "raw O_DIRECT read, prefaulted buffer",
+    "raw_fresh": "raw O_DIRECT read, fresh buffer",
+    "ours": "ours: Checkpointer.restore (verified)",
+    "ours_copying": "ours, zero-copy off (verified)",
+    "torch_load": "torch.load + load_state_dict",
+    "dcp_load": "dcp.load + optimizer.load_state_dict",
+}
+
+
+def digest(sd: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    for t in tensors_of(sd):
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def shard_files(root: str) -> list[str]:
+    return sorted(f for f in glob.glob(os.path.join(root, "ours", "**", "*.distcp"), recursive=True))
+
+
+def raw_read_files(files: list[str], prefault: bool, threads: int) -> float:
+    """Seconds to read ``files`` with O_DIRECT into one page-aligned buffer (touched first with ``prefault``)."""
+    sizes = [os.path.getsize(f) for f in files]
+    spans = [-(-n // BLOCK) * BLOCK for n in sizes]
+    if prefault:
+        mm, mv = page_buffer(sum(spans))
+    else:
+        from resilient_slurm.storage.fileio import aligned_buffer, as_memoryview
+
+        buf = aligned_buffer(sum(spans), prefault=False)
+        mv = as_memoryview(buf)
+    t0 = now()
+    base = 0
+    with ThreadPoolExecutor(threads) as pool:
+        for f, span in zip(files, spans):
+            fd, _ = open_direct(f, os.O_RDONLY)
+            try:
+                def get(off: int, fd: int = fd, base: int = base, span: int = span) -> int:
+                    return os.preadv(fd, [mv[base + off : base + min(off + IO_CHUNK, span)]], off)
+
+                list(pool.map(get, range(0, span, IO_CHUNK)))
+            finally:
+                os.close(fd)
+            base += span
+    return now() - t0
+
+
+def child(args: argparse.Namespace) -> None:
+    """One measurement in this fresh process: prints {"s": seconds, "equal": bool, ...} as JSON."""
+    root, mode, size = args.dir, args.child, int(args.size_gib * 2**30)
+    out: dict[str, Any] = {}
+    if mode.startswith("raw"):
+        files = shard_files(root)
+        Cache().drop(*files)
+        out["s"] = raw_read_files(files, mode == "raw_prefaulted", args.io_threads)
+        out["equal"] = None
+        print(json.dumps(out))
+        return
+    model, opt = build_state(size, seed=2)  # other values than the saved ones (untimed)
+    cache = Cache()
+    if mode in ("ours", "ours_copying"):
+        from resilient_slurm import Checkpointer
+        from resilient_slurm.checkpoint import restore as restore_mod
+
+        if mode == "ours_copying":
+            restore_mod.ADOPT_MIN_BYTES = 1 << 62
+        cache.drop(os.path.join(root, "ours"))
+        ck = Checkpointer(local_dir=os.path.join(root, "ours"), run_id="bench", keep_last=1,
+                          io_threads=args.io_threads)
+        t0 = now()
+        step = ck.restore({"model": model, "optim": opt})
+        out["s"] = now() - t0
+        ck.close()
+        from common import read_jsonl
+
+        ev = [e for e in read_jsonl(os.path.join(root, "ours", "bench", "events.jsonl")) if e.get("event") == "restore"]
+        out["adopted_bytes"] = ev[-1].get("adopted_bytes", 0) if ev else 0
+        assert step == 1, step
+    elif mode == "torch_load":
+        path = os.path.join(root, "state.pt")
+        cache.drop(path)
+        t0 = now()
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        out["s"] = now() - t0
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        path = os.path.join(root, "dcp")
+        cache.drop(path)
+        t0 = now()
+        sd = state_dict_of(model, opt)
+        dcp.load(sd, checkpoint_id=path, no_dist=True)
+        opt.load_state_dict(sd["optim"])
+        out["s"] = now() - t0
+    out["equal"] = digest(state_dict_of(model, opt)) == args.expect
+    print(json.dumps(out))
+
+
+def prepare(args: argparse.Namespace, root: str) -> str:
+    """Save the state once each way (untimed); returns its digest."""
+    import torch.distributed.checkpoint as dcp
+
+    from resilient_slurm import Checkpointer
+
+    model, opt = build_state(int(args.size_gib * 2**30), seed=1)
+    sd = state_dict_of(model, opt)
+    with Checkpointer(local_dir=os.path.join(root, "ours"), run_id="bench", keep_last=1,
+                      io_threads=args.io_threads) as ck:
+        ck.save(1, {"model": model, "optim": opt})
+        ck.wait()
+    torch.save(sd, os.path.join(root, "state.pt"))
+    dcp.save(sd, checkpoint_id=os.path.join(root, "dcp"), no_dist=True)
+    os.sync()
+    return digest(sd)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    base = args.dir or tempfile.gettempdir()
+    root = tempfile.mkdtemp(prefix="rslurm-bench-restore-", dir=base)
+    r: dict[str, Any] = {"machine": machine_facts(root), "size_gib": args.size_gib, "io_threads": args.io_threads,
+                         "times": {m: [] for m in args.modes}, "errors": [], "adopted_bytes": []}
+    try:
+        log(f"saving the state ({args.size_gib} GiB) with rslurm, torch.save and dcp.save (untimed) ...")
+        expect = prepare(args, root)
+        r["bytes"] = sum(os.path.getsize(f) for f in shard_files(root))
+        for i in range(args.repeats):
+            for mode in args.modes:
+                if args.wait_quiet > 0:
+                    wait_quiet(args.wait_quiet)
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", root, "--expect", expect,
+                       "--size-gib", str(args.size_gib), "--io-threads", str(args.io_threads)]
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                if p.returncode != 0:
+                    r["errors"].append(f"{mode}: exit {p.returncode}: {p.stderr.strip()[-2000:]}")
+                    log(r["errors"][-1])
+                    continue
+                res = json.loads(p.stdout.strip().splitlines()[-1])
+                if res["equal"] is False:
+                    r["errors"].append(f"{mode}: restored state differs from the saved one")
+                r["times"][mode].append(res["s"])
+                if "adopted_bytes" in res and mode == "ours":
+                    r["adopted_bytes"].append(res["adopted_bytes"])
+                log(f"round {i + 1}: {mode} {res['s']:.3f} s")
+    finally:
+        remove(root)
+    return r
+
+
+def report(r: dict[str, Any]) -> None:
+    n = r.get("bytes", 0)
+    t = {m: med(v) for m, v in r["times"].items()}
+    print(f"\nCold restore of {n / 2**30:.2f} GiB of shards (fresh process, page cache dropped; "
+          f"median of {max(len(v) for v in r['times'].values())}); io_threads={r['io_threads']}\n")
+    print("| method | time | throughput |\n|---|---|---|")
+    for m, s in t.items():
+        print(f"| {LABELS[m]} | {fmt(s, '.3f', ' s')} | {fmt(ratio(n, s) and n / s / 1e9, '.2f', ' GB/s')} |")
+    print("\n| ratio | value | target |\n|---|---|---|")
+    rows = [
+        ("restore throughput / raw read (prefaulted buffer)", ratio(t.get("raw_prefaulted"), t.get("ours")), ">= 0.85"),
+        ("restore throughput / raw read (fresh buffer)", ratio(t.get("raw_fresh"), t.get("ours")), ""),
+        ("restore time / (torch.load + load_state_dict)", ratio(t.get("ours"), t.get("torch_load")), "< 1"),
+        ("restore time / dcp.load", ratio(t.get("ours"), t.get("dcp_load")), ""),
+        ("zero-copy restore time / copying restore time", ratio(t.get("ours"), t.get("ours_copying")), ""),
+    ]
+    for name, v, target in rows:
+        print(f"| {name} | {fmt(v, '.2f')} | {target} |")
+    if r["adopted_bytes"]:
+        print(f"\nbytes that became live memory without a copy: {r['adopted_bytes'][0]} of {n}")
+    for e in r["errors"]:
+        print("ERROR:", e)
+    if not r["errors"]:
+        print("every restore returned state equal to what was saved")
+
+
+def main() -> None:
+    os.environ["RSLURM_AUTO_CADENCE"] = "off"  # the one save is the bench's own
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-gib", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--modes", type=lambda s: tuple(s.split(",")), default=MODES)
+    ap.add_argument("--dir", default=None, help="where to write (default: the temporary directory)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--expect", default="", help=argparse.SUPPRESS)
+    add_wait_quiet_arg(ap)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    t0 = now()
+    r = run(args)
+    report(r)
+    print(f"\nwall time {now() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

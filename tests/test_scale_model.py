@@ -1,0 +1,95 @@
+"""bench/scale_model.py (issue 14 item 4): the model's arithmetic keeps the properties the code implies.
+
+Runs the model only (no --measure: nothing is started, nothing is written but a JSON file), in well under a
+second."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "scale_model.py"
+NODES = (1, 16, 256, 4096)
+
+
+@pytest.fixture(scope="module")
+def sm() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("scale_model", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["scale_model"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def result(sm: ModuleType) -> dict:
+    p = sm.params_from(sm.build_parser().parse_args(["--nodes", ",".join(map(str, NODES))]))
+    return sm.run_model(p)
+
+
+def _rows(result: dict):
+    for tier, scenarios in result["restore"].items():
+        for scenario, rows in scenarios.items():
+            for row in rows:
+                yield tier, scenario, row
+
+
+def test_plan_driven_never_reads_more_than_today(result: dict) -> None:
+    for tier, scenario, row in _rows(result):
+        where = f"{tier} {scenario} at {row['nodes']} nodes"
+        assert row["plan"]["durable_bytes"] <= row["today"]["durable_bytes"] * (1 + 1e-12), where
+        assert row["peer"]["durable_bytes"] <= row["plan"]["durable_bytes"] * (1 + 1e-12), where
+        assert row["plan"]["restore_s"] <= row["today"]["restore_s"] * 1.01, where
+
+
+def test_one_node_the_three_agree(result: dict) -> None:
+    for tier, scenario, row in _rows(result):
+        if row["nodes"] != 1:
+            continue
+        where = f"{tier} {scenario}"
+        today, plan, peer = row["today"], row["plan"], row["peer"]
+        assert today["durable_bytes"] == pytest.approx(plan["durable_bytes"]) == pytest.approx(peer["durable_bytes"])
+        assert today["durable_requests"] == plan["durable_requests"] == peer["durable_requests"], where
+        # Today fetches file after file, the plan pipelines across files: the latency terms differ slightly.
+        assert math.isclose(today["restore_s"], plan["restore_s"], rel_tol=0.01), where
+        assert plan["restore_s"] == peer["restore_s"], where
+
+
+def test_today_resharded_restore_reads_n_times_the_checkpoint(result: dict) -> None:
+    size = result["params"]["size"]
+    for tier, rows in ((t, s["other_nodes"]) for t, s in result["restore"].items()):
+        got = [r["today"]["durable_bytes"] for r in rows]
+        assert got == sorted(got) and len(set(got)) == len(got), tier
+        for r in rows:
+            assert r["today"]["durable_bytes"] == pytest.approx(r["nodes"] * size)
+            assert r["plan"]["durable_bytes"] == pytest.approx(size)
+
+
+def test_commit_requests_grow_with_nodes(result: dict) -> None:
+    for tier, rows in result["commit"].items():
+        for key in ("gets_per_check", "requests_per_step", "background_req_per_s", "requests_per_day",
+                    "list_pages_per_check"):
+            got = [r[key] for r in rows]
+            assert got == sorted(got), (tier, key, got)
+        n = rows[-1]["nodes"]
+        assert rows[-1]["gets_per_check"] == n + 2  # try_commit: one GET per domain marker
+        assert rows[-1]["requests_per_step"] >= n * n  # every node checks every marker at least once
+        # A LIST of step/domains/ (1,000 keys a page) instead of N GETs.
+        assert rows[-1]["list_requests_per_step"] < rows[-1]["requests_per_step"] / 50
+
+
+def test_cli_prints_tables_and_json(sm: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "scale.json"
+    assert sm.main(["--nodes", "16,64", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "### S3: one node replaced" in text and "durable commit" in text
+    data = json.loads(out.read_text())
+    assert [r["nodes"] for r in data["commit"]["S3"]] == [16, 64]
+    assert data["params"]["tiers"][1]["aggregate"] is None  # S3: no aggregate bound (inf)
