@@ -1,7 +1,8 @@
 """``rslurm``: the command-line entry point. The only place that configures logging.
 
 Commands: ``launch``, ``daemon``, ``status``, ``history``, ``health``, ``submit``, ``doctor``, the demo, and the inspection
-commands over the on-disk contract on both tiers (``ls``, ``show``, ``verify``, ``gc``, ``export``),
+commands over the on-disk contract on both tiers (``ls``, ``runs``, ``show``, ``verify``, ``gc``, ``export``, ``tag``,
+``untag``),
 whose logic lives in :mod:`resilient_slurm.catalog` (this module parses, resolves settings and prints;
 see docs/cli.md). Exit codes: 0 ok; 1 a fault in the data (verify, export of a corrupt step, a gc
 deletion that failed); 2 bad usage or settings, or a store that cannot be reached.
@@ -20,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import __version__, config, doctor, submit
+from . import __version__, config, diff, doctor, rehearse, submit
 from .errors import ConfigError, CorruptCheckpointError, ResilientSlurmError
 from .paths import default_local_dir, expand_local_dir, node_name
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # rich and the catalog are imported by the commands that use 
     from .catalog import Catalog, StepView
     from .catalog.checks import ProgressFactory
     from .checkpoint.verify import StepReport
+    from .tags import RunTags
 
 log = logging.getLogger("resilient_slurm.cli")
 
@@ -82,6 +84,27 @@ def _flag_settings(args: argparse.Namespace, components: tuple[str, ...]) -> dic
 # Storage settings the inspection commands take as flags (how to reach the durable tier).
 INSPECT_STORAGE_FLAGS = ("s3_endpoint_url", "s3_region", "s3_max_attempts", "drain_threads")
 STALE_AFTER_S = 6 * 3600.0  # as the daemon's STALE_UPLOAD_AGE: leftovers older than this have no writer
+
+
+def _step_arg(v: str) -> int | str:
+    """A STEP argument: a step number, or a tag (resolved per run by ``Catalog.resolve_step``)."""
+    from .tags import tag_name_problem
+
+    if v.isdigit():
+        return int(v)
+    problem = tag_name_problem(v)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"expected a step number or a tag, got {v!r} ({problem})")
+    return v
+
+
+def _tag_arg(v: str) -> str:
+    from .tags import tag_name_problem
+
+    problem = tag_name_problem(v)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"invalid tag name: {problem}")
+    return v
 
 
 def _seconds(v: str) -> float:
@@ -186,6 +209,17 @@ def _durable_cell(row: dict[str, Any]) -> str:
     return {"invalid": "INVALID", "absent": "-", "unknown": "?"}.get(d["state"], d["state"])
 
 
+def _run_tags(catalog: Catalog, run: str) -> RunTags | None:
+    """A run's tags for a listing; None (and the error recorded) when a copy cannot be read."""
+    from .errors import StorageError, TagsFileError
+
+    try:
+        return catalog.tags(run)
+    except (TagsFileError, StorageError) as exc:
+        catalog.errors.append(f"run {run}: tags: {exc}")
+        return None
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     """``rslurm ls``: runs and steps with their state in each tier."""
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
@@ -194,8 +228,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         runs = [cfg.run_id] if cfg.run_id else catalog.runs(strict=False)
         rows = []
         for run in runs:
-            for v in catalog.steps(run, strict=False):
-                row = v.to_json(now)
+            views = catalog.steps(run, strict=False)
+            tags = _run_tags(catalog, run) if views else None
+            for v in views:
+                row = v.to_json(now, tags.names(v.step) if tags is not None else [])
                 if args.tier == "durable" and row["durable"]["state"] == "absent":
                     continue
                 if args.tier == "durable":
@@ -216,11 +252,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     has_durable = bool(doc["durable"])
     notes = ["; ".join(n for n in ((r["local"] or {}).get("why"), (r["durable"] or {}).get("why")) if n)
              for r in rows]
-    cols = ["RUN", "STEP", "REASON", "SIZE", "RANKS"] + (["LOCAL"] if args.tier != "durable" else []) + (
-        ["DURABLE"] if has_durable else []) + ["AGE"] + (["NOTE"] if any(notes) else [])
+    has_tags = any(r["tags"] for r in rows)
+    cols = ["RUN", "STEP"] + (["TAGS"] if has_tags else []) + ["REASON", "SIZE", "RANKS"] + (
+        ["LOCAL"] if args.tier != "durable" else []) + (["DURABLE"] if has_durable else []) + ["AGE"] + (
+        ["NOTE"] if any(notes) else [])
     table_rows = []
     for r, note in zip(rows, notes):
-        table_rows.append([r["run_id"], r["step"], r["reason"], _size(r["bytes"]), r["world_size"]]
+        table_rows.append([r["run_id"], r["step"]] + ([", ".join(r["tags"]) or "-"] if has_tags else [])
+                          + [r["reason"], _size(r["bytes"]), r["world_size"]]
                           + ([_local_cell(r)] if args.tier != "durable" else [])
                           + ([_durable_cell(r)] if has_durable else [])
                           + [_age(r["age_s"])] + ([note] if any(notes) else []))
@@ -246,7 +285,7 @@ def _pick_step(catalog: Catalog, args: argparse.Namespace, cfg: config.Settings)
 
 def cmd_show(args: argparse.Namespace) -> int:
     """``rslurm show [STEP]``: what a step holds."""
-    from .catalog.describe import describe
+    from .catalog.describe import describe, provenance_lines
     from .catalog.source import open_source
 
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
@@ -267,6 +306,10 @@ def cmd_show(args: argparse.Namespace) -> int:
                 raise
             tier = "local"
         doc = describe(open_source(catalog, view, tier))
+        tags = _run_tags(catalog, view.run_id)
+        doc["tags"] = tags.names(view.step) if tags is not None else None
+    for e in catalog.errors:
+        print(f"rslurm show: {e}", file=sys.stderr)
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
@@ -276,12 +319,15 @@ def cmd_show(args: argparse.Namespace) -> int:
         con.print(text, markup=False, highlight=False)
 
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["created_at"]))
-    line(f"run {doc['run_id']}  step {doc['step']}  ({doc['tier']} tier: {doc['where']})")
+    line(f"run {doc['run_id']}  step {doc['step']}  ({doc['tier']} tier: {doc['where']})"
+         + (f"  tags: {', '.join(doc['tags'])}" if doc["tags"] else ""))
     line(f"  reason {doc['reason']}  world size {doc['world_size']}  size {_size(doc['bytes'])}  created {created} "
          f"({_age(time.time() - doc['created_at'])} ago)")
     line(f"  torch {doc['torch_version']}  resilient_slurm {doc['library_version']}  format {doc['format']}  "
          f"schema {doc['schema_version']}")
     line("  storage domains: " + "; ".join(f"{d} ranks {r}" for d, r in doc["domains"].items()))
+    for text in provenance_lines(doc["provenance"]):
+        line(f"  {text}")
     con.print(_table(["SHARD", "RANK", "DOMAIN", "SIZE", "ITEMS", "CHECKSUM"],
                      [[s["path"], s["rank"], s["domain"], _size(s["bytes"]), s["items"], s["checksum"]]
                       for s in doc["shards"]], right=("RANK", "SIZE", "ITEMS")))
@@ -405,7 +451,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         tier = catalog.choose_tier(view, args.tier)
         src = open_source(catalog, view, tier, scratch=os.path.dirname(out))
         total = sum(s.size for s in src.shards.values())
-        with _progress(args)(f"export run {run} step {args.step} ({tier})", total) as adv:
+        with _progress(args)(f"export run {run} step {view.step} ({tier})", total) as adv:
             if args.format == "torch":
                 res = export_torch(src, out, keys=args.only, progress=adv)
             elif args.format == "safetensors":
@@ -419,6 +465,81 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"exported run {res.run_id} step {res.step} from the {res.tier} tier to {res.out} ({res.format}): "
               f"{keys}, {_size(res.bytes_read)} read from {len(res.files)} files, checksums verified")
     return 0
+
+
+def cmd_tag(args: argparse.Namespace) -> int:
+    """``rslurm tag STEP NAME`` / ``rslurm untag STEP NAME``: a run's tags in every copy reached."""
+    from .catalog.tags import change_tag
+
+    remove = args.command == "untag"
+    catalog, cfg = _open_catalog(args, durable=args.tier != "local")
+    tiers = ("local", "durable") if args.tier == "all" else (args.tier,)
+    with catalog:
+        run = catalog.resolve_run(cfg.run_id)
+        step = catalog.resolve_step(run, args.step)
+        change = change_tag(catalog, run, step, args.name, remove=remove, tiers=tiers)
+    if args.json:
+        print(json.dumps(change.to_json(), indent=1))
+        return 0
+    what = (f"untagged {change.tag!r} from run {change.run_id} step {change.step}" if remove
+            else f"tagged run {change.run_id} step {change.step} as {change.tag!r}"
+            + (f" (moved from step {change.moved_from})" if change.moved_from is not None else ""))
+    print(f"{what}: {', '.join(change.written)}")
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """``rslurm runs``: every run of a tier with its first and last step, state and size."""
+    from .catalog.runs import summarize_run
+    from .errors import StorageError
+
+    catalog, cfg = _open_catalog(args, durable=args.tier != "local")
+    tiers = {"all": ("local", "durable"), "local": ("local",), "durable": ("durable",)}[args.tier]
+    now = time.time()
+    with catalog:
+        if cfg.run_id:
+            runs = [cfg.run_id]
+        elif args.tier == "durable":
+            try:
+                runs = catalog.durable_runs()
+            except StorageError as exc:
+                catalog.errors.append(f"durable tier {catalog.durable_url}: {exc}")
+                runs = []
+        else:
+            runs = catalog.runs(strict=False)
+        docs = []
+        for run in runs:
+            views = catalog.steps(run, strict=False)
+            tags = _run_tags(catalog, run) if views else None
+            reached = [t for t in tiers if t == "local" or catalog.durable is not None]
+            docs.append(summarize_run(run, views, tags, tiers=reached, now=now))
+        out: dict[str, Any] = {"local_roots": catalog.roots if args.tier != "durable" else [],
+                               "durable": catalog.durable_url if args.tier != "local" else None,
+                               "runs": docs, "errors": list(catalog.errors)}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 2 if out["errors"] else 0
+    con = _console()
+
+    def tier_cell(t: dict[str, Any] | None) -> str:
+        if not t or not t["steps"]:
+            return "-"
+        return f"{t['steps']} step{'s' if t['steps'] != 1 else ''}, {_size(t['bytes'])}"
+
+    has_durable = bool(out["durable"])
+    cols = ["RUN", "STATE", "STEPS", "FIRST", "LAST", "SIZE"] + (["LOCAL"] if args.tier != "durable" else []) + (
+        ["DURABLE"] if has_durable else []) + ["TAGS", "AGE"]
+    rows = [[d["run_id"], d["state"].replace("_", " "), d["steps"], d["first_step"], d["last_step"], _size(d["bytes"])]
+            + ([tier_cell(d["local"])] if args.tier != "durable" else [])
+            + ([tier_cell(d["durable"])] if has_durable else [])
+            + [", ".join(f"{n}={s}" for n, s in (d["tags"] or {}).items()) or "-", _age(d["age_s"])] for d in docs]
+    if rows:
+        con.print(_table(cols, rows, right=("STEPS", "FIRST", "LAST", "SIZE", "AGE")))
+    else:
+        con.print("(no runs)", markup=False)
+    for e in out["errors"]:
+        print(f"error: {e}", file=sys.stderr)
+    return 2 if out["errors"] else 0
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
@@ -551,12 +672,19 @@ def build_parser() -> argparse.ArgumentParser:
                  "durable tier, merged: reason, size, ranks, state per tier, age, and why a step is invalid or "
                  "partial.", ("all", "local", "durable"), "all")
     sp.set_defaults(func=cmd_ls)
+    sp = inspect("runs", "list the runs of each tier: first and last step, state, size, tags",
+                 "One line per run in the local tier (every storage domain directory visible here) and the durable "
+                 "tier: how many committed steps, the first and the last, the state of its newest step (durable, "
+                 "committed, in progress, invalid), the size of its steps (each counted once) and in each tier, "
+                 "its tags and the age of its last step.", ("all", "local", "durable"), "all")
+    sp.set_defaults(func=cmd_runs)
     sp = inspect("show", "what a step holds: manifest, shards, state keys, RNG, data position",
                  "Show a step's manifest (reason, world size, versions, storage domains, every rank's shard) and "
                  "what its DCP metadata says the state holds: top-level keys, RNG state per rank, sampler or "
                  "data loader position. auto reads the local tier when the step is complete there, else the "
                  "durable tier.", ("auto", "local", "durable"), "auto")
-    sp.add_argument("step", type=int, nargs="?", default=None, help="step (default: the newest committed)")
+    sp.add_argument("step", type=_step_arg, nargs="?", default=None, help="step number or tag (default: the "
+                    "newest committed)")
     sp.set_defaults(func=cmd_show)
     sp = inspect("verify", "verify every checksum of one step or of all steps; exit 1 on any fault",
                  "Verify manifests, DCP metadata, domain markers, and every shard's size, whole-file and "
@@ -564,8 +692,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "the step is complete locally, else the durable step, else the local copies there are; all: "
                  "both tiers. Exit 1 on any fault, or when nothing was verified.",
                  ("auto", "local", "durable", "all"), "auto")
-    sp.add_argument("step", type=int, nargs="?", default=None, help="step (default: every step of the run, or "
-                    "of every run)")
+    sp.add_argument("step", type=_step_arg, nargs="?", default=None, help="step number or tag (default: every "
+                    "step of the run, or of every run)")
     sp.add_argument("--scratch-dir", default=None, help="where S3 shards are downloaded to be verified, one at "
                     "a time (default: $TMPDIR)")
     sp.set_defaults(func=cmd_verify)
@@ -590,7 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "(.metadata and every rank's shard) that torch.distributed.checkpoint.load reads. Every byte is "
                  "checked against the manifest; nothing is left at OUT on failure. auto reads the local tier when "
                  "the step is complete there, else the durable tier.", ("auto", "local", "durable"), "auto")
-    sp.add_argument("step", type=int, help="step to export")
+    sp.add_argument("step", type=_step_arg, help="step number or tag to export")
     sp.add_argument("out", help="output file (torch) or directory (dcp); its parent must exist")
     sp.add_argument("--format", choices=("torch", "safetensors", "dcp"), required=True,
                     help="torch file (the whole state), safetensors file (model weights) or DCP directory")
@@ -598,6 +726,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--only", action="append", metavar="KEY", help="torch, safetensors: export only this top-level "
                     "key (repeatable), e.g. --only model")
     sp.set_defaults(func=cmd_export)
+    tag_tiers = ("all", "local", "durable")
+    tag_help = ("tag a step: retention, eviction and gc never remove a tagged step",
+                "Tag STEP as NAME in every copy of the run's tags file reachable from here: each local storage domain "
+                "directory of the run, and the durable tier. Retention (the engine's and the daemon's), the "
+                "daemon's eviction and rslurm gc never remove a tagged step, on any tier. A name tags one step: "
+                "tagging another step with it moves it there. NAME then stands where a STEP is expected (show, "
+                "verify, export, untag).")
+    untag_help = ("remove a tag: retention and gc treat the step as any other again",
+                  "Remove tag NAME from STEP in every copy of the run's tags file reachable from here (as a removal "
+                  "record, so that an older copy elsewhere, merged by the daemon, loses to it).")
+    for name, (short, long) in (("tag", tag_help), ("untag", untag_help)):
+        sp = inspect(name, short, long, tag_tiers, "all")
+        sp.add_argument("step", type=_step_arg, help="step number (or a tag naming it)")
+        sp.add_argument("name", type=_tag_arg, help="tag: 1-64 letters, digits, '.', '_', '-', not only digits")
+        sp.set_defaults(func=cmd_tag)
     sp = sub.add_parser(
         "launch", help="run a job resiliently: -- srun ... inside an allocation, or -n N -- cmd ... locally",
         description="Run ranks, turn SIGTERM/SIGUSR1/SIGUSR2/SIGINT and cloud notices into an emergency "
@@ -657,6 +800,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_health)
     submit.add_parser(sub)
     doctor.add_parser(sub)
+    rehearse.add_parser(sub)
+    diff.add_parser(sub)
     sp = sub.add_parser("demo", help="tiny transformer under rslurm launch: SIGTERM, emergency save, resume, "
                         "compare bitwise, loss-curve PNG (rslurm demo -h)")
     sp.add_argument("demo_args", nargs=argparse.REMAINDER)

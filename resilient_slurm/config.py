@@ -304,6 +304,11 @@ class Settings:
                 "straggler event, a warning and a line in `rslurm status` (0/none: off)")
     straggler_window: int = _key(_count(), 100, "rank",
                 "steps per straggler window: each rank's median own step time over this many steps is compared")
+    resume_tolerance: float = _key(Number(float, 0.0), 0.0, "rank",
+                "after a resume, a metric a rank records for a step it trains again (ckpt.step(..., metrics=...)) "
+                "agrees with the value recorded before the stop when they differ by at most this fraction of the "
+                "larger one; 0: only equal values agree (a deterministic program reproduces every bit). Also "
+                "what `rslurm rehearse` compares with")
     save_signal: str = _key(_signal_name, "USR2", "launcher",
                 'signal the launcher sends every rank to request an emergency save (`scancel --signal` reaches other '
                 "nodes), and ranks trap; 'none' disables. Not USR1 under NCCL, which uses it")
@@ -393,7 +398,7 @@ SETTINGS: dict[str, Setting] = {
 }
 
 # Variables in the RSLURM_ namespace that are not settings but are set for ranks by our own tools.
-RESERVED_ENV = {"RSLURM_CONFIG", "RSLURM_FAILPOINTS"}
+RESERVED_ENV = {"RSLURM_CONFIG", "RSLURM_FAILPOINTS", "RSLURM_REHEARSE_STEPS"}
 
 
 def _suggest(key: str, valid: list[str]) -> str:

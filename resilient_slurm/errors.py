@@ -50,6 +50,12 @@ class CorruptCheckpointError(CheckpointError):
     """A committed step fails validation: garbage manifest, missing/truncated shard, checksum mismatch."""
 
 
+class TagsFileError(CorruptCheckpointError):
+    """A run's tags file (``tags.json``, local or durable) is unreadable or malformed. Until it is fixed or
+    moved away, nothing deletes a step of that run (retention, eviction, ``rslurm gc``): which steps are
+    tagged is unknown. The message names the file and what is wrong."""
+
+
 class IncompatibleCheckpointError(CheckpointError):
     """A valid checkpoint cannot be restored into this state (unknown schema, missing key, world size)."""
 

@@ -17,8 +17,9 @@ token                  kind (:class:`TempKind`)
 
 Every scanner (engine retention, restore, the daemon's drain, eviction and status, ``rslurm ls/show/gc``,
 the launcher) lists a run directory with :func:`list_run_dir` and runs with :func:`list_runs`; every
-deleter of a committed step goes through :func:`delete_step` (lock, uncommit, fsync, delete), and of a
-durable step through :func:`delete_durable_step` (manifest first, then the prefix). Names and
+deleter of a committed step goes through :func:`delete_step` (tag check, lock, uncommit, fsync, delete),
+and of a durable step through :func:`delete_durable_step` (tag check, manifest first, then the prefix):
+so no deleter can remove a tagged step (:mod:`resilient_slurm.tags`). Names and
 the durable tier's keys are built by :mod:`resilient_slurm.manifest`; manifests are read by
 :func:`resilient_slurm.manifest.read_manifest_file`.
 
@@ -43,6 +44,7 @@ from . import failpoints
 from .manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname, step_dirname, tmp_dirname
 from .storage.fileio import fsync_dir, remove_tree
 from .storage.tier import StorageTier
+from .tags import durable_tagged_steps, local_tagged_steps, tags_lock
 
 
 class TempKind(enum.Enum):
@@ -171,14 +173,21 @@ class StepBusy(Exception):  # noqa: N818 -- an expected outcome, not an error
     """:func:`delete_step` found the step locked by a reader (a restore or a drain holds it)."""
 
 
+class StepTagged(Exception):  # noqa: N818 -- an expected outcome, not an error
+    """:func:`delete_step` or :func:`delete_durable_step` found the step tagged: it is never deleted."""
+
+
 def delete_step(run_dir: str, step: int, kind: TempKind, tag: str | None = None) -> bool:
     """Delete the committed ``step`` of ``run_dir``: the one deletion protocol of the local tier.
 
-    1. lock: a non-blocking exclusive ``flock`` on its manifest (readers hold a shared one), else
+    1. tags: under the run's tags lock (held until the uncommit), a step the run's local tags file tags is
+       refused (:class:`StepTagged`), and so is every step while that file cannot be read
+       (:class:`~resilient_slurm.errors.TagsFileError`);
+    2. lock: a non-blocking exclusive ``flock`` on its manifest (readers hold a shared one), else
        :class:`StepBusy`;
-    2. uncommit: rename the directory to a ``kind`` temp directory and fsync the run directory, so a
+    3. uncommit: rename the directory to a ``kind`` temp directory and fsync the run directory, so a
        crash from here on leaves a temp directory (removed later as abandoned), never a half step;
-    3. delete the temp directory's tree (links inside it are unlinked, never followed).
+    4. delete the temp directory's tree (links inside it are unlinked, never followed).
 
     Returns False when the step is already gone. A failure to remove the uncommitted tree is raised
     (OSError) after the step is uncommitted. A step directory that is a symbolic link is refused
@@ -190,11 +199,24 @@ def delete_step(run_dir: str, step: int, kind: TempKind, tag: str | None = None)
         return False
     if not stat.S_ISDIR(st.st_mode):
         raise OSError(errno.ELOOP, "not a directory made by rslurm (a symbolic link or a file); not deleted", path)
+    with tags_lock(run_dir):
+        if step in local_tagged_steps(run_dir, os.path.basename(os.path.normpath(run_dir))):
+            raise StepTagged(path)
+        gone = _uncommit(run_dir, path, step, kind, tag)
+    if gone is None:
+        return False
+    failpoints.hit("during_retention")
+    remove_tree(gone)
+    return True
+
+
+def _uncommit(run_dir: str, path: str, step: int, kind: TempKind, tag: str | None) -> str | None:
+    """Steps 2 and 3 of :func:`delete_step`: the temp directory the step now is, or None when it is gone."""
     fd: int | None
     try:
         fd = os.open(os.path.join(path, MANIFEST_NAME), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
-        return False
+        return None
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
@@ -213,20 +235,22 @@ def delete_step(run_dir: str, step: int, kind: TempKind, tag: str | None = None)
         if fd is not None:
             os.close(fd)
     fsync_dir(run_dir)
-    failpoints.hit("during_retention")
-    remove_tree(gone)
-    return True
+    return gone
 
 
 def delete_durable_step(tier: StorageTier, run_id: str, step: int) -> None:
-    """Delete ``step`` of ``run_id`` from a durable tier: the one deletion protocol of that tier. The
-    manifest goes first (the step stops being durable, so a crash never leaves a half step that looks
-    committed), then everything under the step's prefix. The tier refuses keys through links
-    (PosixTier) and never deletes outside its root. Raises StorageError."""
+    """Delete ``step`` of ``run_id`` from a durable tier: the one deletion protocol of that tier. A step
+    the durable tags file tags is refused (:class:`StepTagged`; the file is read just before, as the
+    tier has no lock), and every step while it cannot be read (TagsFileError). The manifest goes first
+    (the step stops being durable, so a crash never leaves a half step that looks committed), then
+    everything under the step's prefix. The tier refuses keys through links (PosixTier) and never
+    deletes outside its root. Raises StorageError."""
+    if step in durable_tagged_steps(tier, run_id):
+        raise StepTagged(f"{tier.url}/{durable_step_key(run_id, step)}")
     tier.delete([durable_step_key(run_id, step, MANIFEST_NAME)])
     tier.delete_prefix(durable_step_key(run_id, step))
 
 
-__all__ = ["RunListing", "StepBusy", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir",
+__all__ = ["RunListing", "StepBusy", "StepTagged", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir",
            "list_runs",
            "parse_temp_dirname", "temp_dirname"]

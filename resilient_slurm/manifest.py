@@ -157,6 +157,10 @@ class Manifest:
     format: str = "dcp-torch_save"
     schema_version: int = SCHEMA_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # What produced the step (checkpoint/provenance.py: code version, command line, versions, Slurm job);
+    # None in manifests written before it existed. Read with :func:`parse_provenance`: never a reason to
+    # refuse a step.
+    provenance: Mapping[str, Any] | None = None
 
     @property
     def first_domain(self) -> str:
@@ -243,6 +247,7 @@ class Manifest:
                 format=_str(d, "format", source),
                 schema_version=version,
                 extra=_extra(d, source),
+                provenance=parse_provenance(d.get("provenance"), source=source),
             )
         except CorruptCheckpointError:
             raise
@@ -269,6 +274,47 @@ def _extra(d: Mapping[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise CorruptCheckpointError(f"{source}: field 'extra' must be an object, got {type(v).__name__}")
     return dict(v)
+
+
+# Provenance fields and the JSON types they may hold (checkpoint/provenance.py writes them). A field of
+# another type is replaced by None (its neighbours are kept); unknown fields are kept as they are.
+_PROVENANCE_FIELDS: dict[str, tuple[type, ...]] = {
+    "command_line": (list,), "python": (str,), "torch": (str,), "cuda": (str,), "nccl": (str,),
+    "rslurm": (str,), "world_size": (int,), "nodes": (list,), "config_sha256": (str,),
+}
+_PROVENANCE_PARTS: dict[str, dict[str, tuple[type, ...]]] = {
+    "code": {"git_commit": (str,), "git_dirty": (bool,), "git_root": (str,), "program": (str,)},
+    "slurm": {"job_id": (str,), "array_job_id": (str,), "array_task_id": (str,), "restart_count": (int,),
+              "job_nodelist": (str,)},
+}
+
+
+def _typed(v: Any, types: tuple[type, ...]) -> Any:
+    if v is None or (isinstance(v, bool) and bool not in types):
+        return None
+    if not isinstance(v, types):
+        return None
+    if isinstance(v, list) and not all(isinstance(x, str) for x in v):
+        return None
+    return v
+
+
+def parse_provenance(v: Any, *, source: str = "manifest.json") -> dict[str, Any] | None:
+    """A manifest's ``provenance`` made safe to read: None when absent (older manifests) or not an object
+    (warned, naming ``source``); known fields of the wrong type become None. It is descriptive only, so
+    a hostile value never makes a step unusable nor a command crash."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        log.warning("%s: field 'provenance' is %s, not an object; ignoring it", source, type(v).__name__)
+        return None
+    out = dict(v)
+    for k, types in _PROVENANCE_FIELDS.items():
+        out[k] = _typed(v.get(k), types)
+    for part, fields in _PROVENANCE_PARTS.items():
+        sub = v.get(part)
+        out[part] = {k: _typed(sub.get(k), t) for k, t in fields.items()} if isinstance(sub, dict) else None
+    return out
 
 
 def _check(m: Manifest, source: str) -> None:

@@ -52,9 +52,14 @@ def events_path(root: str, run_id: str) -> str:
     return os.path.join(root, run_id, EVENTS_FILE)
 
 
+class ExactFloat(float):
+    """A float an event keeps to the last bit (``resume_diverged``'s ``before`` and ``after``: values that
+    differ by 1e-12 must not be written as equal); every other float is rounded by :func:`_compact`."""
+
+
 def _compact(value: Any) -> Any:
     """Floats rounded to microseconds/bytes-per-second precision: shorter lines, same meaning."""
-    if isinstance(value, float):
+    if isinstance(value, float) and not isinstance(value, ExactFloat):
         return round(value, 6)
     return value
 
@@ -305,5 +310,5 @@ def check_metrics_path(path: str, *, key: str = "metrics_textfile") -> str:
     return p
 
 
-__all__ = ["EVENTS_FILE", "METRICS", "DaemonMetrics", "EventLog", "MetricSpec", "RunGauges", "check_metrics_path",
+__all__ = ["EVENTS_FILE", "METRICS", "DaemonMetrics", "EventLog", "ExactFloat", "MetricSpec", "RunGauges", "check_metrics_path",
            "events_path", "write_metrics_textfile"]

@@ -72,6 +72,15 @@ HEALTH_ONLY = {"node_unhealthy"}
 # Rank events written only when a rank is slower than its peers: tests/test_stragglers.py checks them
 # against these docs.
 STRAGGLER_ONLY = {"straggler", "straggler_cleared"}
+# Rank events written only after a resume that trains steps again, with metrics recorded: tests/test_rehearse.py
+# writes them (a SIGKILLed rank, an in-job restart) and checks their fields against these docs.
+RESUME_ONLY = {"resume_verified", "resume_diverged"}
+# A rank event written only when a step saved by another git commit is restored: tests/test_provenance.py
+# writes it (a program in a temporary git repository, changed and committed) and checks it against these docs.
+PROVENANCE_ONLY = {"code_version_changed"}
+# A rank event written only when the program tags a step (ckpt.tag): tests/test_tags.py writes it (three ranks
+# on two emulated nodes) and checks its fields against these docs.
+TAG_ONLY = {"tagged"}
 
 # A rank that never saves: ignores SIGTERM (which the launcher forwards when no rank registered) and the
 # save signal, and says when it is ready.
@@ -372,7 +381,10 @@ def test_every_documented_event_appears_with_exactly_its_fields(scenario: Scenar
     records = scenario.all_events()
     seen = check_records(docs, records)
     missing = set(docs.events) - seen - {("launcher", e) for e in SLURM_ONLY | SLURM_STARTUP_ONLY | HANG_ONLY
-                                                            | HEALTH_ONLY} - {("rank", e) for e in STRAGGLER_ONLY}
+                                                            | HEALTH_ONLY} - {("rank", e) for e in STRAGGLER_ONLY
+                                                                               | RESUME_ONLY
+                                                                               | PROVENANCE_ONLY
+                                                                               | TAG_ONLY}
     assert not missing, f"documented but never written: {sorted(missing)}"
     for p in scenario.nvme.glob("*/events.jsonl"):
         check_order(read_jsonl(p), str(p))

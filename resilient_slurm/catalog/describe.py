@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 from typing import Any
 
 from ..checkpoint.state import DDP_KEY, RNG_KEY
@@ -141,8 +142,45 @@ def describe(src: StepSource) -> dict[str, Any]:
         "data_position": positions,
         "ddp_bucket_layout": ddp_layout,
         "notes": notes,
+        "provenance": m.provenance,
         "manifest": json.loads(m.to_json()),
     }
 
 
-__all__ = ["describe"]
+def _or(v: Any, unknown: str = "unknown") -> str:
+    return unknown if v is None else str(v)
+
+
+def provenance_lines(prov: Any) -> list[str]:
+    """``show``'s text for a manifest's provenance (already made safe by ``manifest.parse_provenance``)."""
+    if not isinstance(prov, dict):
+        return ["provenance: not recorded (saved by a resilient_slurm before provenance existed)"]
+    code = prov.get("code") or {}
+    slurm = prov.get("slurm") or {}
+    flag = code.get("git_dirty")
+    dirty = " (uncommitted changes)" if flag is True else " (clean)" if flag is False else ""
+    commit = code.get("git_commit")
+    out = [f"code: git {commit}{dirty} in {_or(code.get('git_root'))}" if commit
+           else "code: not in a git repository (or git unavailable)",
+           f"program: {_or(code.get('program'))}",
+           "command: " + (shlex.join(prov["command_line"]) if prov.get("command_line") else "unknown"),
+           f"python {_or(prov.get('python'))}  torch {_or(prov.get('torch'))}  cuda {_or(prov.get('cuda'), '-')}  "
+           f"nccl {_or(prov.get('nccl'), '-')}  resilient_slurm {_or(prov.get('rslurm'))}",
+           f"world size {_or(prov.get('world_size'))}  nodes {', '.join(prov.get('nodes') or []) or 'unknown'}"]
+    if slurm.get("job_id"):
+        array = (f"  array {slurm.get('array_job_id')}_{slurm.get('array_task_id')}"
+                 if slurm.get("array_task_id") is not None else "")
+        out.append(f"slurm job {slurm['job_id']}{array}  restart {_or(slurm.get('restart_count'))}  "
+                   f"nodes {_or(slurm.get('job_nodelist'))}")
+    else:
+        out.append("slurm: not under Slurm")
+    if prov.get("config_sha256"):
+        text = json.dumps(prov.get("config"), sort_keys=True)
+        out.append(f"config sha256 {prov['config_sha256'][:16]}: "
+                   + (text if len(text) <= 400 else text[:400] + f"... ({len(text)} characters; --json has it all)"))
+    else:
+        out.append("config: none given (Checkpointer(config=...))")
+    return out
+
+
+__all__ = ["describe", "provenance_lines"]

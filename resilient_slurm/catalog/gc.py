@@ -5,6 +5,10 @@ and why), prints it for ``--dry-run``, or else calls :func:`run_gc` on the plan.
 with the same :class:`~resilient_slurm.checkpoint.policy.RetentionPolicy` the engine and the daemon
 apply, per run and per storage domain directory:
 
+Tagged steps (every copy of the run's tags file, local and durable, merged) are never deleted, in
+either tier, and nothing of a run whose tags file cannot be read is (the run is reported, not planned).
+The deletion protocols check the tags again, under the local tags lock, just before each deletion.
+
 * local steps the policy does not keep, never the newest committed step, and, when a durable tier is
   configured, never the newest local step that is not durable yet (the daemon may still be draining
   it). A step being read (restore, drain: a shared ``flock`` on its manifest) is skipped, as the
@@ -34,8 +38,14 @@ from typing import Any
 
 from ..checkpoint.metadata_pickle import read_checked_metadata
 from ..checkpoint.policy import RetentionPolicy
-from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, ResilientSlurmError, StorageError
-from ..layout import StepBusy, TempKind, delete_durable_step, delete_step
+from ..errors import (
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    ResilientSlurmError,
+    StorageError,
+    TagsFileError,
+)
+from ..layout import StepBusy, StepTagged, TempKind, delete_durable_step, delete_step
 from ..manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -88,8 +98,8 @@ def _tree_newest(path: str) -> tuple[float, int]:
     return newest, size
 
 
-def _local_plan(catalog: Catalog, run: str, durable: set[int] | None,
-                policy: RetentionPolicy, stale_after: float, now: float) -> list[GcAction]:
+def _local_plan(catalog: Catalog, run: str, durable: set[int] | None, policy: RetentionPolicy,
+                tagged: frozenset[int], stale_after: float, now: float) -> list[GcAction]:
     out: list[GcAction] = []
     for _, run_dir, listing in catalog.listings(run):
         committed = listing.committed
@@ -99,7 +109,7 @@ def _local_plan(catalog: Catalog, run: str, durable: set[int] | None,
             pending = [s for s in committed if s not in durable and s not in invalid]
             if pending:
                 protect.add(max(pending))
-        for s in policy.deletable(committed, invalid):
+        for s in policy.deletable(committed, invalid, protected=tagged):
             path = os.path.join(run_dir, step_dirname(s))
             if s in protect:
                 continue
@@ -156,14 +166,14 @@ def _incomplete(tier: StorageTier, prefix: str, older_than: float, now: float) -
 
 
 def _durable_plan(catalog: Catalog, run: str, views: list[StepView], policy: RetentionPolicy,
-                  stale_after: float, now: float) -> list[GcAction]:
+                  tagged: frozenset[int], stale_after: float, now: float) -> list[GcAction]:
     tier = catalog.durable
     assert tier is not None
     out: list[GcAction] = []
     # A step with a manifest object is committed; an unreadable one never counts toward keep_last.
     committed = sorted(v.step for v in views if v.durable is not None and v.durable.state in ("durable", "invalid"))
     invalid = {v.step: v.durable.problem for v in views if v.durable is not None and v.durable.state == "invalid"}
-    for s in policy.deletable(committed, invalid):
+    for s in policy.deletable(committed, invalid, protected=tagged):
         v = next(x for x in views if x.step == s)
         m = v.durable.manifest if v.durable else None
         why = (f"invalid ({invalid[s]}) and older than the newest valid step kept" if s in invalid
@@ -172,7 +182,8 @@ def _durable_plan(catalog: Catalog, run: str, views: list[StepView], policy: Ret
                             m.total_bytes if m else None, why, key=durable_step_key(run, s)))
     keep_with = set(committed)
     for v in views:
-        if v.durable is None or v.durable.state != "partial" or v.step in policy.keep(keep_with | {v.step}):
+        if (v.durable is None or v.durable.state != "partial" or v.step in tagged
+                or v.step in policy.keep(keep_with | {v.step})):
             continue
         prefix = durable_step_key(run, v.step)
         objs = list(tier.list(prefix))
@@ -198,14 +209,19 @@ def plan_gc(catalog: Catalog, policy: RetentionPolicy, *, tiers: Iterable[str] =
     actions: list[GcAction] = []
     runs = [run_id] if run_id else catalog.runs()
     for run in runs:
+        try:
+            tagged = catalog.tags(run).steps
+        except TagsFileError as exc:
+            catalog.errors.append(f"run {run}: {exc}")
+            continue
         views = catalog.steps(run)
         durable: set[int] | None = None
         if catalog.durable is not None:
             durable = {v.step for v in views if v.durable is not None and v.durable.state == "durable"}
         if "local" in tiers:
-            actions += _local_plan(catalog, run, durable, policy, stale_after, now)
+            actions += _local_plan(catalog, run, durable, policy, tagged, stale_after, now)
         if "durable" in tiers and catalog.durable is not None:
-            actions += _durable_plan(catalog, run, views, policy, stale_after, now)
+            actions += _durable_plan(catalog, run, views, policy, tagged, stale_after, now)
     return actions
 
 
@@ -214,6 +230,8 @@ def _delete_local_step(path: str, step: int) -> tuple[str, str | None]:
         gone = delete_step(os.path.dirname(path), step, TempKind.GC)
     except StepBusy:
         return "skipped", "being read (a restore or a drain holds it); run gc again later"
+    except StepTagged:
+        return "skipped", "tagged since the plan was made"
     return ("deleted", None) if gone else ("skipped", "already gone")
 
 
@@ -238,6 +256,8 @@ def run_gc(catalog: Catalog, actions: list[GcAction], *, stale_after: float) -> 
                 assert catalog.durable is not None and a.step is not None
                 delete_durable_step(catalog.durable, a.run_id, a.step)
                 a.state = "deleted"
+        except StepTagged:
+            a.state, a.detail = "skipped", "tagged since the plan was made"
         except (OSError, ResilientSlurmError) as exc:
             a.state, a.detail = "failed", str(exc)
     for run, keys in uploads.items():

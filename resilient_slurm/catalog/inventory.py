@@ -56,6 +56,7 @@ from ..manifest import (
 )
 from ..paths import default_run_id, expand_local_dir
 from ..storage.tier import StorageTier
+from ..tags import RunTags, merge, read_durable_tags, read_local_tags, tag_name_problem
 
 
 def local_roots(template: str, node: str) -> list[str]:
@@ -185,14 +186,14 @@ class StepView:
         """Bytes of the shards in valid local copies."""
         return sum(c.bytes for c in self.valid_local)
 
-    def to_json(self, now: float | None = None) -> dict[str, Any]:
-        """One step as a JSON-able dict (the rows of ``rslurm ls --json``)."""
+    def to_json(self, now: float | None = None, tags: list[str] | None = None) -> dict[str, Any]:
+        """One step as a JSON-able dict (the rows of ``rslurm ls --json``), with its ``tags``."""
         now = time.time() if now is None else now
         m = self.manifest
         lstate, lwhy = self.local_state
         dstate, dwhy = self.durable_state
         doc: dict[str, Any] = {
-            "run_id": self.run_id, "step": self.step,
+            "run_id": self.run_id, "step": self.step, "tags": list(tags or []),
             "reason": m.reason if m else None, "created_at": m.created_at if m else None,
             "age_s": round(max(0.0, now - m.created_at), 1) if m else None,
             "world_size": m.world_size if m else None, "bytes": m.total_bytes if m else None,
@@ -221,6 +222,7 @@ class Catalog:
         self.durable_url = durable_url or (durable.url if durable is not None else None)
         self.roots = local_roots(local_template, node)
         self.errors: list[str] = []  # what could not be read while listing (ls reports them)
+        self._tags: dict[str, RunTags] = {}
 
     @classmethod
     def open(cls, cfg: Settings, *, local_template: str, node: str) -> Catalog:
@@ -346,15 +348,57 @@ class Catalog:
             v.durable_unreadable = unreadable
         return [views[s] for s in sorted(views)]
 
-    def step(self, run: str, step: int) -> StepView:
-        """One step; ConfigError naming the steps there are when it exists in neither tier."""
+    # ------------------------------------------------------------------ tags
+    def tag_copies(self, run: str) -> list[tuple[str, RunTags | None]]:
+        """``(where, copy)`` of every tags file of ``run`` visible from here: each local domain directory's,
+        then the durable one (None where there is none). TagsFileError names a copy that cannot be read;
+        StorageError when the durable tier cannot be."""
+        out: list[tuple[str, RunTags | None]] = []
+        for root in self.roots:
+            run_dir = os.path.join(root, run)
+            out.append((run_dir, read_local_tags(run_dir, run)))
+        if self.durable is not None:
+            out.append((self.durable_url or self.durable.url, read_durable_tags(self.durable, run)))
+        return out
+
+    def tags(self, run: str) -> RunTags:
+        """``run``'s tags: every copy merged (see :meth:`tag_copies` for what raises)."""
+        if run not in self._tags:
+            self._tags[run] = merge(run, (t for _, t in self.tag_copies(run)))
+        return self._tags[run]
+
+    def forget_tags(self, run: str) -> None:
+        """Read the tags again next time (after writing them)."""
+        self._tags.pop(run, None)
+
+    def resolve_step(self, run: str, step: int | str) -> int:
+        """The step a STEP argument names: a step number, or a tag of ``run``. ConfigError for a tag the run
+        does not have (naming those it has), or a text that is neither."""
+        if isinstance(step, int):
+            return step
+        if step.isdigit():
+            return int(step)
+        problem = tag_name_problem(step)
+        if problem is not None:
+            raise ConfigError(f"STEP {step[:80]!r} is neither a step number nor a tag ({problem})")
+        tags = self.tags(run).tags
+        if step not in tags:
+            have = ", ".join(f"{n} (step {s})" for n, s in tags.items()) or "none"
+            raise ConfigError(f"run {run} has no tag {step!r}; its tags: {have}")
+        return tags[step]
+
+    def step(self, run: str, step: int | str) -> StepView:
+        """One step, by number or by tag (:meth:`resolve_step`); ConfigError naming the steps there are when
+        it exists in neither tier."""
+        named = f" (tag {step!r})" if isinstance(step, str) and not step.isdigit() else ""
+        step = self.resolve_step(run, step)
         views = {v.step: v for v in self.steps(run)}
         if step not in views:
             where = ", ".join(os.path.join(r, run) for r in self.roots)
             if self.durable_url:
                 where += f" or {self.durable_url}/{run}"
             have = sorted(views)
-            raise ConfigError(f"step {step} not found in {where}; steps there: {have or 'none'}")
+            raise ConfigError(f"step {step}{named} not found in {where}; steps there: {have or 'none'}")
         return views[step]
 
     def choose_tier(self, view: StepView, tier: str = "auto") -> str:

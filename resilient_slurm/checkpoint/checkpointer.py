@@ -17,8 +17,10 @@ the shard write and commit. At most one save is in flight: a new save first wait
 
 Events (docs/telemetry.md) go to the run's ``events.jsonl`` on this node: every rank writes its own
 ``save_staged`` (training thread, one append after the stall is measured), ``save_committed`` /
-``save_failed`` (writer thread), ``restore`` / ``restore_none`` / ``restore_failed`` and ``emergency_requested``; the node's
-leader rank also writes ``save_started`` and ``retention_deleted`` (local tier).
+``save_failed`` (writer thread), ``restore`` / ``restore_none`` / ``restore_failed``, ``emergency_requested`` and, after a
+resume that trains recorded steps again, ``resume_verified`` / ``resume_diverged`` (metrics.py); the node's
+leader rank also writes ``save_started``, ``retention_deleted`` (local tier) and ``tagged``; rank 0 writes
+``code_version_changed`` after restoring a step saved at another git commit (provenance.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-from .. import config
+from .. import config as settings_mod  # ``config`` is also Checkpointer's argument (the user's run config)
 from ..control.heartbeat import register_stack_dump, unregister_stack_dump
 from ..control.rank import RankLink
 from ..errors import (
@@ -44,13 +46,18 @@ from ..errors import (
     ReplicaMismatchError,
     ResilientSlurmError,
     RestoreUnavailableError,
+    TagsFileError,
 )
 from ..jobenv import JobEnv
 from ..paths import default_local_dir, default_run_id, node_name
 from ..storage.registry import open_durable
-from ..telemetry import EventLog
+from ..tags import check_tag_name, read_local_tags, sync_durable_tags
+from ..telemetry import EventLog, ExactFloat
+from . import provenance as provenance_mod
+from .compat import check_patterns
 from .coordination import Coordinator, Topology, discover_topology
 from .engine import Engine, PendingSave, SaveOutcome
+from .metrics import Divergence, MetricsLog, ResumeCheck, Values, check_metrics
 from .policy import Cadence, RetentionPolicy
 from .replication import ReplicaMismatch
 from .stragglers import StepClock, StragglerWatch, write_status
@@ -77,6 +84,7 @@ class Checkpointer:
         config_path: str | None = None,
         replicated: Sequence[str] = (),
         restore_fallback: str | None = None,
+        config: Any = None,
     ) -> None:
         """``replicated``: state keys your program keeps equal on every rank without DDP (an EMA of a DDP
         model, a frozen model, gradients averaged by your own all_reduce). Their copies are then not
@@ -84,7 +92,11 @@ class Checkpointer:
         equal at every save, which costs a hash of each copy.
 
         ``restore_fallback``: "fail" (default) or "fresh", what :meth:`restore` does when checkpoints
-        exist but none can be restored (docs/configuration.md)."""
+        exist but none can be restored (docs/configuration.md).
+
+        ``config``: your run's configuration (hyper-parameters, data paths...), JSON-serialisable and at
+        most 64 KiB as JSON; stored with its sha256 in every manifest's provenance, beside the code version
+        and the job's facts (``rslurm show``, ``rslurm diff``). Checked here: ConfigError when it is not JSON."""
         if isinstance(replicated, str) or not all(isinstance(k, str) for k in replicated):
             raise ConfigError(f"replicated must be a list of state keys, got {replicated!r}")
         args = dict(
@@ -100,8 +112,9 @@ class Checkpointer:
             io_threads=io_threads,
             restore_fallback=restore_fallback,
         )
-        cfg = config.load(args, config_path=config_path)
-        self.config: config.Settings = cfg
+        user_config = provenance_mod.check_user_config(config) if config is not None else None
+        cfg = settings_mod.load(args, config_path=config_path)
+        self.config: settings_mod.Settings = cfg
         self.run_id: str = cfg.run_id or default_run_id()
         if not _RUN_ID_RE.match(self.run_id):
             raise ConfigError(f"run_id {self.run_id!r}: use letters, digits, '.', '_' and '-' only")
@@ -128,6 +141,13 @@ class Checkpointer:
         except ResilientSlurmError as exc:
             template = exc
         self.topology: Topology = discover_topology(self._coord, template, node_name(cfg.node_name))
+        # Gathered once (git runs here, with a timeout), where it is used: domain leaders write manifests,
+        # rank 0 compares code versions at a restore.
+        self.provenance: dict[str, Any] | None = None
+        if self.topology.is_leader or self.topology.rank == 0:
+            self.provenance = provenance_mod.gather(
+                world_size=self.topology.world_size, nodes=self.topology.domain_of_rank, job=job,
+                user_config=user_config, has_config=config is not None)
         self._engine = Engine(
             self.topology,
             self._coord,
@@ -141,6 +161,7 @@ class Checkpointer:
             replica_check_bytes=cfg.replica_check_bytes,
             replicated=tuple(replicated),
             restore_fallback=cfg.restore_fallback,
+            provenance=self.provenance,
         )
         self.events = EventLog(
             self.topology.root, self.run_id, source="rank", node=self.topology.node,
@@ -154,9 +175,14 @@ class Checkpointer:
         under_launcher = (cfg.control_socket or "off").strip().lower() != "off"
         self._stacks = (register_stack_dump(os.path.join(self.topology.root, self.run_id), self.topology.rank)
                         if under_launcher else None)
+        # Per-step metrics (metrics.py): this rank's file, and the check of the steps a resume trains again.
+        self._metrics = MetricsLog(self._engine.run_dir, self.topology.rank, self.topology.world_size)
+        self._metrics_opened = False
+        self._resume_check: ResumeCheck | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-ckpt")
         self._inflight: Future[SaveOutcome] | None = None
         self._retention: Future[list[int]] | None = None
+        self._tags_copy: Future[None] | None = None  # rank 0: the tags' durable copy, after a tag()
         self._prepared: Future[Any] | None = None
         self._staging_planned = False  # the same on every rank: _prepare is collective
         self._emergency = threading.Event()
@@ -211,7 +237,8 @@ class Checkpointer:
         """Ask for an emergency save at the next step boundary (safe from signal handlers/threads)."""
         self._emergency.set()
 
-    def restore(self, state: MutableMapping[str, Any], *, rank_map: Callable[[int], int] | None = None) -> int:
+    def restore(self, state: MutableMapping[str, Any], *, rank_map: Callable[[int], int] | None = None,
+                allow_missing: Sequence[str] | None = None, allow_unexpected: Sequence[str] | None = None) -> int:
         """Restore ``state`` in place from the newest valid step; return that step (0 if none).
 
         State that differed between ranks was saved per rank and is restored to the rank that saved it.
@@ -221,12 +248,20 @@ class Checkpointer:
         0 means nothing was there to restore. When committed steps exist (or the durable tier cannot be
         listed) and none restores, every rank raises RestoreUnavailableError (storage failed: run again
         later; `rslurm launch` requeues) or CorruptCheckpointError (every step is corrupt), unless
-        ``restore_fallback="fresh"``: then 0 with a warning."""
+        ``restore_fallback="fresh"``: then 0 with a warning.
+
+        A step that does not fit ``state`` raises IncompatibleCheckpointError listing every missing,
+        unexpected and reshaped key, with nothing loaded. Intended changes: ``allow_missing`` (fnmatch
+        patterns of state keys, ``["model.head.*"]``: missing or reshaped, they keep their current value)
+        and ``allow_unexpected`` (saved keys not loaded); see docs/integration.md."""
+        missing_ok = check_patterns("allow_missing", allow_missing)
+        unexpected_ok = check_patterns("allow_unexpected", allow_unexpected)
         self._check_open()
         self._finish_inflight()
         self._finish_retention()
         try:
-            step = self._engine.restore(state, rank_map=rank_map)
+            step = self._engine.restore(state, rank_map=rank_map, allow_missing=missing_ok,
+                                        allow_unexpected=unexpected_ok)
         except (RestoreUnavailableError, CorruptCheckpointError) as exc:
             if self.topology.rank == 0:
                 last = self._engine.last_restore
@@ -235,6 +270,7 @@ class Checkpointer:
             raise
         self._steps_since_restore = 0
         self._report_restore()
+        self._start_resume_check(step)
         self.cadence.saved()
         if step:
             self._saved_step = step
@@ -247,13 +283,22 @@ class Checkpointer:
         self._hello_sent = True
         return step
 
-    def step(self, step: int, state: Mapping[str, Any]) -> None:
+    def step(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> None:
         """Call after each optimizer step with the number of steps completed.
 
         Saves asynchronously when the cadence says so, or synchronously (then sets
         :attr:`should_stop`) when an emergency save was requested on any rank.
+
+        ``metrics``: a few numbers this rank computed for this step (``{"loss": loss.item()}``), at most
+        32, recorded in the rank's metrics file. After a resume, the steps trained again are compared
+        with what was recorded for them before the stop (``resume_verified`` / ``resume_diverged``
+        events), and ``rslurm rehearse`` compares them with a run that never stopped
+        (docs/integration.md). A tensor of one element is read with ``.item()``, which on a CUDA tensor
+        waits for the GPU.
         """
         self._check_open()
+        values = check_metrics(step, metrics) if metrics is not None else None  # before any collective
+        self._record_metrics(step, values)
         if self._clock is not None:
             self._clock.entered(time.perf_counter())
             try:
@@ -411,6 +456,47 @@ class Checkpointer:
             self._finish_inflight()
             self._finish_retention()
 
+    def tag(self, step: int, name: str) -> None:
+        """Tag committed ``step`` as ``name`` (``"best"``, ``"v1.0"``): retention, the daemon's eviction and
+        ``rslurm gc`` never remove a tagged step, on any tier, until ``rslurm untag`` removes the tag. A
+        name tags one step: tagging another step with it moves it there (and the step it left is retained
+        as usual again), so ``ckpt.tag(step, "best")`` after each better evaluation keeps exactly the best.
+
+        Every rank calls it, like every method (one tiny collective). The step must be committed: tagging
+        the step whose save is in flight waits for that save's commit first (and raises its error); an
+        older step must still be in this run's local tier (``rslurm tag`` also tags steps that are only
+        durable). Each storage domain's leader writes its domain's tags file under the lock every deleter
+        holds, so once this returns no retention can remove the step; rank 0 then copies the tags to the
+        durable tier on its writer thread (best effort: the daemon copies them at its next pass
+        otherwise). Raises ConfigError (a bad name, a step not committed) or TagsFileError (the run's tags
+        file cannot be read) on every rank alike."""
+        self._check_open()
+        check_tag_name(name)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be an integer >= 0, got {step!r}")
+        if self._inflight is not None and self._saved_step == step:
+            self._finish_inflight()  # the step's own save must commit first
+        failure: tuple[str, str] | None = None
+        moved: int | None = None
+        if self.topology.is_leader:
+            try:
+                moved = self._engine.tag(step, name)
+            except (ResilientSlurmError, OSError) as exc:
+                kind = "tags" if isinstance(exc, TagsFileError) else "config" if isinstance(exc, ConfigError) else "other"
+                failure = (kind, f"domain {self.topology.domain}: {exc}")
+        failures = [f for f in self._coord.all_gather(failure) if f]  # every rank raises alike, or none
+        if failures:
+            kinds = {k for k, _ in failures}
+            cls = TagsFileError if "tags" in kinds else ConfigError if kinds == {"config"} else CheckpointError
+            raise cls("; ".join(dict.fromkeys(m for _, m in failures)))
+        if self.topology.is_leader:
+            self.events.emit("tagged", step=step, tag=name, moved_from=moved)
+        if self.rank == 0:
+            log.info("run %s: step %d tagged %r%s", self.run_id, step, name,
+                     f" (moved from step {moved})" if moved is not None else "")
+            if self._durable_tier is not None:
+                self._tags_copy = self._pool.submit(self._copy_tags_to_durable)
+
     def wait(self) -> SaveOutcome | None:
         """Wait until the save in flight (if any) is committed; raise its error if it failed.
 
@@ -429,10 +515,16 @@ class Checkpointer:
             self._closed = True
             self._finish_prepared()
             self._finish_retention()
+            fut, self._tags_copy = self._tags_copy, None
+            _settle(fut, "copying the tags to the durable tier")
             self._pool.shutdown(wait=True)
             self._link.close()
             unregister_stack_dump(self._stacks)
             self._stacks = None
+            if self._resume_check is not None and self._resume_check.compared:
+                self._report_verified(self._resume_check)  # stopped before every repeated step was trained
+            self._resume_check = None
+            self._metrics.close()
             self.events.close()
             if self._durable_tier is not None:
                 self._durable_tier.close()
@@ -468,6 +560,17 @@ class Checkpointer:
                          throughput_bytes_s=outcome.bytes_written / outcome.write_s if outcome.write_s > 0 else 0.0,
                          total_s=time.perf_counter() - t0)
         return outcome
+
+    def _copy_tags_to_durable(self) -> None:
+        """Writer thread (rank 0): merge this domain's tags file into the durable copy."""
+        assert self._durable_tier is not None
+        try:
+            local = read_local_tags(self.run_dir, self.run_id)
+            if local is not None:
+                sync_durable_tags(self._durable_tier, local)
+        except ResilientSlurmError as exc:
+            log.warning("could not copy the tags of run %s to %s: %s; the drain daemon copies them at its next "
+                        "pass", self.run_id, self._durable_tier.url, exc)
 
     def _retain(self) -> list[int]:
         """Writer thread (domain leader): local retention after a save. Its failure is logged here: the
@@ -506,9 +609,72 @@ class Checkpointer:
             return
         if r.step:
             self.events.emit("restore", step=r.step, tier=r.tier, seconds=r.seconds, bytes=r.bytes_read,
-                             fetched_bytes=r.fetched_bytes, skipped=list(r.skipped))
+                             fetched_bytes=r.fetched_bytes, skipped=list(r.skipped), adopted_bytes=r.adopted_bytes)
+            self._report_code_version(r.step, r.provenance)
         else:
             self.events.emit("restore_none", seconds=r.seconds, skipped=list(r.skipped))
+
+    def _report_code_version(self, step: int, saved: Mapping[str, Any] | None) -> None:
+        """Rank 0: a ``code_version_changed`` event and a warning when the restored step was written by
+        another git commit than the running program's (both known)."""
+        if self.topology.rank != 0:
+            return
+        before, now = provenance_mod.git_commit(saved), provenance_mod.git_commit(self.provenance)
+        if before is None or now is None or before == now:
+            return
+        self.events.emit("code_version_changed", step=step, saved_commit=before, commit=now)
+        log.warning("step %d was saved by code at git commit %s; this program runs %s. Resuming with changed "
+                    "code may change the results (`rslurm show %d` shows the step's provenance)",
+                    step, before[:12], now[:12], step)
+
+    def _start_resume_check(self, restored: int) -> None:
+        """After a restore: take the steps recorded after ``restored`` off this rank's metrics file; the
+        resumed run must record the same values for them (a run that stopped after its newest checkpoint:
+        a crash, a hang, a lost node)."""
+        self._metrics_opened = True
+        check = ResumeCheck(restored, self._metrics.resume(restored), self.topology.world_size,
+                            self.config.resume_tolerance)
+        self._resume_check = check if check.pending else None
+
+    def _record_metrics(self, step: int, values: Values | None) -> None:
+        if not self._metrics_opened and values is not None:
+            self._metrics_opened = True
+            self._metrics.resume(step - 1)  # no restore() in this program: its record starts over here
+        if values is not None:
+            self._metrics.record(step, values)
+        check = self._resume_check
+        if check is None:
+            return
+        found = check.observe(step, values or {})
+        if found is not None:
+            self._resume_check = None
+            self._report_divergence(check, found)
+        elif check.finished(step):
+            self._resume_check = None
+            if check.compared:
+                self._report_verified(check)
+
+    def _report_verified(self, check: ResumeCheck) -> None:
+        self.events.emit("resume_verified", restored_step=check.restored_step, first_step=check.compared[0],
+                         last_step=check.compared[-1], steps=len(check.compared), values=check.values)
+        log.info("rank %d: the resume from step %d is exact: steps %d-%d recorded the same metrics as before the "
+                 "stop", self.rank, check.restored_step, check.compared[0], check.compared[-1])
+
+    def _report_divergence(self, check: ResumeCheck, d: Divergence) -> None:
+        self.events.emit("resume_diverged", restored_step=check.restored_step, step=d.step, metric=d.metric,
+                         before=_exact(d.before), after=_exact(d.after), tolerance=check.tolerance)
+        first = d.step == check.restored_step + 1
+        log.warning(
+            "rank %d: the resumed run is not exact: step %d recorded %s=%r before the stop and %r after the resume "
+            "from step %d (resume_tolerance=%g). %s", self.rank, d.step, d.metric, d.before, d.after,
+            check.restored_step, check.tolerance,
+            "It differs at the first step after the resume: likely a batch fetched before ckpt.step() and lost "
+            "with the stop (a prefetching loop; docs/integration.md, Prefetching loops), or randomness from a "
+            "generator that is not in state, or a value kept outside state (a counter, per-rank data)."
+            if first else
+            "Earlier repeated steps agreed: likely a value kept outside state that matters only later, or "
+            "non-deterministic kernels (then set resume_tolerance). `rslurm rehearse` shows the first step "
+            "that differs from an uninterrupted run.")
 
     def _report_emergency(self, step: int, heard_here: bool, heard_socket: bool) -> None:
         """One ``emergency_requested`` per request and rank, saying how this rank heard of it."""
@@ -581,6 +747,11 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
+
+
+def _exact(v: float | int | None) -> float | int | None:
+    """A recorded metric for an event, every bit of it (events round other floats)."""
+    return ExactFloat(v) if isinstance(v, float) else v
 
 
 def _settle(fut: Future[Any] | None, what: str) -> None:

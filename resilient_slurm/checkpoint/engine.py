@@ -18,7 +18,8 @@ Call order for a save (every rank, same order):
    anywhere means no domain commits the step, and the error names the rank and the path.
 
 Retention (:meth:`Engine.apply_retention`, domain leader, on the writer thread after a save) deletes
-the steps the policy does not keep; :meth:`Engine.clean_stale` removes abandoned temp directories.
+the steps the policy does not keep, never a tagged one (the run directory's ``tags.json``; nothing
+while it cannot be read); :meth:`Engine.clean_stale` removes abandoned temp directories.
 
 Restore (:meth:`Engine.restore`, collective) is delegated to the engine's :class:`~.restore.Restorer`
 (restore.py), built here with the engine's collaborators; it lists committed steps through this
@@ -57,8 +58,9 @@ from ..errors import (
     ReplicaMismatchError,
     ResilientSlurmError,
     SaveError,
+    TagsFileError,
 )
-from ..layout import StepBusy, TempKind, delete_step, list_run_dir, temp_dirname
+from ..layout import StepBusy, StepTagged, TempKind, delete_step, list_run_dir, temp_dirname
 from ..manifest import (
     CHECKSUM_ALGORITHM,
     DCP_METADATA_NAME,
@@ -82,6 +84,7 @@ from ..storage.fileio import (
     write_file,
 )
 from ..storage.tier import StorageTier
+from ..tags import RunTags, local_tagged_steps, update_local_tags
 from . import state as state_mod
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY, DDPTracker
@@ -175,8 +178,10 @@ class Engine:
         replica_check_bytes: int = 32 << 20,
         replicated: tuple[str, ...] = (),
         restore_fallback: str = "fail",
+        provenance: Mapping[str, Any] | None = None,
     ) -> None:
         self.topo = topo
+        self.provenance = provenance  # written into every manifest (provenance.py); None: not recorded
         self.coord = coord
         self.run_id = run_id
         self.retention = retention
@@ -200,6 +205,7 @@ class Engine:
         self.replicas = ReplicaTracker(replica_check, replica_check_bytes)
         self.replicated = replicated  # state keys the program declares replicated
         self.ddp = DDPTracker()
+        self._tags_warned: str | None = None
         # Restore and the durable fetch share this engine's collaborators; a fetched step is committed
         # by the same rename as a save (looked up at each call, as the save path looks it up).
         self.fetcher = DurableFetcher(
@@ -533,6 +539,7 @@ class Engine:
             node=topo.domain,
             dcp_metadata=ChunkEntry(0, len(md_bytes), checksum(md_bytes)),
             extra={"replica_mismatch": [dataclasses.asdict(m) for m in found]} if found else {},
+            provenance=self.provenance,
         )
         atomic_write(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
         fsync_dir(tmp)
@@ -574,15 +581,26 @@ class Engine:
                 remove_tree_quietly(listing.temp_path(t))
 
     def apply_retention(self) -> list[int]:
-        """Delete steps the policy does not keep (never the newest, never one being read)."""
+        """Delete steps the policy does not keep (never the newest, never a tagged one, never one being
+        read; nothing while the run's tags file cannot be read)."""
         self.clean_stale(spare_current=True)
-        deleted = []
-        for s in self.retention.deletable(self.committed_steps()):
+        deleted: list[int] = []
+        try:
+            tagged = local_tagged_steps(self.run_dir, self.run_id)
+        except TagsFileError as exc:
+            self._tags_unreadable(exc)
+            return deleted
+        for s in self.retention.deletable(self.committed_steps(), protected=tagged):
             try:
                 if delete_step(self.run_dir, s, TempKind.GC, self.topo.nonce):
                     deleted.append(s)
             except StepBusy:
                 log.info("retention: step %d is being read; keeping it for now", s)
+            except StepTagged:
+                log.info("retention: step %d was tagged meanwhile; keeping it", s)
+            except TagsFileError as exc:
+                self._tags_unreadable(exc)
+                break
             except OSError as exc:
                 # Uncommitted but not all removed: an abandoned temp directory, removed by the next
                 # clean_stale. Not even uncommitted: kept, and tried again at the next save.
@@ -591,14 +609,45 @@ class Engine:
             log.info("retention removed steps %s from %s", deleted, self.run_dir)
         return deleted
 
+    def tag(self, step: int, name: str) -> int | None:
+        """Domain leader: tag ``step`` as ``name`` in this domain's tags file, checking under the tags lock
+        (which every deleter holds while it deletes) that the step is committed here. Returns the step
+        the name moved from (None: it was new, or already there). ConfigError when the step is not
+        committed here, TagsFileError when the tags file cannot be read."""
+        moved: list[int | None] = [None]
+
+        def change(cur: RunTags) -> RunTags:
+            committed = self.committed_steps()
+            if step not in committed:
+                raise ConfigError(f"cannot tag step {step} of run {self.run_id}: it is not committed in "
+                                  f"{self.run_dir} (committed there: {committed or 'none'}); `rslurm tag` tags "
+                                  "a step that is only in the durable tier")
+            moved[0] = cur.tags.get(name)
+            return cur.tagged(name, step)
+
+        try:
+            update_local_tags(self.run_dir, self.run_id, change)
+        except FileNotFoundError:
+            raise ConfigError(f"cannot tag step {step} of run {self.run_id}: nothing is committed in "
+                              f"{self.run_dir}") from None
+        return moved[0] if moved[0] != step else None
+
+    def _tags_unreadable(self, exc: TagsFileError) -> None:
+        """Warn once per message: retention deletes nothing while the tags file cannot be read."""
+        if str(exc) != self._tags_warned:
+            self._tags_warned = str(exc)
+            log.warning("retention in %s is off: %s", self.run_dir, exc)
+
     # ------------------------------------------------------------------ restore (restore.py, fetch.py)
-    def restore(self, state: MutableMapping[str, Any], rank_map: Callable[[int], int] | None = None) -> int:
+    def restore(self, state: MutableMapping[str, Any], rank_map: Callable[[int], int] | None = None, *,
+                allow_missing: tuple[str, ...] = (), allow_unexpected: tuple[str, ...] = ()) -> int:
         """Restore the newest step that every rank can read and verify; return it (0 if none).
 
         Collective (foreground group); :meth:`Restorer.restore <.restore.Restorer.restore>` does the work
         and says what raises. ``rank_map(rank)`` names the saved rank whose per-rank state and RNG state
-        this rank loads."""
-        return self.restorer.restore(state, rank_map)
+        this rank loads; ``allow_missing`` / ``allow_unexpected``: keys allowed to differ (compat.py)."""
+        return self.restorer.restore(state, rank_map, allow_missing=allow_missing,
+                                     allow_unexpected=allow_unexpected)
 
     @property
     def last_restore(self) -> RestoreOutcome | None:

@@ -13,7 +13,8 @@ from ..errors import ConfigError
 class RetentionPolicy:
     """Keep the newest ``keep_last`` committed steps plus every multiple of ``keep_every``.
 
-    The newest step is always kept, whatever the settings.
+    The newest step is always kept, whatever the settings, and so is every tagged step (``protected``
+    in :meth:`deletable`): tags keep steps beside what the policy keeps, they do not change it.
     """
 
     keep_last: int = 3
@@ -33,13 +34,16 @@ class RetentionPolicy:
             kept |= {s for s in ordered if s % self.keep_every == 0}
         return kept
 
-    def deletable(self, steps: Iterable[int], invalid: Iterable[int] = ()) -> list[int]:
+    def deletable(self, steps: Iterable[int], invalid: Iterable[int] = (),
+                  protected: Iterable[int] = ()) -> list[int]:
         """The steps that may be deleted, oldest first.
 
         ``invalid`` steps (committed, but a manifest or metadata that fails its checks) never count
         toward ``keep_last``, so a broken newest step can never push the only valid one out. They are
         deletable only when older than the newest valid step kept (nothing restorable is lost, and no
-        restore would choose them); newer ones stay for inspection (``rslurm verify``)."""
+        restore would choose them); newer ones stay for inspection (``rslurm verify``).
+
+        ``protected`` steps (tagged) are never deletable, valid or not."""
         bad = set(invalid)
         valid = sorted(set(steps) - bad)
         kept = self.keep(valid)
@@ -47,7 +51,8 @@ class RetentionPolicy:
         out = [s for s in valid if s not in kept]
         if newest is not None:
             out += [s for s in bad if s < newest]
-        return sorted(out)
+        spared = set(protected)
+        return sorted(s for s in out if s not in spared)
 
 
 #: The default cadence (no every_steps / every_seconds): bounds of its interval, the failure interval it

@@ -13,7 +13,8 @@ Call order of :meth:`Restorer.restore` (collective, foreground group, every rank
    ``rank_map``). Candidates are the steps committed in every domain and the durable steps, newest first.
 2. for each candidate: a domain that lacks it fetches its part (:meth:`DurableFetcher.fetch_round`,
    collective); every rank reads and verifies what it needs (:meth:`Restorer._try_read` ->
-   :meth:`Restorer._read_step`: manifest, ``.metadata``, the per-rank check, a DCP load plan against the
+   :meth:`Restorer._read_step`: manifest, ``.metadata``, the per-rank check, the compatibility check
+   (compat.py: every missing, unexpected and reshaped key in one error), a DCP load plan against the
    live state, the byte ranges it needs read into fresh buffers and checked item by item against the
    manifest's xxh3, plain values decoded with ``weights_only=True``) *before touching any live tensor*,
    under a shared lock on the step so retention cannot delete it; an all_gather of the verdicts follows.
@@ -32,9 +33,12 @@ event log; nothing here writes events.
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -60,8 +64,9 @@ from ..manifest import (
     split_per_rank_fqn,
     step_dirname,
 )
-from ..storage.fileio import aligned_buffer, as_memoryview, read_file_into, reading_step
+from ..storage.fileio import BLOCK, aligned_buffer, as_memoryview, read_spans, reading_step, round_up
 from . import state as state_mod
+from .compat import CompatReport, check_compat
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY, DDPTracker
 from .fetch import DurableFetcher
@@ -81,6 +86,9 @@ class RestoreOutcome:
     bytes_read: int  # bytes this rank read and verified
     fetched_bytes: int  # bytes this rank fetched from the durable tier (domain leaders only)
     skipped: tuple[int, ...] = ()  # steps tried and found unusable
+    provenance: Mapping[str, Any] | None = None  # the restored step's manifest provenance (provenance.py)
+    compat: CompatReport | None = None  # what the restore left out on purpose (allow_missing/allow_unexpected)
+    adopted_bytes: int = 0  # bytes that became live tensors' memory without a copy (_Loaded.apply)
 
 
 class LocalSteps(Protocol):
@@ -122,8 +130,13 @@ class Restorer:
         self._source_rank = topo.rank  # whose per-rank state this rank restores (rank_map)
         self._rank_mapped = False
         self.last_restore: RestoreOutcome | None = None
+        self.allow_missing: tuple[str, ...] = ()  # compat.py: fnmatch patterns of keys allowed to differ
+        self.allow_unexpected: tuple[str, ...] = ()
+        self._compat: CompatReport | None = None  # of the step last read on this rank
+        self._provenance: Mapping[str, Any] | None = None
 
-    def restore(self, state: MutableMapping[str, Any], rank_map: Callable[[int], int] | None = None) -> int:
+    def restore(self, state: MutableMapping[str, Any], rank_map: Callable[[int], int] | None = None, *,
+                allow_missing: tuple[str, ...] = (), allow_unexpected: tuple[str, ...] = ()) -> int:
         """Restore the newest step that every rank can read and verify; return it (0 if none).
 
         Collective (foreground group). Candidates are the steps committed in every domain's local tier
@@ -132,9 +145,11 @@ class Restorer:
         (verified, then committed there) and the ranks read again. Corrupt steps are skipped with a
         warning; an incompatible checkpoint (missing key, shape mismatch, newer schema, per-rank state
         saved at another world size without ``rank_map``) raises on every rank. ``rank_map(rank)`` names
-        the saved rank whose per-rank state and RNG state this rank loads.
+        the saved rank whose per-rank state and RNG state this rank loads. Every key that does not fit is
+        listed in one error (compat.py) unless ``allow_missing`` / ``allow_unexpected`` patterns allow it.
         """
         topo = self.topo
+        self.allow_missing, self.allow_unexpected = allow_missing, allow_unexpected
         tier = self.fetcher.tier
         self._source_rank = topo.rank
         self._rank_mapped = rank_map is not None
@@ -221,12 +236,17 @@ class Restorer:
                 loaded.apply()
                 state_mod.apply_loaded(state, loaded.target, rank=self._source_rank)
                 self.ddp.expect(state, loaded.target.get(DDP_KEY))
-                initialized = []
+                report = self._compat
+                # An optimizer that starts afresh (compat.py) gives back the state restore initialized.
+                initialized = [v for k, v in state.items() if report and k in report.fresh and v in initialized]
+                if report and topo.rank == 0:
+                    _log_compat(step, report)
                 log.info("restored step %d from %s%s", step, self.run_dir,
                          " (fetched from the durable tier)" if step not in common else "")
                 self.last_restore = RestoreOutcome(
                     step, "durable" if here is not None else "local", time.perf_counter() - t0, loaded.bytes_read,
-                    (here or 0) if topo.is_leader else 0, tuple(skipped))
+                    (here or 0) if topo.is_leader else 0, tuple(skipped), self._provenance, report,
+                    loaded.adopted_bytes)
                 return step
         finally:
             for opt in initialized:  # nothing restored: give back a pristine optimizer
@@ -301,12 +321,17 @@ class Restorer:
             raise CorruptCheckpointError(
                 f"{mpath}: says run {manifest.run_id!r} step {manifest.step}, expected {self.run_id!r} step {step}"
             )
+        self._provenance, self._compat = manifest.provenance, None
         md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
         self._check_per_rank(step, step_dir, manifest, md, state)
         target = state_mod.prepare_load_target(state, md, rank=self.topo.rank, capture_rng=self.capture_rng,
                                                source_rank=self._source_rank, extra_keys=(DDP_KEY,))
         planner = SafeLoadPlanner(self._source_rank)
         planner.set_up_planner(target, md, is_coordinator=self.topo.rank == 0)
+        # Every difference in one error, before anything is planned or read (compat.py).
+        self._compat = check_compat(planner, md, state, source_rank=self._source_rank,
+                                    allow_missing=self.allow_missing, allow_unexpected=self.allow_unexpected,
+                                    where=f"step {step} in {step_dir}")
         try:
             plan = planner.create_local_plan()
         except (RuntimeError, ValueError, KeyError) as exc:
@@ -327,7 +352,9 @@ class Restorer:
                     f"this node ({self.topo.domain}); it must come from another node or the durable tier"
                 )
             needed.setdefault(info.relative_path, []).append((ri, info))
-        buffers: dict[str, tuple[torch.Tensor, int]] = {}
+        owners = _Owners(state, planner)
+        where: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}  # item -> (buffer, offset of its bytes)
+        adopt: dict[tuple[str, int], torch.Tensor] = {}  # item -> the live tensor its buffer may become
         decoded: dict[tuple[str, int], Any] = {}
         for rel, reqs in needed.items():
             path = os.path.join(step_dir, rel)
@@ -340,16 +367,40 @@ class Restorer:
                 raise CorruptCheckpointError(
                     f"{path}: size {st.st_size} bytes, manifest says {entry.size} (truncated or overwritten)"
                 )
-            end = max(info.offset + info.length for _, info in reqs)
             for _, info in reqs:
                 c = chunk_sums.get((rel, info.offset))
                 if c is None or c.length != info.length:
                     raise CorruptCheckpointError(f"{path}: no checksum recorded for bytes {info.offset}+{info.length}")
-            buf = aligned_buffer(end, prefault=False)  # the read writes every page
-            mv = as_memoryview(buf)
-            sums = read_file_into(
-                path, mv, end, threads=self.io_threads, ranges=[(info.offset, info.length) for _, info in reqs]
-            )
+            # A large tensor that its owner can take over is read into a buffer of its own; the rest shares
+            # one buffer at the file's own offsets (pages it never reads cost nothing).
+            spans: list[tuple[int, memoryview]] = []
+            ranges: dict[int, tuple[int, int, int]] = {}  # item offset -> (span, offset in span, length)
+            shared: list[tuple[int, int]] = []
+            for ri, info in reqs:
+                live = owners.adoptable(planner, md, ri, info.length)
+                lo = info.offset // BLOCK * BLOCK
+                if live is None:
+                    shared.append((lo, round_up(info.offset + info.length)))
+                    continue
+                own = aligned_buffer(round_up(info.offset + info.length) - lo, prefault=False)
+                where[(rel, info.offset)] = (own, info.offset - lo)
+                adopt[(rel, info.offset)] = live
+                ranges[info.offset] = (len(spans), info.offset - lo, info.length)
+                spans.append((lo, as_memoryview(own)))
+            if shared:
+                regions = _merged(shared)
+                buf = aligned_buffer(regions[-1][1], prefault=False)  # pages it never reads cost nothing
+                mv = as_memoryview(buf)
+                first = len(spans)
+                spans.extend((a, mv[a:b]) for a, b in regions)
+                for _, info in reqs:
+                    if (rel, info.offset) in where:
+                        continue
+                    where[(rel, info.offset)] = (buf, info.offset)
+                    k = bisect.bisect_right(regions, (info.offset, 1 << 62)) - 1
+                    ranges[info.offset] = (first + k, info.offset - regions[k][0], info.length)
+            sums = read_spans(path, spans, entry.size, threads=self.io_threads,
+                              ranges=[ranges[info.offset] for _, info in reqs])
             for (ri, info), got in zip(reqs, sums):
                 if got != chunk_sums[(rel, info.offset)].checksum:
                     raise CorruptCheckpointError(
@@ -359,9 +410,10 @@ class Restorer:
                 if ri.type == LoadItemType.BYTE_IO:
                     # Decode plain values now, before anything live is touched: a value the safe loader
                     # refuses makes the step unusable; it must not half-restore the state.
+                    b, at = where[(rel, info.offset)]
                     try:
                         decoded[(rel, info.offset)] = torch.load(
-                            io.BytesIO(bytes(mv[info.offset : info.offset + info.length])),
+                            io.BytesIO(bytes(as_memoryview(b)[at : at + info.length])),
                             map_location="cpu",
                             weights_only=True,
                         )
@@ -370,44 +422,175 @@ class Restorer:
                         raise CorruptCheckpointError(
                             f"{path}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
                         ) from exc
-            buffers[rel] = (buf, end)
         read = sum(info.length for reqs in needed.values() for _, info in reqs)
-        return _Loaded(planner=planner, target=target, md=md, needed=needed, buffers=buffers, decoded=decoded,
-                       bytes_read=read)
+        return _Loaded(planner=planner, target=target, md=md, needed=needed, where=where, adopt=adopt,
+                       decoded=decoded, bytes_read=read)
 
 
+
+
+def _log_compat(step: int, report: CompatReport) -> None:
+    """Rank 0: what a compatible restore left out on purpose, and the dtypes it converted."""
+    def shown(keys: tuple[str, ...]) -> str:
+        return ", ".join(keys[:20]) + (f" and {len(keys) - 20} more" if len(keys) > 20 else "")
+
+    if report.kept:
+        log.warning("step %d: kept the state's current values for %s (allow_missing)", step, shown(report.kept))
+    if report.ignored:
+        log.warning("step %d: did not load %s (allow_unexpected)", step, shown(report.ignored))
+    for top in report.fresh:
+        log.warning("step %d: optimizer %r starts afresh: its parameters changed (allow_missing)", step, top)
+    if report.converted:
+        log.info("step %d: converted %s to the state's dtype", step, shown(report.converted))
+
+
+ADOPT_MIN_BYTES = 1 << 20  # smaller tensors are copied: a buffer of their own would cost more than the copy
+
+
+def _release(storages: list[torch.UntypedStorage]) -> None:
+    """Drop the references one by one (the interpreter may switch threads between two frees)."""
+    while storages:
+        storages.pop()
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping cover of ``[a, b)`` spans (touching ones joined)."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be given new memory without anyone noticing: a plain CPU tensor that is not a view,
+    covers the whole of its storage, and is neither shared with other processes nor pinned."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu" or t.layout != torch.strided:
+        return False
+    if t._is_view() or not t.is_contiguous() or t.storage_offset() != 0 or (t.requires_grad and not t.is_leaf):
+        return False
+    try:
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            return False
+        return not (t.is_shared() or t.is_pinned())
+    except RuntimeError:  # no storage of its own
+        return False
+
+
+def _storage_ptr(t: Any) -> int | None:
+    """Address of a plain CPU tensor's storage; None for anything else (a DTensor or other wrapper has no
+    storage of its own, FSDP2 frees an unsharded parameter's)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu":
+        return None
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except RuntimeError:
+        return None
+
+
+class _Owners:
+    """Which live tensor owns the memory of each tensor in a load target (zero-copy restore).
+
+    A module's ``state_dict()`` holds detached aliases of its parameters and buffers, so an alias is traced
+    back to the parameter or buffer that owns its storage; other target tensors (optimizer moments, tensors
+    in ``state``) are the live ones, or copies that their owner's ``load_state_dict`` reads. A storage that
+    two target tensors point into (tied weights), or that two live tensors share, is never taken over.
+    """
+
+    def __init__(self, state: Mapping[str, Any], planner: SafeLoadPlanner) -> None:
+        self.live: dict[int, torch.Tensor | None] = {}
+        for v in state.values():
+            if isinstance(v, torch.nn.Module):
+                for t in itertools.chain(v.parameters(), v.buffers()):
+                    ptr = _storage_ptr(t)
+                    if ptr and self.live.setdefault(ptr, t) is not t:
+                        self.live[ptr] = None
+        self.claims: dict[int, set[int]] = {}
+        for t in getattr(planner, "state_dict", {}).values():
+            ptr = _storage_ptr(t)
+            if ptr:
+                self.claims.setdefault(ptr, set()).add(id(t))
+
+    def adoptable(self, planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int) -> torch.Tensor | None:
+        """The live tensor whose memory the bytes of read item ``ri`` may become, or None (copy them)."""
+        if ri.type != LoadItemType.TENSOR or length < ADOPT_MIN_BYTES:
+            return None
+        tmd = md.state_dict_metadata.get(ri.storage_index.fqn)
+        if not isinstance(tmd, TensorStorageMetadata):
+            return None
+        sizes = next((tuple(c.sizes) for c in tmd.chunks if tuple(c.offsets) == tuple(ri.storage_index.offset)), None)
+        if sizes is None or tuple(ri.lengths) != sizes or any(ri.storage_offsets) or any(ri.dest_offsets):
+            return None  # only a stored chunk that is the whole destination tensor
+        dest = planner.resolve_tensor(ri)
+        if tuple(dest.shape) != sizes or dest.dtype != tmd.properties.dtype or not _sole_owner(dest):
+            return None
+        ptr = _storage_ptr(dest)
+        if not ptr or len(self.claims.get(ptr, ())) != 1:
+            return None
+        live = self.live.get(ptr, dest)
+        if live is None or (live is not dest and not (_sole_owner(live) and live.shape == dest.shape
+                                                       and live.dtype == dest.dtype)):
+            return None
+        # Nothing else may hold this memory: a view the program keeps, a flat parameter whose pieces the
+        # parameters are, a compiled graph's alias. Each holds a reference to the storage; the tensors
+        # known here hold one each, and the temporary storage object asked about holds one more.
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is None or use_count(dest.untyped_storage()._cdata) != 2 + (live is not dest):
+            return None
+        return live
 
 
 @dataclass
 class _Loaded:
-    """Verified bytes of one step, ready to be copied into the live state."""
+    """Verified bytes of one step, ready to go into the live state."""
 
     planner: SafeLoadPlanner
     target: dict[str, Any]
     md: Metadata
     needed: dict[str, list[Any]]
-    buffers: dict[str, tuple[torch.Tensor, int]]
+    where: dict[tuple[str, int], tuple[torch.Tensor, int]]  # item -> (buffer, offset of its bytes in it)
+    adopt: dict[tuple[str, int], torch.Tensor]  # item -> live tensor whose memory its own buffer becomes
     decoded: dict[tuple[str, int], Any] = field(default_factory=dict)
     bytes_read: int = 0
+    adopted_bytes: int = 0  # bytes that became live memory without a copy
 
     def apply(self) -> None:
+        """Put every verified item into the live state. A large tensor read into a buffer of its own takes
+        that buffer as its memory (``.data``: the same tensor object, new storage; no copy); the rest is
+        copied in place. Called only after every rank verified everything it read.
+
+        The memory a tensor gave up is freed on a background thread, one tensor at a time: unmapping
+        1 GiB of 4 KiB pages costs about 0.1 s, which the restore need not wait for."""
+        given_up: list[torch.UntypedStorage] = []
         for rel, reqs in self.needed.items():
-            buf, _ = self.buffers[rel]
             for ri, info in reqs:
-                blob = buf[info.offset : info.offset + info.length]
+                buf, at = self.where[(rel, info.offset)]
                 if ri.type == LoadItemType.BYTE_IO:
                     self.planner.set_value(ri, self.decoded[(rel, info.offset)])
                     continue
-                stored = self._stored_tensor(ri, blob)
+                stored = self._stored_tensor(ri, buf[at : at + info.length])
                 part = narrow_tensor_by_index(stored, ri.storage_offsets, ri.lengths)
-                dest = self.planner.resolve_tensor(ri).detach()
+                dest = self.planner.resolve_tensor(ri)
                 if dest.size() != part.size():
                     raise IncompatibleCheckpointError(
                         f"{ri.dest_index.fqn}: checkpoint has size {tuple(part.size())}, state has {tuple(dest.size())}"
                     )
+                live = self.adopt.get((rel, info.offset))
                 with torch.no_grad():
-                    dest.copy_(part)
+                    if (live is not None and part.dtype == dest.dtype
+                            and part.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()):
+                        given_up.append(live.untyped_storage())
+                        live.data = part
+                        if dest is not live:
+                            dest.data = part  # the alias a module's load_state_dict may still read
+                        self.adopted_bytes += part.numel() * part.element_size()
+                    else:
+                        dest.detach().copy_(part)
                 self.planner.commit_tensor(ri, dest)
+        if given_up:
+            threading.Thread(target=_release, args=(given_up,), name="rslurm-release", daemon=True).start()
 
     def _stored_tensor(self, ri: Any, blob: torch.Tensor) -> torch.Tensor:
         tmd = self.md.state_dict_metadata[ri.storage_index.fqn]

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..errors import ConfigError, IncompatibleCheckpointError
+from ..errors import ConfigError
 from ..manifest import per_rank_path, split_per_rank_fqn
 from . import rng
 
@@ -81,8 +81,11 @@ def prepare_load_target(
     sd = build_state_dict(state, rank=rank, capture_rng=False)
     for k, v in state.items():
         if not _stateful(v) and not isinstance(v, torch.Tensor):
-            # Plain values are replaced wholesale: shape the target like what was saved.
-            sd[k] = _plain_target(k, metadata, src)
+            # Plain values are replaced wholesale: shape the target like what was saved. One that was not
+            # saved keeps its live value here; the compatibility check (compat.py) reports it as missing.
+            shaped = _plain_target(k, metadata, src)
+            if shaped is not _NOT_SAVED:
+                sd[k] = shaped
     for k in extra_keys:
         if k in metadata.state_dict_metadata:
             sd[k] = None
@@ -100,8 +103,12 @@ def prepare_load_target(
     return sd
 
 
+_NOT_SAVED = object()
+
+
 def _plain_target(key: str, md: Metadata, src: int) -> Any:
-    """A target shaped like plain value ``key`` as saved: shared entries, or rank ``src``'s own copies."""
+    """A target shaped like plain value ``key`` as saved: shared entries, or rank ``src``'s own copies;
+    ``_NOT_SAVED`` when the checkpoint does not hold ``key``."""
     paths: dict[tuple[Any, ...], str] = {}
     for fqn, path in (md.planner_data or {}).items():
         if not path:
@@ -110,9 +117,7 @@ def _plain_target(key: str, md: Metadata, src: int) -> Any:
         if path[0] == key or tuple(path[: len(own)]) == own:
             paths[tuple(path) if path[0] == key else tuple(path[len(own) - 1:])] = fqn
     if not paths:
-        raise IncompatibleCheckpointError(
-            f"state key {key!r} is not in the checkpoint; remove it from state, or start the run afresh"
-        )
+        return _NOT_SAVED
     root: dict[str, Any] = {}
     for path, fqn in sorted(paths.items(), key=lambda kv: [str(p) for p in kv[0]]):
         smd = md.state_dict_metadata.get(fqn)

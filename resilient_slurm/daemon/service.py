@@ -6,12 +6,15 @@ gets :class:`DaemonRunningError`), starts a watchdog observer on the local root 
 loop; a rescan every ``poll_interval`` seconds is the fallback when inotify is unavailable), removes
 what an earlier daemon killed mid-transfer left behind, then loops:
 
-1. scan the local root for committed steps; decide each one's state against the durable tier;
+1. scan the local root for committed steps; decide each one's state against the durable tier; merge
+   each run's tags file with its durable copy and write back whichever differs (:mod:`~resilient_slurm.tags`);
 2. drain the most urgent pending step (:func:`~.drain.drain_order`: emergency first, then newest),
-   yielding between shard files when a more urgent step appears or a stop is requested;
-3. apply retention on the durable tier (per ``keep_last``/``keep_every``; never the newest durable step);
+   yielding between shard files when a more urgent step appears or a stop is requested; a tagged step
+   is drained even when retention would not keep it;
+3. apply retention on the durable tier (per ``keep_last``/``keep_every``; never the newest durable step,
+   never a tagged one, nothing of a run whose tags cannot be read);
 4. keep the local tier above ``local_min_free``: evict durable steps first, oldest first; then older
-   non-durable ones, never the newest step that is not yet durable;
+   non-durable ones, never the newest step that is not yet durable, never a tagged one;
 5. write the status file (``<local root>/.rslurm/daemon.json``) that ``rslurm status`` reads and, with
    ``metrics_textfile`` set, the Prometheus textfile (also after every transfer, and at most every second
    while one runs); report each run's drain lag to its event log when it changes (or every minute while
@@ -42,12 +45,21 @@ from types import FrameType
 from typing import Any
 
 from ..checkpoint.policy import RetentionPolicy
-from ..errors import ConfigError, CorruptCheckpointError, ResilientSlurmError, StorageError
-from ..layout import StepBusy, TempKind, delete_durable_step, delete_step
+from ..errors import ConfigError, CorruptCheckpointError, ResilientSlurmError, StorageError, TagsFileError
+from ..layout import StepBusy, StepTagged, TempKind, delete_durable_step, delete_step
 from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname
 from ..paths import open_state_file
 from ..storage.fileio import atomic_write
 from ..storage.tier import StorageTier
+from ..tags import (
+    RunTags,
+    empty,
+    merge,
+    read_durable_tags,
+    read_local_tags,
+    update_local_tags,
+    write_durable_tags,
+)
 from ..telemetry import DaemonMetrics, EventLog, RunGauges, check_metrics_path, write_metrics_textfile
 from .drain import DrainResult, LocalStep, StepDrainer, drain_lag, drain_order, durable_steps, scan_local
 
@@ -153,6 +165,9 @@ class Daemon:
         self._last_status_write = 0.0
         self._failures: dict[tuple[str, int, float], int] = {}
         self._invalid_paths: set[str] = set()  # committed-looking steps whose manifest is unreadable
+        self._tags: dict[str, RunTags] = {}  # run -> both copies merged; absent: unknown (nothing deleted durably)
+        self._local_tags: dict[str, RunTags] = {}  # run -> this node's copy; absent: unreadable (nothing evicted)
+        self._tags_problems: dict[str, str] = {}  # run -> the last problem logged (once per change)
         self.drained: list[DrainResult] = []
         self.started_at = clock()
         if isinstance(metrics_textfile, _FromSettings):
@@ -288,6 +303,7 @@ class Daemon:
                 self._durable[run] = durable_steps(self.tier, run)
             except StorageError as exc:
                 log.warning("cannot list the durable tier for run %s: %s", run, exc)
+            self._sync_tags(run)
         pending = []
         for s in steps:
             st = self._step_status(s)
@@ -345,9 +361,51 @@ class Daemon:
         return st
 
     def _worth_draining(self, s: LocalStep) -> bool:
-        """Drain only steps that retention would keep in the durable tier next to what is there."""
+        """Drain only steps that retention would keep in the durable tier next to what is there, and
+        tagged steps."""
         durable = set(self._durable.get(s.run_id, ()))
-        return s.step in self.retention.keep(durable | {s.step})
+        return s.step in self.retention.keep(durable | {s.step}) or s.step in self._tagged(s.run_id)
+
+    def _tagged(self, run: str) -> frozenset[int]:
+        """The run's tagged steps as far as known (both copies, else this node's)."""
+        t = self._tags.get(run) or self._local_tags.get(run)
+        return t.steps if t is not None else frozenset()
+
+    def _sync_tags(self, run: str) -> None:
+        """Merge this node's tags file of ``run`` with the durable copy, write back whichever differs from
+        the merge, and remember it for the drain choice, retention and eviction. A copy that cannot be
+        read (TagsFileError) leaves the run's tags unknown: neither durable retention nor eviction touch
+        the run. A durable tier that cannot be reached stops durable retention only (eviction goes on
+        with this node's copy). Nothing is overwritten that could not be read."""
+        run_dir = os.path.join(self.root, run)
+        self._tags.pop(run, None)
+        self._local_tags.pop(run, None)
+        problem: str | None = None
+        level = logging.ERROR  # a copy that cannot be read needs a person; a store that failed does not
+        try:
+            local = read_local_tags(run_dir, run)
+            self._local_tags[run] = local or empty(run)
+            durable = read_durable_tags(self.tier, run)
+            merged = merge(run, [local, durable])
+            if merged.records and (local is None or local.records != merged.records) and os.path.isdir(run_dir):
+                merged = update_local_tags(run_dir, run, merged.merged)  # re-read under the lock, merged again
+                self._local_tags[run] = merged
+                log.info("run %s: tags from %s written to %s", run, self.tier.url, run_dir)
+            self._tags[run] = merged
+            if merged.records and (durable is None or durable.records != merged.records):
+                write_durable_tags(self.tier, merged)
+                log.info("run %s: tags from %s written to %s", run, run_dir, self.tier.url)
+        except TagsFileError as exc:
+            problem = str(exc)
+            self._local_tags.pop(run, None)  # either copy unreadable: nothing of the run is evicted either
+        except (ResilientSlurmError, OSError) as exc:
+            problem, level = f"run {run}: cannot bring its tags files in step ({exc}); retried at the next pass", \
+                logging.WARNING
+        if problem is None:
+            self._tags_problems.pop(run, None)
+        elif self._tags_problems.get(run) != problem:
+            self._tags_problems[run] = problem
+            log.log(level, "%s", problem)
 
     def _invalid(self, path: str, reason: str) -> None:
         if path not in self._invalid_paths:
@@ -482,12 +540,21 @@ class Daemon:
                 log.warning("cannot clean incomplete uploads of run %s: %s", run, exc)
 
     def _apply_durable_retention(self, run: str) -> None:
+        tags = self._tags.get(run)
+        if tags is None:
+            return  # which steps are tagged is unknown (_sync_tags logged why): delete nothing
         steps = self._durable.get(run, [])
         deleted = []
-        for s in self.retention.deletable(steps):
+        for s in self.retention.deletable(steps, protected=tags.steps):
             try:
                 delete_durable_step(self.tier, run, s)
                 log.info("retention: removed run %s step %d from %s", run, s, self.tier.url)
+            except StepTagged:
+                log.info("retention: run %s step %d was tagged meanwhile; keeping it", run, s)
+                continue
+            except TagsFileError as exc:
+                log.error("retention on %s: %s", self.tier.url, exc)
+                break
             except StorageError as exc:
                 log.warning("retention on %s: cannot remove run %s step %d: %s", self.tier.url, run, s, exc)
                 continue
@@ -513,11 +580,16 @@ class Daemon:
         second: list[LocalStep] = []  # durable, the run's newest
         third: list[LocalStep] = []  # not durable, but not the newest non-durable step of its run
         for run, ss in by_run.items():
+            if run not in self._local_tags:
+                continue  # this node's tags file cannot be read: which steps are tagged is unknown
+            tagged = self._tagged(run)
             durable = set(self._durable.get(run, ()))
             newest = max(s.step for s in ss)
             non_durable = [s for s in ss if s.step not in durable]
             newest_nd = max((s.step for s in non_durable), default=None)
             for s in ss:
+                if s.step in tagged:
+                    continue
                 if s.step in durable:
                     (second if s.step == newest else first).append(s)
                 elif s.step != newest_nd:
@@ -530,7 +602,8 @@ class Daemon:
                     free = os.statvfs(self.root).f_bavail * st.f_frsize
         if free < need:
             log.warning("local tier %s: %.1f GiB free, below local_min_free=%s, and nothing more can be evicted "
-                        "(the newest step that is not yet durable is kept)", self.root, free / 2**30, self.min_free)
+                        "(the newest step that is not yet durable is kept, and so are tagged steps)", self.root,
+                        free / 2**30, self.min_free)
 
     def _evict(self, s: LocalStep) -> bool:
         try:
@@ -538,6 +611,11 @@ class Daemon:
                 return False
         except StepBusy:
             return False  # being read (restore, drain): keep it for now
+        except StepTagged:
+            return False  # tagged since this pass read the tags
+        except TagsFileError as exc:
+            log.error("eviction of %s: %s", s.path, exc)
+            return False
         except OSError as exc:
             # Uncommitted but not all removed: the tree is an abandoned temp directory that retention
             # and `rslurm gc` remove; or not even uncommitted, and then not evicted.
