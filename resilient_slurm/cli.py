@@ -333,7 +333,8 @@ def cmd_show(args: argparse.Namespace) -> int:
                       for s in doc["shards"]], right=("RANK", "SIZE", "ITEMS")))
     con.print(_table(["KEY", "ITEMS", "TENSORS", "VALUES", "TENSOR BYTES", "DTYPES", "PER RANK"],
                      [[k["key"], k["items"], k["tensors"], k["values"], _size(k["tensor_bytes"]),
-                       ", ".join(k["dtypes"]) or "-", _ranks(k["per_rank"])] for k in doc["keys"]],
+                       ", ".join(k["dtypes"]) or ("empty " + k["empty"] if k.get("empty") else "-"),
+                       _ranks(k["per_rank"])] for k in doc["keys"]],
                      right=("ITEMS", "TENSORS", "VALUES", "TENSOR BYTES")))
     if doc["ddp_bucket_layout"]:
         line("  DDP gradient bucket layout: recorded (re-applied at the resume)")

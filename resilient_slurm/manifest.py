@@ -269,6 +269,18 @@ def _short(v: Any, n: int = 120) -> str:
     return r if len(r) <= n else r[:n] + f"... ({len(r)} characters)"
 
 
+EMPTY_KEYS = "empty_keys"  # extra: top-level state keys saved with an empty value -> "dict" | "list"
+
+
+def empty_keys(m: Manifest) -> dict[str, str]:
+    """The top-level state keys a step saved as an empty dict or list (``extra["empty_keys"]``); anything
+    malformed there is ignored (the step's items do not depend on it)."""
+    v = m.extra.get(EMPTY_KEYS)
+    if not isinstance(v, dict):
+        return {}
+    return {k: t for k, t in v.items() if isinstance(k, str) and len(k) <= 256 and t in ("dict", "list")}
+
+
 def _extra(d: Mapping[str, Any], source: str) -> dict[str, Any]:
     v = d.get("extra", {})
     if not isinstance(v, dict):

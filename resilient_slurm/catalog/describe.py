@@ -18,7 +18,7 @@ import shlex
 from typing import Any
 
 from ..checkpoint.state import DDP_KEY, RNG_KEY
-from ..manifest import PER_RANK_PREFIX
+from ..manifest import PER_RANK_PREFIX, empty_keys
 from ..storage.fileio import checksum
 from .source import StepSource
 
@@ -105,6 +105,9 @@ def describe(src: StepSource) -> dict[str, Any]:
         elif isinstance(smd, BytesStorageMetadata):
             k["values"] += 1
         children.setdefault(path[:-1], set()).add(str(path[-1]))
+    for top, saved_as in empty_keys(m).items():  # saved as {} or [] (a disabled GradScaler): no items, still a key
+        keys.setdefault(top, {"key": top, "items": 0, "tensors": 0, "values": 0, "tensor_bytes": 0,
+                              "dtypes": set(), "per_rank": set(), "empty": saved_as})
     positions = []
     notes = []
     for parent, names in sorted(children.items(), key=lambda kv: [str(p) for p in kv[0]]):

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError, StorageError
-from ..manifest import DCP_METADATA_NAME, MANIFEST_NAME, PER_RANK_PREFIX
+from ..manifest import DCP_METADATA_NAME, MANIFEST_NAME, PER_RANK_PREFIX, empty_keys
 from ..storage.fileio import atomic_write, fsync_dir
 from .source import StepSource
 
@@ -240,7 +240,8 @@ def _assemble(src: StepSource, out: str, fmt: str, keys: Sequence[str] | None,
     def key_of(p: tuple[Any, ...]) -> str:  # a rank's own copy counts under its key
         return str(p[2]) if str(p[0]) == PER_RANK_PREFIX and len(p) > 2 else str(p[0])
 
-    tops = sorted({key_of(p) for p in paths.values()})
+    empty = empty_keys(src.manifest)  # saved as {} or []: no items, kept all the same
+    tops = sorted({key_of(p) for p in paths.values()} | set(empty))
     if keys:
         unknown = sorted(set(keys) - set(tops))
         if unknown:
@@ -301,6 +302,9 @@ def _assemble(src: StepSource, out: str, fmt: str, keys: Sequence[str] | None,
     sd: dict[str, Any] = {}
     for fqn, path_ in sorted(paths.items(), key=lambda kv: [str(p) for p in kv[1]]):
         set_element(sd, path_, values[fqn])
+    for k, kind in sorted(empty.items()):
+        if k not in sd and (not keys or k in keys):
+            sd[k] = {} if kind == "dict" else []
     for v in sd.values():
         _optimizer_keys(v)
     return sd, res

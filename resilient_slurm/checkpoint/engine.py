@@ -64,6 +64,7 @@ from ..layout import StepBusy, StepTagged, TempKind, delete_step, list_run_dir, 
 from ..manifest import (
     CHECKSUM_ALGORITHM,
     DCP_METADATA_NAME,
+    EMPTY_KEYS,
     MANIFEST_NAME,
     ChunkEntry,
     Manifest,
@@ -132,6 +133,7 @@ class PendingSave:
     stall_s: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
     mismatches: tuple[ReplicaMismatch, ...] = ()  # replicas found unequal while staging
+    empty: dict[str, str] = field(default_factory=dict)  # top-level keys whose state is empty (no items)
 
     @property
     def tensor_bytes(self) -> int:
@@ -312,7 +314,8 @@ class Engine:
                                for it in mine_items if split_per_rank_fqn(it.index.fqn) is not None}
             self._global_key = key
         assert self._cached_layout is not None
-        return _Plan(planner, self._cached_global, self._cached_layout, mismatches, timing)
+        return _Plan(planner, self._cached_global, self._cached_layout, mismatches, timing,
+                     state_mod.empty_state_keys(sd, planner))
 
     def _report_unproven(self, table: ItemTable) -> None:
         """Say once per plan what replication proofs cost: large shared state hashed at every save."""
@@ -369,6 +372,7 @@ class Engine:
             stall_s=t1 - t0,
             stats={"plan_s": t_plan - t0, "copy_s": t1 - t_plan, **pl.timing},
             mismatches=pl.mismatches,
+            empty=pl.empty,
         )
 
     # ------------------------------------------------------------------ save, background
@@ -538,7 +542,8 @@ class Engine:
             nodes={d: tuple(rs) for d, rs in nodes.items()},
             node=topo.domain,
             dcp_metadata=ChunkEntry(0, len(md_bytes), checksum(md_bytes)),
-            extra={"replica_mismatch": [dataclasses.asdict(m) for m in found]} if found else {},
+            extra={**({"replica_mismatch": [dataclasses.asdict(m) for m in found]} if found else {}),
+                   **({EMPTY_KEYS: p.empty} if p.empty else {})},
             provenance=self.provenance,
         )
         atomic_write(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
@@ -665,6 +670,7 @@ class _Plan:
     layout: ShardLayout
     mismatches: tuple[ReplicaMismatch, ...]
     timing: dict[str, float]  # digest_s (hashing) and reduce_s (the all_reduce) of the replication proofs
+    empty: dict[str, str] = field(default_factory=dict)  # state.empty_state_keys: manifest extra
 
 
 def _is_dtensor(v: Any) -> bool:

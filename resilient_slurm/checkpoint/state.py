@@ -149,6 +149,15 @@ def apply_loaded(state: MutableMapping[str, Any], loaded: Mapping[str, Any], *, 
         rng.restore_rng_state(r)
 
 
+def empty_state_keys(sd: Mapping[str, Any], planner: Any) -> dict[str, str]:
+    """Top-level keys of a state_dict whose value is an empty dict or list (a disabled GradScaler's
+    ``{}``) and for which the save ``planner`` (set up on ``sd``) has no item: the manifest names them
+    (``EMPTY_KEYS``) for ``rslurm show`` and ``rslurm export`` to keep them. Values: "dict" or "list"."""
+    stored = {str(path[0]) for path in getattr(planner, "mappings", {}).values() if path}
+    return {k: "dict" if isinstance(v, Mapping) else "list" for k, v in sd.items()
+            if isinstance(k, str) and isinstance(v, (Mapping, list, tuple)) and not v and k not in stored}
+
+
 def _all_tensors(d: Any) -> bool:
     if isinstance(d, Mapping):
         return all(_all_tensors(x) for x in d.values())
