@@ -22,6 +22,8 @@ import argparse
 import logging
 import os
 import random
+import sys
+import traceback
 from typing import Any
 
 import numpy as np
@@ -125,4 +127,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        # A restore refused on every rank: report it and exit 1 here. Left to interpreter teardown, gloo's
+        # threads sometimes abort the process instead ("terminate called without an active exception").
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
