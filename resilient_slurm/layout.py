@@ -41,6 +41,7 @@ import stat
 from dataclasses import dataclass, field
 
 from . import failpoints
+from .flocks import close_locked_fd, flock_within, open_locked_fd
 from .manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname, step_dirname, tmp_dirname
 from .storage.fileio import fsync_dir, remove_tree
 from .storage.tier import StorageTier
@@ -170,7 +171,18 @@ def list_runs(root: str) -> list[str]:
 
 
 class StepBusy(Exception):  # noqa: N818 -- an expected outcome, not an error
-    """:func:`delete_step` found the step locked by a reader (a restore or a drain holds it)."""
+    """:func:`delete_step` found the step locked by a reader (a restore or a drain holds it), or could not
+    have its run's tags lock within :data:`TAGS_LOCK_WAIT_S`. ``args``: the step's path, and why."""
+
+    @property
+    def why(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else "a reader holds it (a restore or a drain)"
+
+
+# How long a deletion waits for its run's tags lock (held by a tag being written or another deletion,
+# each a few milliseconds) before it gives up and keeps the step for now: retention runs on the
+# checkpoint writer thread, and a step must never wait on a lock for longer than that.
+TAGS_LOCK_WAIT_S = 10.0
 
 
 class StepTagged(Exception):  # noqa: N818 -- an expected outcome, not an error
@@ -180,7 +192,8 @@ class StepTagged(Exception):  # noqa: N818 -- an expected outcome, not an error
 def delete_step(run_dir: str, step: int, kind: TempKind, tag: str | None = None) -> bool:
     """Delete the committed ``step`` of ``run_dir``: the one deletion protocol of the local tier.
 
-    1. tags: under the run's tags lock (held until the uncommit), a step the run's local tags file tags is
+    1. tags: under the run's tags lock (held until the uncommit; waited for at most
+       :data:`TAGS_LOCK_WAIT_S`, else :class:`StepBusy`), a step the run's local tags file tags is
        refused (:class:`StepTagged`), and so is every step while that file cannot be read
        (:class:`~resilient_slurm.errors.TagsFileError`);
     2. lock: a non-blocking exclusive ``flock`` on its manifest (readers hold a shared one), else
@@ -199,7 +212,9 @@ def delete_step(run_dir: str, step: int, kind: TempKind, tag: str | None = None)
         return False
     if not stat.S_ISDIR(st.st_mode):
         raise OSError(errno.ELOOP, "not a directory made by rslurm (a symbolic link or a file); not deleted", path)
-    with tags_lock(run_dir):
+    with tags_lock(run_dir, timeout=TAGS_LOCK_WAIT_S) as held:
+        if not held:
+            raise StepBusy(path, f"its run's tags lock was held for more than {TAGS_LOCK_WAIT_S:.0f} s")
         if step in local_tagged_steps(run_dir, os.path.basename(os.path.normpath(run_dir))):
             raise StepTagged(path)
         gone = _uncommit(run_dir, path, step, kind, tag)
@@ -212,9 +227,10 @@ def delete_step(run_dir: str, step: int, kind: TempKind, tag: str | None = None)
 
 def _uncommit(run_dir: str, path: str, step: int, kind: TempKind, tag: str | None) -> str | None:
     """Steps 2 and 3 of :func:`delete_step`: the temp directory the step now is, or None when it is gone."""
+    manifest = os.path.join(path, MANIFEST_NAME)
     fd: int | None
     try:
-        fd = os.open(os.path.join(path, MANIFEST_NAME), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_locked_fd(lambda: os.open(manifest, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK))
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -222,18 +238,13 @@ def _uncommit(run_dir: str, path: str, step: int, kind: TempKind, tag: str | Non
             raise
         fd = None  # the manifest is a symbolic link: no reader opens it (O_NOFOLLOW), so nothing to lock
     try:
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise StepBusy(path) from None
-                raise
+        if fd is not None and not flock_within(fd, fcntl.LOCK_EX, 0):
+            raise StepBusy(path, "a reader holds it (a restore or a drain)")
         gone = os.path.join(run_dir, temp_dirname(step, kind, tag or secrets.token_hex(4)))
         os.rename(path, gone)
     finally:
         if fd is not None:
-            os.close(fd)
+            close_locked_fd(fd)
     fsync_dir(run_dir)
     return gone
 
@@ -251,6 +262,6 @@ def delete_durable_step(tier: StorageTier, run_id: str, step: int) -> None:
     tier.delete_prefix(durable_step_key(run_id, step))
 
 
-__all__ = ["RunListing", "StepBusy", "StepTagged", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir",
+__all__ = ["TAGS_LOCK_WAIT_S", "RunListing", "StepBusy", "StepTagged", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir",
            "list_runs",
            "parse_temp_dirname", "temp_dirname"]

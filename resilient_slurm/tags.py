@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, ObjectNotFoundError, TagsFileError, UnsafePathError
+from .flocks import flocked
 from .manifest import durable_run_key
 from .paths import open_regular
 from .storage.fileio import atomic_write
@@ -283,17 +284,16 @@ def local_tagged_steps(run_dir: str, run_id: str) -> frozenset[int]:
 
 
 @contextlib.contextmanager
-def tags_lock(run_dir: str) -> Iterator[None]:
-    """Hold the run directory's tags lock (an exclusive ``flock`` on the directory, waiting for it): every
-    writer of the local tags file holds it, and so does :func:`~resilient_slurm.layout.delete_step` from
-    its tag check to the uncommit. Raises FileNotFoundError when the run directory does not exist, OSError
-    when it is a link (never followed)."""
-    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+def tags_lock(run_dir: str, *, timeout: float | None = None) -> Iterator[bool]:
+    """Hold the run directory's tags lock (an exclusive ``flock`` on the directory): every writer of the
+    local tags file holds it, and so does :func:`~resilient_slurm.layout.delete_step` from its tag check
+    to the uncommit. Waits for it at most ``timeout`` seconds (None: as long as it takes) and yields
+    whether it is held. A child forked meanwhile does not keep it (:mod:`~resilient_slurm.flocks`).
+    Raises FileNotFoundError when the run directory does not exist, OSError when it is a link (never
+    followed)."""
+    with flocked(lambda: os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC),
+                 fcntl.LOCK_EX, timeout=timeout) as fd:
+        yield fd is not None
 
 
 def update_local_tags(run_dir: str, run_id: str, change: Callable[[RunTags], RunTags]) -> RunTags:

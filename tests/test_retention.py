@@ -129,7 +129,7 @@ def test_step_being_read_survives_retention_until_released(
             ck.save(4, small_state(4))  # step 2 goes, step 1 still held
             assert steps_on_disk(root) == {1, 3, 4}
             assert (held / "manifest.json").exists() and (held / "__0_0.distcp").exists()
-        assert any("step 1 is being read" in r.getMessage() for r in caplog.records)
+        assert any("step 1 is busy (a reader holds it" in r.getMessage() for r in caplog.records)
         ck.save(5, small_state(5))  # released: now it goes
         assert steps_on_disk(root) == {4, 5}
 

@@ -228,8 +228,8 @@ def plan_gc(catalog: Catalog, policy: RetentionPolicy, *, tiers: Iterable[str] =
 def _delete_local_step(path: str, step: int) -> tuple[str, str | None]:
     try:
         gone = delete_step(os.path.dirname(path), step, TempKind.GC)
-    except StepBusy:
-        return "skipped", "being read (a restore or a drain holds it); run gc again later"
+    except StepBusy as busy:
+        return "skipped", f"busy ({busy.why}); run gc again later"
     except StepTagged:
         return "skipped", "tagged since the plan was made"
     return ("deleted", None) if gone else ("skipped", "already gone")

@@ -599,8 +599,8 @@ class Engine:
             try:
                 if delete_step(self.run_dir, s, TempKind.GC, self.topo.nonce):
                     deleted.append(s)
-            except StepBusy:
-                log.info("retention: step %d is being read; keeping it for now", s)
+            except StepBusy as busy:
+                log.info("retention: step %d is busy (%s); keeping it for now", s, busy.why)
             except StepTagged:
                 log.info("retention: step %d was tagged meanwhile; keeping it", s)
             except TagsFileError as exc:

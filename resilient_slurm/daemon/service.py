@@ -46,6 +46,7 @@ from typing import Any
 
 from ..checkpoint.policy import RetentionPolicy
 from ..errors import ConfigError, CorruptCheckpointError, ResilientSlurmError, StorageError, TagsFileError
+from ..flocks import close_locked_fd, open_locked_fd
 from ..layout import StepBusy, StepTagged, TempKind, delete_durable_step, delete_step
 from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname
 from ..paths import open_state_file
@@ -97,7 +98,7 @@ def status_path(root: str) -> str:
 def daemon_running(root: str) -> bool:
     """True when a daemon holds the lock of ``root`` (a service, or another job's step)."""
     try:
-        fd = open_state_file(os.path.join(root, STATE_DIR), LOCK_FILE, os.O_RDONLY)
+        fd = open_locked_fd(lambda: open_state_file(os.path.join(root, STATE_DIR), LOCK_FILE, os.O_RDONLY))
     except (OSError, ConfigError):  # no lock file, or one rslurm refuses (a symlink, a FIFO): no daemon
         return False
     try:
@@ -106,7 +107,7 @@ def daemon_running(root: str) -> bool:
     except OSError:
         return True
     finally:
-        os.close(fd)
+        close_locked_fd(fd)
 
 
 def min_free_bytes(spec: str, path: str) -> int:
@@ -190,11 +191,12 @@ class Daemon:
     def acquire(self) -> None:
         """Take the node's daemon lock or raise :class:`DaemonRunningError`."""
         d = os.path.join(self.root, STATE_DIR)
-        fd = open_state_file(d, LOCK_FILE, os.O_RDWR | os.O_CREAT, create=True)  # ConfigError if unsafe
+        # ConfigError if unsafe; a child this process forks does not keep the lock (flocks)
+        fd = open_locked_fd(lambda: open_state_file(d, LOCK_FILE, os.O_RDWR | os.O_CREAT, create=True))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            os.close(fd)
+            close_locked_fd(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise DaemonRunningError(f"another rslurm daemon already drains {self.root} (lock "
                                          f"{os.path.join(d, LOCK_FILE)})") from None
@@ -206,7 +208,7 @@ class Daemon:
     def release(self) -> None:
         """Give the lock back."""
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            close_locked_fd(self._lock_fd)
             self._lock_fd = None
 
     def request_stop(self, *_: object) -> None:
@@ -610,7 +612,7 @@ class Daemon:
             if not delete_step(os.path.dirname(s.path), s.step, TempKind.EVICT):
                 return False
         except StepBusy:
-            return False  # being read (restore, drain): keep it for now
+            return False  # being read (restore, drain), or the tags lock is held: keep it for now
         except StepTagged:
             return False  # tagged since this pass read the tags
         except TagsFileError as exc:

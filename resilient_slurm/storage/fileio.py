@@ -25,6 +25,7 @@ import xxhash
 
 from .. import paths
 from ..errors import InsufficientSpaceError, StorageError, UnsafePathError
+from ..flocks import close_locked_fd, open_locked_fd
 
 if TYPE_CHECKING:  # torch is imported where buffers are made, so the launcher can use this module without it
     import torch
@@ -359,10 +360,11 @@ def open_regular(path: str, *, what: str = "a file") -> int:
 def reading_step(step_dir: str) -> Iterator[bool]:
     """Hold a shared lock on a committed step's manifest while reading it, so retention and eviction
     (which take the lock exclusively, without waiting) never delete it underneath. Yields False when
-    the step has no manifest (gone or never committed)."""
+    the step has no manifest (gone or never committed). A child forked meanwhile does not keep the lock
+    (:mod:`~resilient_slurm.flocks`)."""
+    manifest = os.path.join(step_dir, "manifest.json")
     try:  # never blocks on a FIFO nor follows a link: a special file is then refused by the reader
-        fd = os.open(os.path.join(step_dir, "manifest.json"),
-                     os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = open_locked_fd(lambda: os.open(manifest, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC))
     except OSError as exc:
         yield exc.errno == errno.ELOOP
         return
@@ -370,7 +372,7 @@ def reading_step(step_dir: str) -> Iterator[bool]:
         fcntl.flock(fd, fcntl.LOCK_SH)
         yield True
     finally:
-        os.close(fd)
+        close_locked_fd(fd)
 
 
 def remove_tree(path: str) -> None:
