@@ -16,15 +16,20 @@ Restore from the durable tier (``resilient_slurm/checkpoint/fetch.py``):
 - ``DurableFetcher.steps``: rank 0 lists the run (``manifest.durable_steps``): one LIST of ``<run>/``
   (delimiter ``/``; 1,000 names per page) and one HEAD per step directory listed.
 - ``DurableFetcher.fetch``, on the leader of each domain that lacks the step: GET of the root manifest, GET of
-  one domain's marker, GET of its ``.metadata``. If the domain is the one that wrote the shards (same node
-  name, same world size, same ranks: ``same_layout``), it fetches only its own shard files. Otherwise (other
-  nodes, or another world size) it fetches *every* file the metadata points at
-  (``md.storage_data``; ``checkpoint/planning.py`` ``domain_storage_data`` maps every item of every rank to
-  a file), which is the whole checkpoint for sharded (FSDP/DTensor) state.
-- The files are fetched one after another (``for p in sorted(wanted)``). Each ``get_file`` does one HEAD
-  (S3; an open on POSIX), then ranged pieces in parallel on the tier's pool: ``drain_threads`` (8) at a time,
-  pieces of ``s3_part_size`` (64 MiB, ``S3Tier.get_file``) or 16 MiB (``PosixTier``, ``PIECE``). A file
-  smaller than one piece is one request on one connection.
+  one domain's marker, GET of its ``.metadata`` (``DurableFetcher.source``). The domain fetched from is its own,
+  else at the same world size the saved domain that held the same ranks (``_source_domain``: a requeue onto
+  other nodes, a replaced node). If its ranks are the ones that wrote that domain's shards (``same_layout``), it
+  fetches only those files. Otherwise (another world size, or ranks placed differently) every rank first plans
+  against the durable metadata (``Restorer._planned_files``: the same 3 GETs on every rank of the domain, not
+  counted below) and the leader fetches the files the plans read, whole; with sharded state a node restarted
+  on half the nodes reads the files of two saved nodes. Before both rules (the "every file" columns) a domain
+  that had not written the step fetched every file the metadata points at, the whole checkpoint for sharded
+  (FSDP/DTensor) state.
+- The files are fetched ``FILES_IN_FLIGHT`` (8) at a time (``DurableFetcher._get_files``; before, one after
+  another). Each ``get_file`` does one HEAD (S3; an open on POSIX), then ranged pieces in parallel on the
+  tier's pool: ``drain_threads`` (8) at a time across the files under way, pieces of ``s3_part_size``
+  (64 MiB, ``S3Tier.get_file``) or 16 MiB (``PosixTier``, ``PIECE``). A file smaller than one piece is one
+  request on one connection.
 - The fetched files are committed into the local tier; then every rank reads its plan's byte ranges from
   the local copy (``checkpoint/restore.py``). The fetch round is collective (``fetch_round``: all_gather), so
   the restore waits for the slowest node.
@@ -41,22 +46,23 @@ The durable commit (``resilient_slurm/daemon/drain.py`` ``StepDrainer``, ``daemo
 - Every pass of every node's daemon, idle or not, also calls ``durable_steps`` (one LIST of ``<run>/`` plus one
   HEAD per step directory) and ``read_durable_tags`` (one GET of ``<run>/tags.json``) for each run it holds.
 
-Plan-driven fetch (issue 14 item 2) and peer replicas (item 3) are not built. The model assumes:
-- plan-driven fetch: each node fetches only the byte ranges its ranks' load plans need, as ranged GETs of
-  ``piece`` bytes, ``drain_threads`` in flight across files (not file after file), one HEAD per file touched;
-  same world size here, so a node touches its ``ranks_per_node`` files and reads N times less than today's
-  "other nodes" fetch. (A resharded restore touches up to about twice as many files, the same bytes.)
+Ranged fetch and peer replicas (issue 14 items 2 and 3) are not built. The model assumes:
+- ranged fetch: each node fetches only the byte ranges its ranks' load plans need, as ranged GETs of
+  ``piece`` bytes, ``drain_threads`` in flight across files (not file after file), no HEAD (sizes from the
+  manifest; one request per file touched is counted all the same).
 - peer replicas: every domain's shards are also on one partner node's NVMe; a replaced node reads its domain
   from its partner over the network and nothing from the durable tier. When every node is new (a requeue
-  onto other nodes), the partners are gone too, so (c) = (b) there; same for a wiped NVMe.
+  onto other nodes, another world size), the partners are gone too, so peer = ranged there; same for a wiped
+  NVMe.
 
 The model (simple on purpose; every term is printed in ``--json``)
 -----------------------------------------------------------------
-Per file fetched on a node, today:  L (HEAD) + ceil(p / T) * L + size / min(B_node, min(T, p) * B_stream),
-with p = ceil(size / piece), T = drain_threads, L = per-request latency of the tier, B_stream = one connection's
-(one thread's) throughput, B_node = min(NIC, NVMe write) (the fetch lands in the local tier).
-Per node, today: 3 L + the sum over its files (files are sequential).
-Per node, plan-driven: 3 L + ceil(f / T) L + ceil(r / T) L + bytes / min(B_node, T * B_stream), f files, r ranges.
+Per file fetched on a node, before (files one after another): L (HEAD) + ceil(p / T) * L
++ size / min(B_node, min(T, p) * B_stream), with p = ceil(size / piece), T = drain_threads, L = per-request
+latency of the tier, B_stream = one connection's (one thread's) throughput, B_node = min(NIC, NVMe write) (the
+fetch lands in the local tier). Per node, before: 3 L + the sum over its files.
+Per node, today (f files, 8 at a time): 3 L + ceil(f / 8) L + ceil(f p / T) L + bytes / min(B_node, min(T, f p) * B_stream).
+Per node, ranged: 3 L + ceil(f / T) L + ceil(r / T) L + bytes / min(B_node, T * B_stream), f files, r ranges.
 Per node, peer: bytes / min(NIC, NVMe read, NVMe write).
 All fetching nodes together: T_fetch = max(slowest node, total bytes / B_aggregate, rate-limited requests / rate).
 Restore time = listing ((1 + D) L, D = step directories listed) + T_fetch + local read (N-th of the checkpoint
@@ -90,6 +96,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 GB = 1e9
 MiB = 2**20
+FILES_IN_FLIGHT = 8  # resilient_slurm/checkpoint/fetch.py
 TB = 1e12
 
 # ------------------------------------------------------------------------------------------- parameters
@@ -208,9 +215,9 @@ def node_bw(p: Params) -> float:
     return min(p.nic, p.nvme_write)
 
 
-def fetch_today(p: Params, t: Tier, files: int, file_size: float) -> NodeFetch:
-    """``DurableFetcher.fetch``: 3 small GETs, then ``files`` files one after another, each a HEAD then
-    ``min(threads, pieces)`` ranged requests at a time."""
+def fetch_before(p: Params, t: Tier, files: int, file_size: float) -> NodeFetch:
+    """``DurableFetcher.fetch`` before files went in parallel: 3 small GETs, then ``files`` files one after
+    another, each a HEAD then ``min(threads, pieces)`` ranged requests at a time."""
     f = NodeFetch(seconds=3 * t.latency, requests=3, limited=3)
     pieces = max(1, math.ceil(file_size / t.piece))
     par = min(p.threads, pieces)
@@ -219,6 +226,19 @@ def fetch_today(p: Params, t: Tier, files: int, file_size: float) -> NodeFetch:
     f.durable_bytes = files * file_size
     f.requests += files * (1 + pieces)
     f.limited += files * (1 if t.metadata_only_rate else 1 + pieces)
+    return f
+
+
+def fetch_today(p: Params, t: Tier, files: int, file_size: float) -> NodeFetch:
+    """``DurableFetcher.fetch``: 3 small GETs, then the files ``FILES_IN_FLIGHT`` (8) at a time, each a HEAD then
+    its ranged requests on the tier's ``threads``: HEADs in waves of 8, pieces ``threads`` at a time across files."""
+    pieces = max(1, math.ceil(file_size / t.piece))
+    f = NodeFetch(requests=3 + files * (1 + pieces))
+    f.limited = 3 + files * (1 if t.metadata_only_rate else 1 + pieces)
+    f.seconds = (3 * t.latency + math.ceil(files / FILES_IN_FLIGHT) * t.latency
+                 + math.ceil(files * pieces / p.threads) * t.latency
+                 + files * file_size / min(node_bw(p), min(p.threads, files * pieces) * t.stream))
+    f.durable_bytes = files * file_size
     return f
 
 
@@ -257,37 +277,47 @@ def aggregate(t: Tier, fetches: Sequence[NodeFetch]) -> dict[str, Any]:
 
 
 SCENARIOS = {
-    "other_nodes": "requeue onto other nodes (or another world size): every node fetches",
+    "other_nodes": "requeue onto other nodes, same world size: every node fetches",
     "one_replaced": "one node replaced: it fetches, the others read their local copy",
     "same_nodes_wiped": "requeue onto the same nodes, local copies gone (e.g. an epilog wiped the NVMe)",
+    "resharded": "restart on half the nodes (another world size): every node fetches",
 }
 
 
 def restore(p: Params, t: Tier, n: int, scenario: str) -> dict[str, Any]:
-    """Restore time, durable bytes and requests at ``n`` nodes, for today, plan-driven fetch and peer replicas."""
-    share = p.size / n  # one node's domain (fully sharded state)
-    files_all = n * p.ranks_per_node
+    """Restore time, durable bytes and requests at ``n`` restoring nodes: what the code does today, every file
+    (what it did before it chose files by saved domain and by load plan), ranged fetch and peer replicas."""
+    saved = 2 * n if scenario == "resharded" else n
+    share = p.size / n  # what one restoring node's ranks hold (fully sharded state)
+    files_all = saved * p.ranks_per_node
     file_size = p.size / files_all
     listing = (1 + p.step_dirs) * t.latency  # rank 0: durable_steps (LIST + one HEAD per step dir)
     list_reqs = 1 + p.step_dirs
     local_read = share / p.nvme_read
-    out: dict[str, Any] = {"nodes": n, "local_only_s": listing * 0 + local_read}
+    out: dict[str, Any] = {"nodes": n, "saved_nodes": saved, "local_only_s": local_read}
+    own = fetch_today(p, t, p.ranks_per_node, file_size)  # the saved domain that held the same ranks
+    every = fetch_before(p, t, files_all, file_size)
     if scenario == "other_nodes":
-        today = [fetch_today(p, t, files_all, file_size)] * n  # not same_layout: every file of the metadata
-        plan = [fetch_plan(p, t, p.ranks_per_node, share)] * n
-        peer = plan  # the partners (old nodes) are gone
+        fetching = n
+        today, plan, peer = own, fetch_plan(p, t, p.ranks_per_node, share), None  # the partners are gone
     elif scenario == "one_replaced":
-        today = [fetch_today(p, t, files_all, file_size)]  # a new node name: not same_layout, every file
-        plan = [fetch_plan(p, t, p.ranks_per_node, share)]
-        peer = [fetch_peer(p, share)] if n > 1 else plan  # one node alone has no partner
+        fetching = 1
+        today, plan = own, fetch_plan(p, t, p.ranks_per_node, share)
+        peer = fetch_peer(p, share) if n > 1 else None  # one node alone has no partner
     elif scenario == "same_nodes_wiped":
-        today = [fetch_today(p, t, p.ranks_per_node, file_size)] * n  # same_layout: own shards, file after file
-        plan = [fetch_plan(p, t, p.ranks_per_node, share)] * n
-        peer = plan  # the partners' NVMe was wiped too
+        fetching = n
+        today, plan, peer = own, fetch_plan(p, t, p.ranks_per_node, share), None  # the partners' NVMe too
+        every = fetch_before(p, t, p.ranks_per_node, file_size)  # same names, same ranks: always its own files
+    elif scenario == "resharded":
+        # Each new node's ranks plan to read what two saved nodes held: their files, whole (fetch.py, the
+        # plans' files). Dim-0 shards halve evenly here; uneven shards add up to one file per rank.
+        fetching = n
+        touched = 2 * p.ranks_per_node
+        today, plan, peer = fetch_today(p, t, touched, file_size), fetch_plan(p, t, touched, share), None
     else:
         raise ValueError(scenario)
-    for name, fetches in (("today", today), ("plan", plan), ("peer", peer)):
-        a = aggregate(t, fetches)
+    for name, f in (("today", today), ("every_file", every), ("plan", plan), ("peer", peer if peer else plan)):
+        a = aggregate(t, [f] * fetching)
         out[name] = {
             "restore_s": listing + a["seconds"] + local_read,
             "fetch_s": a["seconds"], "bound": a["bound"], "node_s": a["node_s"], "bandwidth_s": a["bandwidth_s"],
@@ -400,12 +430,13 @@ def print_tables(res: dict[str, Any], p: Params) -> None:
         for s, title in SCENARIOS.items():
             print(f"### {t.name}: {title}")
             print()
-            print("| nodes | local only | today: restore | durable bytes | requests | plan-driven: restore | "
-                  "durable bytes | requests | peer replicas: restore | durable bytes | requests |")
-            print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            print("| nodes | local only | today: restore | durable bytes | requests | before: restore | "
+                  "durable bytes | requests | ranged: restore | durable bytes | requests | peer replicas: restore | "
+                  "durable bytes | requests |")
+            print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             for row in res["restore"][t.name][s]:
                 cells = [str(row["nodes"]), human_s(row["local_only_s"])]
-                for k in ("today", "plan", "peer"):
+                for k in ("today", "every_file", "plan", "peer"):
                     r = row[k]
                     bound = {"node": "", "aggregate bandwidth": " (bw)", "request rate": " (rate)"}.get(r["bound"], "")
                     cells += [human_s(r["restore_s"]) + bound, human_b(r["durable_bytes"]),

@@ -9,13 +9,14 @@ tensor for tensor, Adam moments and step counts included.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, run_ranks
+from conftest import REPO, clean_env, read_jsonl, run_ranks
 
 WORKER = str(REPO / "tests" / "workers" / "fsdp_worker.py")
 ENV = {"RSLURM_COLLECTIVE_TIMEOUT": "60"}
@@ -117,3 +118,50 @@ def test_exports_consolidate_the_shards(saved: tuple[Path, dict[str, Any]]) -> N
     exported = torch.load(pt, weights_only=True)
     assert exported["_rslurm_step"] == 3
     assert _assert_same(exported["model"], ref["now"]["model"], "torch") == 8
+
+
+# ------------------------------------------------------------- from the durable tier, onto other nodes
+def _node_job(mode: str, nodes: list[str], tmp: Path, durable: Path) -> dict[str, Any]:
+    out = tmp / "out"
+    out.mkdir(exist_ok=True)
+    argv = [WORKER, mode, "--local-dir", str(tmp / "nvme" / "%n"), "--run-id", "fsdp", "--out", str(out)]
+    run_ranks(argv, len(nodes), tmp, timeout=180, env={**ENV, "RSLURM_DURABLE": str(durable)},
+              per_rank_env=[{"RSLURM_NODE_NAME": n} for n in nodes])
+    return {"now": torch.load(out / f"{mode}_w{len(nodes)}.pt", weights_only=True)}
+
+
+def _drain(tmp: Path, node: str, durable: Path) -> None:
+    env = clean_env({"RSLURM_LOCAL_DIR": str(tmp / "nvme" / "%n"), "RSLURM_NODE_NAME": node,
+                     "RSLURM_DURABLE": str(durable)})
+    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "daemon", "--once"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_fsdp_resharded_onto_other_nodes_fetches_only_what_each_plan_reads(tmp_path: Path) -> None:
+    """Saved at 4 ranks on two nodes (n1: ranks 0-1, n2: ranks 2-3) and drained; restored at 2 ranks on two
+    empty nodes (n3, n4). Each new node fetches from the durable tier only the files its rank's load plan
+    reads (n3's rank holds the first rows of every tensor: the files of saved ranks 0 and 1), not every
+    file of the step, and the restore is bitwise the saved state."""
+    durable = tmp_path / "lustre"
+    ref = _node_job("save", ["n1", "n1", "n2", "n2"], tmp_path, durable)
+    for node in ("n1", "n2"):
+        _drain(tmp_path, node, durable)
+    step_dir = durable / "fsdp" / f"step_{3:012d}"
+    assert (step_dir / "manifest.json").exists()
+    files = {f.name: f.stat().st_size for f in step_dir.glob("*.distcp")}
+    assert sorted(files) == [f"__{r}_0.distcp" for r in range(4)], files
+    got = _node_job("restore", ["n3", "n4"], tmp_path, durable)
+    _check_restored(ref, got)
+    fetched: dict[str, int] = {}
+    for node in ("n3", "n4"):
+        [ev] = [e for e in read_jsonl(tmp_path / "nvme" / node / "fsdp" / "events.jsonl") if e["event"] == "restore"]
+        assert ev["step"] == 3 and ev["tier"] == "durable", ev
+        here = {f.name: f.stat().st_size for f in (tmp_path / "nvme" / node / "fsdp" / f"step_{3:012d}").glob("*.distcp")}
+        assert ev["fetched_bytes"] == sum(here.values()), (node, ev, here)
+        assert all(files[name] == size for name, size in here.items()), here
+        fetched[node] = ev["fetched_bytes"]
+    # n3's rank reads rows that saved ranks 0 and 1 held: it fetched neither rank 2's nor rank 3's file.
+    n3 = {f.name for f in (tmp_path / "nvme" / "n3" / "fsdp" / f"step_{3:012d}").glob("*.distcp")}
+    assert n3 == {"__0_0.distcp", "__1_0.distcp"}, n3
+    assert fetched["n3"] < sum(files.values()) and sum(fetched.values()) < 2 * sum(files.values()), (fetched, files)

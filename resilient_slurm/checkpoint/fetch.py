@@ -7,16 +7,20 @@ collaborators and its local commit (``Engine._install``, the rename that also co
 1. rank 0: :meth:`DurableFetcher.steps` -- the durable tier's committed steps (``manifest.durable_steps``),
    or none and why the tier could not be listed (a storage failure, never raised: the node-local tier may
    still restore).
-2. every rank, collective (foreground group): :meth:`DurableFetcher.fetch_round` -- the domain leaders
-   that need ``step`` call :meth:`DurableFetcher.fetch`; one all_gather tells every rank whether every
+2. every rank, collective (foreground group): :meth:`DurableFetcher.fetch_round` -- one all_gather of
+   the files each rank's load plan reads (the restorer plans against :meth:`DurableFetcher.source`'s
+   metadata), then the domain leaders that need ``step`` call :meth:`DurableFetcher.fetch` with the
+   union of their ranks' files; one all_gather tells every rank whether every
    fetch succeeded, how many bytes its own domain fetched, and which failures were storage failures
    (an endpoint down, a timeout, a full local disk: the step may restore once storage is back) rather
    than corruption.
 3. domain leader: :meth:`DurableFetcher.fetch` -- reads the root manifest and the marker of this domain
    (or of the domain that held the same ranks, when the job was requeued onto other nodes at the same
    world size; or of the first domain, whose metadata leads to every file), checks the domain's ``.metadata``
-   against the manifest, downloads the shard files this domain's ranks need (``get_file`` checks size and
-   xxh3 as the bytes arrive) into ``step_X.tmp-fetch-<nonce>/``, writes ``.metadata`` and a manifest that
+   against the manifest, downloads the shard files this domain's ranks need (the files the domain wrote
+   at the same layout; at another layout the files their load plans read, or every file when a plan is
+   missing; up to :data:`FILES_IN_FLIGHT` at a time, ``get_file`` checking size and xxh3 as the bytes
+   arrive) into ``step_X.tmp-fetch-<nonce>/``, writes ``.metadata`` and a manifest that
    names this domain, fsyncs, and commits it locally like a save (the engine's rename). Nothing is left
    behind on failure.
 
@@ -28,8 +32,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import (
     CorruptCheckpointError,
@@ -44,6 +52,8 @@ from ..layout import TempKind, temp_dirname
 from ..manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
+    Manifest,
+    ShardEntry,
     domain_key,
     durable_step_key,
     durable_steps,
@@ -55,6 +65,10 @@ from .coordination import Coordinator, Topology
 from .planning import check_metadata
 
 log = logging.getLogger(__name__)
+
+# Files downloaded at once by one fetch. Each file's own pieces go through the tier's pool and budget
+# (drain_threads), so this bounds how many files are under way, not how many requests.
+FILES_IN_FLIGHT = 8
 
 # (temp directory, step, token): commits a complete temp directory as ``step_X/`` in the local tier.
 Install = Callable[[str, int, str], None]
@@ -94,17 +108,23 @@ class DurableFetcher:
             log.warning("cannot list the durable tier %s (%s); trying the node-local tier", self.tier.url, exc)
             return [], f"cannot list {self.tier.url}: {exc}"
 
-    def fetch_round(self, step: int, need: bool, unreachable: list[str]) -> tuple[bool, int | None]:
-        """Collective: leaders with ``need`` fetch ``step`` from the durable tier. Returns whether every
-        fetch succeeded, and the bytes this rank's domain fetched (None when it fetched nothing). Fetches
-        that failed for a storage reason (not corruption) are appended to ``unreachable``."""
+    def fetch_round(self, step: int, need: bool, unreachable: list[str],
+                    planned: frozenset[str] | None = None) -> tuple[bool, int | None]:
+        """Collective: leaders with ``need`` fetch ``step`` from the durable tier. ``planned``: the files
+        this rank's load plan reads (None: unknown); a leader fetches the union over its domain's ranks
+        (every file when one of them does not know). Returns whether every fetch succeeded, and the bytes
+        this rank's domain fetched (None when it fetched nothing). Fetches that failed for a storage reason
+        (not corruption) are appended to ``unreachable``."""
+        plans = self.coord.all_gather(planned)
+        mine = [plans[r] for r in self.topo.domain_ranks]
+        union = None if any(p is None for p in mine) else frozenset().union(*mine)
         err: str | None = None
         transient = False
         n: int | None = None
         if need:
             try:
                 t0 = time.perf_counter()
-                n = self.fetch(step)
+                n = self.fetch(step, union)
                 dt = time.perf_counter() - t0
                 log.info("step %d: fetched %.1f MiB for %s from %s in %.2f s (%.1f MiB/s)", step, n / 2**20,
                          self.topo.domain, self.tier.url if self.tier else "?", dt, n / 2**20 / max(dt, 1e-9))
@@ -121,9 +141,9 @@ class DurableFetcher:
                 log.warning("skipping step %d: %s", step, e)
         return not errors, gathered[self.topo.domain_ranks[0]][1]
 
-    def fetch(self, step: int) -> int:
-        """Leader: copy this domain's part of ``step`` from the durable tier into the local tier (verified,
-        then committed like a save: temp directory, manifest last, rename). Returns bytes fetched."""
+    def source(self, step: int) -> Source:
+        """Read which saved domain this domain fetches ``step`` from: the root manifest, that domain's
+        marker (of the same save) and its ``.metadata`` (checked against the marker). Three small GETs."""
         tier = self.tier
         assert tier is not None
         topo = self.topo
@@ -137,9 +157,25 @@ class DurableFetcher:
         md_bytes = tier.get_bytes(md_key)
         md = check_metadata(md_bytes, dm.dcp_metadata, source=f"{tier.url}/{md_key}")
         same_layout = dm.world_size == topo.world_size and tuple(dm.nodes.get(src, ())) == tuple(topo.domain_ranks)
-        if same_layout:  # the ranks here are the ones that wrote src's shards: they need only those
-            wanted = {s.path for s in dm.shards_of_node(src)}
-        else:  # other nodes or another world size: every file this metadata points at
+        return Source(src, dm, md_bytes, md, same_layout)
+
+    def fetch(self, step: int, planned: frozenset[str] | None = None) -> int:
+        """Leader: copy this domain's part of ``step`` from the durable tier into the local tier (verified,
+        then committed like a save: temp directory, manifest last, rename). Returns bytes fetched.
+
+        Which files: with the layout that saved the step (same world size, same ranks on this node) the
+        ones this domain's ranks wrote; otherwise ``planned``, the files the load plans of this domain's
+        ranks read (another world size, or ranks placed differently), else every file of the step."""
+        tier = self.tier
+        assert tier is not None
+        topo = self.topo
+        source = self.source(step)
+        dm, md = source.marker, source.md
+        if source.same_layout:  # the ranks here are the ones that wrote src's shards: they need only those
+            wanted = {s.path for s in dm.shards_of_node(source.domain)}
+        elif planned is not None:  # what this domain's ranks will read, and nothing else
+            wanted = set(planned)
+        else:  # every file this metadata points at
             wanted = {info.relative_path for info in md.storage_data.values()}
         by_path = {s.path: s for s in dm.shards}
         missing = wanted - set(by_path)
@@ -152,10 +188,8 @@ class DurableFetcher:
         remove_tree_quietly(tmp)
         os.makedirs(tmp, mode=0o700)
         try:
-            for p in sorted(wanted):
-                e = by_path[p]
-                tier.get_file(durable_step_key(self.run_id, step, p), os.path.join(tmp, p), size=e.size, checksum=e.checksum)
-            atomic_write(os.path.join(tmp, DCP_METADATA_NAME), md_bytes)
+            self._get_files(step, [by_path[p] for p in sorted(wanted)], tmp)
+            atomic_write(os.path.join(tmp, DCP_METADATA_NAME), source.md_bytes)
             shards = tuple(dataclasses.replace(s, node=topo.domain) if s.path in wanted else s for s in dm.shards)
             local = dataclasses.replace(dm, node=topo.domain, shards=shards)
             atomic_write(os.path.join(tmp, MANIFEST_NAME), local.to_json().encode())
@@ -165,6 +199,47 @@ class DurableFetcher:
             remove_tree_quietly(tmp)
             raise
         return total
+
+
+    def _get_files(self, step: int, entries: list[ShardEntry], tmp: str) -> None:
+        """Download ``entries`` into ``tmp``, up to :data:`FILES_IN_FLIGHT` files at a time (a file smaller
+        than one piece is one request on one connection: one after another, a node restoring its share of
+        a large job would wait on latency, not bandwidth). Each file is checked as it arrives
+        (``get_file``); after a failure no new file starts, and the first failure is raised once the files
+        under way have ended."""
+        tier = self.tier
+        assert tier is not None
+        failed = threading.Event()
+
+        def one(e: ShardEntry) -> None:
+            if failed.is_set():
+                return
+            try:
+                tier.get_file(durable_step_key(self.run_id, step, e.path), os.path.join(tmp, e.path), size=e.size,
+                              checksum=e.checksum)
+            except BaseException:
+                failed.set()
+                raise
+
+        if len(entries) <= 1:
+            for e in entries:
+                one(e)
+            return
+        with ThreadPoolExecutor(max_workers=min(FILES_IN_FLIGHT, len(entries)), thread_name_prefix="rslurm-fetch") as ex:
+            futures = [ex.submit(one, e) for e in entries]
+        for f in futures:
+            f.result()
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a domain fetches a step from (:meth:`DurableFetcher.source`)."""
+
+    domain: str  # the saved domain whose marker and metadata lead to the files
+    marker: Manifest  # that domain's manifest
+    md_bytes: bytes  # its DCP .metadata, as stored
+    md: Metadata  # ... and decoded (checked against the marker)
+    same_layout: bool  # the ranks of this domain are the ones that wrote the saved domain's files
 
 
 def _source_domain(saved: Mapping[str, tuple[int, ...]], saved_world: int, first: str, domain: str,
@@ -190,4 +265,4 @@ def _storage_failure(exc: BaseException) -> bool:
     return isinstance(exc, (StorageError, OSError, TransientError))
 
 
-__all__ = ["DurableFetcher", "Install"]
+__all__ = ["DurableFetcher", "Install", "Source"]

@@ -12,7 +12,9 @@ Call order of :meth:`Restorer.restore` (collective, foreground group, every rank
    lists the durable tier (:meth:`DurableFetcher.steps`); one all_gather shares both (and a failing
    ``rank_map``). Candidates are the steps committed in every domain and the durable steps, newest first.
 2. for each candidate: a domain that lacks it fetches its part (:meth:`DurableFetcher.fetch_round`,
-   collective); every rank reads and verifies what it needs (:meth:`Restorer._try_read` ->
+   collective): every rank first makes its load plan (:meth:`Restorer._planned_files`, against the
+   durable metadata when its domain lacks the step) and the leader fetches the files its ranks' plans
+   read; then every rank reads and verifies what it needs (:meth:`Restorer._try_read` ->
    :meth:`Restorer._read_step`: manifest, ``.metadata``, the per-rank check, the compatibility check
    (compat.py: every missing, unexpected and reshaped key in one error), a DCP load plan against the
    live state, the byte ranges it needs read into fresh buffers and checked item by item against the
@@ -47,7 +49,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from ..errors import (
     CheckpointError,
@@ -198,9 +200,12 @@ class Restorer:
                 fetched = False
                 here: int | None = None  # bytes this rank's domain fetched for this step (None: none)
                 if step not in common:
-                    # Some domain lacks it locally: its leader fetches it from the durable tier.
-                    need = topo.is_leader and step not in (mine or [])
-                    ok, here = self.fetcher.fetch_round(step, need, unreachable)
+                    # Some domain lacks it locally: its leader fetches it from the durable tier, only the
+                    # files its ranks' load plans read.
+                    lacks = step not in (lists[topo.domain_ranks[0]] or [])
+                    need = topo.is_leader and lacks
+                    planned = self._planned_files(step, state, local=not lacks)
+                    ok, here = self.fetcher.fetch_round(step, need, unreachable, planned)
                     if not ok:
                         skipped.append(step)
                         continue
@@ -216,7 +221,8 @@ class Restorer:
                             for m in (m for v, m in verdicts if v != "ok"):
                                 log.warning("step %d: %s; fetching it from the durable tier", step, m)
                         need = topo.is_leader and bad_here and not fetched
-                        ok, again = self.fetcher.fetch_round(step, need, unreachable)
+                        planned = self._planned_files(step, state, local=not bad_here)
+                        ok, again = self.fetcher.fetch_round(step, need, unreachable, planned)
                         if again is not None:
                             here = (here or 0) + again
                         if ok:
@@ -298,6 +304,54 @@ class Restorer:
                 f"rank_map maps rank {self.topo.rank} to rank {self._source_rank}, but step {step} in {step_dir} "
                 f"was saved by ranks 0..{saved - 1} (per-rank state: {shown})")
 
+    def _plan(self, step: int, where: str, manifest: Manifest, md: Metadata,
+              state: MutableMapping[str, Any]) -> tuple[dict[str, Any], SafeLoadPlanner, LoadPlan]:
+        """This rank's load target, planner and DCP load plan for ``step`` (``where``: the step's place, for
+        messages), after the per-rank and compatibility checks. IncompatibleCheckpointError when the step
+        does not fit the state."""
+        self._check_per_rank(step, where, manifest, md, state)
+        target = state_mod.prepare_load_target(state, md, rank=self.topo.rank, capture_rng=self.capture_rng,
+                                               source_rank=self._source_rank, extra_keys=(DDP_KEY,))
+        planner = SafeLoadPlanner(self._source_rank)
+        planner.set_up_planner(target, md, is_coordinator=self.topo.rank == 0)
+        # Every difference in one error, before anything is planned or read (compat.py).
+        self._compat = check_compat(planner, md, state, source_rank=self._source_rank,
+                                    allow_missing=self.allow_missing, allow_unexpected=self.allow_unexpected,
+                                    where=f"step {step} in {where}")
+        try:
+            plan = planner.create_local_plan()
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise IncompatibleCheckpointError(
+                f"step {step} in {where} does not fit the state being restored: {exc}. Restore with the "
+                "same model/optimizer structure, or move the run directory aside to start afresh."
+            ) from exc
+        return target, planner, planner.finish_plan(plan)
+
+    def _planned_files(self, step: int, state: MutableMapping[str, Any], *, local: bool) -> frozenset[str] | None:
+        """The files this rank's load plan for ``step`` reads, so that a domain fetching the step takes only
+        those (a run resharded to another world size, or moved onto nodes that hold other ranks). Planned
+        against the local copy's metadata when this domain has the step (``local``), else the durable
+        tier's (:meth:`DurableFetcher.source`). Every rank plans, so every rank calls its state's
+        ``state_dict()`` alike. None when it cannot be planned: the fetch then takes every file, and the
+        read that follows says what is wrong."""
+        try:
+            if local:
+                step_dir = os.path.join(self.run_dir, step_dirname(step))
+                manifest = read_manifest_file(os.path.join(step_dir, MANIFEST_NAME))
+                md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
+                where = step_dir
+            else:
+                source = self.fetcher.source(step)
+                manifest, md = source.marker, source.md
+                where = f"{self.fetcher.tier.url if self.fetcher.tier else 'the durable tier'}"
+            _, _, plan = self._plan(step, where, manifest, md, state)
+        except Exception as exc:  # the fetch takes every file; the read reports the problem
+            log.debug("step %d: no load plan before the fetch (%s); the fetch takes every file", step, exc)
+            return None
+        finally:
+            self._compat = None
+        return frozenset(md.storage_data[ri.storage_index].relative_path for ri in plan.items)
+
     def _try_read(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
         step_dir = os.path.join(self.run_dir, step_dirname(step))
         try:
@@ -323,23 +377,7 @@ class Restorer:
             )
         self._provenance, self._compat = manifest.provenance, None
         md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
-        self._check_per_rank(step, step_dir, manifest, md, state)
-        target = state_mod.prepare_load_target(state, md, rank=self.topo.rank, capture_rng=self.capture_rng,
-                                               source_rank=self._source_rank, extra_keys=(DDP_KEY,))
-        planner = SafeLoadPlanner(self._source_rank)
-        planner.set_up_planner(target, md, is_coordinator=self.topo.rank == 0)
-        # Every difference in one error, before anything is planned or read (compat.py).
-        self._compat = check_compat(planner, md, state, source_rank=self._source_rank,
-                                    allow_missing=self.allow_missing, allow_unexpected=self.allow_unexpected,
-                                    where=f"step {step} in {step_dir}")
-        try:
-            plan = planner.create_local_plan()
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise IncompatibleCheckpointError(
-                f"step {step} in {step_dir} does not fit the state being restored: {exc}. Restore with the "
-                "same model/optimizer structure, or move the run directory aside to start afresh."
-            ) from exc
-        plan = planner.finish_plan(plan)
+        target, planner, plan = self._plan(step, step_dir, manifest, md, state)
         shards = {s.path: s for s in manifest.shards_of_node(manifest.node)}
         chunk_sums = {(s.path, c.offset): c for s in shards.values() for c in s.chunks}
         # Group what we need by file, then read each file's needed span once.
