@@ -288,6 +288,11 @@ class Settings:
                 'what restore does when committed checkpoints exist (or the durable tier cannot be listed) but none '
                 'can be restored: fail (raise; a storage failure requeues the job under `rslurm launch`) or fresh '
                 '(start from step 0 with a warning)')
+    peer_replicas: str = _key(_choice("auto", "on", "off"), "auto", "checkpoint",
+                "copy each committed step of a node's storage domain to a partner domain's local directory (on "
+                "another node), in the background after the commit, so a node that comes back empty restores "
+                "from its partner instead of the durable tier: auto (when the domains span several nodes), on "
+                "(also between domains of one node), off")
     free_space_margin: int = _key(_count(0), 64 << 20, "checkpoint",
                 'bytes that must stay free after a save')
     control_socket: str | None = _key(str, None, "rank",

@@ -13,7 +13,18 @@ token                  kind (:class:`TempKind`)
 ``replaced-<token>``   ``REPLACED``: the older copy of a step committed again, being deleted
 ``gc-<tag>``           ``GC``: a step uncommitted by retention or ``rslurm gc``, being deleted
 ``evict-<tag>``        ``EVICT``: a step uncommitted by the daemon's eviction, being deleted
+``peer-<nonce>``       ``PEER``: restore copying a step from a partner node's replica
+``replica-<nonce>``    ``REPLICA``: a partner's step being received as a replica
 =====================  ===================================================================
+
+Peer replicas (checkpoint/peers.py): a partner domain's committed steps, kept in this node's run
+directory and listed with :func:`list_replicas`::
+
+    <root>/<run_id>/replicas/<domain>/step_<step:012d>/      a committed replica (the partner's files)
+    <root>/<run_id>/replicas/<domain>/step_X.tmp-replica-<nonce>/   one being received
+
+``replicas/<domain>/`` is a run directory of its own for :func:`list_run_dir` and :func:`delete_step`
+(it has no tags file: replicas are never tagged); the drain never reads it, it is not this node's data.
 
 Every scanner (engine retention, restore, the daemon's drain, eviction and status, ``rslurm ls/show/gc``,
 the launcher) lists a run directory with :func:`list_run_dir` and runs with :func:`list_runs`; every
@@ -56,6 +67,8 @@ class TempKind(enum.Enum):
     REPLACED = "replaced"
     GC = "gc"
     EVICT = "evict"
+    PEER = "peer"
+    REPLICA = "replica"
 
     @property
     def deleting(self) -> bool:
@@ -249,6 +262,44 @@ def _uncommit(run_dir: str, path: str, step: int, kind: TempKind, tag: str | Non
     return gone
 
 
+REPLICAS_DIRNAME = "replicas"
+_DOMAIN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+
+
+def valid_domain_name(name: str) -> bool:
+    """A storage domain name that can name a replica directory (a node name, or ``<node>-r<rank>``)."""
+    return bool(_DOMAIN_RE.match(name)) and name not in (".", "..")
+
+
+def replica_run_dir(run_dir: str, domain: str) -> str:
+    """The directory holding this node's replicas of ``domain``'s steps of the run in ``run_dir``."""
+    if not valid_domain_name(domain):
+        raise ValueError(f"{domain!r} cannot name a replica directory")
+    return os.path.join(run_dir, REPLICAS_DIRNAME, domain)
+
+
+def list_replicas(run_dir: str) -> dict[str, RunListing]:
+    """The partner domains whose replicas ``run_dir`` holds, each with its listing (committed replica
+    steps, replicas being received). Links and files are never followed; names that cannot be domains
+    are left out. Empty when there are none; OSError when the replicas directory cannot be listed."""
+    top = os.path.join(run_dir, REPLICAS_DIRNAME)
+    try:
+        if stat.S_ISLNK(os.lstat(top).st_mode):
+            return {}
+        entries = list(os.scandir(top))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    out: dict[str, RunListing] = {}
+    for e in sorted(entries, key=lambda e: e.name):
+        try:
+            if not valid_domain_name(e.name) or not e.is_dir(follow_symlinks=False):
+                continue
+        except OSError:
+            continue
+        out[e.name] = list_run_dir(e.path)
+    return out
+
+
 def delete_durable_step(tier: StorageTier, run_id: str, step: int) -> None:
     """Delete ``step`` of ``run_id`` from a durable tier: the one deletion protocol of that tier. A step
     the durable tags file tags is refused (:class:`StepTagged`; the file is read just before, as the
@@ -262,6 +313,6 @@ def delete_durable_step(tier: StorageTier, run_id: str, step: int) -> None:
     tier.delete_prefix(durable_step_key(run_id, step))
 
 
-__all__ = ["TAGS_LOCK_WAIT_S", "RunListing", "StepBusy", "StepTagged", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir",
-           "list_runs",
-           "parse_temp_dirname", "temp_dirname"]
+__all__ = ["REPLICAS_DIRNAME", "TAGS_LOCK_WAIT_S", "RunListing", "StepBusy", "StepTagged", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir",
+           "list_replicas", "list_runs",
+           "parse_temp_dirname", "replica_run_dir", "temp_dirname", "valid_domain_name"]

@@ -162,6 +162,7 @@ class Checkpointer:
             replicated=tuple(replicated),
             restore_fallback=cfg.restore_fallback,
             provenance=self.provenance,
+            peer_replicas=cfg.peer_replicas,
         )
         self.events = EventLog(
             self.topology.root, self.run_id, source="rank", node=self.topology.node,
@@ -183,6 +184,7 @@ class Checkpointer:
         self._inflight: Future[SaveOutcome] | None = None
         self._retention: Future[list[int]] | None = None
         self._tags_copy: Future[None] | None = None  # rank 0: the tags' durable copy, after a tag()
+        self._replication: Future[Any] | None = None  # domain leaders: the peer replica round of the last save
         self._prepared: Future[Any] | None = None
         self._staging_planned = False  # the same on every rank: _prepare is collective
         self._emergency = threading.Event()
@@ -451,6 +453,10 @@ class Checkpointer:
             # a large step can take as long as writing one (discard-mounted filesystems), and the
             # caller waiting for the commit should not wait for it. The next save queues behind it.
             self._retention = self._pool.submit(self._retain)
+        if self._engine.peers.active:
+            # The partner's copy (peers.py), after the commit and retention on the same writer thread:
+            # one round per save on every leader, so the rounds pair up; the next save queues behind it.
+            self._replication = self._pool.submit(self._replicate, step, reason)
         self.cadence.saved()
         if blocking:
             self._finish_inflight()
@@ -517,6 +523,8 @@ class Checkpointer:
             self._finish_retention()
             fut, self._tags_copy = self._tags_copy, None
             _settle(fut, "copying the tags to the durable tier")
+            fut, self._replication = self._replication, None
+            _settle(fut, "the peer replica of the last save")
             self._pool.shutdown(wait=True)
             self._link.close()
             unregister_stack_dump(self._stacks)
@@ -584,6 +592,15 @@ class Checkpointer:
             self.events.emit("retention_deleted", tier="local", steps=deleted)
         return deleted
 
+    def _replicate(self, step: int, reason: str) -> None:
+        """Writer thread (domain leader with a partner): one peer replica round (peers.py) after a save,
+        and its ``peer_replica`` event (what was sent, what was kept, and why not)."""
+        out = self._engine.peers.replicate(step, reason)
+        if out is not None:
+            self.events.emit("peer_replica", step=step, sent_bytes=out.sent, received_bytes=out.received,
+                             received_step=out.received_step, of=out.from_domain, seconds=out.seconds,
+                             problem=out.problem)
+
     def _report_mismatches(self, step: int, mismatches: Sequence[ReplicaMismatch], found_by: str) -> None:
         """One ``replica_mismatch`` event per mismatched item in each node's log, and one warning (rank 0)."""
         if not mismatches:
@@ -609,7 +626,8 @@ class Checkpointer:
             return
         if r.step:
             self.events.emit("restore", step=r.step, tier=r.tier, seconds=r.seconds, bytes=r.bytes_read,
-                             fetched_bytes=r.fetched_bytes, skipped=list(r.skipped), adopted_bytes=r.adopted_bytes)
+                             fetched_bytes=r.fetched_bytes, skipped=list(r.skipped), adopted_bytes=r.adopted_bytes,
+                             peer_bytes=r.peer_bytes)
             self._report_code_version(r.step, r.provenance)
         else:
             self.events.emit("restore_none", seconds=r.seconds, skipped=list(r.skipped))

@@ -43,6 +43,7 @@ class Coordinator:
         self._bg: Any = None
         if self.distributed and self.world_size > 1:
             timeout = datetime.timedelta(seconds=timeout_s)
+            self._timeout = timeout
             # Two groups: collectives from the writer thread must never interleave with the trainer's.
             self._fg = dist.new_group(backend="gloo", timeout=timeout)
             self._bg = dist.new_group(backend="gloo", timeout=timeout)
@@ -77,6 +78,19 @@ class Coordinator:
         if self.multi:
             self.all_max([0], background=background)
 
+    def group(self, *, background: bool = False) -> Any:
+        """The gloo group of the training thread (foreground) or of the writer thread (background), for
+        point-to-point transfers made in that thread's order (peers.py); None when not distributed."""
+        return self._bg if background else self._fg
+
+    def new_peer_group(self) -> Any:
+        """Collective (every rank): a third gloo group, for the transfers of peer replicas that domain
+        leaders make on the writer thread after a commit, so they never interleave with the commit's
+        collectives on the background group. None when not distributed."""
+        if not self.multi:
+            return None
+        return dist.new_group(backend="gloo", timeout=self._timeout)
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -88,6 +102,7 @@ class Topology:
     domain_of_rank: tuple[str, ...]
     root: str  # this rank's local root directory (node name expanded)
     nonce: str  # agreed per job incarnation; makes temp names unique across restarts
+    node_of_rank: tuple[str, ...] = ()  # each rank's node name (empty: unknown, as in tests that build one)
 
     @property
     def domain(self) -> str:
@@ -198,4 +213,5 @@ def discover_topology(coord: Coordinator, local_dir_template: str | Exception, n
         domain_of_rank=tuple(name[f] for f in domain_first),
         root=root,
         nonce=nonce,
+        node_of_rank=tuple(nodes),
     )

@@ -90,6 +90,7 @@ from . import state as state_mod
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY, DDPTracker
 from .fetch import DurableFetcher
+from .peers import PeerReplicas
 from .planning import (
     GlobalSavePlan,
     create_global_save_plan,
@@ -181,6 +182,7 @@ class Engine:
         replicated: tuple[str, ...] = (),
         restore_fallback: str = "fail",
         provenance: Mapping[str, Any] | None = None,
+        peer_replicas: str = "off",
     ) -> None:
         self.topo = topo
         self.provenance = provenance  # written into every manifest (provenance.py); None: not recorded
@@ -215,9 +217,13 @@ class Engine:
             install=lambda tmp, step, token: self._install(tmp, step, token),
             free_space_margin=free_space_margin,
         )
+        # Peer replicas (peers.py): a partner's steps kept here, ours kept there; collective to connect.
+        self.peers = PeerReplicas(topo, run_id, self.run_dir, mode=peer_replicas, free_space_margin=free_space_margin,
+                                  install=lambda tmp, step, token: self._install(tmp, step, token))
+        self.peers.connect(coord)
         self.restorer = Restorer(
             topo, coord, run_id, self.run_dir, local=self, fetcher=self.fetcher, ddp=self.ddp,
-            io_threads=io_threads, capture_rng=capture_rng, restore_fallback=restore_fallback,
+            io_threads=io_threads, capture_rng=capture_rng, restore_fallback=restore_fallback, peers=self.peers,
         )
 
     # ------------------------------------------------------------------ save, foreground

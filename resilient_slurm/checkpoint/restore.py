@@ -72,6 +72,7 @@ from .compat import CompatReport, check_compat
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY, DDPTracker
 from .fetch import DurableFetcher
+from .peers import Held, PeerReplicas, peer_sources
 from .planning import SafeLoadPlanner, read_metadata_file
 from .staging import framing_for
 
@@ -83,7 +84,8 @@ class RestoreOutcome:
     """What :meth:`Restorer.restore` (``Engine.restore``) did on this rank (for the event log)."""
 
     step: int  # 0: nothing restored
-    tier: str | None  # "local", or "durable" when this rank's node fetched the step; None: nothing restored
+    tier: str | None  # "local"; "peer" or "durable" when this rank's domain copied the step from a partner's
+    # replica or fetched it from the durable tier; None: nothing restored
     seconds: float
     bytes_read: int  # bytes this rank read and verified
     fetched_bytes: int  # bytes this rank fetched from the durable tier (domain leaders only)
@@ -91,6 +93,7 @@ class RestoreOutcome:
     provenance: Mapping[str, Any] | None = None  # the restored step's manifest provenance (provenance.py)
     compat: CompatReport | None = None  # what the restore left out on purpose (allow_missing/allow_unexpected)
     adopted_bytes: int = 0  # bytes that became live tensors' memory without a copy (_Loaded.apply)
+    peer_bytes: int = 0  # bytes this rank's domain received from a partner's replica (domain leaders only)
 
 
 class LocalSteps(Protocol):
@@ -118,8 +121,10 @@ class Restorer:
         io_threads: int = 4,
         capture_rng: bool = True,
         restore_fallback: str = "fail",
+        peers: PeerReplicas | None = None,
     ) -> None:
         self.topo = topo
+        self.peers = peers
         self.coord = coord
         self.run_id = run_id
         self.run_dir = run_dir
@@ -171,7 +176,8 @@ class Restorer:
         listing_error: str | None = None
         if topo.rank == 0 and tier is not None:
             durable, listing_error = self.fetcher.steps()
-        gathered = self.coord.all_gather((mine, durable, map_error, listing_error))
+        held: list[Held] = self.peers.held() if topo.is_leader and self.peers is not None else []
+        gathered = self.coord.all_gather((mine, durable, map_error, listing_error, held))
         errors = [g[2] for g in gathered if g[2]]
         if errors:
             raise ConfigError("; ".join(errors))
@@ -182,13 +188,21 @@ class Restorer:
         leaders = [r for r in range(topo.world_size) if lists[r] is not None]
         common = set.intersection(*[set(lists[r]) for r in leaders]) if leaders else set()
         union = set().union(*[set(lists[r]) for r in leaders]) if leaders else set()
-        if union - common - durable_set and topo.rank == 0:
+        replicas = {r: gathered[r][4] for r in leaders if gathered[r][4]}
+
+        def lacking_in(step: int) -> list[int]:
+            return [r for r in leaders if step not in set(lists[r])]
+
+        # Steps every domain has, locally or as a partner's replica of exactly its ranks.
+        from_peers = {s for s in (union | {h.step for hs in replicas.values() for h in hs}) - common
+                      if len(peer_sources(s, lacking_in(s), replicas, topo)) == len(lacking_in(s))}
+        if union - common - durable_set - from_peers and topo.rank == 0:
             lacking = {
                 topo.domain_of_rank[r]: sorted(union - set(lists[r])) for r in leaders if union - set(lists[r])
             }
             log.warning(
                 "steps %s are committed in some storage domains but missing in others (%s)%s",
-                sorted(union - common - durable_set),
+                sorted(union - common - durable_set - from_peers),
                 ", ".join(f"{d} lacks {s}" for d, s in lacking.items()),
                 "" if tier is not None else "; they cannot be restored without a durable tier",
             )
@@ -196,20 +210,32 @@ class Restorer:
             v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state
         ]
         try:
-            for step in sorted(common | durable_set, reverse=True):
+            for step in sorted(common | durable_set | from_peers, reverse=True):
                 fetched = False
                 here: int | None = None  # bytes this rank's domain fetched for this step (None: none)
+                peer: int | None = None  # bytes it received from a partner's replica (None: none)
                 if step not in common:
-                    # Some domain lacks it locally: its leader fetches it from the durable tier, only the
-                    # files its ranks' load plans read.
-                    lacks = step not in (lists[topo.domain_ranks[0]] or [])
-                    need = topo.is_leader and lacks
-                    planned = self._planned_files(step, state, local=not lacks)
-                    ok, here = self.fetcher.fetch_round(step, need, unreachable, planned)
-                    if not ok:
+                    # Some domains lack it locally: each takes it from a partner's replica when one holds
+                    # it (peers.py), the others from the durable tier, only the files their ranks'
+                    # load plans read.
+                    missing = lacking_in(step)
+                    sources = peer_sources(step, missing, replicas, topo) if self.peers is not None else {}
+                    if sources:
+                        assert self.peers is not None
+                        got, peer = self.peers.restore_round(self.coord, step, sources)
+                        missing = [r for r in missing if r not in got]
+                    if missing and step not in durable_set:
                         skipped.append(step)
                         continue
-                    fetched = need
+                    if missing:
+                        lacks = topo.domain_ranks[0] in missing
+                        need = topo.is_leader and lacks
+                        planned = self._planned_files(step, state, local=not lacks)
+                        ok, here = self.fetcher.fetch_round(step, need, unreachable, planned)
+                        if not ok:
+                            skipped.append(step)
+                            continue
+                        fetched = need
                 status, message, loaded = self._try_read(step, state)
                 verdicts = self.coord.all_gather((status, message))
                 if not any(s == "incompatible" for s, _ in verdicts) and step in durable_set:
@@ -247,12 +273,14 @@ class Restorer:
                 initialized = [v for k, v in state.items() if report and k in report.fresh and v in initialized]
                 if report and topo.rank == 0:
                     _log_compat(step, report)
+                tier_used = "durable" if here is not None else "peer" if peer is not None else "local"
                 log.info("restored step %d from %s%s", step, self.run_dir,
-                         " (fetched from the durable tier)" if step not in common else "")
+                         {"durable": " (fetched from the durable tier)", "peer": " (copied from a partner's replica)",
+                          "local": ""}[tier_used])
                 self.last_restore = RestoreOutcome(
-                    step, "durable" if here is not None else "local", time.perf_counter() - t0, loaded.bytes_read,
+                    step, tier_used, time.perf_counter() - t0, loaded.bytes_read,
                     (here or 0) if topo.is_leader else 0, tuple(skipped), self._provenance, report,
-                    loaded.adopted_bytes)
+                    loaded.adopted_bytes, (peer or 0) if topo.is_leader else 0)
                 return step
         finally:
             for opt in initialized:  # nothing restored: give back a pristine optimizer

@@ -1,0 +1,166 @@
+"""Peer replicas: a node that comes back empty restores from its partner's replica, not the durable tier.
+
+Two emulated nodes (ranks with ``RSLURM_NODE_NAME`` n1 and n2, each with its own local directory
+``nvme/%n``) train ``resilient_slurm.examples.train_toy`` under DDP over gloo, with the default
+``peer_replicas=auto``: after each interval save, n1's leader sends its step to n2 and keeps n2's, over the
+job's own gloo connections. Both nodes' daemons drain the steps to a POSIX durable tier. Then the ranks are
+SIGKILLed (a node failure: no emergency save), n2's local directory is wiped, and the job starts again:
+
+* with n1's replica of n2 intact, n2 restores from it: 0 bytes from the durable tier, bitwise identical;
+* with the replica gone, or a byte of it corrupted (refused on arrival: the checksum of the shard), n2
+  falls back to the durable tier, still bitwise identical.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_same, clean_env, read_jsonl, run_ranks, start_ranks, wait_for_step
+
+from resilient_slurm.layout import list_replicas
+from resilient_slurm.manifest import step_dirname
+
+STEPS = 16
+EVERY = 5
+RUN = "toy"
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="multi-process gloo test")
+
+
+def _argv(root: Path, sleep: float) -> list[str]:
+    return ["-m", "resilient_slurm.examples.train_toy", "--steps", str(STEPS), "--every-steps", str(EVERY),
+            "--workers", "1", "--step-sleep", str(sleep), "--log", str(root / "log.%r.jsonl"),
+            "--out", str(root / "out.%r.pt")]
+
+
+def _env(root: Path, **extra: str) -> dict[str, str]:
+    return {"RSLURM_LOCAL_DIR": str(root / "nvme" / "%n"), "RSLURM_RUN_ID": RUN, "RSLURM_CONTROL_SOCKET": "off",
+            "RSLURM_COLLECTIVE_TIMEOUT": "60", "RSLURM_LOG_LEVEL": "INFO",
+            "RSLURM_DURABLE": str(root / "lustre"), **extra}
+
+
+def _nodes(*names: str) -> list[dict[str, str]]:
+    return [{"RSLURM_NODE_NAME": n} for n in names]
+
+
+def _steps(log: Path) -> dict[int, tuple[float, list[int]]]:
+    return {e["step"]: (e["loss"], e["batch"]) for e in read_jsonl(log) if "loss" in e}
+
+
+def _events(root: Path, node: str, name: str) -> list[dict[str, Any]]:
+    path = root / "nvme" / node / RUN / "events.jsonl"
+    return [e for e in read_jsonl(path) if e.get("event") == name] if path.exists() else []
+
+
+def _daemon(root: Path, node: str) -> None:
+    import subprocess
+
+    env = clean_env({**_env(root), "RSLURM_NODE_NAME": node})
+    env.pop("RSLURM_CONTROL_SOCKET")
+    out = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "daemon", "--once"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[int, Any]], list[dict[str, Any]]]:
+    """An uninterrupted two-rank run: per-rank step logs and final states."""
+    root = tmp_path_factory.mktemp("reference")
+    run_ranks(_argv(root, 0.0), 2, root, env=_env(root, RSLURM_PEER_REPLICAS="off"),
+              per_rank_env=_nodes("n1", "n2"), timeout=240)
+    return ([_steps(root / f"log.{r}.jsonl") for r in range(2)],
+            [torch.load(root / f"out.{r}.pt", weights_only=True) for r in range(2)])
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """A run killed (SIGKILL, no emergency save) after step 10 was committed, replicated both ways and
+    drained by both daemons. Each test works on a copy."""
+    root = tmp_path_factory.mktemp("killed")
+    step = 2 * EVERY
+    job = start_ranks(_argv(root, 0.15), 2, root, env=_env(root), per_rank_env=_nodes("n1", "n2"))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        got = {n: [e["received_step"] for e in _events(root, n, "peer_replica")] for n in ("n1", "n2")}
+        if all(step in v for v in got.values()):
+            break
+        assert all(p.poll() is None for p in job.procs), job.output(0)[-3000:]
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"step {step} was not replicated both ways: {got}\n{job.output(0)[-3000:]}")
+    wait_for_step(root / "log.0.jsonl", step + 1, job=job)
+    job.kill(signal.SIGKILL)
+    for node in ("n1", "n2"):
+        _daemon(root, node)
+    assert (root / "lustre" / RUN / step_dirname(step) / "manifest.json").exists()
+    # n1 keeps exactly n2's newest replicated step, and n2 n1's.
+    for here, there in (("n1", "n2"), ("n2", "n1")):
+        held = list_replicas(str(root / "nvme" / here / RUN))
+        assert list(held) == [there] and held[there].committed == [step], held
+        assert not held[there].temps
+    return root, step
+
+
+def _copy(killed: tuple[Path, int], tmp_path: Path) -> tuple[Path, int]:
+    src, step = killed
+    root = tmp_path / "job"
+    shutil.copytree(src, root, symlinks=True)
+    shutil.rmtree(root / "nvme" / "n2")  # n2 died with its NVMe
+    return root, step
+
+
+def _resume(root: Path, reference: tuple[list[dict[int, Any]], list[dict[str, Any]]], step: int) -> list[dict[str, Any]]:
+    run_ranks(_argv(root, 0.0), 2, root, env=_env(root), per_rank_env=_nodes("n1", "n2"), timeout=240)
+    starts = [[e for e in read_jsonl(root / f"log.{r}.jsonl") if e.get("event") == "start"] for r in range(2)]
+    assert [s[-1]["step"] for s in starts] == [step, step], starts
+    ref_steps, ref_out = reference
+    for r in range(2):
+        got = _steps(root / f"log.{r}.jsonl")
+        for s in range(1, STEPS + 1):
+            assert got[s] == ref_steps[r][s], f"rank {r} step {s}: {got[s]} != {ref_steps[r][s]}"
+        assert_same(torch.load(root / f"out.{r}.pt", weights_only=True), ref_out[r], f"rank{r}")
+    return [_events(root, n, "restore")[-1] for n in ("n1", "n2")]
+
+
+@pytest.mark.slow
+def test_wiped_node_restores_from_its_partner_reading_nothing_from_the_durable_tier(
+    killed: tuple[Path, int], tmp_path: Path, reference: tuple[list[dict[int, Any]], list[dict[str, Any]]]
+) -> None:
+    root, step = _copy(killed, tmp_path)
+    replica = root / "nvme" / "n1" / RUN / "replicas" / "n2" / step_dirname(step)
+    saved = sum(f.stat().st_size for f in replica.iterdir())
+    n1, n2 = _resume(root, reference, step)
+    assert (n1["tier"], n2["tier"]) == ("local", "peer"), (n1, n2)
+    assert n1["fetched_bytes"] == n2["fetched_bytes"] == 0, "the durable tier was read"
+    assert n2["peer_bytes"] == saved, (n2, saved)
+    # The copy is n2's committed step again, under n2's own name.
+    assert (root / "nvme" / "n2" / RUN / step_dirname(step) / "manifest.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_a_missing_or_corrupt_replica_falls_back_to_the_durable_tier(
+    killed: tuple[Path, int], tmp_path: Path, reference: tuple[list[dict[int, Any]], list[dict[str, Any]]],
+    damage: str,
+) -> None:
+    root, step = _copy(killed, tmp_path)
+    replica = root / "nvme" / "n1" / RUN / "replicas" / "n2" / step_dirname(step)
+    if damage == "missing":
+        shutil.rmtree(replica)
+    else:
+        shard = max((f for f in replica.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+    n1, n2 = _resume(root, reference, step)
+    assert (n1["tier"], n2["tier"]) == ("local", "durable"), (n1, n2)
+    assert n2["fetched_bytes"] > 0 and n2["peer_bytes"] == 0, n2
