@@ -227,7 +227,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with catalog:
         runs = [cfg.run_id] if cfg.run_id else catalog.runs(strict=False)
         rows = []
+        replicas = []
         for run in runs:
+            if args.tier != "durable":  # spare copies of partner domains' steps, never this node's own
+                replicas += [rs.to_json(now) for rs in catalog.replicas(run)]
             views = catalog.steps(run, strict=False)
             tags = _run_tags(catalog, run) if views else None
             for v in views:
@@ -239,7 +242,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 rows.append(row)
         doc: dict[str, Any] = {"local_roots": catalog.roots if args.tier != "durable" else [],
                "durable": catalog.durable_url if args.tier != "local" else None,
-               "steps": rows, "errors": list(catalog.errors)}
+               "steps": rows, "replicas": replicas, "errors": list(catalog.errors)}
     if args.json:
         print(json.dumps(doc, indent=1))
         return 2 if doc["errors"] else 0
@@ -267,9 +270,26 @@ def cmd_ls(args: argparse.Namespace) -> int:
         con.print(_table(cols, table_rows, right=("STEP", "SIZE", "RANKS", "AGE")))
     else:
         con.print("(no checkpoints)", markup=False)
+    if replicas:
+        con.print("\nreplicas held here (partner domains' steps copied to this node; not its own steps)",
+                  markup=False, highlight=False)
+        rep_rows = _replica_rows(replicas)
+        has_note = any(r[-1] for r in rep_rows)
+        con.print(_table(["RUN", "REPLICA OF", "STEP", "SIZE", "AGE"] + (["NOTE"] if has_note else []),
+                         [r if has_note else r[:-1] for r in rep_rows], right=("STEP", "SIZE", "AGE")))
     for e in doc["errors"]:
         print(f"error: {e}", file=sys.stderr)
     return 2 if doc["errors"] else 0
+
+
+def _replica_rows(replicas: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    """``rslurm ls``'s replica table: one row per committed replica step, one per replica being received."""
+    out: list[list[Any]] = []
+    for rs in replicas:
+        out += [[rs["run_id"], rs["domain"], r["step"], _size(r["bytes"]), _age(r["age_s"]), r["problem"] or ""]
+                for r in rs["steps"]]
+        out += [[rs["run_id"], rs["domain"], t["step"], "-", "-", "being received"] for t in rs["receiving"]]
+    return out
 
 
 def _pick_step(catalog: Catalog, args: argparse.Namespace, cfg: config.Settings) -> StepView:

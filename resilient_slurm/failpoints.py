@@ -22,6 +22,7 @@ POINTS = (
     "after_manifest",  # leader: manifest.json written in the tmp dir, not yet renamed
     "after_commit_rename",  # leader: step_X/ in place, before retention
     "during_retention",  # any step deletion (layout.delete_step): uncommitted (renamed), not yet removed
+    "during_peer_send",  # a peer replica round (checkpoint/peers.py): the first piece sent, the rest not
 )
 
 

@@ -121,10 +121,12 @@ def run_ranks(argv: Sequence[str], world_size: int, workdir: Path, *, timeout: f
 
 def checkpoint_entries(d: Path | str) -> list[str]:
     """Sorted names in a run directory, leaving out the run's event log (every component appends to
-    ``<run dir>/events.jsonl``): what is left is step directories and anything a save left behind."""
+    ``<run dir>/events.jsonl``) and the partner's replicas (``replicas/``, tests/test_peer_replicas.py):
+    what is left is step directories and anything a save left behind."""
+    from resilient_slurm.layout import REPLICAS_DIRNAME
     from resilient_slurm.telemetry import EVENTS_FILE
 
-    return sorted(n for n in os.listdir(d) if n != EVENTS_FILE) if os.path.isdir(d) else []
+    return sorted(n for n in os.listdir(d) if n not in (EVENTS_FILE, REPLICAS_DIRNAME)) if os.path.isdir(d) else []
 
 
 def read_jsonl(path: Path) -> list[dict]:

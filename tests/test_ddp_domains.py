@@ -143,9 +143,11 @@ def test_two_nodes_each_hold_a_full_copy_and_restore_locally(tmp_path: Path) -> 
     _assert_restored(saved, restored)
     _assert_weights_equal(restored[0]["model"], restored[1]["model"])
 
-    # Node n2 lost its NVMe: rank 1 cannot restore locally, and there is no durable tier to fetch from.
-    # By default every rank stops, naming the step, rather than start a long run over from step 0.
+    # Node n2 lost its NVMe, and n1 its replica of n2's step (peer replicas: tests/test_peer_replicas.py):
+    # rank 1 cannot restore locally, and there is no durable tier to fetch from. By default every rank
+    # stops, naming the step, rather than start a long run over from step 0.
     shutil.rmtree(tmp_path / "n2")
+    shutil.rmtree(tmp_path / "n1" / RUN / "replicas")
     argv = [WORKER, "restore", "--local-dir", local_dir, "--run-id", RUN, "--out", str(tmp_path / "out"),
             "--tag", "refused"]
     refused = start_ranks(argv, 2, tmp_path, env=ENV, per_rank_env=TWO_NODES)

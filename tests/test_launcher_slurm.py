@@ -275,6 +275,46 @@ def test_rank_sigkill_restarts_in_job_and_resumes_from_last_commit(slurm: SlurmC
     _assert_identical_to(ref, work, steps)
 
 
+def test_a_node_that_lost_its_checkpoints_restores_from_its_partner_not_the_durable_tier(
+        slurm: SlurmCluster, tmp_path: Path):
+    """Peer replicas on the cluster: each node's leader keeps the other node's newest step (sent over the
+    job's gloo connections after each save). Rank 1 (on n2) is SIGKILLed and n2's checkpoints are wiped,
+    as when a node's NVMe is lost with it; the launcher restarts the job in its allocation, and n2 takes
+    the step from n1's replica: 0 bytes from the durable tier (which holds it too), bitwise identical."""
+    steps, every = 60, 10
+    work = slurm.work_dir / "launch-peer-replica"
+    work.mkdir()
+    ref = _reference(tmp_path, steps)
+    args = _toy_args(work, steps, 0.1)
+    args[args.index("--every-steps") + 1] = str(every)
+    job = _submit(slurm, work, _script(work, [*TOY, *args], extra_env={"RSLURM_DURABLE": str(work / "lustre")}))
+    n1_events = work / "nvme" / "n1" / "toy" / "events.jsonl"
+
+    def replicated() -> list[int]:
+        return [e["received_step"] for e in read_jsonl(n1_events) if e.get("event") == "peer_replica"
+                and e.get("received_step")] if n1_events.exists() else []
+
+    deadline = time.monotonic() + 120
+    while not replicated() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert replicated(), f"nothing replicated: {_job_text(work)[-3000:]}"
+    step = replicated()[-1]  # the next save is `every` steps (1 s) away: n2 loses nothing newer than this
+    pid = [e for e in read_jsonl(work / "log.1.jsonl") if e.get("event") == "start"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    for d in (work / "nvme" / "n2" / "toy").glob("step_*"):
+        subprocess.run(["rm", "-rf", str(d)], check=False)
+    info = _wait_done(slurm, job, work, timeout=180)
+    (tmp_path / "job.out").write_text(_job_text(work))
+    assert int(info["Restarts"]) == 0, info
+    starts = _starts(work)
+    assert len(starts) == 2, (starts, _job_text(work)[-4000:])
+    restores = [e for e in read_jsonl(work / "nvme" / "n2" / "toy" / "events.jsonl") if e.get("event") == "restore"]
+    assert restores[-1]["step"] == starts[1]["step"] == step, (restores, starts, step)
+    assert restores[-1]["tier"] == "peer" and restores[-1]["fetched_bytes"] == 0, restores[-1]
+    assert restores[-1]["peer_bytes"] > 0, restores[-1]
+    _assert_identical_to(ref, work, steps)
+
+
 def test_a_hung_collective_is_found_and_restarted_in_job(slurm: SlurmCluster, tmp_path: Path):
     """Rank 1 (on n2) stops after step 5; rank 0 (on n1, the launcher's node) then waits in step 6's
     all_reduce. The launcher finds rank 0 idle past hang_timeout, has every rank write its stacks (rank 1

@@ -164,3 +164,22 @@ def test_a_missing_or_corrupt_replica_falls_back_to_the_durable_tier(
     n1, n2 = _resume(root, reference, step)
     assert (n1["tier"], n2["tier"]) == ("local", "durable"), (n1, n2)
     assert n2["fetched_bytes"] > 0 and n2["peer_bytes"] == 0, n2
+
+
+@pytest.mark.slow
+def test_an_interrupted_replica_leaves_nothing_committed(tmp_path: Path) -> None:
+    """n1's rank dies in the middle of sending its first replica (after one piece: the manifest): n2 keeps
+    no replica of it, committed or half-written, and its own steps are intact."""
+    job = start_ranks(_argv(tmp_path, 0.0), 2, tmp_path, env=_env(tmp_path),
+                      per_rank_env=[{"RSLURM_NODE_NAME": "n1", "RSLURM_FAILPOINTS": "during_peer_send=kill"},
+                                    {"RSLURM_NODE_NAME": "n2"}])
+    codes = job.wait(180)
+    assert codes[0] == -signal.SIGKILL, (codes, job.output(0)[-3000:])
+    assert codes[1] != 0, job.output(1)[-3000:]  # its peer is gone: training cannot go on
+    out = job.output(1)
+    assert "peer replicas stop for this job" in out, out[-3000:]
+    held = list_replicas(str(tmp_path / "nvme" / "n2" / RUN))
+    assert all(not listing.committed and not listing.temps for listing in held.values()), held
+    assert (tmp_path / "nvme" / "n2" / RUN / "replicas").stat().st_mode & 0o077 == 0  # private, like a run
+    assert (tmp_path / "nvme" / "n2" / RUN / step_dirname(EVERY) / "manifest.json").exists()
+    assert (tmp_path / "nvme" / "n1" / RUN / step_dirname(EVERY) / "manifest.json").exists()

@@ -81,6 +81,9 @@ PROVENANCE_ONLY = {"code_version_changed"}
 # A rank event written only when the program tags a step (ckpt.tag): tests/test_tags.py writes it (three ranks
 # on two emulated nodes) and checks its fields against these docs.
 TAG_ONLY = {"tagged"}
+# A rank event of storage domains on several nodes (peer replicas): this module's Slurm test (two nodes)
+# checks its fields; the single-node scenario has no partner.
+PEER_ONLY = {"peer_replica"}
 
 # A rank that never saves: ignores SIGTERM (which the launcher forwards when no rank registered) and the
 # save signal, and says when it is ready.
@@ -384,7 +387,8 @@ def test_every_documented_event_appears_with_exactly_its_fields(scenario: Scenar
                                                             | HEALTH_ONLY} - {("rank", e) for e in STRAGGLER_ONLY
                                                                                | RESUME_ONLY
                                                                                | PROVENANCE_ONLY
-                                                                               | TAG_ONLY}
+                                                                               | TAG_ONLY
+                                                                               | PEER_ONLY}
     assert not missing, f"documented but never written: {sorted(missing)}"
     for p in scenario.nvme.glob("*/events.jsonl"):
         check_order(read_jsonl(p), str(p))
@@ -620,6 +624,7 @@ def test_requeue_decisions_on_slurm_and_each_node_logs_its_own(slurm: SlurmClust
     docs = read_docs()
     seen = check_records(docs, events("n1") + events("n2"))
     assert {("launcher", e) for e in SLURM_ONLY} <= seen
+    assert {("rank", e) for e in PEER_ONLY} <= seen, "each node's leader keeps the other's steps"
     for n in logs:
         check_order(events(n), n)
     first, second = launcher("decision")  # one per incarnation

@@ -10,6 +10,16 @@ Who calls what: ``cli.py`` parses arguments and resolves settings, opens a
 Nothing in this package imports torch at import time, and nothing but ``gc`` and ``export`` writes.
 """
 
-from .inventory import Catalog, DurableCopy, LocalCopy, StepView, local_roots
+from .inventory import (
+    Catalog,
+    DurableCopy,
+    LocalCopy,
+    ReplicaSet,
+    ReplicaStep,
+    StepView,
+    local_roots,
+    scan_replicas,
+)
 
-__all__ = ["Catalog", "DurableCopy", "LocalCopy", "StepView", "local_roots"]
+__all__ = ["Catalog", "DurableCopy", "LocalCopy", "ReplicaSet", "ReplicaStep", "StepView", "local_roots",
+           "scan_replicas"]

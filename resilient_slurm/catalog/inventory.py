@@ -22,12 +22,18 @@ States of a step (``StepView.local_state`` / ``StepView.durable_state``):
   manifest: a drain in progress or abandoned), ``invalid`` (the manifest is unreadable or names another
   step), ``absent``, ``unknown`` (the tier could not be listed: ``ls`` reports the error); ``None`` when
   no durable tier is configured.
+
+Peer replicas (``<root>/<run>/replicas/<domain>/step_X/``, :mod:`resilient_slurm.layout`) are spare copies
+of a partner domain's steps that a node holds: never one of the run's own steps (:meth:`Catalog.steps`
+does not see them), listed apart by :func:`scan_replicas` (``rslurm ls``, ``rslurm status``, and the
+daemon's eviction, which removes them first).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import stat
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +50,7 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
-from ..layout import RunListing, list_run_dir, list_runs
+from ..layout import REPLICAS_DIRNAME, RunListing, TempKind, list_replicas, list_run_dir, list_runs
 from ..manifest import (
     DOMAINS_DIR,
     MANIFEST_NAME,
@@ -348,6 +354,12 @@ class Catalog:
             v.durable_unreadable = unreadable
         return [views[s] for s in sorted(views)]
 
+    def replicas(self, run: str) -> list[ReplicaSet]:
+        """The replicas of partner domains' steps of ``run`` that this node holds (in :attr:`this_root`
+        only: the other roots are other nodes' disks, whose replicas those nodes hold). Never among
+        :meth:`steps`. A directory that cannot be listed is recorded in :attr:`errors`."""
+        return scan_replicas(self.this_root, run, self.errors)
+
     # ------------------------------------------------------------------ tags
     def tag_copies(self, run: str) -> list[tuple[str, RunTags | None]]:
         """``(where, copy)`` of every tags file of ``run`` visible from here: each local domain directory's,
@@ -477,4 +489,106 @@ def read_durable_copy(tier: StorageTier, run: str, step: int) -> DurableCopy:
     return DurableCopy("durable", where, m, markers=sorted(m.nodes), domains=len(m.nodes))
 
 
-__all__ = ["Catalog", "DurableCopy", "LocalCopy", "StepView", "local_roots", "read_durable_copy"]
+# ------------------------------------------------------------------ peer replicas
+def tree_bytes(path: str) -> int:
+    """Bytes of the regular files in the directory tree ``path``: links are neither followed nor counted
+    (``os.walk`` does not enter linked directories; files are ``lstat``-ed), and a file gone meanwhile
+    counts 0."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+@dataclass
+class ReplicaStep:
+    """One committed replica: a partner domain's copy of a step, held in this node's run directory."""
+
+    run_id: str
+    domain: str  # the partner storage domain whose step this is
+    step: int
+    path: str
+    bytes: int  # every regular file in the step directory (tree_bytes)
+    created_at: float | None = None  # of the save, from the replica's manifest; None when it cannot be read
+    problem: str | None = None  # why its manifest is not usable (names the file), else None
+
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        now = time.time() if now is None else now
+        return {"step": self.step, "bytes": self.bytes, "path": self.path, "created_at": self.created_at,
+                "age_s": round(max(0.0, now - self.created_at), 1) if self.created_at is not None else None,
+                "problem": self.problem}
+
+
+@dataclass
+class ReplicaSet:
+    """The replicas of one partner domain's steps of one run held in one local root
+    (``<root>/<run>/replicas/<domain>/``)."""
+
+    run_id: str
+    domain: str
+    path: str
+    steps: list[ReplicaStep] = field(default_factory=list)  # committed, ascending
+    receiving: list[tuple[int, str]] = field(default_factory=list)  # (step, temp path) being received
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self.steps)
+
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        """One entry of ``replicas`` in ``rslurm ls --json``."""
+        return {"run_id": self.run_id, "domain": self.domain, "path": self.path, "bytes": self.bytes,
+                "steps": [r.to_json(now) for r in self.steps],
+                "receiving": [{"step": s, "path": p} for s, p in self.receiving]}
+
+
+def _read_replica(run: str, domain: str, path: str, step: int) -> ReplicaStep:
+    out = ReplicaStep(run, domain, step, path, tree_bytes(path))
+    mpath = os.path.join(path, MANIFEST_NAME)
+    try:
+        m = read_manifest_file(mpath)
+    except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
+        out.problem = str(exc)
+        return out
+    except OSError as exc:  # FileNotFoundError too: evicted or replaced while listed
+        out.problem = f"{mpath}: cannot be read: {exc.strerror}"
+        return out
+    if m.run_id != run or m.step != step:
+        out.problem = f"{mpath}: says run {m.run_id!r} step {m.step}"
+    elif m.node != domain:
+        out.problem = f"{mpath}: is domain {m.node!r}'s copy, not {domain!r}'s"
+    else:
+        out.created_at = m.created_at
+    return out
+
+
+def scan_replicas(root: str, run: str, errors: list[str] | None = None) -> list[ReplicaSet]:
+    """The partner domains' replicas of ``run`` held in the local root ``root``, by domain (sorted): their
+    committed steps with their size, and the replicas being received (``TempKind.REPLICA`` temp
+    directories). A domain with neither is left out. Links and files where a ``replicas`` directory, a
+    domain directory or a replica step goes are never followed (:func:`~resilient_slurm.layout.list_replicas`).
+    A directory that cannot be listed is named in ``errors`` (when given) and skipped."""
+    run_dir = os.path.join(root, run)
+    try:
+        by_domain = list_replicas(run_dir)
+    except OSError as exc:
+        if errors is not None:
+            errors.append(f"local tier {os.path.join(run_dir, REPLICAS_DIRNAME)}: cannot list it: {exc.strerror}")
+        return []
+    out = []
+    for domain, listing in by_domain.items():
+        rs = ReplicaSet(run, domain, listing.run_dir,
+                        [_read_replica(run, domain, listing.step_dir(s), s) for s in listing.committed],
+                        [(t.step, listing.temp_path(t)) for t in listing.temps if t.kind is TempKind.REPLICA])
+        if rs.steps or rs.receiving:
+            out.append(rs)
+    return out
+
+
+__all__ = ["Catalog", "DurableCopy", "LocalCopy", "ReplicaSet", "ReplicaStep", "StepView", "local_roots",
+           "read_durable_copy", "scan_replicas", "tree_bytes"]

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from .. import failpoints
 from ..errors import CorruptCheckpointError, InsufficientSpaceError
 from ..layout import (
     TempKind,
@@ -285,6 +286,9 @@ def transfer(group: Any, *, to: int | None, offer: Offer | None, frm: int | None
                 i, off, n = recv_p[k]
                 works.append(dist.irecv(rbuf[:n], frm, group=group))
             _wait(works)
+            if k == 0 and send_p:
+                assert offer is not None
+                failpoints.hit("during_peer_send", offer.step_dir)
             if k < len(recv_p):
                 i, off, n = recv_p[k]
                 assert sink is not None
@@ -335,6 +339,7 @@ class StepSink:
             return f"offered step {self.step}, expected {self.want_step}"
         parent = self.parent_of(self.domain)
         try:
+            os.makedirs(os.path.dirname(parent), mode=0o700, exist_ok=True)  # replicas/ too: 0700, like a run
             os.makedirs(parent, mode=0o700, exist_ok=True)
             check_free_space(parent, sum(s for _, s in self.files) + self.margin,
                              what=f"a peer copy of step {self.step} of {self.domain}")

@@ -13,8 +13,10 @@ what an earlier daemon killed mid-transfer left behind, then loops:
    is drained even when retention would not keep it;
 3. apply retention on the durable tier (per ``keep_last``/``keep_every``; never the newest durable step,
    never a tagged one, nothing of a run whose tags cannot be read);
-4. keep the local tier above ``local_min_free``: evict durable steps first, oldest first; then older
-   non-durable ones, never the newest step that is not yet durable, never a tagged one;
+4. keep the local tier above ``local_min_free``: evict peer replicas first (``<run>/replicas/<domain>/``:
+   spare copies of partner domains' steps, oldest first across runs; the partner's daemon drains the
+   original); then durable steps, oldest first; then older non-durable ones, never the newest step that
+   is not yet durable, never a tagged one;
 5. write the status file (``<local root>/.rslurm/daemon.json``) that ``rslurm status`` reads and, with
    ``metrics_textfile`` set, the Prometheus textfile (also after every transfer, and at most every second
    while one runs); report each run's drain lag to its event log when it changes (or every minute while
@@ -44,10 +46,11 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from ..catalog.inventory import ReplicaStep, scan_replicas
 from ..checkpoint.policy import RetentionPolicy
 from ..errors import ConfigError, CorruptCheckpointError, ResilientSlurmError, StorageError, TagsFileError
 from ..flocks import close_locked_fd, open_locked_fd
-from ..layout import StepBusy, StepTagged, TempKind, delete_durable_step, delete_step
+from ..layout import StepBusy, StepTagged, TempKind, delete_durable_step, delete_step, list_runs
 from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname
 from ..paths import open_state_file
 from ..storage.fileio import atomic_write
@@ -575,6 +578,12 @@ class Daemon:
         free = st.f_bavail * st.f_frsize
         if free >= need:
             return
+        # Replicas first: spare copies of other domains' steps, whose originals their own nodes drain.
+        for r in self._replicas():
+            if free >= need:
+                return
+            if self._evict_replica(r):
+                free = os.statvfs(self.root).f_bavail * st.f_frsize
         by_run: dict[str, list[LocalStep]] = {}
         for s in steps:
             by_run.setdefault(s.run_id, []).append(s)
@@ -607,6 +616,21 @@ class Daemon:
                         "(the newest step that is not yet durable is kept, and so are tagged steps)", self.root,
                         free / 2**30, self.min_free)
 
+    def _replicas(self) -> list[ReplicaStep]:
+        """The committed peer replicas this node holds (of the daemon's runs), oldest save first across
+        runs; one whose manifest cannot be read (no save time) comes first: it is of no use to a restore."""
+        try:
+            runs = self.run_ids if self.run_ids is not None else list_runs(self.root)
+        except OSError as exc:
+            log.warning("cannot list the runs of %s for replicas to evict: %s", self.root, exc)
+            return []
+        errors: list[str] = []
+        out = [r for run in runs for rs in scan_replicas(self.root, run, errors) for r in rs.steps]
+        for e in errors:
+            log.warning("eviction: %s", e)
+        return sorted(out, key=lambda r: (r.created_at if r.created_at is not None else float("-inf"), r.run_id,
+                                          r.domain, r.step))
+
     def _evict(self, s: LocalStep) -> bool:
         try:
             if not delete_step(os.path.dirname(s.path), s.step, TempKind.EVICT):
@@ -630,7 +654,32 @@ class Daemon:
         self._status.pop((s.run_id, s.step), None)
         self.counters["rslurm_local_evicted_steps_total"] += 1
         self._events(s.run_id).emit("evicted", step=s.step, durable=durable, bytes=s.local_bytes,
-                                    free_bytes=self._free_bytes())
+                                    free_bytes=self._free_bytes(), replica_of=None)
+        return True
+
+    def _evict_replica(self, r: ReplicaStep) -> bool:
+        """Delete one peer replica (:func:`delete_step` on its domain's replica directory; replicas are never
+        tagged, and need no drain: they are not this node's data)."""
+        try:
+            if not delete_step(os.path.dirname(r.path), r.step, TempKind.EVICT):
+                return False
+        except StepBusy:
+            return False  # being read (a restore copying it), or the lock is held: keep it for now
+        except (StepTagged, TagsFileError) as exc:  # no tags file belongs there; one planted is refused
+            log.error("eviction of replica %s: %s", r.path, exc)
+            return False
+        except OSError as exc:
+            log.warning("eviction of replica %s: %s", r.path, exc)
+            if os.path.lexists(r.path):
+                return False
+        # Whether the step is durable; None when this pass did not list the run's durable steps (a run
+        # of which this node holds replicas only).
+        durable = r.step in self._durable[r.run_id] if r.run_id in self._durable else None
+        log.warning("local tier below local_min_free=%s: evicted run %s step %d (replica of domain %s: a spare "
+                    "copy of another node's step)", self.min_free, r.run_id, r.step, r.domain)
+        self.counters["rslurm_local_evicted_steps_total"] += 1
+        self._events(r.run_id).emit("evicted", step=r.step, durable=durable, bytes=r.bytes,
+                                    free_bytes=self._free_bytes(), replica_of=r.domain)
         return True
 
     # ------------------------------------------------------------------ status

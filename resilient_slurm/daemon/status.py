@@ -15,6 +15,9 @@ The drain lag is the age of the oldest committed local step newer than the newes
 the durable tier trails this node. The run's history (``catalog/history.py``) adds how its last incarnation
 ended, with the evidence, and how many ends of each class it had. The ranks that rank 0 last found slower
 than their peers (``<run dir>/stragglers.json``, checkpoint/stragglers.py) are listed when there are any.
+So are the peer replicas this node holds (``<run dir>/replicas/<domain>/``: spare copies of a partner
+domain's steps, never among the run's own steps): per run and partner domain, the committed replica steps
+and their size, and the steps being received.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..catalog.history import label, read_history, summary
+from ..catalog.inventory import scan_replicas
 from ..checkpoint.stragglers import read_status as read_stragglers
 from ..config import Settings
 from ..errors import ResilientSlurmError
@@ -68,8 +72,13 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
     lags: dict[str, float] = {}
     histories: dict[str, Any] = {}
     stragglers: dict[str, Any] = {}
+    replicas: dict[str, list[dict[str, Any]]] = {}
     try:
         for run in runs:
+            held = scan_replicas(root, run, errors)
+            if held:
+                replicas[run] = [{"domain": rs.domain, "steps": [r.step for r in rs.steps], "bytes": rs.bytes,
+                                  "receiving": [st for st, _ in rs.receiving]} for rs in held]
             strag = read_stragglers(os.path.join(root, run))
             if strag is not None and strag["stragglers"]:
                 stragglers[run] = strag
@@ -123,7 +132,7 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
     return {"local_root": root, "durable": cfg.durable, "daemon": {
         "running": alive, "pid": (daemon or {}).get("pid"), "updated_at": (daemon or {}).get("updated_at"),
         "current": (daemon or {}).get("current")}, "drain_lag_s": lags, "steps": rows, "history": histories,
-        "stragglers": stragglers, "errors": errors}
+        "stragglers": stragglers, "replicas": replicas, "errors": errors}
 
 
 def _size(n: int | None) -> str:
@@ -158,6 +167,19 @@ def format_status(report: Mapping[str, Any]) -> str:
             lines.append(f"straggler    run {run}: rank {s['rank']} on {s['node']}: {s['ratio']:.2f}x its peers' "
                          f"step time ({s['step_time_s'] * 1e3:.1f} ms against {s['peer_median_s'] * 1e3:.1f} ms), "
                          f"{when}")
+    for run, held in sorted(report.get("replicas", {}).items()):
+        parts = []
+        for h in held:
+            whose = f"{h['domain']}'s "
+            what = []
+            if h["steps"]:
+                what.append(f"{whose}step{'s' if len(h['steps']) > 1 else ''} {', '.join(map(str, h['steps']))} "
+                            f"({_size(h['bytes'])})")
+            if h["receiving"]:
+                what.append(f"receiving {'' if h['steps'] else whose}step{'s' if len(h['receiving']) > 1 else ''} "
+                            f"{', '.join(map(str, h['receiving']))}")
+            parts.append(" and ".join(what))
+        lines.append(f"replicas     run {run}: {'; '.join(parts)}")
     lines.append("")
     lines.append(f"{'RUN':<16} {'STEP':>10} {'REASON':<9} {'SIZE':>10} {'LOCAL':<11} {'DRAIN':<9} {'DURABLE':<12} AGE")
     now = time.time()
