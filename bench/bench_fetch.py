@@ -8,7 +8,11 @@ each node, then restored, the page cache dropped before each restore, in these c
 - ``local``: the same 4 ranks on n1 and n2, nothing missing: a restore from the local tier (the floor);
 - ``node wiped``: the same, n2's local directory wiped (an epilog, a reimaged node): n2 fetches;
 - ``node replaced``: ranks 2-3 on a new node n3: n3 fetches;
-- ``reshard 4 -> 2``: 2 ranks on two new nodes n3 and n4: both fetch.
+- ``reshard 4 -> 2``: 2 ranks on two new nodes n3 and n4: both fetch;
+- ``node wiped, from partner`` and ``node replaced, from partner``: the same two cases with peer replicas
+  (``peer_replicas=auto``; the save kept each node's files on the other node too): the node copies its
+  part from n1's replica over the job's gloo connections, 0 bytes from the durable tier. The other cases
+  restore with ``peer_replicas=off``, which neither makes nor uses replicas.
 
 For each: the restore's time (the ranks' own ``restore`` event, slowest rank; starting Python and the
 process group is not counted), the bytes each fetching node fetched, the whole step's bytes (what a node
@@ -41,11 +45,14 @@ from common import Cache, fmt, free_port, git_facts, log, machine_facts, med, re
 
 RUN = "fetchbench"
 WORKER = os.path.join(HERE, "fetch_worker.py")
-CASES: dict[str, tuple[list[str], list[str]]] = {  # name -> (node of each rank, nodes whose local dir is wiped)
-    "local": (["n1", "n1", "n2", "n2"], []),
-    "node wiped": (["n1", "n1", "n2", "n2"], ["n2"]),
-    "node replaced": (["n1", "n1", "n3", "n3"], ["n3"]),
-    "reshard 4 -> 2": (["n3", "n4"], ["n3", "n4"]),
+# name -> (node of each rank, nodes whose local dir is wiped, whether partners' replicas may be used)
+CASES: dict[str, tuple[list[str], list[str], bool]] = {
+    "local": (["n1", "n1", "n2", "n2"], [], False),
+    "node wiped": (["n1", "n1", "n2", "n2"], ["n2"], False),
+    "node wiped, from partner": (["n1", "n1", "n2", "n2"], ["n2"], True),
+    "node replaced": (["n1", "n1", "n3", "n3"], ["n3"], False),
+    "node replaced, from partner": (["n1", "n1", "n3", "n3"], ["n3"], True),
+    "reshard 4 -> 2": (["n3", "n4"], ["n3", "n4"], False),
 }
 
 
@@ -65,11 +72,11 @@ class Bench:
     def local(self, node: str) -> str:
         return os.path.join(self.root, "nvme", node)
 
-    def ranks(self, mode: str, nodes: list[str]) -> None:
+    def ranks(self, mode: str, nodes: list[str], peers: bool = True) -> None:
         port = free_port()
         procs = []
         for r, node in enumerate(nodes):
-            env = {**self.env, "RANK": str(r), "WORLD_SIZE": str(len(nodes)), "LOCAL_RANK": str(nodes[:r].count(node)),
+            env = {**self.env, "RSLURM_PEER_REPLICAS": "auto" if peers else "off", "RANK": str(r), "WORLD_SIZE": str(len(nodes)), "LOCAL_RANK": str(nodes[:r].count(node)),
                    "LOCAL_WORLD_SIZE": str(nodes.count(node)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "RSLURM_NODE_NAME": node}
             out = open(os.path.join(self.root, f"{mode}.rank{r}.log"), "w")
@@ -86,7 +93,7 @@ class Bench:
             raise SystemExit(f"{mode} ranks failed: {codes}\n{logs}")
 
     def save(self) -> dict[str, Any]:
-        self.ranks("save", CASES["local"][0])
+        self.ranks("save", CASES["local"][0])  # each node's leader also keeps the other node's files
         for node in ("n1", "n2"):
             r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "daemon", "--once"],
                                env={**self.env, "RSLURM_LOCAL_DIR": os.path.join(self.root, "nvme", "%n"),
@@ -102,18 +109,18 @@ class Bench:
         return {"files": files, "step_bytes": sum(files.values())}
 
     def restore(self, case: str) -> dict[str, Any]:
-        nodes, wiped = CASES[case]
+        nodes, wiped, peers = CASES[case]
         for node in wiped:
             shutil.rmtree(self.local(node), ignore_errors=True)
         with open(os.path.join(self.root, "restore.digest"), "w"):
             pass
         self.cache.drop(self.root)
         t0 = time.time()
-        self.ranks("restore", nodes)
+        self.ranks("restore", nodes, peers)
         with open(os.path.join(self.root, "restore.digest")) as f:
             if f.read() != self.saved_digest:
                 raise SystemExit(f"{case}: the restored state differs from the saved one")
-        seconds, fetched = [], {}
+        seconds, fetched, received = [], {}, {}
         for node in sorted(set(nodes)):
             evs = [e for e in read_jsonl(os.path.join(self.local(node), RUN, "events.jsonl"))
                    if e.get("event") == "restore" and e.get("t", 0) >= t0]
@@ -123,9 +130,12 @@ class Bench:
             got = max(e["fetched_bytes"] for e in evs)  # the leader's event carries its domain's bytes
             if got:
                 fetched[node] = got
-        if sorted(fetched) != sorted(wiped):
-            raise SystemExit(f"{case}: nodes {sorted(fetched)} fetched, expected {sorted(wiped)}")
-        return {"restore_s": max(seconds), "fetched": fetched}
+            if max(e["peer_bytes"] for e in evs):
+                received[node] = max(e["peer_bytes"] for e in evs)
+        if sorted(received if peers else fetched) != sorted(wiped) or (peers and fetched):
+            raise SystemExit(f"{case}: nodes {sorted(fetched)} fetched, {sorted(received)} copied from a partner, "
+                             f"expected {sorted(wiped)} to {'copy from a partner' if peers else 'fetch'}")
+        return {"restore_s": max(seconds), "fetched": fetched, "received": received}
 
     def copy_baseline(self, node: str) -> float:
         """A plain copy of the files ``node`` fetched in the last round, from the durable tier into an empty
@@ -155,10 +165,11 @@ class Bench:
             for i in range(self.args.repeats):
                 for case in CASES:
                     got = self.restore(case)
-                    got["copy_s"] = {n: self.copy_baseline(n) for n in got["fetched"]}
+                    got["copy_s"] = {n: self.copy_baseline(n) for n in {**got["fetched"], **got["received"]}}
                     r["cases"][case].append(got)
                     log(f"round {i + 1} {case}: restore {got['restore_s']:.2f} s, fetched "
-                        f"{ {n: round(b / 2**20, 1) for n, b in got['fetched'].items()} } MiB, plain copy "
+                        f"{ {n: round(b / 2**20, 1) for n, b in got['fetched'].items()} } MiB, from a partner "
+                        f"{ {n: round(b / 2**20, 1) for n, b in got['received'].items()} } MiB, plain copy "
                         f"{ {n: round(s, 2) for n, s in got['copy_s'].items()} } s")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
@@ -170,20 +181,22 @@ def report(r: dict[str, Any]) -> None:
     print(f"\nFSDP2 MLP + Adam, {r['mib']} MiB asked ({step / 2**20:.1f} MiB in {len(r['saved']['files'])} files), saved "
           f"at 4 ranks on n1, n2; POSIX durable tier on this machine's disk; cache: {r['cache']}. Medians of "
           f"{len(next(iter(r['cases'].values())))} rounds.\n")
-    print("| case | restore | fetched per fetching node | of the step | before: every file | plain copy of the same files | restore / (local restore + copy) |")
+    print("| case | restore | fetched (or copied from a partner) per node | of the step | before: every file | plain copy of the same files | restore / (local restore + copy) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     local = med([x["restore_s"] for x in r["cases"]["local"]])
     for case, runs in r["cases"].items():
         t = med([x["restore_s"] for x in runs])
-        if not runs[0]["fetched"]:
+        moved = "received" if runs[0].get("received") else "fetched"
+        if not runs[0][moved]:
             print(f"| {case} | {fmt(t, '.2f', ' s')} | - | - | - | - | - |")
             continue
-        per_node = {n: med([x["fetched"][n] for x in runs]) for n in runs[0]["fetched"]}
+        per_node = {n: med([x[moved][n] for x in runs]) for n in runs[0][moved]}
         copy = max(med([x["copy_s"][n] for x in runs]) or 0.0 for n in per_node)
-        shown = ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in per_node.items())
+        shown = ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in per_node.items()) + (
+            " from the partner, 0 from the durable tier" if moved == "received" else "")
         frac = ", ".join(f"{b / step:.2f}" for b in per_node.values())
         base = (local or 0.0) + copy
-        before = "the same (its own files)" if case == "node wiped" else f"{step / 2**20:.1f} MiB per node"
+        before = ("the same (its own files)" if case.startswith("node wiped") else f"{step / 2**20:.1f} MiB per node")
         print(f"| {case} | {fmt(t, '.2f', ' s')} | {shown} | {frac} | {before} | "
               f"{copy:.2f} s | {fmt(t / base if t and base else None, '.2f')} |")
 

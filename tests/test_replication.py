@@ -291,9 +291,11 @@ def test_a_failed_write_on_one_rank_commits_nowhere_and_keeps_older_steps(tmp_pa
 
 
 
-def test_per_rank_state_of_a_lost_node_comes_back_from_the_durable_tier(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["durable", "peer"])
+def test_per_rank_state_of_a_lost_node_comes_back_from_the_durable_tier(tmp_path: Path, source: str) -> None:
     """Per-rank copies live in their rank's domain: when n2's directory is gone, n2's rank fetches the step
-    from the durable tier and gets its own cursor and RNG state back, not n1's."""
+    from the durable tier (``peer_replicas=off`` at the restore) or copies it from n1's replica of it, and
+    gets its own cursor and RNG state back, not n1's."""
     dirs, nodes = [str(tmp_path / "n1"), str(tmp_path / "n2")], ["n1", "n2"]
     lustre = tmp_path / "lustre"
     saved = _ranks("save", 2, tmp_path, dirs, nodes=nodes)
@@ -306,14 +308,15 @@ def test_per_rank_state_of_a_lost_node_comes_back_from_the_durable_tier(tmp_path
         assert r.returncode == 0, r.stderr
     assert (lustre / "rep" / "step_000000000003" / "manifest.json").exists()
     shutil.rmtree(dirs[1])
-    restored = _ranks("restore", 2, tmp_path, dirs, nodes=nodes, env={"RSLURM_DURABLE": str(lustre)})
+    restored = _ranks("restore", 2, tmp_path, dirs, nodes=nodes,
+                      env={"RSLURM_DURABLE": str(lustre), "RSLURM_PEER_REPLICAS": "off" if source == "durable" else "auto"})
     for s, r in zip(saved, restored):
         assert r["error"] is None and r["step"] == 3
         assert r["cursor"] == s["cursor"] and torch.equal(r["rng"], s["rng"])
         for k in s["model"]:
             assert torch.equal(s["model"][k], r["model"][k]), k
     ev = _events(tmp_path / "n2", "restore")
-    assert [e["tier"] for e in ev] == ["durable"], ev
+    assert [e["tier"] for e in ev] == [source], ev
 
 
 def test_show_and_export_name_what_is_stored_per_rank(tmp_path: Path) -> None:

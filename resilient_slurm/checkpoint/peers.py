@@ -540,8 +540,11 @@ class PeerReplicas:
 
     # -- restore, foreground
     def held(self) -> list[Held]:
-        """Leader: the committed replicas on this node, with who saved them."""
+        """Leader: the committed replicas on this node, with who saved them (none with ``peer_replicas=off``:
+        then replicas are neither made nor used)."""
         out: list[Held] = []
+        if self.mode == "off":
+            return out
         try:
             listed = list_replicas(self.run_dir)
         except OSError as exc:
