@@ -12,14 +12,15 @@ Measured from the ranks' own events and step times, medians over rounds:
 
 - the save's stall (``save_staged.stall_s``: what the training thread waited), off and on;
 - the step time of the steps after a save (when the replica round runs) and of all steps, off and on;
-- a replica round: its time and bytes each way, hence the bandwidth it used, and the average bandwidth
-  over the run (bytes per save over the save interval);
+- a replica round: its time (median over the run's rounds; the first rounds of a run are slower, as the
+  kernel first hands out page cache for new files) and bytes each way, hence the bandwidth it used, and
+  the average bandwidth over the run (bytes per save over the save interval);
 - baselines in the same run: a plain copy of the node's step files (read, write, fsync) on this disk, and
   a raw TCP transfer of as many bytes over loopback (one socket, ``sendall``/``recv_into``).
 
 Usage::
 
-    .venv/bin/python bench/bench_peers.py [--mib 256] [--steps 40] [--every 10] [--step-ms 200] [--repeats 3]
+    .venv/bin/python bench/bench_peers.py [--mib 256] [--steps 60] [--every 10] [--step-ms 200] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -200,16 +201,18 @@ def report(r: dict[str, Any]) -> None:
         print(f"| bandwidth while it runs, each way | {sent / 2**20 / rs:.0f} MiB/s |")
         print(f"| average over the run, each way (per save interval of {interval:.1f} s) | "
               f"{sent / 2**20 / interval:.0f} MiB/s |")
-    print(f"| baseline: plain copy of the step's files on this disk (read, write, fsync) | {fmt(copy, '.2f', ' s')} |")
-    print(f"| baseline: raw loopback TCP of as many bytes | {fmt(tcp, '.2f', ' s')} |")
+    print(f"| baseline: plain copy of one node's step files on this disk (read, write, fsync) | {fmt(copy, '.2f', ' s')} |")
+    print(f"| baseline: raw loopback TCP of as many bytes, one way | {fmt(tcp, '.2f', ' s')} |")
     if rs and copy:
-        print(f"| round / plain copy | {rs / copy:.2f} |")
+        # Both nodes are on this machine: their two rounds read, send, receive and write both steps at once,
+        # through one disk, so the like-for-like baseline is both copies, one after the other.
+        print(f"| round / two plain copies (both nodes' rounds share this machine's disk) | {rs / (2 * copy):.2f} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=float, default=256.0)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--step-ms", type=float, default=200.0)
     ap.add_argument("--repeats", type=int, default=3)

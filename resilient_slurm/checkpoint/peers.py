@@ -49,6 +49,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -228,6 +229,80 @@ def check_header(header: Any, run_id: str) -> tuple[int, str, list[tuple[str, in
     return step, domain, out
 
 
+class _Pipeline:
+    """The disk side of a round's pieces, overlapped with the network: piece k+1 is read (one thread) while
+    piece k travels, and received pieces are written and hashed behind it (another thread, in order, as the
+    sink's streaming hash needs). Two buffers each way: a buffer is reused only once its send, or its write,
+    is done. A read failure is remembered (:attr:`read_ok`) and the piece still goes out (the stream stays
+    paired; the trailer tells the receiver to keep nothing)."""
+
+    DEPTH = 2
+
+    def __init__(self, step_dir: str, files: Sequence[tuple[str, int]], send_p: Sequence[tuple[int, int, int]],
+                 sink: Sink | None, recv_p: Sequence[tuple[int, int, int]]) -> None:
+        self.step_dir, self.files, self.send_p, self.sink, self.recv_p = step_dir, files, send_p, sink, recv_p
+        size = max([n for _, _, n in send_p] + [0])
+        self.sbufs = [torch.empty(size, dtype=torch.uint8) for _ in range(min(self.DEPTH, len(send_p)))]
+        size = max([n for _, _, n in recv_p] + [0])
+        self.rbufs = [torch.empty(size, dtype=torch.uint8) for _ in range(min(self.DEPTH, len(recv_p)))]
+        self.read_ok = True
+        self._fds: dict[int, int] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="rslurm-peer-read") if send_p else None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="rslurm-peer-write") if recv_p else None
+        self._reads: dict[int, Future[None]] = {}
+        self._writes: dict[int, Future[None]] = {}
+
+    def __enter__(self) -> _Pipeline:
+        for k in range(min(self.DEPTH - 1, len(self.send_p))):
+            self._read_ahead(k)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ex in (self._reader, self._writer):
+            if ex is not None:
+                ex.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        for f in self._writes.values():
+            f.result()  # a write never raises (the sink keeps its first failure); a bug does
+
+    def _read_ahead(self, k: int) -> None:
+        assert self._reader is not None
+        self._reads[k] = self._reader.submit(self._read, k)
+
+    def _read(self, k: int) -> None:
+        i, off, n = self.send_p[k]
+        if not self.read_ok:
+            return
+        try:
+            if i not in self._fds:
+                self._fds[i] = open_regular(os.path.join(self.step_dir, self.files[i][0]), what="a shard file")
+            if os.preadv(self._fds[i], [as_memoryview(self.sbufs[k % self.DEPTH])[:n]], off) != n:
+                raise OSError(f"{self.files[i][0]} is shorter than its manifest says")
+        except OSError as exc:
+            self.read_ok = False
+            log.warning("peer replica: cannot read %s: %s", os.path.join(self.step_dir, self.files[i][0]), exc)
+
+    def outgoing(self, k: int) -> torch.Tensor:
+        """Piece k, read (the send of piece k-1 is done: its buffer may be refilled with piece k+1)."""
+        self._reads.pop(k).result()
+        if k + self.DEPTH - 1 < len(self.send_p):
+            self._read_ahead(k + self.DEPTH - 1)
+        return self.sbufs[k % self.DEPTH][: self.send_p[k][2]]
+
+    def incoming(self, k: int) -> torch.Tensor:
+        """The buffer piece k arrives in (once the write of the piece it held before is done)."""
+        done = self._writes.pop(k - self.DEPTH, None)
+        if done is not None:
+            done.result()
+        return self.rbufs[k % self.DEPTH][: self.recv_p[k][2]]
+
+    def received(self, k: int) -> None:
+        assert self._writer is not None and self.sink is not None
+        i, off, n = self.recv_p[k]
+        self._writes[k] = self._writer.submit(self.sink.write, i, off, as_memoryview(self.rbufs[k % self.DEPTH])[:n])
+
+
 def transfer(group: Any, *, to: int | None, offer: Offer | None, frm: int | None, sink: Sink | None,
              run_id: str) -> RoundResult:
     """One round with a partner: send ``offer`` (or nothing) to ``to`` and receive what ``frm`` offers into
@@ -259,43 +334,21 @@ def transfer(group: Any, *, to: int | None, offer: Offer | None, frm: int | None
     if offer is not None and reply == 0:
         res.declined = f"rank {to} did not take step {offer.header['step']}"
     send_p, recv_p = _pieces(outgoing), _pieces(incoming) if take else []
-    sbuf = torch.empty(min(PIECE, max((n for _, _, n in send_p), default=0)), dtype=torch.uint8)
-    rbuf = torch.empty(min(PIECE, max((n for _, _, n in recv_p), default=0)), dtype=torch.uint8)
-    read_ok = True
-    fds: dict[int, int] = {}
-    try:
+    with _Pipeline(offer.step_dir if offer is not None else "", outgoing, send_p, sink, recv_p) as pipe:
         for k in range(max(len(send_p), len(recv_p))):
             works = []
             if k < len(send_p):
-                i, off, n = send_p[k]
-                assert offer is not None
-                if read_ok:
-                    try:
-                        if i not in fds:
-                            fds[i] = open_regular(os.path.join(offer.step_dir, outgoing[i][0]), what="a shard file")
-                        view = as_memoryview(sbuf)[:n]
-                        if os.preadv(fds[i], [view], off) != n:
-                            raise OSError(f"{outgoing[i][0]} is shorter than its manifest says")
-                    except OSError as exc:
-                        read_ok = False
-                        log.warning("peer replica of step %s: cannot read %s: %s", offer.header["step"],
-                                    os.path.join(offer.step_dir, outgoing[i][0]), exc)
-                works.append(dist.isend(sbuf[:n], to, group=group))
-                res.sent += n
+                works.append(dist.isend(pipe.outgoing(k), to, group=group))
+                res.sent += send_p[k][2]
             if k < len(recv_p):
-                i, off, n = recv_p[k]
-                works.append(dist.irecv(rbuf[:n], frm, group=group))
+                works.append(dist.irecv(pipe.incoming(k), frm, group=group))
             _wait(works)
             if k == 0 and send_p:
                 assert offer is not None
                 failpoints.hit("during_peer_send", offer.step_dir)
             if k < len(recv_p):
-                i, off, n = recv_p[k]
-                assert sink is not None
-                sink.write(i, off, as_memoryview(rbuf)[:n])
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+                pipe.received(k)
+    read_ok = pipe.read_ok
     ok = _swap_flag(group, to if outgoing else None, 0 if read_ok else 1, frm if take else None)
     if take:
         assert sink is not None
