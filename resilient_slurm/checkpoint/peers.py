@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -69,6 +70,9 @@ from ..layout import (
 )
 from ..manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, read_manifest_file, step_dirname
 from ..storage.fileio import (
+    _O_DIRECT,
+    BLOCK,
+    aligned_buffer,
     as_memoryview,
     atomic_write,
     check_free_space,
@@ -76,6 +80,7 @@ from ..storage.fileio import (
     open_regular,
     reading_step,
     remove_tree_quietly,
+    round_up,
 )
 from .coordination import Coordinator, Topology
 
@@ -140,7 +145,7 @@ class Sink(Protocol):
     """The receiving side of a round (:class:`StepSink`)."""
 
     def accept(self, header: Mapping[str, Any]) -> str | None: ...  # None: take it; else why not
-    def write(self, index: int, offset: int, data: memoryview) -> None: ...
+    def write(self, index: int, offset: int, buf: memoryview, n: int) -> None: ...  # buf[:n] is the piece
     def finish(self) -> None: ...  # verify and commit; raises on a bad copy
     def abandon(self) -> None: ...
 
@@ -229,6 +234,17 @@ def check_header(header: Any, run_id: str) -> tuple[int, str, list[tuple[str, in
     return step, domain, out
 
 
+def _try_direct(fd: int) -> bool:
+    """Switch ``fd`` to O_DIRECT where the filesystem allows it (tmpfs does not); whether it did."""
+    if not _O_DIRECT:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+        return True
+    except OSError:
+        return False
+
+
 class _Pipeline:
     """The disk side of a round's pieces, overlapped with the network: piece k+1 is read (one thread) while
     piece k travels, and received pieces are written and hashed behind it (another thread, in order, as the
@@ -241,10 +257,13 @@ class _Pipeline:
     def __init__(self, step_dir: str, files: Sequence[tuple[str, int]], send_p: Sequence[tuple[int, int, int]],
                  sink: Sink | None, recv_p: Sequence[tuple[int, int, int]]) -> None:
         self.step_dir, self.files, self.send_p, self.sink, self.recv_p = step_dir, files, send_p, sink, recv_p
+        # Page-aligned and block-rounded, so the files can be read and written with O_DIRECT: through the
+        # page cache, a round first faulted in a page-cache page for every byte it read and wrote (about
+        # 500 MiB/s for fresh memory here, against 4 GiB/s once warm).
         size = max([n for _, _, n in send_p] + [0])
-        self.sbufs = [torch.empty(size, dtype=torch.uint8) for _ in range(min(self.DEPTH, len(send_p)))]
+        self.sbufs = [aligned_buffer(size, prefault=False, huge=False) for _ in range(min(self.DEPTH, len(send_p)))]
         size = max([n for _, _, n in recv_p] + [0])
-        self.rbufs = [torch.empty(size, dtype=torch.uint8) for _ in range(min(self.DEPTH, len(recv_p)))]
+        self.rbufs = [aligned_buffer(size, prefault=False, huge=False) for _ in range(min(self.DEPTH, len(recv_p)))]
         self.read_ok = True
         self._fds: dict[int, int] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="rslurm-peer-read") if send_p else None
@@ -277,7 +296,9 @@ class _Pipeline:
         try:
             if i not in self._fds:
                 self._fds[i] = open_regular(os.path.join(self.step_dir, self.files[i][0]), what="a shard file")
-            if os.preadv(self._fds[i], [as_memoryview(self.sbufs[k % self.DEPTH])[:n]], off) != n:
+                _try_direct(self._fds[i])
+            view = as_memoryview(self.sbufs[k % self.DEPTH])
+            if os.preadv(self._fds[i], [view[: min(round_up(n), len(view))]], off) < n:
                 raise OSError(f"{self.files[i][0]} is shorter than its manifest says")
         except OSError as exc:
             self.read_ok = False
@@ -300,7 +321,7 @@ class _Pipeline:
     def received(self, k: int) -> None:
         assert self._writer is not None and self.sink is not None
         i, off, n = self.recv_p[k]
-        self._writes[k] = self._writer.submit(self.sink.write, i, off, as_memoryview(self.rbufs[k % self.DEPTH])[:n])
+        self._writes[k] = self._writer.submit(self.sink.write, i, off, as_memoryview(self.rbufs[k % self.DEPTH]), n)
 
 
 def transfer(group: Any, *, to: int | None, offer: Offer | None, frm: int | None, sink: Sink | None,
@@ -383,6 +404,7 @@ class StepSink:
         self.step = -1
         self.domain = ""
         self._fds: dict[int, int] = {}
+        self._direct: dict[int, bool] = {}
         self._hash: dict[int, Any] = {}
         self._error: str | None = None
 
@@ -404,7 +426,9 @@ class StepSink:
             return f"cannot keep step {self.step} of {self.domain} in {parent}: {exc}"
         return None
 
-    def write(self, index: int, offset: int, data: memoryview) -> None:
+    def write(self, index: int, offset: int, buf: memoryview, n: int) -> None:
+        """Write ``buf[:n]`` at ``offset`` of file ``index`` and hash it (pieces arrive in order). With
+        O_DIRECT the last piece of a file is written block-rounded, and the file cut to its size."""
         if self._error is not None or self.tmp is None:
             return
         try:
@@ -413,10 +437,18 @@ class StepSink:
                 self._fds[index] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                                            0o600)
                 self._hash[index] = xxhash.xxh3_64()
+                self._direct[index] = _try_direct(self._fds[index])
+            direct = self._direct[index] and offset % BLOCK == 0 and round_up(n) <= len(buf)
+            data = buf[: round_up(n) if direct else n]
+            if not direct and self._direct[index]:  # an unaligned piece: write it through the page cache
+                fcntl.fcntl(self._fds[index], fcntl.F_SETFL, fcntl.fcntl(self._fds[index], fcntl.F_GETFL) & ~_O_DIRECT)
+                self._direct[index] = False
             done = 0
             while done < len(data):
                 done += os.pwrite(self._fds[index], data[done:], offset + done)
-            self._hash[index].update(data)
+            if len(data) != n:
+                os.ftruncate(self._fds[index], offset + n)
+            self._hash[index].update(buf[:n])
         except OSError as exc:
             self._error = f"writing {self.files[index][0]} into {self.tmp}: {exc}"
 
