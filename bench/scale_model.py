@@ -46,12 +46,14 @@ The durable commit (``resilient_slurm/daemon/drain.py`` ``StepDrainer``, ``daemo
 - Every pass of every node's daemon, idle or not, also calls ``durable_steps`` (one LIST of ``<run>/`` plus one
   HEAD per step directory) and ``read_durable_tags`` (one GET of ``<run>/tags.json``) for each run it holds.
 
-Ranged fetch and peer replicas (issue 14 items 2 and 3) are not built. The model assumes:
+Ranged fetch (issue 14 item 2) is not built; peer replicas (item 3) are (checkpoint/peers.py). The model
+assumes:
 - ranged fetch: each node fetches only the byte ranges its ranks' load plans need, as ranged GETs of
   ``piece`` bytes, ``drain_threads`` in flight across files (not file after file), no HEAD (sizes from the
   manifest; one request per file touched is counted all the same).
-- peer replicas: every domain's shards are also on one partner node's NVMe; a replaced node reads its domain
-  from its partner over the network and nothing from the durable tier. When every node is new (a requeue
+- peer replicas: every domain's shards are also on one partner node's NVMe (the newest step, sent after each
+  save); a replaced node reads its domain from its partner over one gloo connection and nothing from the
+  durable tier. When every node is new (a requeue
   onto other nodes, another world size), the partners are gone too, so peer = ranged there; same for a wiped
   NVMe.
 
@@ -63,7 +65,7 @@ latency of the tier, B_stream = one connection's (one thread's) throughput, B_no
 fetch lands in the local tier). Per node, before: 3 L + the sum over its files.
 Per node, today (f files, 8 at a time): 3 L + ceil(f / 8) L + ceil(f p / T) L + bytes / min(B_node, min(T, f p) * B_stream).
 Per node, ranged: 3 L + ceil(f / T) L + ceil(r / T) L + bytes / min(B_node, T * B_stream), f files, r ranges.
-Per node, peer: bytes / min(NIC, NVMe read, NVMe write).
+Per node, peer: bytes / min(NIC, NVMe read, NVMe write, one gloo stream).
 All fetching nodes together: T_fetch = max(slowest node, total bytes / B_aggregate, rate-limited requests / rate).
 Restore time = listing ((1 + D) L, D = step directories listed) + T_fetch + local read (N-th of the checkpoint
 / NVMe read). Nodes that fetch nothing read locally; the collective waits for the slowest.
@@ -124,6 +126,9 @@ ASSUMPTIONS = {
                              "sustained writes; here 0.9 GB/s raw write (docs/benchmarks.md)"),
     "nic_gbps": (25.0, "200 Gb/s per node (one HDR/NDR200 InfiniBand or 200 GbE port); "
                        "GPU nodes often have 4-8 x 400 Gb/s for the GPUs, not for storage"),
+    "peer_stream_gbps": (3.0, "one gloo TCP connection between two nodes' leaders (the replica transfer is one "
+                              "stream): a few GB/s on a 200 Gb/s port (assumption); here 2.7 GB/s one way and "
+                              "1.2 GB/s each way both at once over loopback on 2 busy cores"),
     "lustre_aggregate_gbps": (500.0, "a large Lustre file system: hundreds of GB/s aggregate (e.g. "
                                      "Frontier's Orion ~10 TB/s, many sites 100s of GB/s)"),
     "lustre_stream_gbps": (2.0, "one client thread reading one Lustre file stripe-wise: ~1-3 GB/s"),
@@ -183,6 +188,7 @@ class Params:
     nvme_read: float
     nvme_write: float
     nic: float
+    peer_stream: float  # one gloo connection between partner leaders (checkpoint/peers.py)
     poll_s: float
     keep_last: int
     interval_s: float
@@ -256,8 +262,9 @@ def fetch_plan(p: Params, t: Tier, files: int, nbytes: float) -> NodeFetch:
 
 
 def fetch_peer(p: Params, nbytes: float) -> NodeFetch:
-    """Peer replica (not built): the node's domain from its partner's NVMe over the network."""
-    return NodeFetch(seconds=nbytes / min(p.nic, p.nvme_read, p.nvme_write))
+    """Peer replica (``PeerReplicas.restore_round``): the node's domain from its partner's NVMe, over one gloo
+    connection of the job, read, sent, written and hashed overlapped (O_DIRECT both ends)."""
+    return NodeFetch(seconds=nbytes / min(p.nic, p.nvme_read, p.nvme_write, p.peer_stream))
 
 
 def aggregate(t: Tier, fetches: Sequence[NodeFetch]) -> dict[str, Any]:
@@ -419,6 +426,7 @@ def _opt(v: Any, f: Any) -> str:
 def print_tables(res: dict[str, Any], p: Params) -> None:
     print(f"Checkpoint {human_b(p.size)}, fully sharded, {p.ranks_per_node} ranks (shard files) per node; "
           f"NVMe read {p.nvme_read / GB:g} GB/s, write {p.nvme_write / GB:g} GB/s; NIC {p.nic / GB:g} GB/s; "
+          f"peer stream {p.peer_stream / GB:g} GB/s; "
           f"{p.threads} transfers in flight per node.")
     for t in p.tiers:
         agg = "unbounded" if t.aggregate == float("inf") else f"{t.aggregate / GB:g} GB/s"
@@ -554,6 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nvme-read-gbps", type=float, default=a["nvme_read_gbps"][0], help=a["nvme_read_gbps"][1])
     ap.add_argument("--nvme-write-gbps", type=float, default=a["nvme_write_gbps"][0], help=a["nvme_write_gbps"][1])
     ap.add_argument("--nic-gbps", type=float, default=a["nic_gbps"][0], help="GB/s per node: " + a["nic_gbps"][1])
+    ap.add_argument("--peer-stream-gbps", type=float, default=a["peer_stream_gbps"][0],
+                    help="GB/s of one gloo connection between partner nodes: " + a["peer_stream_gbps"][1])
     ap.add_argument("--lustre-aggregate-gbps", type=float, default=a["lustre_aggregate_gbps"][0],
                     help=a["lustre_aggregate_gbps"][1])
     ap.add_argument("--lustre-stream-gbps", type=float, default=a["lustre_stream_gbps"][0],
@@ -595,6 +605,7 @@ def params_from(args: argparse.Namespace) -> Params:
         nodes=tuple(int(x) for x in str(args.nodes).split(",") if x.strip()),
         size=args.size_tb * TB, ranks_per_node=args.ranks_per_node, threads=args.threads,
         nvme_read=args.nvme_read_gbps * GB, nvme_write=args.nvme_write_gbps * GB, nic=args.nic_gbps * GB,
+        peer_stream=args.peer_stream_gbps * GB,
         poll_s=args.poll_s, keep_last=args.keep_last, interval_s=args.interval_min * 60,
         finish_spread_s=args.finish_spread_s, measured_latency=args.measured_latency_ms / 1000,
         measured_list_latency=args.measured_list_latency_ms / 1000,
