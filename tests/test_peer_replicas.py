@@ -13,8 +13,10 @@ SIGKILLed (a node failure: no emergency save), n2's local directory is wiped, an
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,8 +62,6 @@ def _events(root: Path, node: str, name: str) -> list[dict[str, Any]]:
 
 
 def _daemon(root: Path, node: str) -> None:
-    import subprocess
-
     env = clean_env({**_env(root), "RSLURM_NODE_NAME": node})
     env.pop("RSLURM_CONTROL_SOCKET")
     out = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "daemon", "--once"], env=env,
@@ -183,3 +183,48 @@ def test_an_interrupted_replica_leaves_nothing_committed(tmp_path: Path) -> None
     assert (tmp_path / "nvme" / "n2" / RUN / "replicas").stat().st_mode & 0o077 == 0  # private, like a run
     assert (tmp_path / "nvme" / "n2" / RUN / step_dirname(EVERY) / "manifest.json").exists()
     assert (tmp_path / "nvme" / "n1" / RUN / step_dirname(EVERY) / "manifest.json").exists()
+
+
+def test_a_bad_offer_or_a_bad_copy_is_refused_and_the_next_round_still_pairs(tmp_path: Path) -> None:
+    """Real gloo rounds between two processes: an offer of another run is declined before any byte moves, a
+    shard changed after its manifest was written is refused on arrival (nothing committed, no temp
+    directory left), and the intact step sent next is committed: neither refusal unpaired the stream."""
+    env = {"RSLURM_NODE_NAME": "n1", "RSLURM_CONTROL_SOCKET": "off", "RSLURM_AUTO_CADENCE": "off"}
+    saver = f"""
+import torch
+from resilient_slurm import Checkpointer
+c = Checkpointer(local_dir={str(tmp_path / 'src')!r}, run_id='r')
+c.save(3, {{'w': torch.arange(200000, dtype=torch.float32), 'n': 7}})
+c.close()
+"""
+    r = subprocess.run([sys.executable, "-c", saver], env=clean_env(env), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    step_dir = tmp_path / "src" / "r" / step_dirname(3)
+    dest, out = tmp_path / "dest", tmp_path / "out.json"
+    dest.mkdir()
+    worker = Path(__file__).parent / "workers" / "peer_transfer_worker.py"
+    run_ranks([str(worker), str(step_dir), str(dest), str(out)], 2, tmp_path, timeout=120)
+    other, tampered, intact = json.loads(out.read_text())
+    assert other["received"] == 0 and "someone-else" in other["declined"] and other["held"] == {}, other
+    assert tampered["received"] == 0 and "does not match its manifest" in tampered["error"], tampered
+    assert tampered["held"] == {"n1": [[], []]}, tampered  # nothing committed, the temp directory removed
+    assert intact["received"] > 0 and intact["error"] is None and intact["held"] == {"n1": [[3], []]}, intact
+    got = dest / "replicas" / "n1" / step_dirname(3)
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in step_dir.iterdir())
+    for p in step_dir.iterdir():
+        assert (got / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+def test_a_replica_of_another_save_of_the_same_step_is_never_mixed_in() -> None:
+    """peer_sources: a replica is used only when it is of the save the other domains hold (created_at)."""
+    from resilient_slurm.checkpoint.coordination import Topology
+    from resilient_slurm.checkpoint.peers import Held, peer_sources
+
+    topo = Topology(rank=0, world_size=2, node="n1", domain_of_rank=("n1", "n2"), root="/x", nonce="z",
+                    node_of_rank=("n1", "n2"))
+    held = {0: [Held("n2", 10, 2, (1,), 100.0)]}
+    assert peer_sources(10, [1], held, topo, [100.0]) == {1: (0, "n2")}
+    assert peer_sources(10, [1], held, topo, [200.0]) == {}, "a replica of an older save of step 10"
+    assert peer_sources(10, [1], held, topo, []) == {1: (0, "n2")}  # nobody holds its own copy: any one save
+    assert peer_sources(10, [1], {0: [Held("n2", 10, 4, (1,), 100.0)]}, topo, [100.0]) == {}  # other world size
+    assert peer_sources(10, [1], {0: [Held("n2", 10, 2, (0, 1), 100.0)]}, topo, [100.0]) == {}  # other ranks

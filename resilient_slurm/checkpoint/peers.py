@@ -335,21 +335,18 @@ def transfer(group: Any, *, to: int | None, offer: Offer | None, frm: int | None
     raw = _swap_bytes(group, to, hdr, frm)
     incoming: list[tuple[str, int]] = []
     take = 0
+    offered = False  # the partner offered something (then it waits for an answer, whatever we make of it)
     if frm is not None:
         assert raw is not None and sink is not None
+        offered = raw.strip() != b"null"
         try:
-            res.header = json.loads(raw.decode()) if raw else None
-        except ValueError as exc:
-            raise PeerTransferError(f"rank {frm} sent a header that is not JSON: {exc}") from None
-    offered = frm is not None and res.header is not None
-    if offered:
-        assert sink is not None and res.header is not None
-        try:
-            _, _, incoming = check_header(res.header, run_id)
-            res.declined = sink.accept(res.header)
-        except PeerTransferError as exc:
+            if offered:
+                res.header = json.loads(raw.decode())
+                _, _, incoming = check_header(res.header, run_id)
+                res.declined = sink.accept(res.header)
+        except Exception as exc:  # a bad offer or a sink that cannot take it: declined, the stream stays paired
             res.declined = f"refused the offer of rank {frm}: {exc}"
-        take = 0 if res.declined else 1
+        take = 1 if offered and not res.declined else 0
     reply = _swap_flag(group, frm if offered else None, take, to if offer is not None and to is not None else None)
     outgoing = offer.files if offer is not None and to is not None and reply == 1 else []
     if offer is not None and reply == 0:
@@ -509,6 +506,7 @@ class Held:
     step: int
     world_size: int
     ranks: tuple[int, ...]
+    created_at: float  # with the run and step, identifies the save (Manifest.save_id)
 
 
 @dataclass
@@ -643,7 +641,7 @@ class PeerReplicas:
                     log.warning("peer replicas: skipping %s: %s", listing.step_dir(s), exc)
                     continue
                 if m.step == s and m.node == domain and m.run_id == self.run_id:
-                    out.append(Held(domain, s, m.world_size, tuple(m.nodes.get(domain, ()))))
+                    out.append(Held(domain, s, m.world_size, tuple(m.nodes.get(domain, ())), m.created_at))
         return out
 
     def restore_round(self, coord: Coordinator, step: int,
@@ -699,18 +697,24 @@ class PeerReplicas:
 
 
 def peer_sources(step: int, lacking: Sequence[int], held: Mapping[int, Sequence[Held]],
-                 topo: Topology) -> dict[int, tuple[int, str]]:
+                 topo: Topology, saved_at: Sequence[float]) -> dict[int, tuple[int, str]]:
     """For each leader in ``lacking`` (its domain lacks ``step``), a leader holding a replica of ``step``
-    written by exactly that domain's ranks at this world size, and the replica's domain. The same on
-    every rank: every input is gathered."""
+    written by exactly that domain's ranks at this world size, and the replica's domain. ``saved_at``: the
+    ``created_at`` of the domains' own copies of ``step``; a replica of another save of the same step
+    number (the run went back to an older step and saved this one again while the replica could not be
+    replaced) is never mixed with them. The same on every rank: every input is gathered."""
+    stamps = set(saved_at)
+    if len(stamps) > 1:  # the domains' own copies disagree already: no replica can complete them
+        return {}
     out: dict[int, tuple[int, str]] = {}
     for need in lacking:
         ranks = tuple(r for r, d in enumerate(topo.domain_of_rank) if d == topo.domain_of_rank[need])
         for holder in sorted(held):
             match = next((h for h in held[holder] if h.step == step and h.world_size == topo.world_size
-                          and h.ranks == ranks), None)
+                          and h.ranks == ranks and (not stamps or h.created_at in stamps)), None)
             if holder != need and match is not None:
                 out[need] = (holder, match.domain)
+                stamps = {match.created_at}  # every other replica used must be of the same save
                 break
     return out
 

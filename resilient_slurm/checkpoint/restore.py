@@ -177,7 +177,8 @@ class Restorer:
         if topo.rank == 0 and tier is not None:
             durable, listing_error = self.fetcher.steps()
         held: list[Held] = self.peers.held() if topo.is_leader and self.peers is not None else []
-        gathered = self.coord.all_gather((mine, durable, map_error, listing_error, held))
+        saved_at = self._saved_at(mine) if topo.is_leader and self.peers is not None and self.peers.mode != "off" else {}
+        gathered = self.coord.all_gather((mine, durable, map_error, listing_error, held, saved_at))
         errors = [g[2] for g in gathered if g[2]]
         if errors:
             raise ConfigError("; ".join(errors))
@@ -193,9 +194,13 @@ class Restorer:
         def lacking_in(step: int) -> list[int]:
             return [r for r in leaders if step not in set(lists[r])]
 
+        def sources(step: int) -> dict[int, tuple[int, str]]:
+            stamps = [gathered[r][5][step] for r in leaders if step in gathered[r][5]]
+            return peer_sources(step, lacking_in(step), replicas, topo, stamps) if replicas else {}
+
         # Steps every domain has, locally or as a partner's replica of exactly its ranks.
         from_peers = {s for s in (union | {h.step for hs in replicas.values() for h in hs}) - common
-                      if len(peer_sources(s, lacking_in(s), replicas, topo)) == len(lacking_in(s))}
+                      if len(sources(s)) == len(lacking_in(s))}
         if union - common - durable_set - from_peers and topo.rank == 0:
             lacking = {
                 topo.domain_of_rank[r]: sorted(union - set(lists[r])) for r in leaders if union - set(lists[r])
@@ -219,10 +224,10 @@ class Restorer:
                     # it (peers.py), the others from the durable tier, only the files their ranks'
                     # load plans read.
                     missing = lacking_in(step)
-                    sources = peer_sources(step, missing, replicas, topo) if self.peers is not None else {}
-                    if sources:
+                    pairs = sources(step) if self.peers is not None else {}
+                    if pairs:
                         assert self.peers is not None
-                        got, peer = self.peers.restore_round(self.coord, step, sources)
+                        got, peer = self.peers.restore_round(self.coord, step, pairs)
                         missing = [r for r in missing if r not in got]
                     if missing and step not in durable_set:
                         skipped.append(step)
@@ -290,6 +295,17 @@ class Restorer:
         if unreachable or union or durable_set:
             self._no_restore(where, sorted(union | durable_set), unreachable)
         return 0
+
+    def _saved_at(self, steps: list[int] | None) -> dict[int, float]:
+        """Leader: the ``created_at`` of each local committed step whose manifest reads (which save it is:
+        a partner's replica of the same step number must be of the same save, peers.py)."""
+        out: dict[int, float] = {}
+        for s in steps or []:
+            try:
+                out[s] = read_manifest_file(os.path.join(self.run_dir, step_dirname(s), MANIFEST_NAME)).created_at
+            except Exception:  # unreadable here: the read that follows skips the step with the reason
+                continue
+        return out
 
     def _no_restore(self, where: str, steps: list[int], unreachable: list[str]) -> None:
         """Checkpoints exist (or may: the durable tier could not be listed or read) and none was restored.
