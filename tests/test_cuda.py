@@ -120,3 +120,35 @@ def test_async_save_is_not_torn_by_later_gpu_steps(tmp_path: Path) -> None:
     with Checkpointer(local_dir=str(tmp_path), run_id="gpu-async") as ck:
         assert ck.restore({"model": model2, "opt": opt2}) == 3
     _same(_snapshot(model2, opt2), at_save)
+
+
+def test_restore_stages_through_pinned_memory_on_a_side_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore reads GPU state into pinned buffers and copies it on a side stream that first waits for
+    the program's stream: a model still being written by queued work on the current stream when restore is
+    called ends up with the checkpoint's values, not the queued ones, bitwise."""
+    from resilient_slurm.checkpoint import restore as restore_mod
+
+    pinned: list[bool] = []
+    real = restore_mod.aligned_buffer
+
+    def spy(nbytes: int, **kw: object) -> torch.Tensor:
+        t = real(nbytes, **kw)  # type: ignore[arg-type]
+        pinned.append(t.is_pinned())
+        return t
+
+    monkeypatch.setattr(restore_mod, "aligned_buffer", spy)
+    model, opt = _build(0)
+    _train(model, opt, 3)
+    with Checkpointer(local_dir=str(tmp_path), run_id="pin") as ck:
+        ck.save(3, {"model": model, "opt": opt}, blocking=True)
+    ref = _snapshot(model, opt)
+    model2, opt2 = _build(1)
+    _train(model2, opt2, 1)
+    big = torch.randn(4096, 4096, device="cuda")
+    with torch.no_grad():
+        for p in model2.parameters():  # queued on the current stream, still running when restore starts
+            p.add_((big @ big).sum() * 0)
+    with Checkpointer(local_dir=str(tmp_path), run_id="pin") as ck:
+        assert ck.restore({"model": model2, "opt": opt2}) == 3
+    assert pinned and any(pinned), "no pinned read buffer"
+    _same(_snapshot(model2, opt2), ref)

@@ -36,6 +36,7 @@ event log; nothing here writes events.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 import itertools
 import logging
@@ -435,6 +436,9 @@ class Restorer:
                 )
             needed.setdefault(info.relative_path, []).append((ri, info))
         owners = _Owners(state, planner)
+        # State on a GPU: the bytes are read into pinned memory, so that the copies to the device are DMA
+        # transfers queued on a side stream (_Loaded.apply), not synchronous copies from pageable memory.
+        cuda = torch.cuda.is_available() and _on_cuda(target)
         where: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}  # item -> (buffer, offset of its bytes)
         adopt: dict[tuple[str, int], torch.Tensor] = {}  # item -> the live tensor its buffer may become
         decoded: dict[tuple[str, int], Any] = {}
@@ -471,7 +475,8 @@ class Restorer:
                 spans.append((lo, as_memoryview(own)))
             if shared:
                 regions = _merged(shared)
-                buf = aligned_buffer(regions[-1][1], prefault=False)  # pages it never reads cost nothing
+                # Pages it never reads cost nothing (pinned memory is all allocated and locked: only for CUDA).
+                buf = aligned_buffer(regions[-1][1], prefault=False, pin=cuda)
                 mv = as_memoryview(buf)
                 first = len(spans)
                 spans.extend((a, mv[a:b]) for a, b in regions)
@@ -505,7 +510,7 @@ class Restorer:
                             f"{path}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
                         ) from exc
         read = sum(info.length for reqs in needed.values() for _, info in reqs)
-        return _Loaded(planner=planner, target=target, md=md, needed=needed, where=where, adopt=adopt,
+        return _Loaded(planner=planner, target=target, md=md, needed=needed, where=where, adopt=adopt, cuda=cuda,
                        decoded=decoded, bytes_read=read)
 
 
@@ -527,6 +532,19 @@ def _log_compat(step: int, report: CompatReport) -> None:
 
 
 ADOPT_MIN_BYTES = 1 << 20  # smaller tensors are copied: a buffer of their own would cost more than the copy
+
+
+def _on_cuda(obj: Any, depth: int = 0) -> bool:
+    """Whether a (nested) load target holds a tensor on a CUDA device."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type == "cuda"
+    if depth > 32:
+        return False
+    if isinstance(obj, Mapping):
+        return any(_on_cuda(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_on_cuda(v, depth + 1) for v in obj)
+    return False
 
 
 def _release(storages: list[torch.UntypedStorage]) -> None:
@@ -637,6 +655,7 @@ class _Loaded:
     decoded: dict[tuple[str, int], Any] = field(default_factory=dict)
     bytes_read: int = 0
     adopted_bytes: int = 0  # bytes that became live memory without a copy
+    cuda: bool = False  # some of the state is on a GPU: copies go on a side stream (buffers pinned)
 
     def apply(self) -> None:
         """Put every verified item into the live state. A large tensor read into a buffer of its own takes
@@ -646,6 +665,19 @@ class _Loaded:
         The memory a tensor gave up is freed on a background thread, one tensor at a time: unmapping
         1 GiB of 4 KiB pages costs about 0.1 s, which the restore need not wait for."""
         given_up: list[torch.UntypedStorage] = []
+        stream = torch.cuda.Stream() if self.cuda else None
+        if stream is not None:
+            # The side stream writes tensors the program's stream may still be using: it waits for that
+            # stream first; at the end the host waits for the side stream, so the buffers outlive the copies.
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._apply(given_up)
+        if stream is not None:
+            stream.synchronize()
+        if given_up:
+            threading.Thread(target=_release, args=(given_up,), name="rslurm-release", daemon=True).start()
+
+    def _apply(self, given_up: list[torch.UntypedStorage]) -> None:
         for rel, reqs in self.needed.items():
             for ri, info in reqs:
                 buf, at = self.where[(rel, info.offset)]
@@ -669,10 +701,9 @@ class _Loaded:
                             dest.data = part  # the alias a module's load_state_dict may still read
                         self.adopted_bytes += part.numel() * part.element_size()
                     else:
-                        dest.detach().copy_(part)
+                        # To a GPU from pinned memory: asynchronous on the side stream (apply's caller waits).
+                        dest.detach().copy_(part, non_blocking=dest.device.type == "cuda")
                 self.planner.commit_tensor(ri, dest)
-        if given_up:
-            threading.Thread(target=_release, args=(given_up,), name="rslurm-release", daemon=True).start()
 
     def _stored_tensor(self, ri: Any, blob: torch.Tensor) -> torch.Tensor:
         tmd = self.md.state_dict_metadata[ri.storage_index.fqn]
