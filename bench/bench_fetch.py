@@ -28,7 +28,6 @@ one (sha256). Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -41,7 +40,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path[:0] = [HERE, REPO]
 
-from common import Cache, fmt, free_port, git_facts, log, machine_facts, med, read_jsonl  # noqa: E402
+from common import (  # noqa: E402
+    Cache,
+    add_wait_quiet_arg,
+    fmt,
+    free_port,
+    git_facts,
+    log,
+    machine_facts,
+    med,
+    read_jsonl,
+    run_main,
+)
 
 RUN = "fetchbench"
 WORKER = os.path.join(HERE, "fetch_worker.py")
@@ -191,17 +201,17 @@ def report(r: dict[str, Any]) -> None:
             print(f"| {case} | {fmt(t, '.2f', ' s')} | - | - | - | - | - |")
             continue
         per_node = {n: med([x[moved][n] for x in runs]) for n in runs[0][moved]}
-        copy = max(med([x["copy_s"][n] for x in runs]) or 0.0 for n in per_node)
         shown = ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in per_node.items()) + (
             " from the partner, 0 from the durable tier" if moved == "received" else "")
         frac = ", ".join(f"{b / step:.2f}" for b in per_node.values())
-        base = (local or 0.0) + copy
         before = ("the same (its own files)" if case.startswith("node wiped") else f"{step / 2**20:.1f} MiB per node")
         if moved == "received":  # against the same case from the durable tier, run in the same rounds
             durable = med([x["restore_s"] for x in r["cases"][case.split(",")[0]]])
             print(f"| {case} | {fmt(t, '.2f', ' s')} | {shown} | {frac} | {before} | - | "
                   f"{fmt(t / durable if t and durable else None, '.2f')} of the durable fetch |")
             continue
+        copy = max(med([x["copy_s"][n] for x in runs]) or 0.0 for n in per_node)
+        base = (local or 0.0) + copy
         print(f"| {case} | {fmt(t, '.2f', ' s')} | {shown} | {frac} | {before} | "
               f"{copy:.2f} s | {fmt(t / base if t and base else None, '.2f')} |")
 
@@ -212,16 +222,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: the temporary directory)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    t0 = time.time()
-    r = Bench(args).run()
-    r["wall_s"] = time.time() - t0
-    report(r)
-    print(f"\n(total benchmark wall time {r['wall_s']:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2, default=str)
-
+    add_wait_quiet_arg(ap)
+    run_main(ap.parse_args(), Bench, report)  # type: ignore[arg-type]  # a Bench of its own, not a BenchBase
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path[:0] = [HERE, REPO]
 
-from common import fmt, free_port, git_facts, log, machine_facts, med, read_jsonl  # noqa: E402
+from common import (  # noqa: E402
+    add_wait_quiet_arg,
+    fmt,
+    free_port,
+    git_facts,
+    log,
+    machine_facts,
+    med,
+    read_jsonl,
+    run_main,
+)
 
 RUN = "peerbench"
 WORKER = os.path.join(HERE, "peer_worker.py")
@@ -218,16 +228,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: the temporary directory)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    t0 = time.time()
-    r = Bench(args).run()
-    r["wall_s"] = time.time() - t0
-    report(r)
-    print(f"\n(total benchmark wall time {r['wall_s']:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2, default=str)
-
+    add_wait_quiet_arg(ap)
+    run_main(ap.parse_args(), Bench, report)  # type: ignore[arg-type]  # a Bench of its own, not a BenchBase
 
 if __name__ == "__main__":
     main()
