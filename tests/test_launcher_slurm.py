@@ -281,7 +281,7 @@ def test_a_node_that_lost_its_checkpoints_restores_from_its_partner_not_the_dura
     job's gloo connections after each save). Rank 1 (on n2) is SIGKILLed and n2's checkpoints are wiped,
     as when a node's NVMe is lost with it; the launcher restarts the job in its allocation, and n2 takes
     the step from n1's replica: 0 bytes from the durable tier (which holds it too), bitwise identical."""
-    steps, every = 60, 10
+    steps, every = 60, 20
     work = slurm.work_dir / "launch-peer-replica"
     work.mkdir()
     ref = _reference(tmp_path, steps)
@@ -298,7 +298,7 @@ def test_a_node_that_lost_its_checkpoints_restores_from_its_partner_not_the_dura
     while not replicated() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert replicated(), f"nothing replicated: {_job_text(work)[-3000:]}"
-    step = replicated()[-1]  # the next save is `every` steps (1 s) away: n2 loses nothing newer than this
+    step = replicated()[-1]  # the next save is `every` steps (2 s) away: n2 loses nothing newer than this
     pid = [e for e in read_jsonl(work / "log.1.jsonl") if e.get("event") == "start"][0]["pid"]
     os.kill(pid, signal.SIGKILL)
     for d in (work / "nvme" / "n2" / "toy").glob("step_*"):

@@ -337,3 +337,40 @@ def test_show_and_export_name_what_is_stored_per_rank(tmp_path: Path) -> None:
     assert ex.returncode == 0, ex.stderr
     got = torch.load(out, weights_only=True)
     assert got == {"_rslurm_per_rank": {"0": {"cursor": saved[0]["cursor"]}, "1": {"cursor": saved[1]["cursor"]}}}
+
+
+def test_a_step_saved_twice_is_never_restored_as_a_mix_of_the_two_saves(tmp_path: Path) -> None:
+    """One step number, two saves: n2's copy of step 3 is from another save than n1's (here: its manifest's
+    save time moved, as after a run that went back to step 2 and saved step 3 again where only n1 committed
+    it). Restore skips step 3 and takes step 2. Then n2 loses step 3 and n1's copy is the other save: the
+    durable tier's step 3 (the first save) is refused instead of fetched into n2, and step 2 is restored."""
+    dirs, nodes = [str(tmp_path / "n1"), str(tmp_path / "n2")], ["n1", "n2"]
+    lustre = tmp_path / "lustre"
+    off = {"RSLURM_PEER_REPLICAS": "off"}
+    saved = _ranks("save", 2, tmp_path, dirs, nodes=nodes, env=off)
+    for node, d in zip(nodes, dirs):
+        r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "daemon", "--once"], timeout=120,
+                           capture_output=True, text=True,
+                           env=clean_env({"RSLURM_LOCAL_DIR": d, "RSLURM_NODE_NAME": node, "RSLURM_RUN_ID": "rep",
+                                          "RSLURM_DURABLE": str(lustre)}))
+        assert r.returncode == 0, r.stderr
+    assert (lustre / "rep" / "step_000000000003" / "manifest.json").exists()
+
+    def move_save_time(node: str) -> None:
+        p = tmp_path / node / "rep" / "step_000000000003" / "manifest.json"
+        m = json.loads(p.read_text())
+        m["created_at"] += 1000.0
+        p.write_text(json.dumps(m))
+
+    move_save_time("n2")
+    restored = _ranks("restore", 2, tmp_path, dirs, nodes=nodes, env=off)
+    assert [r["step"] for r in restored] == [2, 2], restored
+    # n2 loses step 3, and n1's copy is the other save (its save time moved too); the durable step 3 is
+    # the first save: fetching it into n2 would pair it with n1's other save.
+    shutil.rmtree(tmp_path / "n2" / "rep" / "step_000000000003")
+    move_save_time("n1")
+    restored = _ranks("restore", 2, tmp_path, dirs, nodes=nodes, env={**off, "RSLURM_DURABLE": str(lustre)})
+    assert [r["step"] for r in restored] == [2, 2], restored
+    assert not (tmp_path / "n2" / "rep" / "step_000000000003").exists(), "the other save was fetched into n2"
+    for s, r in zip(saved, restored):
+        assert r["error"] is None and r["cursor"] != s["cursor"]  # step 2's cursor, not step 3's

@@ -109,12 +109,13 @@ class DurableFetcher:
             return [], f"cannot list {self.tier.url}: {exc}"
 
     def fetch_round(self, step: int, need: bool, unreachable: list[str],
-                    planned: frozenset[str] | None = None) -> tuple[bool, int | None]:
+                    planned: frozenset[str] | None = None, *, save_of: float | None = None) -> tuple[bool, int | None]:
         """Collective: leaders with ``need`` fetch ``step`` from the durable tier. ``planned``: the files
         this rank's load plan reads (None: unknown); a leader fetches the union over its domain's ranks
         (every file when one of them does not know). Returns whether every fetch succeeded, and the bytes
         this rank's domain fetched (None when it fetched nothing). Fetches that failed for a storage reason
-        (not corruption) are appended to ``unreachable``."""
+        (not corruption) are appended to ``unreachable``. ``save_of``: the ``created_at`` of the other domains'
+        own copies of ``step``; a durable step of another save is refused (it would restore a mix of two)."""
         plans = self.coord.all_gather(planned)
         mine = [plans[r] for r in self.topo.domain_ranks]
         union = None if any(p is None for p in mine) else frozenset().union(*mine)
@@ -124,7 +125,7 @@ class DurableFetcher:
         if need:
             try:
                 t0 = time.perf_counter()
-                n = self.fetch(step, union)
+                n = self.fetch(step, union, save_of=save_of)
                 dt = time.perf_counter() - t0
                 log.info("step %d: fetched %.1f MiB for %s from %s in %.2f s (%.1f MiB/s)", step, n / 2**20,
                          self.topo.domain, self.tier.url if self.tier else "?", dt, n / 2**20 / max(dt, 1e-9))
@@ -159,7 +160,7 @@ class DurableFetcher:
         same_layout = dm.world_size == topo.world_size and tuple(dm.nodes.get(src, ())) == tuple(topo.domain_ranks)
         return Source(src, dm, md_bytes, md, same_layout)
 
-    def fetch(self, step: int, planned: frozenset[str] | None = None) -> int:
+    def fetch(self, step: int, planned: frozenset[str] | None = None, *, save_of: float | None = None) -> int:
         """Leader: copy this domain's part of ``step`` from the durable tier into the local tier (verified,
         then committed like a save: temp directory, manifest last, rename). Returns bytes fetched.
 
@@ -171,6 +172,10 @@ class DurableFetcher:
         topo = self.topo
         source = self.source(step)
         dm, md = source.marker, source.md
+        if save_of is not None and dm.created_at != save_of:
+            raise CorruptCheckpointError(
+                f"{tier.url}: step {step} there is another save of that step (created at {dm.created_at}) than the "
+                f"copies the other storage domains hold (created at {save_of}); restoring it would mix the two")
         if source.same_layout:  # the ranks here are the ones that wrote src's shards: they need only those
             wanted = {s.path for s in dm.shards_of_node(source.domain)}
         elif planned is not None:  # what this domain's ranks will read, and nothing else

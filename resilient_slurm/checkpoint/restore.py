@@ -178,7 +178,7 @@ class Restorer:
         if topo.rank == 0 and tier is not None:
             durable, listing_error = self.fetcher.steps()
         held: list[Held] = self.peers.held() if topo.is_leader and self.peers is not None else []
-        saved_at = self._saved_at(mine) if topo.is_leader and self.peers is not None and self.peers.mode != "off" else {}
+        saved_at = self._saved_at(mine) if topo.is_leader else {}
         gathered = self.coord.all_gather((mine, durable, map_error, listing_error, held, saved_at))
         errors = [g[2] for g in gathered if g[2]]
         if errors:
@@ -192,12 +192,23 @@ class Restorer:
         union = set().union(*[set(lists[r]) for r in leaders]) if leaders else set()
         replicas = {r: gathered[r][4] for r in leaders if gathered[r][4]}
 
+        def stamps_of(step: int) -> set[float]:
+            """The saves (created_at) of the domains' own copies of ``step`` whose manifests read."""
+            return {gathered[r][5][step] for r in leaders if step in gathered[r][5]}
+
+        # One step number committed by two different saves in different domains (a run that went back to an
+        # older step and saved this one again where only some domains committed it, or were fetched into)
+        # would restore a mix of both: never a candidate.
+        mixed = {s for s in union if len(stamps_of(s)) > 1}
+        if mixed and topo.rank == 0:
+            log.warning("steps %s were committed by different saves in different storage domains; they are not "
+                        "restored (the previous step is tried)", sorted(mixed))
+
         def lacking_in(step: int) -> list[int]:
             return [r for r in leaders if step not in set(lists[r])]
 
         def sources(step: int) -> dict[int, tuple[int, str]]:
-            stamps = [gathered[r][5][step] for r in leaders if step in gathered[r][5]]
-            return peer_sources(step, lacking_in(step), replicas, topo, stamps) if replicas else {}
+            return peer_sources(step, lacking_in(step), replicas, topo, sorted(stamps_of(step))) if replicas else {}
 
         # Steps every domain has, locally or as a partner's replica of exactly its ranks.
         from_peers = {s for s in (union | {h.step for hs in replicas.values() for h in hs}) - common
@@ -216,7 +227,7 @@ class Restorer:
             v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state
         ]
         try:
-            for step in sorted(common | durable_set | from_peers, reverse=True):
+            for step in sorted((common | durable_set | from_peers) - mixed, reverse=True):
                 fetched = False
                 here: int | None = None  # bytes this rank's domain fetched for this step (None: none)
                 peer: int | None = None  # bytes it received from a partner's replica (None: none)
@@ -237,7 +248,8 @@ class Restorer:
                         lacks = topo.domain_ranks[0] in missing
                         need = topo.is_leader and lacks
                         planned = self._planned_files(step, state, local=not lacks)
-                        ok, here = self.fetcher.fetch_round(step, need, unreachable, planned)
+                        ok, here = self.fetcher.fetch_round(step, need, unreachable, planned,
+                                                            save_of=next(iter(stamps_of(step)), None))
                         if not ok:
                             skipped.append(step)
                             continue
@@ -254,7 +266,8 @@ class Restorer:
                                 log.warning("step %d: %s; fetching it from the durable tier", step, m)
                         need = topo.is_leader and bad_here and not fetched
                         planned = self._planned_files(step, state, local=not bad_here)
-                        ok, again = self.fetcher.fetch_round(step, need, unreachable, planned)
+                        ok, again = self.fetcher.fetch_round(step, need, unreachable, planned,
+                                                             save_of=next(iter(stamps_of(step)), None))
                         if again is not None:
                             here = (here or 0) + again
                         if ok:
