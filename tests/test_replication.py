@@ -291,6 +291,16 @@ def test_a_failed_write_on_one_rank_commits_nowhere_and_keeps_older_steps(tmp_pa
 
 
 
+def _drain(dirs: list[str], nodes: list[str], lustre: Path) -> None:
+    """Each node's ``rslurm daemon --once`` drains its directory to the POSIX tier ``lustre``."""
+    for node, d in zip(nodes, dirs):
+        r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "daemon", "--once"], timeout=120,
+                           capture_output=True, text=True,
+                           env=clean_env({"RSLURM_LOCAL_DIR": d, "RSLURM_NODE_NAME": node, "RSLURM_RUN_ID": "rep",
+                                          "RSLURM_DURABLE": str(lustre)}))
+        assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("source", ["durable", "peer"])
 def test_per_rank_state_of_a_lost_node_comes_back_from_the_durable_tier(tmp_path: Path, source: str) -> None:
     """Per-rank copies live in their rank's domain: when n2's directory is gone, n2's rank fetches the step
@@ -300,12 +310,7 @@ def test_per_rank_state_of_a_lost_node_comes_back_from_the_durable_tier(tmp_path
     lustre = tmp_path / "lustre"
     saved = _ranks("save", 2, tmp_path, dirs, nodes=nodes)
     assert saved[0]["cursor"] != saved[1]["cursor"]
-    for node, d in zip(nodes, dirs):
-        r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "daemon", "--once"], timeout=120,
-                           capture_output=True, text=True,
-                           env=clean_env({"RSLURM_LOCAL_DIR": d, "RSLURM_NODE_NAME": node, "RSLURM_RUN_ID": "rep",
-                                          "RSLURM_DURABLE": str(lustre)}))
-        assert r.returncode == 0, r.stderr
+    _drain(dirs, nodes, lustre)
     assert (lustre / "rep" / "step_000000000003" / "manifest.json").exists()
     shutil.rmtree(dirs[1])
     restored = _ranks("restore", 2, tmp_path, dirs, nodes=nodes,
@@ -348,12 +353,7 @@ def test_a_step_saved_twice_is_never_restored_as_a_mix_of_the_two_saves(tmp_path
     lustre = tmp_path / "lustre"
     off = {"RSLURM_PEER_REPLICAS": "off"}
     saved = _ranks("save", 2, tmp_path, dirs, nodes=nodes, env=off)
-    for node, d in zip(nodes, dirs):
-        r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "daemon", "--once"], timeout=120,
-                           capture_output=True, text=True,
-                           env=clean_env({"RSLURM_LOCAL_DIR": d, "RSLURM_NODE_NAME": node, "RSLURM_RUN_ID": "rep",
-                                          "RSLURM_DURABLE": str(lustre)}))
-        assert r.returncode == 0, r.stderr
+    _drain(dirs, nodes, lustre)
     assert (lustre / "rep" / "step_000000000003" / "manifest.json").exists()
 
     def move_save_time(node: str) -> None:

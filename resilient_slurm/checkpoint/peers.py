@@ -109,12 +109,12 @@ def ring(topo: Topology, mode: str) -> Ring:
     """This rank's place in the ring of domain leaders (the same computation on every rank)."""
     if mode not in MODES:
         raise ValueError(f"peer_replicas must be one of {MODES}, got {mode!r}")
-    leaders = sorted({topo.domain_of_rank.index(d) for d in topo.domain_of_rank})
-    node = {r: (topo.node_of_rank[r] if len(topo.node_of_rank) == topo.world_size else topo.domain_of_rank[r])
-            for r in leaders}
-    hosts = Counter(node.values())
-    if mode == "off" or len(leaders) < 2 or (mode == "auto" and len(hosts) < 2) or topo.rank not in leaders:
+    if not any_ring(topo, mode):
         return Ring()
+    leaders, node = _leaders(topo)
+    if topo.rank not in leaders:
+        return Ring()
+    hosts = Counter(node.values())
     order = sorted(leaders, key=lambda r: (node[r], r))
     most = max(hosts.values())
     shift = most if most < len(order) else 1
@@ -123,9 +123,18 @@ def ring(topo: Topology, mode: str) -> Ring:
 
 
 def any_ring(topo: Topology, mode: str) -> bool:
-    """Whether some leader has a partner (so every rank must join the peer group)."""
+    """Whether the leaders form a ring (so every rank must join the peer group): :func:`ring`'s condition,
+    without computing every leader's place."""
+    leaders, node = _leaders(topo)
+    return mode != "off" and len(leaders) >= 2 and (mode != "auto" or len(set(node.values())) >= 2)
+
+
+def _leaders(topo: Topology) -> tuple[list[int], dict[int, str]]:
+    """The domain leaders (lowest rank of each domain), and each one's node (its domain name when the
+    topology does not know nodes)."""
     leaders = sorted({topo.domain_of_rank.index(d) for d in topo.domain_of_rank})
-    return any(ring(dataclasses.replace(topo, rank=r), mode).send_to is not None for r in leaders)
+    known = len(topo.node_of_rank) == topo.world_size
+    return leaders, {r: topo.node_of_rank[r] if known else topo.domain_of_rank[r] for r in leaders}
 
 
 # ---------------------------------------------------------------------------------------------- transfer
@@ -144,7 +153,7 @@ class Offer:
 class Sink(Protocol):
     """The receiving side of a round (:class:`StepSink`)."""
 
-    def accept(self, header: Mapping[str, Any]) -> str | None: ...  # None: take it; else why not
+    def accept(self, step: int, domain: str, files: list[tuple[str, int]]) -> str | None: ...  # None: take it
     def write(self, index: int, offset: int, buf: memoryview, n: int) -> None: ...  # buf[:n] is the piece
     def finish(self) -> None: ...  # verify and commit; raises on a bad copy
     def abandon(self) -> None: ...
@@ -342,8 +351,8 @@ def transfer(group: Any, *, to: int | None, offer: Offer | None, frm: int | None
         try:
             if offered:
                 res.header = json.loads(raw.decode())
-                _, _, incoming = check_header(res.header, run_id)
-                res.declined = sink.accept(res.header)
+                step, domain, incoming = check_header(res.header, run_id)
+                res.declined = sink.accept(step, domain, incoming)
         except Exception as exc:  # a bad offer or a sink that cannot take it: declined, the stream stays paired
             res.declined = f"refused the offer of rank {frm}: {exc}"
         take = 1 if offered and not res.declined else 0
@@ -405,8 +414,9 @@ class StepSink:
         self._hash: dict[int, Any] = {}
         self._error: str | None = None
 
-    def accept(self, header: Mapping[str, Any]) -> str | None:
-        self.step, self.domain, self.files = check_header(dict(header), self.run_id)
+    def accept(self, step: int, domain: str, files: list[tuple[str, int]]) -> str | None:
+        """Make the temp directory for a checked offer (:func:`check_header`), or say why not."""
+        self.step, self.domain, self.files = step, domain, files
         if self.want_step is not None and self.step != self.want_step:
             return f"offered step {self.step}, expected {self.want_step}"
         parent = self.parent_of(self.domain)
