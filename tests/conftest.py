@@ -37,6 +37,9 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     }
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
+    # A rank that hangs is sent SIGABRT before it is killed (RankJob.wait): faulthandler then writes every
+    # thread's stack into its output, which the failure shows (a hang in CI is otherwise a bare timeout).
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(extra or {})
     return env
 
@@ -49,16 +52,32 @@ class RankJob:
     logs: list[Path]
 
     def wait(self, timeout: float = 300) -> list[int]:
-        """Wait for every rank; kill all and fail the test if any hangs."""
+        """Wait for every rank; if any hangs, dump every rank's stacks, kill all and fail the test with the
+        end of each rank's output (stacks included)."""
         deadline = time.monotonic() + timeout
         codes = []
         for p in self.procs:
             try:
                 codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
+                self.dump_stacks()
                 self.kill()
-                pytest.fail(f"rank process {p.pid} did not finish within {timeout}s; see {self.logs}")
+                tails = "\n".join(f"--- rank {r} ({log}) ---\n{self.output(r)[-6000:]}"
+                                   for r, log in enumerate(self.logs))
+                pytest.fail(f"rank process {p.pid} did not finish within {timeout}s\n{tails}")
         return codes
+
+    def dump_stacks(self, wait_s: float = 3.0) -> None:
+        """SIGABRT to every rank still running and its children (DataLoader workers): with
+        PYTHONFAULTHANDLER (clean_env) each writes all its threads' stacks to its output and dies."""
+        alive = [p for p in self.procs if p.poll() is None]
+        for p in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGABRT)
+        deadline = time.monotonic() + wait_s
+        for p in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to every rank's process group (ranks and their DataLoader workers)."""
