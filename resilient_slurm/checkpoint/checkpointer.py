@@ -536,6 +536,9 @@ class Checkpointer:
             self.events.close()
             if self._durable_tier is not None:
                 self._durable_tier.close()
+            # Last: nothing of this Checkpointer runs a collective any more (the writer thread is shut down).
+            self._engine.peers.release()
+            self._coord.close()
 
     def __enter__(self) -> Checkpointer:
         return self

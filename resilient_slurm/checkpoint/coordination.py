@@ -41,6 +41,7 @@ class Coordinator:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self._fg: Any = None
         self._bg: Any = None
+        self._peer: Any = None
         if self.distributed and self.world_size > 1:
             timeout = datetime.timedelta(seconds=timeout_s)
             self._timeout = timeout
@@ -89,7 +90,25 @@ class Coordinator:
         collectives on the background group. None when not distributed."""
         if not self.multi:
             return None
-        return dist.new_group(backend="gloo", timeout=self._timeout)
+        self._peer = dist.new_group(backend="gloo", timeout=self._timeout)
+        return self._peer
+
+    def close(self) -> None:
+        """Destroy the groups this coordinator made (its caller's own groups are untouched) and drop them,
+        so that gloo's threads end now. A group left alive until the interpreter's teardown can abort the
+        process there ("terminate called without an active exception": gloo's threads still hold work whose
+        tensors need the interpreter), which a program that called ``destroy_process_group()`` itself does
+        not prevent, as long as a reference keeps the group object. Call it once every collective on these
+        groups has returned on this rank (the Checkpointer's ``close``). Idempotent."""
+        groups = [g for g in (self._fg, self._bg, self._peer) if g is not None]
+        self._fg = self._bg = self._peer = None
+        if not groups or not (dist.is_available() and dist.is_initialized()):
+            return  # the program destroyed every group already: nothing of ours is registered
+        for g in groups:
+            try:
+                dist.destroy_process_group(g)
+            except Exception as exc:  # already destroyed by the program (a named group): nothing to release
+                log.debug("releasing a checkpoint process group: %s", exc)
 
 
 @dataclass(frozen=True)
