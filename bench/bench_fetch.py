@@ -53,6 +53,9 @@ from common import (  # noqa: E402
     run_main,
 )
 
+from resilient_slurm.manifest import partial_items, read_manifest_file  # noqa: E402
+from resilient_slurm.storage.tier import Span, coalesce  # noqa: E402
+
 RUN = "fetchbench"
 WORKER = os.path.join(HERE, "fetch_worker.py")
 # name -> (node of each rank, nodes whose local dir is wiped, whether partners' replicas may be used)
@@ -148,20 +151,31 @@ class Bench:
         return {"restore_s": max(seconds), "fetched": fetched, "received": received}
 
     def copy_baseline(self, node: str) -> float:
-        """A plain copy of the files ``node`` fetched in the last round, from the durable tier into an empty
-        directory (read, write, fsync each), after a cache drop."""
+        """A plain copy of what ``node`` fetched in the last round, from the durable tier into an empty
+        directory, after a cache drop: its whole files (read, write, fsync each), and of the files it took
+        in part the same byte ranges (``pread`` of the ranges the fetch requested, written at their offsets)."""
         step_local = os.path.join(self.local(node), RUN, f"step_{1:012d}")
         names = sorted(f for f in os.listdir(step_local) if f.endswith(".distcp"))
+        held = partial_items(read_manifest_file(os.path.join(step_local, "manifest.json")))
+        src = os.path.join(self.durable, RUN, f"step_{1:012d}")
         dest = os.path.join(self.root, "copy")
         shutil.rmtree(dest, ignore_errors=True)
         os.makedirs(dest)
         self.cache.drop(self.root)
         t0 = time.perf_counter()
         for n in names:
-            shutil.copyfile(os.path.join(self.durable, RUN, f"step_{1:012d}", n), os.path.join(dest, n))
+            shutil.copyfile(os.path.join(src, n), os.path.join(dest, n))
             fd = os.open(os.path.join(dest, n), os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
+        for n, items in held.items():
+            fin = os.open(os.path.join(src, n), os.O_RDONLY)
+            fout = os.open(os.path.join(dest, n), os.O_WRONLY | os.O_CREAT, 0o600)
+            for g in coalesce([Span(o, k, "") for o, k in sorted(items)]):
+                os.pwrite(fout, os.pread(fin, g[-1].end - g[0].offset, g[0].offset), g[0].offset)
+            os.fsync(fout)
+            os.close(fout)
+            os.close(fin)
         dt = time.perf_counter() - t0
         shutil.rmtree(dest, ignore_errors=True)
         return dt

@@ -20,9 +20,10 @@ Restore from the durable tier (``resilient_slurm/checkpoint/fetch.py``):
   else at the same world size the saved domain that held the same ranks (``_source_domain``: a requeue onto
   other nodes, a replaced node). If its ranks are the ones that wrote that domain's shards (``same_layout``), it
   fetches only those files. Otherwise (another world size, or ranks placed differently) every rank first plans
-  against the durable metadata (``Restorer._planned_files``: the same 3 GETs on every rank of the domain, not
-  counted below) and the leader fetches the files the plans read, whole; with sharded state a node restarted
-  on half the nodes reads the files of two saved nodes. Before both rules (the "every file" columns) a domain
+  against the durable metadata (``Restorer._planned_reads``: the same 3 GETs on every rank of the domain, not
+  counted below) and the leader fetches the items the plans read: a file whole when they read at least 3/4
+  of it, else only those items (``StorageTier.get_ranges``); with sharded state a node restarted on half the
+  nodes reads the files of two saved nodes, whole (dim-0 shards halve evenly: every item of them is read). Before both rules (the "every file" columns) a domain
   that had not written the step fetched every file the metadata points at, the whole checkpoint for sharded
   (FSDP/DTensor) state.
 - The files are fetched ``FILES_IN_FLIGHT`` (8) at a time (``DurableFetcher._get_files``; before, one after
@@ -46,9 +47,10 @@ The durable commit (``resilient_slurm/daemon/drain.py`` ``StepDrainer``, ``daemo
 - Every pass of every node's daemon, idle or not, also calls ``durable_steps`` (one LIST of ``<run>/`` plus one
   HEAD per step directory) and ``read_durable_tags`` (one GET of ``<run>/tags.json``) for each run it holds.
 
-Ranged fetch (issue 14 item 2) is not built; peer replicas (item 3) are (checkpoint/peers.py). The model
-assumes:
-- ranged fetch: each node fetches only the byte ranges its ranks' load plans need, as ranged GETs of
+Ranged fetch (issue 14 item 2) and peer replicas (item 3) are built (fetch.py, checkpoint/peers.py). In the
+model's cases every file a node touches is read whole, so the code fetches whole files ("today"); the
+"ranged" column is the same bytes all as ranged GETs. The model assumes:
+- ranged: each node fetches only the byte ranges its ranks' load plans need, as ranged GETs of
   ``piece`` bytes, ``drain_threads`` in flight across files (not file after file), no HEAD (sizes from the
   manifest; one request per file touched is counted all the same).
 - peer replicas: every domain's shards are also on one partner node's NVMe (the newest step, sent after each
@@ -249,7 +251,7 @@ def fetch_today(p: Params, t: Tier, files: int, file_size: float) -> NodeFetch:
 
 
 def fetch_plan(p: Params, t: Tier, files: int, nbytes: float) -> NodeFetch:
-    """Plan-driven fetch (not built): ``nbytes`` in ranged requests over ``files`` files, ``threads`` in flight
+    """Every byte by ranges: ``nbytes`` in ranged requests over ``files`` files, ``threads`` in flight
     across files."""
     per_file = nbytes / files
     ranges = files * max(1, math.ceil(per_file / t.piece))

@@ -3,7 +3,8 @@
 ``RSLURM_FAILPOINTS="after_shard_write=kill,before_commit_rename=raise"`` makes the process SIGKILL
 itself (``kill``) or raise an OSError (``raise``) when it reaches that point; ``unlink`` removes the file
 the point names (``after_shard_write``: the shard just written, as if it had gone to another directory or
-been lost). Points are named after the step of the commit protocol they follow, so a test can crash a
+been lost); ``flip`` inverts the first byte of the data the point passes (``during_range_fetch``: bytes
+damaged on the wire), once per process. Points are named after the step of the commit protocol they follow, so a test can crash a
 save at every step and check that every previously committed step survives. Set for one rank only, they
 inject a fault on that rank. Checked once per point per process; costs one dict lookup.
 """
@@ -23,6 +24,7 @@ POINTS = (
     "after_commit_rename",  # leader: step_X/ in place, before retention
     "during_retention",  # any step deletion (layout.delete_step): uncommitted (renamed), not yet removed
     "during_peer_send",  # a peer replica round (checkpoint/peers.py): the first piece sent, the rest not
+    "during_range_fetch",  # storage/tier.py get_ranges: one request's bytes arrived, not yet checked
 )
 
 
@@ -30,8 +32,9 @@ def _parse(spec: str) -> dict[str, str]:
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, action = part.partition("=")
-        if name not in POINTS or action not in ("kill", "raise", "unlink"):
-            raise ValueError(f"{ENV}: bad entry {part!r}; points: {', '.join(POINTS)}; actions: kill, raise, unlink")
+        if name not in POINTS or action not in ("kill", "raise", "unlink", "flip"):
+            raise ValueError(f"{ENV}: bad entry {part!r}; points: {', '.join(POINTS)}; actions: kill, raise, unlink, "
+                             "flip")
         out[name] = action
     return out
 
@@ -39,9 +42,12 @@ def _parse(spec: str) -> dict[str, str]:
 _ACTIVE = _parse(os.environ.get(ENV, ""))
 
 
-def hit(name: str, path: str | None = None) -> None:
-    """Trigger the failpoint ``name`` if it is armed (``path``: the file an ``unlink`` removes)."""
+def hit(name: str, path: str | None = None, data: bytearray | None = None) -> None:
+    """Trigger the failpoint ``name`` if it is armed (``path``: the file an ``unlink`` removes; ``data``: the
+    bytes a ``flip`` damages)."""
     action = _ACTIVE.get(name)
+    if action == "flip" and data and _ACTIVE.pop(name, None) == "flip":  # once: fetched again, the bytes arrive intact
+        data[0] ^= 0xFF
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "raise":

@@ -281,6 +281,33 @@ def empty_keys(m: Manifest) -> dict[str, str]:
     return {k: t for k, t in v.items() if isinstance(k, str) and len(k) <= 256 and t in ("dict", "list")}
 
 
+PARTIAL = "partial"  # extra: other domains' shard files this copy holds some items of -> [[offset, length], ...]
+PARTIAL_SUFFIX = ".partial"  # where: ``<shard path>.partial`` in the step directory, each item at its own offset
+
+
+def partial_items(m: Manifest) -> dict[str, frozenset[tuple[int, int]]]:
+    """The items (offset, length) of shard files of other storage domains that this local copy holds only
+    in part (``extra["partial"]``): a resharded fetch (checkpoint/fetch.py) takes from such a file just the
+    items its ranks' load plans read, into ``<path>.partial`` at their own offsets (the rest is a hole).
+    Only the restore reads them, item by item against the manifest's checksums; every other reader of the
+    step (drain, verify, export, replication) sees the file as another domain's, not held here. A path
+    that is not another domain's shard, or anything malformed, holds nothing."""
+    v = m.extra.get(PARTIAL)
+    if not isinstance(v, dict):
+        return {}
+    others = {s.path: s for s in m.shards if s.node != m.node}
+    out: dict[str, frozenset[tuple[int, int]]] = {}
+    for path, items in v.items():
+        sh = others.get(path)
+        if sh is None or not isinstance(items, list):
+            continue
+        held = {(it[0], it[1]) for it in items if isinstance(it, list) and len(it) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in it)
+                and it[0] + it[1] <= sh.size}
+        out[path] = frozenset(held)
+    return out
+
+
 def _extra(d: Mapping[str, Any], source: str) -> dict[str, Any]:
     v = d.get("extra", {})
     if not isinstance(v, dict):

@@ -16,7 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, clean_env, read_jsonl, run_ranks
+from conftest import REPO, RankJob, clean_env, read_jsonl, run_ranks, start_ranks
+
+from resilient_slurm.checkpoint.verify import verify_step_dir
+from resilient_slurm.manifest import partial_items, read_manifest_file
+from resilient_slurm.storage.tier import Span, coalesce
 
 WORKER = str(REPO / "tests" / "workers" / "fsdp_worker.py")
 ENV = {"RSLURM_COLLECTIVE_TIMEOUT": "60"}
@@ -121,13 +125,18 @@ def test_exports_consolidate_the_shards(saved: tuple[Path, dict[str, Any]]) -> N
 
 
 # ------------------------------------------------------------- from the durable tier, onto other nodes
-def _node_job(mode: str, nodes: list[str], tmp: Path, durable: Path) -> dict[str, Any]:
+def _node_argv(mode: str, tmp: Path) -> list[str]:
     out = tmp / "out"
     out.mkdir(exist_ok=True)
-    argv = [WORKER, mode, "--local-dir", str(tmp / "nvme" / "%n"), "--run-id", "fsdp", "--out", str(out)]
-    run_ranks(argv, len(nodes), tmp, timeout=180, env={**ENV, "RSLURM_DURABLE": str(durable)},
-              per_rank_env=[{"RSLURM_NODE_NAME": n} for n in nodes])
-    return {"now": torch.load(out / f"{mode}_w{len(nodes)}.pt", weights_only=True)}
+    return [WORKER, mode, "--local-dir", str(tmp / "nvme" / "%n"), "--run-id", "fsdp", "--out", str(out)]
+
+
+def _node_job(mode: str, nodes: list[str], tmp: Path, durable: Path,
+              env: dict[str, str] | None = None) -> tuple[dict[str, Any], RankJob]:
+    job = run_ranks(_node_argv(mode, tmp), len(nodes), tmp, timeout=180,
+                    env={**ENV, "RSLURM_DURABLE": str(durable), **(env or {})},
+                    per_rank_env=[{"RSLURM_NODE_NAME": n} for n in nodes])
+    return {"now": torch.load(tmp / "out" / f"{mode}_w{len(nodes)}.pt", weights_only=True)}, job
 
 
 def _drain(tmp: Path, node: str, durable: Path) -> None:
@@ -138,30 +147,98 @@ def _drain(tmp: Path, node: str, durable: Path) -> None:
     assert r.returncode == 0, r.stderr
 
 
-def test_fsdp_resharded_onto_other_nodes_fetches_only_what_each_plan_reads(tmp_path: Path) -> None:
-    """Saved at 4 ranks on two nodes (n1: ranks 0-1, n2: ranks 2-3) and drained; restored at 2 ranks on two
-    empty nodes (n3, n4). Each new node fetches from the durable tier only the files its rank's load plan
-    reads (n3's rank holds the first rows of every tensor: the files of saved ranks 0 and 1), not every
-    file of the step, and the restore is bitwise the saved state."""
-    durable = tmp_path / "lustre"
-    ref = _node_job("save", ["n1", "n1", "n2", "n2"], tmp_path, durable)
+def _saved_and_drained(tmp: Path) -> tuple[Path, dict[str, Any], Path]:
+    """Step 3 saved at 4 ranks on n1 (ranks 0-1) and n2 (ranks 2-3), drained to a POSIX durable tier."""
+    durable = tmp / "lustre"
+    ref, _ = _node_job("save", ["n1", "n1", "n2", "n2"], tmp, durable)
     for node in ("n1", "n2"):
-        _drain(tmp_path, node, durable)
+        _drain(tmp, node, durable)
     step_dir = durable / "fsdp" / f"step_{3:012d}"
     assert (step_dir / "manifest.json").exists()
+    return durable, ref, step_dir
+
+
+def test_fsdp_resharded_onto_other_nodes_fetches_only_the_items_each_plan_reads(tmp_path: Path) -> None:
+    """Saved at 4 ranks on two nodes (n1: ranks 0-1, n2: ranks 2-3) and drained; restored at 2 ranks on two
+    empty nodes (n3, n4). Each new node fetches from the durable tier only what its rank's load plan reads
+    (n3's rank holds the first rows of every tensor: items of saved ranks 0 and 1): a file whole when the
+    plan reads most of it, else just the items read (ranged reads, each item checked against its
+    checksum), and the restore is bitwise the saved state."""
+    durable, ref, step_dir = _saved_and_drained(tmp_path)
     files = {f.name: f.stat().st_size for f in step_dir.glob("*.distcp")}
     assert sorted(files) == [f"__{r}_0.distcp" for r in range(4)], files
-    got = _node_job("restore", ["n3", "n4"], tmp_path, durable)
+    got, _ = _node_job("restore", ["n3", "n4"], tmp_path, durable)
     _check_restored(ref, got)
     fetched: dict[str, int] = {}
+    touched: dict[str, set[str]] = {}  # files a node fetched, whole or in part
+    partial: dict[str, set[str]] = {}
     for node in ("n3", "n4"):
         [ev] = [e for e in read_jsonl(tmp_path / "nvme" / node / "fsdp" / "events.jsonl") if e["event"] == "restore"]
         assert ev["step"] == 3 and ev["tier"] == "durable", ev
-        here = {f.name: f.stat().st_size for f in (tmp_path / "nvme" / node / "fsdp" / f"step_{3:012d}").glob("*.distcp")}
-        assert ev["fetched_bytes"] == sum(here.values()), (node, ev, here)
+        local = tmp_path / "nvme" / node / "fsdp" / f"step_{3:012d}"
+        m = read_manifest_file(str(local / "manifest.json"))
+        here = {f.name: f.stat().st_size for f in local.glob("*.distcp")}
         assert all(files[name] == size for name, size in here.items()), here
-        fetched[node] = ev["fetched_bytes"]
-    # n3's rank reads rows that saved ranks 0 and 1 held: it fetched neither rank 2's nor rank 3's file.
-    n3 = {f.name for f in (tmp_path / "nvme" / "n3" / "fsdp" / f"step_{3:012d}").glob("*.distcp")}
-    assert n3 == {"__0_0.distcp", "__1_0.distcp"}, n3
-    assert fetched["n3"] < sum(files.values()) and sum(fetched.values()) < 2 * sum(files.values()), (fetched, files)
+        # Files its plan reads only a little of came as just those items, each at its own offset of
+        # <file>.partial (the rest a hole), listed in the manifest and byte-equal to the durable file.
+        held = partial_items(m)
+        assert {f.name for f in local.glob("*.partial")} == {f"{p}.partial" for p in held}, (node, held)
+        requested = 0
+        for path, items in held.items():
+            assert path not in here and items, (node, path)
+            data, durable_data = (local / f"{path}.partial").read_bytes(), (step_dir / path).read_bytes()
+            assert len(data) == files[path]
+            assert all(data[o:o + n] == durable_data[o:o + n] for o, n in items), (node, path)
+            assert sum(n for _, n in items) < 0.75 * files[path], (node, path, items)
+            requested += sum(g[-1].end - g[0].offset for g in coalesce([Span(o, n, "") for o, n in sorted(items)]))
+        assert ev["fetched_bytes"] == sum(here.values()) + requested, (node, ev, here, held)
+        fetched[node], touched[node] = ev["fetched_bytes"], set(here) | set(held)
+        partial[node] = set(held)
+    # n3's rank reads rows that saved ranks 0 and 1 held: it fetched nothing of rank 2's or rank 3's file.
+    assert touched["n3"] == {"__0_0.distcp", "__1_0.distcp"}, touched
+    # The uneven rows overlap saved shards in part: some files were fetched as just the items read, and a
+    # node fetched fewer bytes than the files it reads from, whole.
+    assert partial["n3"] and partial["n4"], partial
+    for node in ("n3", "n4"):
+        assert fetched[node] < sum(files[f] for f in touched[node]), (node, fetched, touched)
+    # `rslurm verify` checks each item a partial file holds against its checksum, and finds a changed byte.
+    local = tmp_path / "nvme" / "n3" / "fsdp" / f"step_{3:012d}"
+    report = verify_step_dir(str(local))
+    assert not report.faults and report.files_checked == len(touched["n3"]), report
+    [(path, items)] = partial_items(read_manifest_file(str(local / "manifest.json"))).items()
+    offset, length = max(items, key=lambda it: it[1])
+    with open(local / f"{path}.partial", "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    [fault] = verify_step_dir(str(local)).faults
+    assert fault.where == str(local / f"{path}.partial") and f"bytes {offset}+{length}" in fault.problem, fault
+
+
+def test_a_damaged_range_is_fetched_again_and_a_corrupt_item_is_never_restored(tmp_path: Path) -> None:
+    """The resharded restore of the test above, twice more. Bytes damaged on the way (a failpoint inverts
+    the first byte of one ranged read on each node) fail their item's checksum and are fetched again: the
+    restore is still bitwise. Then a byte of the durable file is changed inside an item that n5 fetches as
+    a range: the item is refused on arrival, and as the step has no other copy the restore fails on every
+    rank with the file and the bytes named, restoring nothing."""
+    durable, ref, step_dir = _saved_and_drained(tmp_path)
+    got, job = _node_job("restore", ["n3", "n4"], tmp_path, durable, {"RSLURM_FAILPOINTS": "during_range_fetch=flip"})
+    _check_restored(ref, got)
+    for r in range(2):
+        assert "do not match their checksum in the manifest; fetching them again" in job.output(r), job.output(r)
+    m = read_manifest_file(str(tmp_path / "nvme" / "n3" / "fsdp" / f"step_{3:012d}" / "manifest.json"))
+    [(path, items)] = partial_items(m).items()
+    offset, length = max(items, key=lambda it: it[1])  # n3 takes these bytes as a range
+    with open(step_dir / path, "r+b") as f:
+        f.seek(offset + length // 2)
+        b = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    job = start_ranks(_node_argv("restore", tmp_path), 2, tmp_path, env={**ENV, "RSLURM_DURABLE": str(durable)},
+                      per_rank_env=[{"RSLURM_NODE_NAME": n} for n in ("n5", "n6")])
+    codes = job.wait(180)
+    assert all(c != 0 for c in codes), codes
+    out = job.output(0)
+    assert f"{path}: bytes {offset}+{length} do not match their checksum in the manifest, fetched twice" in out, out[-3000:]
+    assert not (tmp_path / "nvme" / "n5" / "fsdp" / f"step_{3:012d}").exists()

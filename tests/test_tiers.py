@@ -36,6 +36,7 @@ from s3_support import (
     MotoServer,
 )
 
+from resilient_slurm import failpoints
 from resilient_slurm.errors import (
     CorruptCheckpointError,
     ObjectNotFoundError,
@@ -45,7 +46,7 @@ from resilient_slurm.errors import (
 from resilient_slurm.storage import open_tier
 from resilient_slurm.storage.posix import TMP_MARK, PosixTier
 from resilient_slurm.storage.s3 import S3Tier, is_transient
-from resilient_slurm.storage.tier import RateLimiter, StorageTier
+from resilient_slurm.storage.tier import RANGE_GAP, RateLimiter, Span, StorageTier
 
 # The fixtures this module uses (pytest finds them as module attributes).
 moto_server = s3_support.moto_server
@@ -206,6 +207,52 @@ class TierContract:
         tier.delete(["nope/x"])
         assert tier.delete_prefix("nope") == 0
         assert list(tier.list("nope")) == [] and tier.list_dirs("nope") == []
+
+    # -------------------------------------------------------------- ranges (a resharded restore's items)
+    def _ranged(self, tier: StorageTier, tmp_path: Path) -> tuple[bytes, list[tuple[int, int]]]:
+        data = payload(3 * RANGE_GAP + 5000, seed=4)
+        tier.put_file(write(tmp_path / "src", data), "run/r", size=len(data), checksum=xxh(data))
+        # Two items close together and an empty one (one request), one far away, the last bytes.
+        return data, [(10, 100), (200, 50), (500, 0), (2 * RANGE_GAP, 3000), (len(data) - 7, 7)]
+
+    def test_get_ranges_keeps_only_the_items_asked_for(self, tier: StorageTier, tmp_path: Path) -> None:
+        data, items = self._ranged(tier, tmp_path)
+        dest = tmp_path / "out.partial"
+        got = tier.get_ranges("run/r", str(dest), size=len(data),
+                              spans=[Span(o, n, xxh(data[o:o + n])) for o, n in reversed(items)])
+        want = bytearray(len(data))  # the rest of the file is a hole: zeros
+        for o, n in items:
+            want[o:o + n] = data[o:o + n]
+        assert dest.read_bytes() == bytes(want)
+        # Nearby items came in one request (the 150 bytes between them too), the others in one each.
+        assert got.bytes == (500 - 10) + 3000 + 7 and got.retries == 0, got
+
+    def test_get_ranges_refuses_a_corrupt_item(self, tier: StorageTier, tmp_path: Path) -> None:
+        data, items = self._ranged(tier, tmp_path)
+        spans = [Span(o, n, xxh(data[o:o + n])) for o, n in items]
+        spans[3] = Span(2 * RANGE_GAP, 3000, xxh(b"other"))  # what the store returns is not what was saved
+        dest = tmp_path / "out.partial"
+        with pytest.raises(CorruptCheckpointError, match=f"run/r: bytes {2 * RANGE_GAP}\\+3000 do not match"):
+            tier.get_ranges("run/r", str(dest), size=len(data), spans=spans)
+        assert not dest.exists()
+        with pytest.raises(CorruptCheckpointError, match="bytes"):
+            tier.get_ranges("run/r", str(dest), size=len(data) + 1, spans=spans[:1])
+        assert not dest.exists()
+        with pytest.raises(ObjectNotFoundError):
+            tier.get_ranges("run/nope", str(dest), size=10, spans=[])
+        assert not dest.exists()
+
+    def test_get_ranges_fetches_damaged_bytes_again(self, tier: StorageTier, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+        """Bytes damaged on the way (the failpoint inverts the first byte of one response) are refused by
+        their item's checksum and fetched again; the second copy is kept."""
+        data, items = self._ranged(tier, tmp_path)
+        monkeypatch.setitem(failpoints._ACTIVE, "during_range_fetch", "flip")
+        dest = tmp_path / "out.partial"
+        got = tier.get_ranges("run/r", str(dest), size=len(data), spans=[Span(o, n, xxh(data[o:o + n])) for o, n in items])
+        assert got.retries == 1 and "during_range_fetch" not in failpoints._ACTIVE
+        out = dest.read_bytes()
+        assert all(out[o:o + n] == data[o:o + n] for o, n in items)
 
     def test_invalid_keys_are_refused(self, tier: StorageTier) -> None:
         for bad in ("", "/", "a/../b", "./a"):

@@ -8,20 +8,23 @@ collaborators and its local commit (``Engine._install``, the rename that also co
    or none and why the tier could not be listed (a storage failure, never raised: the node-local tier may
    still restore).
 2. every rank, collective (foreground group): :meth:`DurableFetcher.fetch_round` -- one all_gather of
-   the files each rank's load plan reads (the restorer plans against :meth:`DurableFetcher.source`'s
-   metadata), then the domain leaders that need ``step`` call :meth:`DurableFetcher.fetch` with the
-   union of their ranks' files; one all_gather tells every rank whether every
+   the items (file, offset, length) each rank's load plan reads (the restorer plans against
+   :meth:`DurableFetcher.source`'s metadata), then the domain leaders that need ``step`` call
+   :meth:`DurableFetcher.fetch` with the union of their ranks' items; one all_gather tells every rank whether every
    fetch succeeded, how many bytes its own domain fetched, and which failures were storage failures
    (an endpoint down, a timeout, a full local disk: the step may restore once storage is back) rather
    than corruption.
 3. domain leader: :meth:`DurableFetcher.fetch` -- reads the root manifest and the marker of this domain
    (or of the domain that held the same ranks, when the job was requeued onto other nodes at the same
    world size; or of the first domain, whose metadata leads to every file), checks the domain's ``.metadata``
-   against the manifest, downloads the shard files this domain's ranks need (the files the domain wrote
-   at the same layout; at another layout the files their load plans read, or every file when a plan is
-   missing; up to :data:`FILES_IN_FLIGHT` at a time, ``get_file`` checking size and xxh3 as the bytes
-   arrive) into ``step_X.tmp-fetch-<nonce>/``, writes ``.metadata`` and a manifest that
-   names this domain, fsyncs, and commits it locally like a save (the engine's rename). Nothing is left
+   against the manifest, downloads what this domain's ranks need into ``step_X.tmp-fetch-<nonce>/``: at
+   the same layout the files the domain wrote; at another layout (a reshard, or ranks placed otherwise)
+   the items their load plans read -- a file whole when they read most of it, otherwise only those items
+   (``get_ranges``: ranged GETs or ``pread``, each item checked against its own checksum, into a sparse
+   ``<file>.partial`` listed in the manifest's ``extra["partial"]``, :func:`~resilient_slurm.manifest.partial_items`);
+   every file when a plan is missing. Up to :data:`FILES_IN_FLIGHT` files at a time, ``get_file`` checking
+   size and xxh3 as the bytes arrive. Then it writes ``.metadata`` and a manifest that names this
+   domain, fsyncs, and commits the directory locally like a save (the engine's rename). Nothing is left
    behind on failure.
 
 The fetcher writes only into this rank's node-local run directory; it never writes to the durable tier.
@@ -52,6 +55,8 @@ from ..layout import TempKind, temp_dirname
 from ..manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
+    PARTIAL,
+    PARTIAL_SUFFIX,
     Manifest,
     ShardEntry,
     domain_key,
@@ -60,7 +65,7 @@ from ..manifest import (
     read_durable_manifest,
 )
 from ..storage.fileio import atomic_write, check_free_space, fsync_dir, remove_tree_quietly
-from ..storage.tier import StorageTier
+from ..storage.tier import Span, StorageTier
 from .coordination import Coordinator, Topology
 from .planning import check_metadata
 
@@ -70,8 +75,27 @@ log = logging.getLogger(__name__)
 # (drain_threads), so this bounds how many files are under way, not how many requests.
 FILES_IN_FLIGHT = 8
 
+# A file whose items a resharded plan reads are at least this share of it is fetched whole (one
+# request stream, and a complete file that every reader of the step can use); below it, only the items.
+WHOLE_FILE_SHARE = 0.75
+
 # (temp directory, step, token): commits a complete temp directory as ``step_X/`` in the local tier.
 Install = Callable[[str, int, str], None]
+
+# What load plans read: shard file -> its items (offset, length) read.
+Planned = Mapping[str, frozenset[tuple[int, int]]]
+
+
+def merge_planned(plans: list[Planned | None]) -> dict[str, frozenset[tuple[int, int]]] | None:
+    """The union of several ranks' planned reads; None when one of them is unknown."""
+    if any(p is None for p in plans):
+        return None
+    out: dict[str, set[tuple[int, int]]] = {}
+    for p in plans:
+        assert p is not None
+        for path, items in p.items():
+            out.setdefault(path, set()).update(items)
+    return {path: frozenset(items) for path, items in out.items()}
 
 
 class DurableFetcher:
@@ -109,16 +133,15 @@ class DurableFetcher:
             return [], f"cannot list {self.tier.url}: {exc}"
 
     def fetch_round(self, step: int, need: bool, unreachable: list[str],
-                    planned: frozenset[str] | None = None, *, save_of: float | None = None) -> tuple[bool, int | None]:
-        """Collective: leaders with ``need`` fetch ``step`` from the durable tier. ``planned``: the files
+                    planned: Planned | None = None, *, save_of: float | None = None) -> tuple[bool, int | None]:
+        """Collective: leaders with ``need`` fetch ``step`` from the durable tier. ``planned``: the items
         this rank's load plan reads (None: unknown); a leader fetches the union over its domain's ranks
         (every file when one of them does not know). Returns whether every fetch succeeded, and the bytes
         this rank's domain fetched (None when it fetched nothing). Fetches that failed for a storage reason
         (not corruption) are appended to ``unreachable``. ``save_of``: the ``created_at`` of the other domains'
         own copies of ``step``; a durable step of another save is refused (it would restore a mix of two)."""
         plans = self.coord.all_gather(planned)
-        mine = [plans[r] for r in self.topo.domain_ranks]
-        union = None if any(p is None for p in mine) else frozenset().union(*mine)
+        union = merge_planned([plans[r] for r in self.topo.domain_ranks])
         err: str | None = None
         transient = False
         n: int | None = None
@@ -160,13 +183,14 @@ class DurableFetcher:
         same_layout = dm.world_size == topo.world_size and tuple(dm.nodes.get(src, ())) == tuple(topo.domain_ranks)
         return Source(src, dm, md_bytes, md, same_layout)
 
-    def fetch(self, step: int, planned: frozenset[str] | None = None, *, save_of: float | None = None) -> int:
+    def fetch(self, step: int, planned: Planned | None = None, *, save_of: float | None = None) -> int:
         """Leader: copy this domain's part of ``step`` from the durable tier into the local tier (verified,
         then committed like a save: temp directory, manifest last, rename). Returns bytes fetched.
 
-        Which files: with the layout that saved the step (same world size, same ranks on this node) the
-        ones this domain's ranks wrote; otherwise ``planned``, the files the load plans of this domain's
-        ranks read (another world size, or ranks placed differently), else every file of the step."""
+        What: with the layout that saved the step (same world size, same ranks on this node) the files
+        this domain's ranks wrote; otherwise ``planned``, the items the load plans of this domain's ranks
+        read (another world size, or ranks placed differently): each file whole when they read at least
+        :data:`WHOLE_FILE_SHARE` of it, else only those items; without a plan, every file of the step."""
         tier = self.tier
         assert tier is not None
         topo = self.topo
@@ -176,64 +200,87 @@ class DurableFetcher:
             raise CorruptCheckpointError(
                 f"{tier.url}: step {step} there is another save of that step (created at {dm.created_at}) than the "
                 f"copies the other storage domains hold (created at {save_of}); restoring it would mix the two")
+        by_path = {s.path: s for s in dm.shards}
+        ranged: dict[str, list[Span]] = {}
         if source.same_layout:  # the ranks here are the ones that wrote src's shards: they need only those
             wanted = {s.path for s in dm.shards_of_node(source.domain)}
         elif planned is not None:  # what this domain's ranks will read, and nothing else
-            wanted = set(planned)
+            wanted = set(planned) - set(by_path)  # not in the manifest: reported below
+            for path, items in planned.items():
+                if path in by_path:
+                    spans = _item_spans(by_path[path], items)
+                    if spans is None or sum(sp.length for sp in spans) >= WHOLE_FILE_SHARE * by_path[path].size:
+                        wanted.add(path)  # whole (an item without a checksum: the read that follows says so)
+                    else:
+                        ranged[path] = spans
         else:  # every file this metadata points at
             wanted = {info.relative_path for info in md.storage_data.values()}
-        by_path = {s.path: s for s in dm.shards}
         missing = wanted - set(by_path)
         if missing:
             raise CorruptCheckpointError(f"{tier.url}: step {step}: files {sorted(missing)} are not in the manifest")
         os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
-        total = sum(by_path[p].size for p in wanted)
+        total = sum(by_path[p].size for p in wanted) + sum(sp.length for spans in ranged.values() for sp in spans)
         check_free_space(self.run_dir, total + self.free_space_margin, what=f"fetching step {step}")
         tmp = os.path.join(self.run_dir, temp_dirname(step, TempKind.FETCH, topo.nonce))
         remove_tree_quietly(tmp)
         os.makedirs(tmp, mode=0o700)
         try:
-            self._get_files(step, [by_path[p] for p in sorted(wanted)], tmp)
+            fetched = self._get_files(step, [by_path[p] for p in sorted(wanted)],
+                                      [(by_path[p], ranged[p]) for p in sorted(ranged)], tmp)
             atomic_write(os.path.join(tmp, DCP_METADATA_NAME), source.md_bytes)
             shards = tuple(dataclasses.replace(s, node=topo.domain) if s.path in wanted else s for s in dm.shards)
-            local = dataclasses.replace(dm, node=topo.domain, shards=shards)
+            extra = {k: v for k, v in dm.extra.items() if k != PARTIAL}
+            if ranged:
+                extra[PARTIAL] = {p: [[sp.offset, sp.length] for sp in spans] for p, spans in sorted(ranged.items())}
+            local = dataclasses.replace(dm, node=topo.domain, shards=shards, extra=extra)
             atomic_write(os.path.join(tmp, MANIFEST_NAME), local.to_json().encode())
             fsync_dir(tmp)
             self.install(tmp, step, f"fetch-{topo.nonce}")
         except BaseException:
             remove_tree_quietly(tmp)
             raise
-        return total
+        return fetched
 
 
-    def _get_files(self, step: int, entries: list[ShardEntry], tmp: str) -> None:
-        """Download ``entries`` into ``tmp``, up to :data:`FILES_IN_FLIGHT` files at a time (a file smaller
-        than one piece is one request on one connection: one after another, a node restoring its share of
-        a large job would wait on latency, not bandwidth). Each file is checked as it arrives
-        (``get_file``); after a failure no new file starts, and the first failure is raised once the files
-        under way have ended."""
+    def _get_files(self, step: int, entries: list[ShardEntry], parts: list[tuple[ShardEntry, list[Span]]],
+                   tmp: str) -> int:
+        """Download ``entries`` whole and the spans of ``parts`` (into ``<path>.partial``) into ``tmp``, up
+        to :data:`FILES_IN_FLIGHT` files at a time (a file smaller than one piece is one request on one
+        connection: one after another, a node restoring its share of a large job would wait on latency,
+        not bandwidth). Everything is checked as it arrives (``get_file``, ``get_ranges``); after a failure
+        no new file starts, and the first failure is raised once the files under way have ended. Returns
+        the bytes fetched."""
         tier = self.tier
         assert tier is not None
         failed = threading.Event()
+        jobs: list[tuple[ShardEntry, list[Span] | None]] = [(e, None) for e in entries] + list(parts)
 
-        def one(e: ShardEntry) -> None:
+        def one(e: ShardEntry, spans: list[Span] | None) -> int:
             if failed.is_set():
-                return
+                return 0
+            key = durable_step_key(self.run_id, step, e.path)
             try:
-                tier.get_file(durable_step_key(self.run_id, step, e.path), os.path.join(tmp, e.path), size=e.size,
-                              checksum=e.checksum)
+                if spans is None:
+                    tier.get_file(key, os.path.join(tmp, e.path), size=e.size, checksum=e.checksum)
+                    return e.size
+                return tier.get_ranges(key, os.path.join(tmp, e.path + PARTIAL_SUFFIX), size=e.size, spans=spans).bytes
             except BaseException:
                 failed.set()
                 raise
 
-        if len(entries) <= 1:
-            for e in entries:
-                one(e)
-            return
-        with ThreadPoolExecutor(max_workers=min(FILES_IN_FLIGHT, len(entries)), thread_name_prefix="rslurm-fetch") as ex:
-            futures = [ex.submit(one, e) for e in entries]
-        for f in futures:
-            f.result()
+        if len(jobs) <= 1:
+            return sum(one(e, spans) for e, spans in jobs)
+        with ThreadPoolExecutor(max_workers=min(FILES_IN_FLIGHT, len(jobs)), thread_name_prefix="rslurm-fetch") as ex:
+            futures = [ex.submit(one, e, spans) for e, spans in jobs]
+        return sum(f.result() for f in futures)
+
+
+def _item_spans(entry: ShardEntry, items: frozenset[tuple[int, int]]) -> list[Span] | None:
+    """``items`` of ``entry`` with their checksums from the manifest; None when one has no checksum there."""
+    sums = {(c.offset, c.length): c.checksum for c in entry.chunks}
+    if any(it not in sums for it in items):
+        return None
+    return [Span(o, n, sums[(o, n)]) for o, n in sorted(items)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -566,6 +566,10 @@ class PeerReplicas:
                          self.topo.domain, self.ring.send_to, self.topo.domain_of_rank[self.ring.send_to],
                          self.ring.recv_from)
 
+    def release(self) -> None:
+        """Forget the peer group (the Checkpointer closes; :meth:`Coordinator.close` destroys it)."""
+        self.group = None
+
     # -- writer thread, leaders
     def replicate(self, step: int, reason: str) -> ReplicaOutcome | None:
         """One round: send ``step`` (committed here; not an emergency save's) to the partner, keep the

@@ -12,9 +12,9 @@ Call order of :meth:`Restorer.restore` (collective, foreground group, every rank
    lists the durable tier (:meth:`DurableFetcher.steps`); one all_gather shares both (and a failing
    ``rank_map``). Candidates are the steps committed in every domain and the durable steps, newest first.
 2. for each candidate: a domain that lacks it fetches its part (:meth:`DurableFetcher.fetch_round`,
-   collective): every rank first makes its load plan (:meth:`Restorer._planned_files`, against the
-   durable metadata when its domain lacks the step) and the leader fetches the files its ranks' plans
-   read; then every rank reads and verifies what it needs (:meth:`Restorer._try_read` ->
+   collective): every rank first makes its load plan (:meth:`Restorer._planned_reads`, against the
+   durable metadata when its domain lacks the step) and the leader fetches the items its ranks' plans
+   read (fetch.py: a file whole when they read most of it, else only those items); then every rank reads and verifies what it needs (:meth:`Restorer._try_read` ->
    :meth:`Restorer._read_step`: manifest, ``.metadata``, the per-rank check, the compatibility check
    (compat.py: every missing, unexpected and reshaped key in one error), a DCP load plan against the
    live state, the byte ranges it needs read into fresh buffers and checked item by item against the
@@ -62,7 +62,9 @@ from ..errors import (
 from ..manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
+    PARTIAL_SUFFIX,
     Manifest,
+    partial_items,
     read_manifest_file,
     split_per_rank_fqn,
     step_dirname,
@@ -72,7 +74,7 @@ from . import state as state_mod
 from .compat import CompatReport, check_compat
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY, DDPTracker
-from .fetch import DurableFetcher
+from .fetch import DurableFetcher, Planned
 from .peers import Held, PeerReplicas, peer_sources
 from .planning import SafeLoadPlanner, read_metadata_file
 from .staging import framing_for
@@ -233,7 +235,7 @@ class Restorer:
                 peer: int | None = None  # bytes it received from a partner's replica (None: none)
                 if step not in common:
                     # Some domains lack it locally: each takes it from a partner's replica when one holds
-                    # it (peers.py), the others from the durable tier, only the files their ranks'
+                    # it (peers.py), the others from the durable tier, only the items their ranks'
                     # load plans read.
                     missing = lacking_in(step)
                     pairs = sources(step) if self.peers is not None else {}
@@ -247,7 +249,7 @@ class Restorer:
                     if missing:
                         lacks = topo.domain_ranks[0] in missing
                         need = topo.is_leader and lacks
-                        planned = self._planned_files(step, state, local=not lacks)
+                        planned = self._planned_reads(step, state, local=not lacks)
                         ok, here = self.fetcher.fetch_round(step, need, unreachable, planned,
                                                             save_of=next(iter(stamps_of(step)), None))
                         if not ok:
@@ -265,7 +267,7 @@ class Restorer:
                             for m in (m for v, m in verdicts if v != "ok"):
                                 log.warning("step %d: %s; fetching it from the durable tier", step, m)
                         need = topo.is_leader and bad_here and not fetched
-                        planned = self._planned_files(step, state, local=not bad_here)
+                        planned = self._planned_reads(step, state, local=not bad_here)
                         ok, again = self.fetcher.fetch_round(step, need, unreachable, planned,
                                                              save_of=next(iter(stamps_of(step)), None))
                         if again is not None:
@@ -385,9 +387,10 @@ class Restorer:
             ) from exc
         return target, planner, planner.finish_plan(plan)
 
-    def _planned_files(self, step: int, state: MutableMapping[str, Any], *, local: bool) -> frozenset[str] | None:
-        """The files this rank's load plan for ``step`` reads, so that a domain fetching the step takes only
-        those (a run resharded to another world size, or moved onto nodes that hold other ranks). Planned
+    def _planned_reads(self, step: int, state: MutableMapping[str, Any], *, local: bool) -> Planned | None:
+        """The items (file -> offsets and lengths) this rank's load plan for ``step`` reads, so that a domain
+        fetching the step takes only those (a run resharded to another world size, or moved onto nodes that
+        hold other ranks). Planned
         against the local copy's metadata when this domain has the step (``local``), else the durable
         tier's (:meth:`DurableFetcher.source`). Every rank plans, so every rank calls its state's
         ``state_dict()`` alike. None when it cannot be planned: the fetch then takes every file, and the
@@ -408,7 +411,11 @@ class Restorer:
             return None
         finally:
             self._compat = None
-        return frozenset(md.storage_data[ri.storage_index].relative_path for ri in plan.items)
+        reads: dict[str, set[tuple[int, int]]] = {}
+        for ri in plan.items:
+            info = md.storage_data[ri.storage_index]
+            reads.setdefault(info.relative_path, set()).add((info.offset, info.length))
+        return {path: frozenset(items) for path, items in reads.items()}
 
     def _try_read(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
         step_dir = os.path.join(self.run_dir, step_dirname(step))
@@ -437,17 +444,21 @@ class Restorer:
         md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
         target, planner, plan = self._plan(step, step_dir, manifest, md, state)
         shards = {s.path: s for s in manifest.shards_of_node(manifest.node)}
-        chunk_sums = {(s.path, c.offset): c for s in shards.values() for c in s.chunks}
+        # Files of other domains of which a resharded fetch took only the items this domain reads.
+        partial = partial_items(manifest)
+        entries = {s.path: s for s in manifest.shards if s.path in shards or s.path in partial}
+        chunk_sums = {(s.path, c.offset): c for s in entries.values() for c in s.chunks}
         # Group what we need by file, then read each file's needed span once.
         needed: dict[str, list[Any]] = {}
         for ri in plan.items:
             info = md.storage_data[ri.storage_index]
-            if info.relative_path not in shards:
+            rel = info.relative_path
+            if rel not in shards and (info.offset, info.length) not in partial.get(rel, ()):
                 raise CorruptCheckpointError(
-                    f"{step_dir}: {ri.storage_index.fqn} lives in {info.relative_path}, which is not stored on "
+                    f"{step_dir}: {ri.storage_index.fqn} lives in {rel}, which is not stored on "
                     f"this node ({self.topo.domain}); it must come from another node or the durable tier"
                 )
-            needed.setdefault(info.relative_path, []).append((ri, info))
+            needed.setdefault(rel, []).append((ri, info))
         owners = _Owners(state, planner)
         # State on a GPU: the bytes are read into pinned memory, so that the copies to the device are DMA
         # transfers queued on a side stream (_Loaded.apply), not synchronous copies from pageable memory.
@@ -456,8 +467,8 @@ class Restorer:
         adopt: dict[tuple[str, int], torch.Tensor] = {}  # item -> the live tensor its buffer may become
         decoded: dict[tuple[str, int], Any] = {}
         for rel, reqs in needed.items():
-            path = os.path.join(step_dir, rel)
-            entry = shards[rel]
+            path = os.path.join(step_dir, rel if rel in shards else rel + PARTIAL_SUFFIX)
+            entry = entries[rel]
             try:
                 st = os.stat(path)
             except FileNotFoundError as exc:

@@ -27,6 +27,8 @@ wrong; nothing raises for bad data. Storage failures (an unreachable store) are 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import mmap
 import os
 import shutil
@@ -51,10 +53,12 @@ from ..manifest import (
     DCP_METADATA_NAME,
     DOMAINS_DIR,
     MANIFEST_NAME,
+    PARTIAL_SUFFIX,
     Manifest,
     ShardEntry,
     domain_key,
     durable_step_key,
+    partial_items,
     read_durable_manifest,
     read_manifest_file,
     read_regular_file,
@@ -268,8 +272,21 @@ def verify_step_dir(step_dir: str, *, run_id: str | None = None, step: int | Non
     def one(s: ShardEntry) -> tuple[list[Fault], int]:
         return check_file(os.path.join(step_dir, s.path), s, item_names=names.get(s.path), progress=progress)
 
+    def part(s: ShardEntry) -> tuple[list[Fault], int]:
+        # A file a resharded fetch took in part (manifest.partial_items): the items it holds, each against
+        # its checksum (the rest of the file is a hole, so there is no whole-file checksum to check).
+        held = partial[s.path]
+        kept = tuple(c for c in s.chunks if (c.offset, c.length) in held)
+        path = os.path.join(step_dir, s.path + PARTIAL_SUFFIX)
+        faults, _ = check_file(path, dataclasses.replace(s, chunks=kept), whole_file=False,
+                               item_names=names.get(s.path), progress=progress)
+        faults += [Fault(path, f"holds bytes {o}+{n}, which are no item of {s.path} in the manifest", s.rank)
+                   for o, n in sorted(held - {(c.offset, c.length) for c in kept})]
+        return faults, sum(c.length for c in kept)
+
+    partial = partial_items(m)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for faults, n in pool.map(one, mine):
+        for faults, n in itertools.chain(pool.map(one, mine), pool.map(part, [by_path[p] for p in sorted(partial)])):
             rep.faults += faults
             rep.bytes_checked += n
             rep.files_checked += 1

@@ -10,6 +10,7 @@ mismatch deletes the temp file and publishes nothing.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import logging
 import mmap
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from ..errors import CorruptCheckpointError, ObjectNotFoundError, StorageError, UnsafePathError
 from .fileio import BLOCK, atomic_write, fsync_dir, open_regular, unpublished_on_error, write_file
-from .tier import IncompleteTransfer, ObjectInfo, Progress, RateLimiter, StorageTier, TransferStats
+from .tier import IncompleteTransfer, ObjectInfo, Progress, RateLimiter, ReadRange, StorageTier, TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,37 @@ class PosixTier(StorageTier):
         """See :meth:`StorageTier.get_file`."""
         return self._copy(self._path(key), os.path.abspath(dest), size, checksum, progress, "durable object", key)
 
+    @staticmethod
+    def _open_object(path: str) -> int:
+        """A read descriptor of the durable object at ``path`` (a regular file, never through a link)."""
+        try:
+            return open_regular(path, what="a durable object")
+        except FileNotFoundError as exc:
+            raise ObjectNotFoundError(f"{path}: does not exist") from exc
+        except OSError as exc:
+            raise StorageError(f"{path}: read failed: {exc}") from exc
+
+    @contextlib.contextmanager
+    def open_ranges(self, key: str, size: int) -> Iterator[ReadRange]:
+        """See :meth:`StorageTier.open_ranges`: ``pread`` on one descriptor."""
+        path = self._path(key)
+        fd = self._open_object(path)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise CorruptCheckpointError(f"{path}: durable object is {actual} bytes, the manifest says {size}")
+
+            def read(offset: int, n: int) -> bytes:
+                self.limiter.acquire(n)
+                try:
+                    return os.pread(fd, n, offset)
+                except OSError as exc:
+                    raise StorageError(f"{path}: read of bytes {offset}+{n} failed: {exc}") from exc
+
+            yield read
+        finally:
+            os.close(fd)
+
     def put_bytes(self, key: str, data: bytes) -> None:
         """See :meth:`StorageTier.put_bytes`."""
         path = self._path(key)
@@ -181,12 +213,7 @@ class PosixTier(StorageTier):
     def get_bytes(self, key: str, *, limit: int | None = None) -> bytes:
         """See :meth:`StorageTier.get_bytes`."""
         path = self._path(key)
-        try:
-            fd = open_regular(path, what="a durable object")
-        except FileNotFoundError as exc:
-            raise ObjectNotFoundError(f"{path}: does not exist") from exc
-        except OSError as exc:
-            raise StorageError(f"{path}: read failed: {exc}") from exc
+        fd = self._open_object(path)
         try:
             with os.fdopen(fd, "rb") as f:
                 return f.read() if limit is None else f.read(limit + 1)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import builtins
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -64,7 +65,16 @@ from ..errors import (
 )
 from .fileio import fsync_dir, unpublished_on_error
 from .posix import TMP_MARK
-from .tier import IncompleteTransfer, ObjectInfo, Progress, RateLimiter, StorageTier, TransferStats, join_key
+from .tier import (
+    IncompleteTransfer,
+    ObjectInfo,
+    Progress,
+    RateLimiter,
+    ReadRange,
+    StorageTier,
+    TransferStats,
+    join_key,
+)
 
 try:
     import botocore.loaders  # installed with boto3 (resilient_slurm[s3]); clients are botocore's
@@ -844,22 +854,7 @@ class S3Tier(StorageTier):
                     try:
                         if cancel.is_set():
                             raise _Cancelled
-                        rng = f"bytes={off}-{off + n - 1}"
-
-                        def once() -> bytes:
-                            self.limiter.acquire(n)
-                            kw: dict[str, Any] = {"IfMatch": etag} if etag else {}
-                            body = self._client.get_object(Bucket=self.bucket, Key=full, Range=rng, **kw)["Body"]
-                            try:
-                                data: bytes = body.read()
-                            finally:
-                                body.close()
-                            if len(data) != n:
-                                raise StorageError(f"S3 GET {rng} of {where} returned {len(data)} bytes instead "
-                                                   f"of {n}; the store at {self.endpoint} ignores Range")
-                            return data
-
-                        data = self._call(f"GET {rng} of", full, once, stats=stats, cancel=cancel)
+                        data = self._get_range(full, off, n, etag, stats=stats, cancel=cancel)
                         mv = memoryview(data)
                         written = 0
                         while written < n:
@@ -913,6 +908,39 @@ class S3Tier(StorageTier):
             fsync_dir(os.path.dirname(dest))
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    @contextlib.contextmanager
+    def open_ranges(self, key: str, size: int) -> Iterator[ReadRange]:
+        """See :meth:`StorageTier.open_ranges`: one HEAD, then ranged GETs of that version (If-Match its
+        ETag), each retried like every request of this tier."""
+        full = self._full(key)
+        where = self._where(full)
+        head = self._call("HEAD", full, lambda: self._client.head_object(Bucket=self.bucket, Key=full))
+        actual = int(head.get("ContentLength", -1))
+        if actual != size:
+            raise CorruptCheckpointError(f"{where}: durable object is {actual} bytes, the manifest says {size}")
+        etag = head.get("ETag")
+        yield lambda offset, n: self._get_range(full, offset, n, etag) if n else b""
+
+    def _get_range(self, full: str, offset: int, n: int, etag: str | None, *, stats: TransferStats | None = None,
+                   cancel: threading.Event | None = None) -> bytes:
+        """``n`` bytes at ``offset`` of ``full``, of the version whose ETag is ``etag`` (one GET, retried)."""
+        rng = f"bytes={offset}-{offset + n - 1}"
+
+        def once() -> bytes:
+            self.limiter.acquire(n)
+            kw: dict[str, Any] = {"IfMatch": etag} if etag else {}
+            body = self._client.get_object(Bucket=self.bucket, Key=full, Range=rng, **kw)["Body"]
+            try:
+                data: bytes = body.read()
+            finally:
+                body.close()
+            if len(data) != n:
+                raise StorageError(f"S3 GET {rng} of {self._where(full)} returned {len(data)} bytes instead of {n}; "
+                                   f"the store at {self.endpoint} ignores Range")
+            return data
+
+        return self._call(f"GET {rng} of", full, once, stats=stats, cancel=cancel)
 
     # ------------------------------------------------------------------ small objects
     def put_bytes(self, key: str, data: bytes) -> None:

@@ -13,7 +13,9 @@ Who calls what, and when:
    others, then :meth:`StorageTier.put_bytes` of the domain marker, and, once every domain's marker is
    there, :meth:`StorageTier.put_bytes` of the step's manifest: that write is the durable commit.
 3. Restore (a domain leader): :meth:`StorageTier.list_dirs` / :meth:`StorageTier.get_bytes` to find
-   durable steps and read manifests, :meth:`StorageTier.get_file` for shards (verified on arrival).
+   durable steps and read manifests, :meth:`StorageTier.get_file` for shards (verified on arrival), and
+   :meth:`StorageTier.get_ranges` for the items of a shard that a resharded load plan reads (each item
+   verified against its own checksum, the file kept sparse).
 4. Retention: :meth:`StorageTier.delete` of the manifest first (uncommits the step), then
    :meth:`StorageTier.delete_prefix` of the rest.
 5. On start-up the daemon calls :meth:`StorageTier.cleanup_incomplete`: temp files (POSIX) or
@@ -35,10 +37,21 @@ from __future__ import annotations
 
 import abc
 import builtins
+import contextlib
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import xxhash
+
+from .. import failpoints
+from ..errors import CorruptCheckpointError
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
 """Called with a number of bytes each time that many more bytes were transferred."""
@@ -52,6 +65,41 @@ class ObjectInfo:
     size: int
     checksum: str | None  # xxh3 recorded at upload; None when the store kept none
     mtime: float
+
+
+@dataclass(frozen=True)
+class Span:
+    """One item of an object to fetch by range: its bytes and their xxh3 (a manifest's chunk entry)."""
+
+    offset: int
+    length: int
+    checksum: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+# Items closer than this are fetched in one request (the bytes between them are read and dropped): a
+# request costs a round trip, and a few hundred KiB more on the wire costs less than one on S3.
+RANGE_GAP = 1 << 20
+# Requests of one get_ranges under way at once.
+RANGES_IN_FLIGHT = 8
+
+ReadRange = Callable[[int, int], bytes]
+"""Reads ``n`` bytes at ``offset`` of one object (exactly ``n``, or raises)."""
+
+
+def coalesce(spans: Sequence[Span], gap: int = RANGE_GAP) -> list[list[Span]]:
+    """``spans`` (sorted, not overlapping) in groups fetched by one request each: a span joins the group
+    before it when it starts less than ``gap`` bytes after that group's end."""
+    groups: list[list[Span]] = []
+    for sp in spans:
+        if groups and sp.offset - groups[-1][-1].end < gap:
+            groups[-1].append(sp)
+        else:
+            groups.append([sp])
+    return groups
 
 
 @dataclass(frozen=True)
@@ -137,6 +185,99 @@ class StorageTier(abc.ABC):
         mismatch, :class:`~resilient_slurm.errors.ObjectNotFoundError` if the key is absent."""
 
     @abc.abstractmethod
+    def open_ranges(self, key: str, size: int) -> contextlib.AbstractContextManager[ReadRange]:
+        """A reader of byte ranges of ``key`` as it is now (S3: the ranges must come from the object just
+        measured, not one replaced meanwhile). Raises :class:`~resilient_slurm.errors.ObjectNotFoundError`
+        if the key is absent, :class:`~resilient_slurm.errors.CorruptCheckpointError` if it is not ``size``
+        bytes."""
+
+    def get_ranges(self, key: str, dest: str, *, size: int, spans: Sequence[Span],
+                   progress: Progress | None = None) -> TransferStats:
+        """Download only ``spans`` of ``key`` into a new local file ``dest`` of ``size`` bytes, each at its
+        own offset (the rest of the file is a hole), fsynced. Spans are fetched in parallel, nearby ones
+        in one request (:func:`coalesce`); each is checked against its own checksum as it arrives, and a
+        request whose bytes do not match is made once more (a bad transfer) before the object is declared
+        corrupt (:class:`~resilient_slurm.errors.CorruptCheckpointError`, naming the bytes). ``dest`` is
+        removed on any failure. ``stats.bytes``: bytes requested from the store (spans and the gaps
+        between the spans of one request)."""
+        t0 = time.perf_counter()
+        stats = TransferStats(key=key)
+        spans = sorted(spans, key=lambda sp: sp.offset)
+        for a, b in zip(spans, spans[1:]):
+            if b.offset < a.end:
+                raise ValueError(f"{key}: spans {a} and {b} overlap")
+        if spans and (spans[0].offset < 0 or spans[-1].end > size or min(sp.length for sp in spans) < 0):
+            raise ValueError(f"{key}: spans outside its {size} bytes")
+        lock = threading.Lock()
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            with self.open_ranges(key, size) as read:
+
+                failed = threading.Event()
+
+                def one(group: list[Span]) -> None:
+                    if failed.is_set():
+                        return
+                    try:
+                        fetch(group)
+                    except BaseException:
+                        failed.set()
+                        raise
+
+                def fetch(group: list[Span]) -> None:
+                    lo, hi = group[0].offset, group[-1].end
+                    for attempt in (1, 2):
+                        data = read(lo, hi - lo)
+                        if len(data) != hi - lo:
+                            raise CorruptCheckpointError(f"{self.url}/{key}: bytes {lo}+{hi - lo} came back "
+                                                         f"{len(data)} bytes long")
+                        buf = bytearray(data)
+                        failpoints.hit("during_range_fetch", data=buf)
+                        mv = memoryview(buf)
+                        bad = [sp for sp in group
+                               if xxhash.xxh3_64_hexdigest(mv[sp.offset - lo:sp.end - lo]) != sp.checksum]
+                        with lock:
+                            stats.bytes += hi - lo
+                            stats.retries += attempt - 1
+                        if not bad:
+                            break
+                        if attempt == 1:
+                            log.warning("%s/%s: bytes %d+%d do not match their checksum in the manifest; fetching "
+                                        "them again", self.url, key, bad[0].offset, bad[0].length)
+                    else:
+                        raise CorruptCheckpointError(
+                            f"{self.url}/{key}: bytes {bad[0].offset}+{bad[0].length} do not match their checksum "
+                            "in the manifest, fetched twice; the durable object is corrupt, nothing of it was kept")
+                    for sp in group:
+                        piece = mv[sp.offset - lo:sp.end - lo]
+                        done = 0
+                        while done < sp.length:
+                            done += os.pwrite(fd, piece[done:], sp.offset + done)
+                    if progress:
+                        progress(hi - lo)
+
+                groups = coalesce(spans)
+                if len(groups) <= 1:
+                    for g in groups:
+                        one(g)
+                else:
+                    with ThreadPoolExecutor(min(RANGES_IN_FLIGHT, len(groups)),
+                                            thread_name_prefix="rslurm-range") as ex:
+                        futures = [ex.submit(one, g) for g in groups]
+                    for f in futures:
+                        f.result()
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(dest)
+            raise
+        os.close(fd)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None:
         """Store a small object atomically (markers, manifests, metadata)."""
 
@@ -193,4 +334,5 @@ def join_key(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
 
 
-__all__ = ["IncompleteTransfer", "ObjectInfo", "Progress", "RateLimiter", "StorageTier", "TransferStats", "join_key"]
+__all__ = ["IncompleteTransfer", "ObjectInfo", "Progress", "RateLimiter", "ReadRange", "Span", "StorageTier",
+           "TransferStats", "coalesce", "join_key"]
