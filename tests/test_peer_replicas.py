@@ -9,6 +9,10 @@ SIGKILLed (a node failure: no emergency save), n2's local directory is wiped, an
 * with n1's replica of n2 intact, n2 restores from it: 0 bytes from the durable tier, bitwise identical;
 * with the replica gone, or a byte of it corrupted (refused on arrival: the checksum of the shard), n2
   falls back to the durable tier, still bitwise identical.
+
+Beyond one rank per node (MATRIX): two ranks per node sharing the node's directory, and one directory per
+GPU on one node with ``peer_replicas=on``; with no durable tier, the lost domain must come back from its
+partner, bitwise.
 """
 
 from __future__ import annotations
@@ -228,3 +232,64 @@ def test_a_replica_of_another_save_of_the_same_step_is_never_mixed_in() -> None:
     assert peer_sources(10, [1], held, topo, []) == {1: (0, "n2")}  # nobody holds its own copy: any one save
     assert peer_sources(10, [1], {0: [Held("n2", 10, 4, (1,), 100.0)]}, topo, [100.0]) == {}  # other world size
     assert peer_sources(10, [1], {0: [Held("n2", 10, 2, (0, 1), 100.0)]}, topo, [100.0]) == {}  # other ranks
+
+
+# --------------------------------------------------------------------------- beyond one rank per node
+# name -> (each rank's node and local directory, relative to the test's root; peer_replicas). The last
+# rank's directory is the one that is lost.
+MATRIX = {
+    # 8-GPU nodes in small: two ranks per node share the node's directory, one domain per node.
+    "two ranks per node": ([("n1", "nvme/n1"), ("n1", "nvme/n1"), ("n2", "nvme/n2"), ("n2", "nvme/n2")], "auto"),
+    # One NVMe per GPU on one node: each rank's directory is a domain; `on` pairs domains of one node.
+    "a directory per GPU": ([("n1", "nvme/gpu0"), ("n1", "nvme/gpu1")], "on"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", sorted(MATRIX))
+def test_a_lost_domain_restores_from_its_partner_in_other_topologies(tmp_path: Path, topology: str) -> None:
+    """With no durable tier at all, a run killed after step 10 was replicated loses the last rank's
+    directory (its domain), starts again and must restore that domain from its partner's replica and
+    finish bitwise identical to an uninterrupted run of the same topology."""
+    layout, mode = MATRIX[topology]
+    world, step = len(layout), 2 * EVERY
+
+    def env(root: Path, peers: str) -> tuple[dict[str, str], list[dict[str, str]]]:
+        common = {"RSLURM_RUN_ID": RUN, "RSLURM_CONTROL_SOCKET": "off", "RSLURM_COLLECTIVE_TIMEOUT": "60",
+                  "RSLURM_LOG_LEVEL": "INFO", "RSLURM_PEER_REPLICAS": peers}
+        return common, [{"RSLURM_NODE_NAME": n, "RSLURM_LOCAL_DIR": str(root / d)} for n, d in layout]
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    run_ranks(_argv(ref, 0.0), world, ref, env=env(ref, "off")[0], per_rank_env=env(ref, "off")[1], timeout=240)
+    root = tmp_path / "job"
+    root.mkdir()
+    common, per_rank = env(root, mode)
+    leaders = {d: r for r, (_, d) in reversed(list(enumerate(layout)))}  # directory -> its lowest rank
+
+    def replicated(d: str) -> list[int]:
+        path = root / d / RUN / "events.jsonl"
+        return [e["received_step"] for e in read_jsonl(path) if e.get("event") == "peer_replica"] if path.exists() else []
+
+    job = start_ranks(_argv(root, 0.15), world, root, env=common, per_rank_env=per_rank)
+    deadline = time.monotonic() + 120
+    while not all(step in replicated(d) for d in leaders):
+        assert time.monotonic() < deadline, {d: replicated(d) for d in leaders}
+        assert all(p.poll() is None for p in job.procs), job.output(0)[-3000:]
+        time.sleep(0.05)
+    wait_for_step(root / "log.0.jsonl", step + 1, job=job)
+    job.kill(signal.SIGKILL)
+    lost = layout[-1][1]
+    shutil.rmtree(root / lost)
+    run_ranks(_argv(root, 0.0), world, root, env=common, per_rank_env=per_rank, timeout=240)
+    for r in range(world):
+        starts = [e for e in read_jsonl(root / f"log.{r}.jsonl") if e.get("event") == "start"]
+        assert starts[-1]["step"] == step, (r, starts)
+        assert _steps(root / f"log.{r}.jsonl") == _steps(ref / f"log.{r}.jsonl"), f"rank {r}"
+        assert_same(torch.load(root / f"out.{r}.pt", weights_only=True),
+                    torch.load(ref / f"out.{r}.pt", weights_only=True), f"rank{r}")
+    for d, r in leaders.items():
+        [restore] = [e for e in read_jsonl(root / d / RUN / "events.jsonl")
+                     if e.get("event") == "restore" and e.get("rank") == r][-1:]
+        assert restore["tier"] == ("peer" if d == lost else "local") and restore["fetched_bytes"] == 0, (d, restore)
+        assert (restore["peer_bytes"] > 0) == (d == lost), (d, restore)
