@@ -42,6 +42,11 @@ def _parse(spec: str) -> dict[str, str]:
 _ACTIVE = _parse(os.environ.get(ENV, ""))
 
 
+def armed(name: str) -> bool:
+    """Whether the failpoint ``name`` is armed (a caller that must prepare what the point acts on)."""
+    return name in _ACTIVE
+
+
 def hit(name: str, path: str | None = None, data: bytearray | None = None) -> None:
     """Trigger the failpoint ``name`` if it is armed (``path``: the file an ``unlink`` removes; ``data``: the
     bytes a ``flip`` damages)."""

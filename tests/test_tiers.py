@@ -44,6 +44,7 @@ from resilient_slurm.errors import (
     TransientStorageError,
 )
 from resilient_slurm.storage import open_tier
+from resilient_slurm.storage import tier as tier_module
 from resilient_slurm.storage.posix import TMP_MARK, PosixTier
 from resilient_slurm.storage.s3 import S3Tier, is_transient
 from resilient_slurm.storage.tier import RANGE_GAP, RateLimiter, Span, StorageTier
@@ -215,7 +216,12 @@ class TierContract:
         # Two items close together and an empty one (one request), one far away, the last bytes.
         return data, [(10, 100), (200, 50), (500, 0), (2 * RANGE_GAP, 3000), (len(data) - 7, 7)]
 
-    def test_get_ranges_keeps_only_the_items_asked_for(self, tier: StorageTier, tmp_path: Path) -> None:
+    @pytest.mark.parametrize("max_request", [None, 1000], ids=["one-request", "1000-byte-requests"])
+    def test_get_ranges_keeps_only_the_items_asked_for(self, tier: StorageTier, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, max_request: int | None) -> None:
+        """With requests of at most 1000 bytes, the 3000-byte item comes in three, hashed across them."""
+        if max_request is not None:
+            monkeypatch.setattr(tier_module, "MAX_REQUEST", max_request)
         data, items = self._ranged(tier, tmp_path)
         dest = tmp_path / "out.partial"
         got = tier.get_ranges("run/r", str(dest), size=len(data),
@@ -242,10 +248,13 @@ class TierContract:
             tier.get_ranges("run/nope", str(dest), size=10, spans=[])
         assert not dest.exists()
 
+    @pytest.mark.parametrize("max_request", [None, 1000], ids=["one-request", "1000-byte-requests"])
     def test_get_ranges_fetches_damaged_bytes_again(self, tier: StorageTier, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                    monkeypatch: pytest.MonkeyPatch, max_request: int | None) -> None:
         """Bytes damaged on the way (the failpoint inverts the first byte of one response) are refused by
         their item's checksum and fetched again; the second copy is kept."""
+        if max_request is not None:
+            monkeypatch.setattr(tier_module, "MAX_REQUEST", max_request)
         data, items = self._ranged(tier, tmp_path)
         monkeypatch.setitem(failpoints._ACTIVE, "during_range_fetch", "flip")
         dest = tmp_path / "out.partial"

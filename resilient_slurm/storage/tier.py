@@ -85,17 +85,22 @@ class Span:
 RANGE_GAP = 1 << 20
 # Requests of one get_ranges under way at once.
 RANGES_IN_FLIGHT = 8
+# The most bytes one request asks for (and holds in memory): a group of items is read in requests of at
+# most this size, each item hashed across them in order.
+MAX_REQUEST = 64 << 20
 
 ReadRange = Callable[[int, int], bytes]
 """Reads ``n`` bytes at ``offset`` of one object (exactly ``n``, or raises)."""
 
 
-def coalesce(spans: Sequence[Span], gap: int = RANGE_GAP) -> list[list[Span]]:
-    """``spans`` (sorted, not overlapping) in groups fetched by one request each: a span joins the group
-    before it when it starts less than ``gap`` bytes after that group's end."""
+def coalesce(spans: Sequence[Span], gap: int = RANGE_GAP, limit: int | None = None) -> list[list[Span]]:
+    """``spans`` (sorted, not overlapping) in groups fetched together: a span joins the group before it
+    when it starts less than ``gap`` bytes after that group's end and the group then spans at most
+    ``limit`` bytes (default :data:`MAX_REQUEST`; a single larger span is a group of its own)."""
+    limit = MAX_REQUEST if limit is None else limit
     groups: list[list[Span]] = []
     for sp in spans:
-        if groups and sp.offset - groups[-1][-1].end < gap:
+        if groups and sp.offset - groups[-1][-1].end < gap and sp.end - groups[-1][0].offset <= limit:
             groups[-1].append(sp)
         else:
             groups.append([sp])
@@ -226,19 +231,36 @@ class StorageTier(abc.ABC):
                         raise
 
                 def fetch(group: list[Span]) -> None:
+                    # In requests of at most MAX_REQUEST bytes, in order; each item's bytes are written at
+                    # their offset (a temp file: removed if the step turns out corrupt) and hashed as they
+                    # come, and the group is judged once all of it arrived.
                     lo, hi = group[0].offset, group[-1].end
                     for attempt in (1, 2):
-                        data = read(lo, hi - lo)
-                        if len(data) != hi - lo:
-                            raise CorruptCheckpointError(f"{self.url}/{key}: bytes {lo}+{hi - lo} came back "
-                                                         f"{len(data)} bytes long")
-                        buf = bytearray(data)
-                        failpoints.hit("during_range_fetch", data=buf)
-                        mv = memoryview(buf)
-                        bad = [sp for sp in group
-                               if xxhash.xxh3_64_hexdigest(mv[sp.offset - lo:sp.end - lo]) != sp.checksum]
+                        hashes = [xxhash.xxh3_64() for _ in group]
+                        for pos in range(lo, hi, MAX_REQUEST):
+                            n = min(MAX_REQUEST, hi - pos)
+                            data: bytes | bytearray = read(pos, n)
+                            if len(data) != n:
+                                raise CorruptCheckpointError(f"{self.url}/{key}: bytes {pos}+{n} came back "
+                                                             f"{len(data)} bytes long")
+                            if failpoints.armed("during_range_fetch"):
+                                data = bytearray(data)
+                                failpoints.hit("during_range_fetch", data=data)
+                            mv = memoryview(data)
+                            for sp, h in zip(group, hashes):
+                                a, b = max(sp.offset, pos), min(sp.end, pos + n)
+                                if a >= b:
+                                    continue
+                                h.update(mv[a - pos:b - pos])
+                                done = 0
+                                while a + done < b:
+                                    done += os.pwrite(fd, mv[a - pos + done:b - pos], a + done)
+                            with lock:
+                                stats.bytes += n
+                            if progress:
+                                progress(n)
+                        bad = [sp for sp, h in zip(group, hashes) if h.hexdigest() != sp.checksum]
                         with lock:
-                            stats.bytes += hi - lo
                             stats.retries += attempt - 1
                         if not bad:
                             break
@@ -249,13 +271,6 @@ class StorageTier(abc.ABC):
                         raise CorruptCheckpointError(
                             f"{self.url}/{key}: bytes {bad[0].offset}+{bad[0].length} do not match their checksum "
                             "in the manifest, fetched twice; the durable object is corrupt, nothing of it was kept")
-                    for sp in group:
-                        piece = mv[sp.offset - lo:sp.end - lo]
-                        done = 0
-                        while done < sp.length:
-                            done += os.pwrite(fd, piece[done:], sp.offset + done)
-                    if progress:
-                        progress(hi - lo)
 
                 groups = coalesce(spans)
                 if len(groups) <= 1:
