@@ -14,7 +14,8 @@ Call order of :meth:`Restorer.restore` (collective, foreground group, every rank
 2. for each candidate: a domain that lacks it fetches its part (:meth:`DurableFetcher.fetch_round`,
    collective): every rank first makes its load plan (:meth:`Restorer._planned_reads`, against the
    durable metadata when its domain lacks the step) and the leader fetches the items its ranks' plans
-   read (fetch.py: a file whole when they read most of it, else only those items); then every rank reads and verifies what it needs (:meth:`Restorer._try_read` ->
+   read (fetch.py: a file whole when they read most of it, else only those items); then every rank
+   reads and verifies what it needs (:meth:`Restorer._try_read` ->
    :meth:`Restorer._read_step`: manifest, ``.metadata``, the per-rank check, the compatibility check
    (compat.py: every missing, unexpected and reshaped key in one error), a DCP load plan against the
    live state, the byte ranges it needs read into fresh buffers and checked item by item against the
@@ -390,9 +391,8 @@ class Restorer:
     def _planned_reads(self, step: int, state: MutableMapping[str, Any], *, local: bool) -> Planned | None:
         """The items (file -> offsets and lengths) this rank's load plan for ``step`` reads, so that a domain
         fetching the step takes only those (a run resharded to another world size, or moved onto nodes that
-        hold other ranks). Planned
-        against the local copy's metadata when this domain has the step (``local``), else the durable
-        tier's (:meth:`DurableFetcher.source`). Every rank plans, so every rank calls its state's
+        hold other ranks). Planned against the local copy's metadata when this domain has the step
+        (``local``), else the durable tier's (:meth:`DurableFetcher.source`). Every rank plans, so every rank calls its state's
         ``state_dict()`` alike. None when it cannot be planned: the fetch then takes every file, and the
         read that follows says what is wrong."""
         try:
