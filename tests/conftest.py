@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,50 @@ import pytest
 from slurm_cluster import SlurmCluster, missing_tools
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def process_stacks(pids: Sequence[int], timeout: float = 30) -> str:
+    """Every thread's stack, Python frames and native ones, of each process in ``pids`` (py-spy dump, which
+    pauses a process for a moment and leaves it running), with its command line; for the message of a test
+    that found something hung. A process that is not Python shows only its command line."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    parts = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+        except OSError:
+            continue
+        parts.append(f"--- pid {pid}: {cmd[:300]}")
+        if not exe.startswith("python"):
+            continue
+        try:
+            cp = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                                timeout=timeout)
+            parts.append((cp.stdout + cp.stderr).strip())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            parts.append(f"(py-spy dump failed: {e})")
+    return "\n".join(parts) or "(no processes)"
+
+
+def process_tree(pids: Sequence[int]) -> list[int]:
+    """``pids`` and all their live descendants (a rank's DataLoader workers), parents first."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out: list[int] = []
+    todo = list(pids)
+    while todo:
+        pid = todo.pop(0)
+        if pid not in out:
+            out.append(pid)
+            todo.extend(sorted(children.get(pid, [])))
+    return out
 
 
 def free_port() -> int:
@@ -60,11 +105,13 @@ class RankJob:
             try:
                 codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
+                stacks = process_stacks(process_tree([q.pid for q in self.procs if q.poll() is None]))
                 self.dump_stacks()
                 self.kill()
                 tails = "\n".join(f"--- rank {r} ({log}) ---\n{self.output(r)[-6000:]}"
                                    for r, log in enumerate(self.logs))
-                pytest.fail(f"rank process {p.pid} did not finish within {timeout}s\n{tails}")
+                pytest.fail(f"rank process {p.pid} did not finish within {timeout}s\n{tails}\n"
+                            f"--- stacks before SIGABRT ---\n{stacks}")
         return codes
 
     def dump_stacks(self, wait_s: float = 3.0) -> None:
@@ -159,8 +206,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def wait_for_step(log: Path, step: int, timeout: float = 120, job: RankJob | None = None) -> None:
-    """Block until a step log shows ``step`` completed."""
+def wait_for_step(log: Path, step: int, timeout: float = 120, job: RankJob | None = None,
+                  diagnose: Callable[[], str] | None = None) -> None:
+    """Block until a step log shows ``step`` completed. On a timeout the failure shows ``diagnose()`` (a
+    Slurm job's state and stacks), or the stacks of ``job``'s ranks."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if log.exists() and any(e.get("step", -1) >= step and "loss" in e for e in read_jsonl(log)):
@@ -168,7 +217,14 @@ def wait_for_step(log: Path, step: int, timeout: float = 120, job: RankJob | Non
         if job is not None and any(p.poll() not in (None, 0) for p in job.procs):
             pytest.fail(f"a rank died before step {step}: {job.output(0)[-3000:]}")
         time.sleep(0.01)
-    pytest.fail(f"step {step} not reached within {timeout}s ({log})")
+    if diagnose is not None:
+        why = diagnose()
+    elif job is not None:
+        why = process_stacks(process_tree([p.pid for p in job.procs if p.poll() is None]))
+    else:
+        why = ""
+    tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-5:]) if log.exists() else "(no log)"
+    pytest.fail(f"step {step} not reached within {timeout}s ({log}; its end: {tail})\n{why}")
 
 
 def assert_same(a: object, b: object, path: str = "") -> None:

@@ -507,6 +507,38 @@ SlurmctldParameters=preempt_send_user_signal"""
         self.stop()
 
     # ------------------------------------------------------------------ diagnostics
+    def job_pids(self, job_id: int | str) -> list[int]:
+        """Live processes of job ``job_id`` (its batch shell, launcher, sruns and ranks): those whose
+        environment carries ``SLURM_JOB_ID=<job_id>``."""
+        needle = f"\0SLURM_JOB_ID={job_id}\0".encode()
+        pids = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                if (d / "stat").read_text().split(") ", 1)[1].startswith("Z"):
+                    continue
+                data = (d / "environ").read_bytes()
+            except (OSError, IndexError):
+                continue
+            if needle in b"\0" + data + b"\0":
+                pids.append(int(d.name))
+        return pids
+
+    def diagnose(self, job_id: int | str) -> str:
+        """What a test that waited in vain on job ``job_id`` should show: the job's record, the queue,
+        the nodes, the job's processes with every thread's stack (Python and native, py-spy; nothing is
+        stopped) and the daemon logs."""
+        from conftest import process_stacks  # conftest imports this module
+
+        parts = [f"job {job_id}: {self.job_info(job_id)}"]
+        for args in (["squeue", "-h", "-o", "%i %P %j %T %r %N %M"], ["sinfo", "-h", "-N", "-o", "%N %T %E"]):
+            cp = self.run(args, timeout=15, check=False)
+            parts.append(f"$ {' '.join(args)}\n{cp.stdout}{cp.stderr}")
+        parts.append(process_stacks(self.job_pids(job_id)))
+        parts.append(self.logs_tail())
+        return "\n".join(parts)
+
     def logs_tail(self, lines: int = 40) -> str:
         """The last lines of every daemon log, for error messages.
 

@@ -115,11 +115,16 @@ def _exits(work: Path) -> list[dict]:
     return [e for e in read_jsonl(work / "log.0.jsonl") if e.get("event") == "exit"]
 
 
+def _diagnose(slurm: SlurmCluster, job: int, work: Path) -> str:
+    """For a test that waited on ``job`` in vain: its state, its processes' stacks, what it printed."""
+    return f"{slurm.diagnose(job)}\n--- {work / 'job.out'} ---\n{_job_text(work)[-6000:]}"
+
+
 def _wait_done(slurm: SlurmCluster, job: int, work: Path, timeout: float) -> dict[str, str]:
     try:
         return slurm.wait_state(job, "COMPLETED", timeout=timeout)
     except BaseException:
-        print(_job_text(work)[-6000:])
+        print(_diagnose(slurm, job, work))
         raise
 
 
@@ -145,7 +150,7 @@ def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     env = {} if socket else {"RSLURM_CONTROL_SOCKET": "off"}
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)], extra_env=env),
                   *(["--signal=B:USR1@5"] if user_signal else []))
-    wait_for_step(work / "log.0.jsonl", 8, timeout=90)
+    wait_for_step(work / "log.0.jsonl", 8, timeout=90, diagnose=lambda: _diagnose(slurm, job, work))
     t0 = time.time()
     high = _high_job(slurm, work)
     slurm.wait_state(high, "COMPLETED", timeout=120)
@@ -254,7 +259,7 @@ def test_rank_sigkill_restarts_in_job_and_resumes_from_last_commit(slurm: SlurmC
     work.mkdir()
     ref = _reference(tmp_path, steps)
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.1)]))
-    wait_for_step(work / "log.1.jsonl", 14, timeout=90)
+    wait_for_step(work / "log.1.jsonl", 14, timeout=90, diagnose=lambda: _diagnose(slurm, job, work))
     pid = [e for e in read_jsonl(work / "log.1.jsonl") if e.get("event") == "start"][0]["pid"]
     os.kill(pid, signal.SIGKILL)
     info = _wait_done(slurm, job, work, timeout=180)
@@ -412,7 +417,7 @@ def test_scancel_is_not_undone_by_a_requeue(slurm: SlurmCluster):
     work = slurm.work_dir / "launch-scancel"
     work.mkdir()
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, 400, 0.1)]))
-    wait_for_step(work / "log.0.jsonl", 6, timeout=90)
+    wait_for_step(work / "log.0.jsonl", 6, timeout=90, diagnose=lambda: _diagnose(slurm, job, work))
     slurm.scancel(job)
     slurm.wait_state(job, "CANCELLED", timeout=60)
     deadline = time.monotonic() + 30
@@ -442,7 +447,7 @@ def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: Slurm
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)],
                                        extra_env={"RSLURM_DURABLE": str(lustre)}, before=wipe),
                   "--signal=B:USR1@5")
-    wait_for_step(work / "log.0.jsonl", 8, timeout=90)
+    wait_for_step(work / "log.0.jsonl", 8, timeout=90, diagnose=lambda: _diagnose(slurm, job, work))
     high = _high_job(slurm, work)
     slurm.wait_state(high, "COMPLETED", timeout=120)
     info = _wait_done(slurm, job, work, timeout=180)
