@@ -117,6 +117,24 @@ def _marker_roots() -> dict[str, list[int]]:
     return roots
 
 
+def _pids_with_env(name: str, value: str, exclude: int | None = None) -> list[int]:
+    """Live processes (not zombies, not ``exclude``) whose environment has ``name=value``."""
+    needle = f"\0{name}={value}\0".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == exclude:
+            continue
+        try:
+            if (d / "stat").read_text().split(") ", 1)[1].startswith("Z"):
+                continue
+            data = (d / "environ").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if needle in b"\0" + data + b"\0":
+            pids.append(int(d.name))
+    return pids
+
+
 def reap_stale_clusters() -> list[int]:
     """Kill the processes of test clusters whose owner (the test process that started them) is gone,
     e.g. after a SIGKILLed or timed-out pytest run. Returns the pids killed.
@@ -484,21 +502,7 @@ SlurmctldParameters=preempt_send_user_signal"""
 
     def marked_pids(self) -> list[int]:
         """Live processes (not zombies, not this one) whose environment carries this cluster's marker."""
-        needle = f"{MARKER_VAR}={self.root}".encode() + b"\0"
-        me = os.getpid()
-        pids = []
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit() or int(d.name) == me:
-                continue
-            try:
-                if (d / "stat").read_text().split(") ", 1)[1].startswith("Z"):
-                    continue
-                data = (d / "environ").read_bytes()
-            except (OSError, IndexError):
-                continue
-            if needle in data + b"\0":
-                pids.append(int(d.name))
-        return pids
+        return _pids_with_env(MARKER_VAR, str(self.root), exclude=os.getpid())
 
     def __enter__(self) -> SlurmCluster:
         return self.start()
@@ -510,20 +514,7 @@ SlurmctldParameters=preempt_send_user_signal"""
     def job_pids(self, job_id: int | str) -> list[int]:
         """Live processes of job ``job_id`` (its batch shell, launcher, sruns and ranks): those whose
         environment carries ``SLURM_JOB_ID=<job_id>``."""
-        needle = f"\0SLURM_JOB_ID={job_id}\0".encode()
-        pids = []
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                if (d / "stat").read_text().split(") ", 1)[1].startswith("Z"):
-                    continue
-                data = (d / "environ").read_bytes()
-            except (OSError, IndexError):
-                continue
-            if needle in b"\0" + data + b"\0":
-                pids.append(int(d.name))
-        return pids
+        return _pids_with_env("SLURM_JOB_ID", str(job_id))
 
     def diagnose(self, job_id: int | str) -> str:
         """What a test that waited in vain on job ``job_id`` should show: the job's record, the queue,
