@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from slurm_cluster import SlurmCluster, missing_tools
 
@@ -43,26 +44,6 @@ def process_stacks(pids: Sequence[int], timeout: float = 30) -> str:
         except (OSError, subprocess.TimeoutExpired) as e:
             parts.append(f"(py-spy dump failed: {e})")
     return "\n".join(parts) or "(no processes)"
-
-
-def process_tree(pids: Sequence[int]) -> list[int]:
-    """``pids`` and all their live descendants (a rank's DataLoader workers), parents first."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(") ", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out: list[int] = []
-    todo = list(pids)
-    while todo:
-        pid = todo.pop(0)
-        if pid not in out:
-            out.append(pid)
-            todo.extend(sorted(children.get(pid, [])))
-    return out
 
 
 def free_port() -> int:
@@ -105,7 +86,7 @@ class RankJob:
             try:
                 codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
-                stacks = process_stacks(process_tree([q.pid for q in self.procs if q.poll() is None]))
+                stacks = self.stacks()
                 self.dump_stacks()
                 self.kill()
                 tails = "\n".join(f"--- rank {r} ({log}) ---\n{self.output(r)[-6000:]}"
@@ -113,6 +94,16 @@ class RankJob:
                 pytest.fail(f"rank process {p.pid} did not finish within {timeout}s\n{tails}\n"
                             f"--- stacks before SIGABRT ---\n{stacks}")
         return codes
+
+    def stacks(self) -> str:
+        """Every thread's stack of each rank still running and of its children (DataLoader workers), which
+        go on running (:func:`process_stacks`)."""
+        pids = []
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(psutil.Error):
+                    pids += [p.pid, *(c.pid for c in psutil.Process(p.pid).children(recursive=True))]
+        return process_stacks(pids)
 
     def dump_stacks(self, wait_s: float = 3.0) -> None:
         """SIGABRT to every rank still running and its children (DataLoader workers): with
@@ -220,7 +211,7 @@ def wait_for_step(log: Path, step: int, timeout: float = 120, job: RankJob | Non
     if diagnose is not None:
         why = diagnose()
     elif job is not None:
-        why = process_stacks(process_tree([p.pid for p in job.procs if p.poll() is None]))
+        why = job.stacks()
     else:
         why = ""
     tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-5:]) if log.exists() else "(no log)"

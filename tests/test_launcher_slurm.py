@@ -33,7 +33,7 @@ from slurm_cluster import SlurmCluster
 PY = sys.executable
 TOY = [PY, "-m", "resilient_slurm.examples.train_toy"]
 #: How long a job may take to reach its first steps: the batch script, the launcher, the node health step,
-#: srun and two Python processes importing torch; about 8 s on an idle machine, 25 s here with the CPUs
+#: srun and two Python processes importing torch; about 8 s on an idle machine, 9-28 s here with the CPUs
 #: oversubscribed four times. A generous bound that is not a timing claim: a job that does not get there
 #: fails with its state and every process's stacks (_diagnose).
 START_TIMEOUT_S = 240
@@ -125,6 +125,11 @@ def _diagnose(slurm: SlurmCluster, job: int, work: Path) -> str:
     return f"{slurm.diagnose(job)}\n--- {work / 'job.out'} ---\n{_job_text(work)[-6000:]}"
 
 
+def _wait_started(slurm: SlurmCluster, job: int, work: Path, log: Path, step: int) -> None:
+    """Wait until ``job``'s step log shows ``step`` (at most START_TIMEOUT_S; then fail with _diagnose)."""
+    wait_for_step(log, step, timeout=START_TIMEOUT_S, diagnose=lambda: _diagnose(slurm, job, work))
+
+
 def _wait_done(slurm: SlurmCluster, job: int, work: Path, timeout: float) -> dict[str, str]:
     try:
         return slurm.wait_state(job, "COMPLETED", timeout=timeout)
@@ -155,7 +160,7 @@ def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     env = {} if socket else {"RSLURM_CONTROL_SOCKET": "off"}
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)], extra_env=env),
                   *(["--signal=B:USR1@5"] if user_signal else []))
-    wait_for_step(work / "log.0.jsonl", 8, timeout=START_TIMEOUT_S, diagnose=lambda: _diagnose(slurm, job, work))
+    _wait_started(slurm, job, work, work / "log.0.jsonl", 8)
     t0 = time.time()
     high = _high_job(slurm, work)
     slurm.wait_state(high, "COMPLETED", timeout=120)
@@ -264,7 +269,7 @@ def test_rank_sigkill_restarts_in_job_and_resumes_from_last_commit(slurm: SlurmC
     work.mkdir()
     ref = _reference(tmp_path, steps)
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.1)]))
-    wait_for_step(work / "log.1.jsonl", 14, timeout=START_TIMEOUT_S, diagnose=lambda: _diagnose(slurm, job, work))
+    _wait_started(slurm, job, work, work / "log.1.jsonl", 14)
     pid = [e for e in read_jsonl(work / "log.1.jsonl") if e.get("event") == "start"][0]["pid"]
     os.kill(pid, signal.SIGKILL)
     info = _wait_done(slurm, job, work, timeout=180)
@@ -422,7 +427,7 @@ def test_scancel_is_not_undone_by_a_requeue(slurm: SlurmCluster):
     work = slurm.work_dir / "launch-scancel"
     work.mkdir()
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, 400, 0.1)]))
-    wait_for_step(work / "log.0.jsonl", 6, timeout=START_TIMEOUT_S, diagnose=lambda: _diagnose(slurm, job, work))
+    _wait_started(slurm, job, work, work / "log.0.jsonl", 6)
     slurm.scancel(job)
     slurm.wait_state(job, "CANCELLED", timeout=60)
     deadline = time.monotonic() + 30
@@ -452,7 +457,7 @@ def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: Slurm
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)],
                                        extra_env={"RSLURM_DURABLE": str(lustre)}, before=wipe),
                   "--signal=B:USR1@5")
-    wait_for_step(work / "log.0.jsonl", 8, timeout=START_TIMEOUT_S, diagnose=lambda: _diagnose(slurm, job, work))
+    _wait_started(slurm, job, work, work / "log.0.jsonl", 8)
     high = _high_job(slurm, work)
     slurm.wait_state(high, "COMPLETED", timeout=120)
     info = _wait_done(slurm, job, work, timeout=180)
