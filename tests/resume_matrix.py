@@ -1,5 +1,8 @@
-"""Run tests/workers/topology_worker.py in a topology, SIGKILL it at a step, resume, and compare every
-rank with an uninterrupted run (tests/test_topology_matrix.py, tests/test_ddp_layout.py)."""
+"""Run a worker in a topology, SIGKILL it at a step, resume, and compare every rank with an uninterrupted run
+(tests/test_topology_matrix.py, tests/test_ddp_layout.py, tests/test_model_parallel.py).
+
+The worker is tests/workers/topology_worker.py with ``--kinds`` (``kinds``), or another program taking
+``--steps --every --log --out --sleep`` (``worker`` and its ``args``: tests/workers/parallel_worker.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +16,13 @@ import torch
 from conftest import REPO, assert_same, read_jsonl, run_ranks, start_ranks, wait_for_step
 
 WORKER = str(REPO / "tests" / "workers" / "topology_worker.py")
+PARALLEL_WORKER = str(REPO / "tests" / "workers" / "parallel_worker.py")
 STEPS = 14
 EVERY = 3
 KINDS = ("ddp", "obj", "plain", "repl", "fsdp")
 
-# An uninterrupted run depends on the world size and the state kinds only (not on node names or
-# directories): computed once per pair in a session.
+# An uninterrupted run depends on the world size and the program (worker, kinds or arguments) only (not on
+# node names or directories): computed once per pair in a session.
 _REFERENCES: dict[tuple[int, tuple[str, ...]], Path] = {}
 _ROOT = Path(tempfile.mkdtemp(prefix="rslurm-matrix-"))
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
@@ -34,8 +38,14 @@ def _env(nodes: int, per_node: int, layout: str, where: Path) -> list[dict[str, 
     return out
 
 
-def _argv(kinds: tuple[str, ...], d: Path, sleep: float = 0.0, steps: int = STEPS, every: int = EVERY) -> list[str]:
-    return [WORKER, "--steps", str(steps), "--every", str(every), "--kinds", ",".join(kinds),
+def _program(kinds: tuple[str, ...], worker: str | None = None, args: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The worker and its own arguments: topology_worker.py with ``--kinds``, or ``worker`` with ``args``."""
+    return (worker, *args) if worker else (WORKER, "--kinds", ",".join(kinds))
+
+
+def _argv(kinds: tuple[str, ...], d: Path, sleep: float = 0.0, steps: int = STEPS, every: int = EVERY,
+          program: tuple[str, ...] = ()) -> list[str]:
+    return [*(program or _program(kinds)), "--steps", str(steps), "--every", str(every),
             "--log", str(d / "log.%r.jsonl"), "--out", str(d / "out.%r.pt"), "--sleep", str(sleep)]
 
 
@@ -55,12 +65,11 @@ def assert_same_run(ref: Path, d: Path, world: int) -> None:
         assert la == lb, f"rank {r}: losses differ at steps {[s for s in la if la[s] != lb.get(s)]}"
 
 
-def _reference(world: int, kinds: tuple[str, ...]) -> Path:
-    key = (world, kinds)
+def _reference(world: int, program: tuple[str, ...], env: dict[str, str]) -> Path:
+    key = (world, program)
     if key not in _REFERENCES:
-        d = _ROOT / f"ref-w{world}-{'-'.join(kinds)}"
-        d.mkdir()
-        run_ranks(_argv(kinds, d), world, d, timeout=300, env={"RSLURM_RUN_ID": "topo"},
+        d = Path(tempfile.mkdtemp(prefix=f"ref-w{world}-", dir=_ROOT))
+        run_ranks(_argv((), d, program=program), world, d, timeout=300, env=env,
                   per_rank_env=_env(1, world, "node", d))
         _REFERENCES[key] = d
     return _REFERENCES[key]
@@ -74,13 +83,18 @@ def _losses(log: Path) -> dict[int, float]:
     return out
 
 
-def check_resume(nodes: int, per_node: int, layout: str, kinds: tuple[str, ...], kill_at: int) -> None:
+def check_resume(nodes: int, per_node: int, layout: str, kinds: tuple[str, ...], kill_at: int, *,
+                 worker: str | None = None, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+    """SIGKILL ``kinds`` of topology_worker.py (or ``worker`` with ``args``) on ``nodes`` x ``per_node`` ranks
+    in directory ``layout`` once rank 0 passed ``kill_at`` and every domain committed a step; resume; every
+    rank's final state and losses must equal an uninterrupted run's. ``env``: settings for every run."""
     world = nodes * per_node
-    ref = _reference(world, kinds)
+    program = _program(kinds, worker, args)
+    env = {"RSLURM_RUN_ID": "topo", **(env or {})}
+    ref = _reference(world, program, env)
     d = Path(tempfile.mkdtemp(prefix=f"n{nodes}x{per_node}-{layout}-", dir=_ROOT))
-    env = {"RSLURM_RUN_ID": "topo"}
     per_rank = _env(nodes, per_node, layout, d)
-    job = start_ranks(_argv(kinds, d, sleep=0.05), world, d, env=env, per_rank_env=per_rank)
+    job = start_ranks(_argv(kinds, d, sleep=0.05, program=program), world, d, env=env, per_rank_env=per_rank)
     domains = {"node": nodes, "shared": 1, "rank": world}[layout]
     try:
         wait_for_step(d / "log.0.jsonl", kill_at, timeout=240, job=job)
@@ -95,7 +109,7 @@ def check_resume(nodes: int, per_node: int, layout: str, kinds: tuple[str, ...],
     finally:
         job.kill()  # SIGKILL every rank, wherever it is (maybe in the middle of a save)
     assert not (d / "out.0.pt").exists(), "the run finished before it was killed"
-    run_ranks(_argv(kinds, d), world, d, timeout=300, env=env, per_rank_env=per_rank)
+    run_ranks(_argv(kinds, d, program=program), world, d, timeout=300, env=env, per_rank_env=per_rank)
     starts = [e["step"] for e in read_jsonl(d / "log.0.jsonl") if e.get("event") == "start"]
     assert len(starts) == 2 and starts[1] > 0, f"did not resume from a checkpoint: {starts}"
     assert_same_run(ref, d, world)

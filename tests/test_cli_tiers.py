@@ -322,7 +322,7 @@ def test_export_matches_the_training_state(tiers: Tiers, trained: Path, tmp_path
     assert f"from the {'local' if tiers.kind == 'local' else 'durable'} tier" in r.stdout
     sd = torch.load(out, weights_only=True)
     assert set(sd) == {"model", "optimizer", "scheduler", "scaler", "sampler", "progress", "_rslurm_rng", "_rslurm_ddp",
-                       "_rslurm_step"}
+                       "_rslurm_optim_params", "_rslurm_step"}
     assert sd["_rslurm_step"] == 12
     assert_same(sd["model"], ref[0]["model"], "model")
     # The optimizer's per-parameter state is keyed by index, as Optimizer.state_dict() gives it ...

@@ -6,7 +6,8 @@
 * ``allow_missing`` / ``allow_unexpected`` restore everything else bitwise: the allowed keys keep their
   current values, an optimizer whose parameters changed starts afresh (no state), one whose parameters
   only changed shape keeps its reshaped moments and loads the rest.
-* Two gloo ranks: every rank raises the same complete list, and nothing is loaded on either.
+* Two gloo ranks: every rank raises its own complete list naming itself and the other refusing rank,
+  and nothing is loaded on either.
 * Bad patterns are a ConfigError before anything is read.
 """
 
@@ -145,8 +146,10 @@ def test_every_rank_raises_the_whole_list(tmp_path: Path) -> None:
         read_manifest_file(str(tmp_path / "nvme" / "prov" / step_dirname(3) / "manifest.json")).nodes)
     run_ranks([str(WORKER), "changed", str(tmp_path / "nvme"), str(out)], 2, tmp_path, timeout=240)
     docs = [json.loads((out / f"changed.{r}.json").read_text()) for r in range(2)]
-    for d in docs:
+    for r, d in enumerate(docs):
         assert d["untouched"] and d["opt_state"] == 0, d
         for key in ("model.head.weight", "model.scale", "model.out.weight", "opt.state.4.exp_avg"):
             assert key in d["error"], d["error"]
-    assert docs[0]["error"] == docs[1]["error"]
+        # Each rank lists its own differences, and names the other rank that refused too.
+        assert f"does not fit the state being restored on rank {r};" in d["error"], d["error"]
+        assert f"does not fit on rank {1 - r} either" in d["error"], d["error"]

@@ -88,19 +88,57 @@ def test_item_table_shared_and_proven() -> None:
     t = torch.zeros(4)
     plans = [_plan({"m": {"w": t}, "x": 1, "only0": 2}), _plan({"m": {"w": t}, "x": 1}),
              _plan({"m": {"w": t}, "x": 1})]
-    table = ItemTable.build(plans, [frozenset({"m.w"}), frozenset({"m.w"}), frozenset()])
+    table = ItemTable.build(plans, [{"m.w": None}, {"m.w": None}, {}])
     assert [i.fqn for i in table.order] == ["m.w", "x"]
     assert table.holders[table.order[0]] == (0, 1, 2)
     assert not table.proven  # rank 2 does not vouch for m.w
-    table = ItemTable.build(plans, [frozenset({"m.w"})] * 3)
+    table = ItemTable.build(plans, [{"m.w": None}] * 3)
     assert {i.fqn for i in table.proven} == {"m.w"} and table.nbytes[table.order[0]] == 16
+
+
+def test_replicas_by_construction_are_replicas_only_within_their_group() -> None:
+    """Two pipeline stages, each a DDP (or a device mesh) of two ranks, with an optimizer keyed by index:
+    ``opt.state.0.exp_avg`` is held by all four ranks, but ranks 0-1 and 2-3 hold different parameters'
+    moments. Written once (proven) only where one group holds every copy; otherwise digested, and then
+    stored per rank, never deduplicated across the stages."""
+    a, b = torch.zeros(4), torch.ones(4)
+    plans = [_plan({"opt": {"m": a}}), _plan({"opt": {"m": a}}), _plan({"opt": {"m": b}}), _plan({"opt": {"m": b}})]
+    stage0, stage1 = frozenset({0, 1}), frozenset({2, 3})
+    table = ItemTable.build(plans, [{"opt.m": stage0}, {"opt.m": stage0}, {"opt.m": stage1}, {"opt.m": stage1}])
+    assert [i.fqn for i in table.order] == ["opt.m"] and not table.proven
+    tr = ReplicaTracker("off")
+    sel = tr.select(table)
+    assert [i.fqn for i in sel] == ["opt.m"]  # digested even with replica_check=off
+    equal = equal_from_reduced(
+        [max(c) for c in zip(*(digest_vector(sel, {sel[0]: digest_value(t)}) for t in (a, a, b, b)))], 1)
+    newly, _ = tr.update(table, sel, equal)
+    assert [i.fqn for i in newly] == ["opt.m"]
+    plan = create_global_save_plan(plans, ["n1"] * 4, tr.rename())
+    assert {i.index.fqn for p in plan.plans for i in p.items} == {per_rank_fqn(r, "opt.m") for r in range(4)}
+    # Within one group (two ranks of stage 0 only): proven.
+    assert ItemTable.build(plans[:2], [{"opt.m": stage0}] * 2).proven
+
+
+def test_a_key_of_another_kind_on_some_ranks_is_stored_per_rank() -> None:
+    """nanoGPT's ``best_val_loss``: a tensor on rank 0, a float elsewhere; and tensors of other ranks (not
+    chunks of one tensor). DCP's planner asserts on such a key; here every rank's item goes per rank."""
+    plans = [_plan({"best": torch.tensor(0.5), "t": torch.zeros(2, 3)}), _plan({"best": 1e9, "t": torch.zeros(6)}),
+             _plan({"best": 1e9, "t": torch.zeros(2, 3)})]
+    table = ItemTable.build(plans, [{}] * 3)
+    assert {i.fqn for i in table.mixed} == {"best", "t"} and not table.order  # nothing left to digest
+    assert table.mixed_kinds["best"] == {0: "a tensor () float32", 1: "a plain value", 2: "a plain value"}
+    tr = ReplicaTracker()
+    assert tr.select(table) == []
+    plan = create_global_save_plan(plans, ["n1"] * 3, tr.rename())
+    fqns = set(plan.metadata.state_dict_metadata)
+    assert fqns == {per_rank_fqn(r, k) for r in range(3) for k in ("best", "t")}, fqns
 
 
 def test_tracker_digests_unproven_every_save_and_rotates_through_proven() -> None:
     w = [torch.zeros(256) for _ in range(5)]  # 1 KiB each
     sd = {"m": {f"w{i}": w[i] for i in range(5)}, "cursor": 3}
     plans = [_plan(sd), _plan(sd)]
-    table = ItemTable.build(plans, [frozenset(f"m.w{i}" for i in range(5))] * 2)
+    table = ItemTable.build(plans, [dict.fromkeys((f"m.w{i}" for i in range(5)), None)] * 2)
     tr = ReplicaTracker("warn", check_bytes=2048)
     seen: set[str] = set()
     for _ in range(3):

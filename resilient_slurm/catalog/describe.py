@@ -17,7 +17,7 @@ import os
 import shlex
 from typing import Any
 
-from ..checkpoint.state import DDP_KEY, RNG_KEY
+from ..checkpoint.state import DDP_KEY, OPTIM_PARAMS_KEY, RNG_KEY
 from ..manifest import PER_RANK_PREFIX, empty_keys
 from ..storage.fileio import checksum
 from .source import StepSource
@@ -89,6 +89,8 @@ def describe(src: StepSource) -> dict[str, Any]:
         if top == DDP_KEY:  # DDP's gradient bucket layout, re-applied at the resume
             ddp_layout = True
             continue
+        if top == OPTIM_PARAMS_KEY or (top == PER_RANK_PREFIX and len(path) >= 3 and path[2] == OPTIM_PARAMS_KEY):
+            continue  # the parameter behind each optimizer index, checked at the restore
         owner = None
         if top == PER_RANK_PREFIX and len(path) >= 3 and str(path[1]).isdigit():  # a rank's own copy: under its key
             owner, top = int(path[1]), str(path[2])

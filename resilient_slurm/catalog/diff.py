@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..checkpoint.state import DDP_KEY, RNG_KEY
+from ..checkpoint.state import RESERVED_KEYS
 from .source import StepSource
 
 
@@ -26,7 +26,7 @@ def step_facts(src: StepSource) -> dict[str, Any]:
     md = src.metadata()
     keys: dict[str, dict[str, Any]] = {}
     for fqn, smd in md.state_dict_metadata.items():
-        if fqn.split(".", 1)[0] in (RNG_KEY, DDP_KEY):
+        if fqn.split(".", 1)[0] in RESERVED_KEYS:
             continue
         if isinstance(smd, TensorStorageMetadata):
             keys[fqn] = {"kind": "tensor", "shape": list(smd.size),

@@ -1,14 +1,20 @@
 """The compatibility check of a restore: the state being restored against a step's DCP metadata, every
-difference in one error, before anything is planned, read or loaded.
+difference in one error, before anything is read or loaded.
 
-Who calls what: :meth:`Restorer._read_step <.restore.Restorer._read_step>` calls :func:`check_compat` on
-every rank with the load planner already set up (``SafeLoadPlanner.set_up_planner``: the target that
-:func:`~.state.prepare_load_target` built, flattened into DCP keys, this rank's per-rank copies under
-their own keys) and before ``create_local_plan``. DCP's planner stops at the first key that does not
-fit; this check lists them all:
+Who calls what: :meth:`Restorer._read_round <.restore.Restorer._read_round>` runs it on every rank in two
+parts around one exchange between the ranks. :func:`compare` (this rank, with the load planner set up:
+``SafeLoadPlanner.set_up_planner`` on the target that :func:`~.state.prepare_load_target` built, this
+rank's per-rank copies under their own keys) finds this rank's differences; the ranks then learn which
+saved keys no rank holds now (:meth:`Findings.mask`, one ``all_reduce(MAX)`` of a byte per saved key, only
+when every rank has keys it does not hold); :func:`decide` refuses with this rank's differences, or drops
+the allowed ones from the planner, before ``create_local_plan``. DCP's planner stops at the first key that
+does not fit; this check lists them all:
 
-- *missing*: in the state, not in the checkpoint (a new head, a new buffer);
-- *unexpected*: in the checkpoint, not in the state (a dropped buffer, a removed layer);
+- *missing*: in this rank's state, not in the checkpoint (a new head, a new buffer);
+- *unexpected*: in the checkpoint, held by no rank's state now (a dropped buffer, a removed layer). Ranks
+  hold different keys in pipeline parallelism (each stage its own layers) or under per-rank names
+  (``data{rank}``): a key another rank holds is not unexpected here. A per-rank copy (a value that
+  differed between ranks, stored per rank) is this rank's own: one the state lacks is unexpected here;
 - *reshaped*: in both with another shape, or a tensor on one side and a plain value on the other.
 
 A dtype change is not an incompatibility: the saved values are converted as ``Tensor.copy_`` converts
@@ -27,7 +33,7 @@ parameters changed), the optimizer starts afresh if ``allow_missing`` covers eve
 and the restore is refused otherwise. Reshaped moments of a reshaped parameter (a head with another
 number of classes) keep the optimizer's current values and the rest loads.
 
-Reserved keys (RNG state, DDP's bucket layout, other ranks' per-rank copies) are not compared: their
+Reserved keys (RNG state, DDP's bucket layout, the optimizers' parameter names) are not compared: their
 own rules apply (state.py, ddp.py, restore.py).
 """
 
@@ -40,11 +46,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import ConfigError, IncompatibleCheckpointError
 from ..manifest import split_per_rank_fqn
-from .state import DDP_KEY, RNG_KEY
+from .state import RESERVED_KEYS
 
 
 @dataclass(frozen=True)
@@ -67,13 +74,14 @@ def check_patterns(name: str, patterns: Sequence[str] | None) -> tuple[str, ...]
     return tuple(patterns)
 
 
-def _matches(key: str, patterns: Sequence[str]) -> bool:
+def matches(key: str, patterns: Sequence[str]) -> bool:
+    """Whether ``key`` matches one of the fnmatch ``patterns``."""
     return any(fnmatch.fnmatchcase(key, p) for p in patterns)
 
 
 def _reserved(key: str) -> bool:
     top = key.split(".", 1)[0]
-    return top in (RNG_KEY, DDP_KEY)
+    return top in RESERVED_KEYS
 
 
 def _describe_saved(smd: Any) -> str:
@@ -92,53 +100,96 @@ def _listing(what: str, items: Sequence[str]) -> str:
     return f"  {what} [{len(items)}]: " + ", ".join(items)
 
 
-def check_compat(
-    planner: Any,
-    md: Metadata,
-    state: Mapping[str, Any],
-    *,
-    source_rank: int,
-    allow_missing: Sequence[str] = (),
-    allow_unexpected: Sequence[str] = (),
-    where: str = "the checkpoint",
-) -> CompatReport:
-    """Compare ``planner.state_dict`` (flattened target) with ``md``; raise IncompatibleCheckpointError
-    listing every missing, unexpected and reshaped key that the patterns do not allow, or drop the allowed
-    ones from the planner (and optimizers starting afresh from its target) and say what was left out.
-    ``where`` names the step in the message. Nothing is loaded here."""
-    sd: MutableMapping[str, Any] = planner.state_dict
-    live: dict[str, str] = {}  # key as the state names it -> key in the planner
+@dataclass(frozen=True)
+class Findings:
+    """This rank's differences from a step, before the ranks compare which saved keys they hold
+    (:func:`compare`)."""
+
+    live: Mapping[str, str]  # key as the state names it -> key in the planner
+    missing: tuple[str, ...]  # in the state, not saved
+    reshaped: tuple[tuple[str, str], ...]  # (key, description)
+    converted: tuple[str, ...]
+    own_unexpected: tuple[str, ...]  # this rank's own per-rank copies that its state lacks
+    candidates: tuple[str, ...]  # shared saved keys this rank does not hold: unexpected if no rank does
+    keyspace: tuple[str, ...]  # every shared saved key, sorted: the same list on every rank for one step
+
+    @property
+    def digest(self) -> int:
+        """Identifies :attr:`keyspace` (equal on ranks that read the same step's metadata)."""
+        h = xxhash.xxh3_64()
+        for k in self.keyspace:
+            h.update(k.encode("utf-8", "surrogatepass") + b"\0")
+        return h.intdigest()
+
+    def mask(self) -> bytes:
+        """One byte per :attr:`keyspace` key: 1 where this rank's state holds it."""
+        return bytes(1 if k in self.live else 0 for k in self.keyspace)
+
+    def unheld(self, held: bytes) -> frozenset[str]:
+        """The keys of :attr:`keyspace` that no rank holds, from every rank's :meth:`mask` combined (max)."""
+        return frozenset(k for k, h in zip(self.keyspace, held) if not h)
+
+
+def compare(planner: Any, md: Metadata, *, source_rank: int) -> Findings:
+    """This rank's state (``planner.state_dict``, flattened target) against ``md``. Nothing is decided here."""
+    sd: Mapping[str, Any] = planner.state_dict
+    live: dict[str, str] = {}
     for fqn in sd:
         split = split_per_rank_fqn(fqn)
         key = split[1] if split is not None else fqn
         if not _reserved(key):
             live[key] = fqn
-    saved: dict[str, Any] = {}
-    others: set[str] = set()  # keys saved only as other ranks' own copies
+    shared: dict[str, Any] = {}
+    own: dict[str, Any] = {}  # this rank's (its source rank's) per-rank copies
     for fqn, smd in md.state_dict_metadata.items():
         split = split_per_rank_fqn(fqn)
         if split is None:
             if not _reserved(fqn):
-                saved[fqn] = smd
-        elif split[0] == source_rank:
-            saved[split[1]] = smd
-        else:
-            others.add(split[1])
-    missing = sorted(k for k in live if k not in saved)
-    unexpected = sorted(k for k in (set(saved) | others) if k not in live)
-    reshaped: list[str] = []
+                shared[fqn] = smd
+        elif split[0] == source_rank and not _reserved(split[1]):
+            own[split[1]] = smd
+    saved = {**shared, **own}
+    reshaped: list[tuple[str, str]] = []
     converted: list[str] = []
     for key in sorted(set(live) & set(saved)):
         smd, v = saved[key], sd[live[key]]
         is_tensor = isinstance(smd, TensorStorageMetadata)
         if is_tensor != isinstance(v, torch.Tensor) or (is_tensor and tuple(smd.size) != tuple(v.size())):
-            reshaped.append(f"{key} (saved {_describe_saved(smd)}, state {_describe_live(v)})")
+            reshaped.append((key, f"{key} (saved {_describe_saved(smd)}, state {_describe_live(v)})"))
         elif is_tensor and smd.properties.dtype != v.dtype:
             converted.append(key)
-    reshaped_keys = [r.split(" (", 1)[0] for r in reshaped]
-    refused_missing = [k for k in missing if not _matches(k, allow_missing)]
-    refused_unexpected = [k for k in unexpected if not _matches(k, allow_unexpected)]
-    refused_reshaped = [r for r, k in zip(reshaped, reshaped_keys) if not _matches(k, allow_missing)]
+    return Findings(
+        live=live, missing=tuple(sorted(k for k in live if k not in saved)), reshaped=tuple(reshaped),
+        converted=tuple(converted), own_unexpected=tuple(sorted(k for k in own if k not in live)),
+        candidates=tuple(sorted(k for k in shared if k not in live and k not in own)),
+        keyspace=tuple(sorted(shared)))
+
+
+def decide(
+    planner: Any,
+    md: Metadata,
+    state: Mapping[str, Any],
+    found: Findings,
+    unheld: frozenset[str],
+    *,
+    allow_missing: Sequence[str] = (),
+    allow_unexpected: Sequence[str] = (),
+    where: str = "the checkpoint",
+    rank: int | None = None,
+) -> CompatReport:
+    """Raise IncompatibleCheckpointError listing every missing, unexpected and reshaped key of this rank that
+    the patterns do not allow (``unheld``: the saved keys no rank holds now), or drop the allowed ones from
+    the planner (and optimizers starting afresh from its target) and say what was left out. ``where`` names
+    the step in the message, ``rank`` this rank. Nothing is loaded here."""
+    sd: MutableMapping[str, Any] = planner.state_dict
+    live = found.live
+    missing = list(found.missing)
+    unexpected = sorted({*found.own_unexpected, *(k for k in found.candidates if k in unheld)})
+    reshaped = [d for _, d in found.reshaped]
+    reshaped_keys = [k for k, _ in found.reshaped]
+    refused_missing = [k for k in missing if not matches(k, allow_missing)]
+    refused_unexpected = [k for k in unexpected if not matches(k, allow_unexpected)]
+    refused_reshaped = [d for d, k in zip(reshaped, reshaped_keys) if not matches(k, allow_missing)]
     # Optimizers whose parameters changed: whole or not at all.
     fresh: list[str] = []
     partial: list[str] = []
@@ -149,22 +200,32 @@ def check_compat(
         if not any(k.startswith(prefix) for k in (*missing, *unexpected)):
             continue
         mine = [k for k in live if k.split(".", 1)[0] == top]
-        if all(_matches(k, allow_missing) for k in mine):
+        if all(matches(k, allow_missing) for k in mine):
             fresh.append(top)
         else:
             partial.append(top)
     if refused_missing or refused_unexpected or refused_reshaped or partial:
-        lines = [f"{where} does not fit the state being restored; nothing was loaded:"]
+        who = f" on rank {rank}" if rank is not None else ""
+        lines = [f"{where} does not fit the state being restored{who}; nothing was loaded:"]
         if refused_missing:
             lines.append(_listing("missing (in the state, not in the checkpoint)", refused_missing))
-        if refused_unexpected:
-            lines.append(_listing("unexpected (in the checkpoint, not in the state)", refused_unexpected))
+        own = set(found.own_unexpected)
+        if any(k not in own for k in refused_unexpected):
+            lines.append(_listing("unexpected (in the checkpoint, held by no rank's state)",
+                                  [k for k in refused_unexpected if k not in own]))
+        if any(k in own for k in refused_unexpected):
+            lines.append(_listing("unexpected (this rank's own copy in the checkpoint, not in its state)",
+                                  [k for k in refused_unexpected if k in own]))
         if refused_reshaped:
             lines.append(_listing("reshaped", refused_reshaped))
         for top in partial:
             lines.append(f"  optimizer {top!r}: its parameters changed (state keys {top}.state.* missing or "
                          f"unexpected); an optimizer loads whole or not at all: allow_missing=['{top}.*'] "
-                         f"(and allow_unexpected=['{top}.*']) starts it afresh")
+                         f"(and allow_unexpected=['{top}.*']) starts it afresh. An optimizer's own state_dict() "
+                         "keys its state by parameter index: to restore it into a model split differently "
+                         "(another pipeline split), keep it keyed by parameter name with "
+                         "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict (docs/integration.md, "
+                         "Model parallelism)")
         lines.append("If these changes are intended, pass restore(state, allow_missing=[...], "
                      "allow_unexpected=[...]) with fnmatch patterns of these keys (a missing or reshaped key keeps "
                      "its current value, an unexpected one is not loaded; docs/integration.md); else restore "
@@ -190,7 +251,24 @@ def check_compat(
             md, state_dict_metadata={k: v for k, v in md.state_dict_metadata.items() if k in sd})
     return CompatReport(
         kept=tuple(k for k in kept if k.split(".", 1)[0] not in fresh),
-        ignored=tuple(unexpected), fresh=tuple(fresh), converted=tuple(converted))
+        ignored=tuple(unexpected), fresh=tuple(fresh), converted=found.converted)
 
 
-__all__ = ["CompatReport", "check_compat", "check_patterns"]
+def check_compat(
+    planner: Any,
+    md: Metadata,
+    state: Mapping[str, Any],
+    *,
+    source_rank: int,
+    allow_missing: Sequence[str] = (),
+    allow_unexpected: Sequence[str] = (),
+    where: str = "the checkpoint",
+) -> CompatReport:
+    """:func:`compare` and :func:`decide` on this rank alone, as if every saved key this rank does not hold
+    were held by another rank (a load plan made before the ranks compare notes: the durable fetch's)."""
+    found = compare(planner, md, source_rank=source_rank)
+    return decide(planner, md, state, found, frozenset(), allow_missing=allow_missing,
+                  allow_unexpected=allow_unexpected, where=where)
+
+
+__all__ = ["CompatReport", "Findings", "check_compat", "check_patterns", "compare", "decide"]

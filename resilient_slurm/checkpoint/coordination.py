@@ -70,6 +70,15 @@ class Coordinator:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._bg if background else self._fg)
         return [int(v) for v in t.tolist()]
 
+    def any_max(self, values: bytes) -> bytes:
+        """Element-wise max of byte vectors across ranks (foreground group): flags of one byte per item,
+        for vectors too long to send as integers."""
+        if not self.multi:
+            return bytes(values)
+        t = torch.frombuffer(bytearray(values), dtype=torch.uint8) if values else torch.zeros(0, dtype=torch.uint8)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._fg)
+        return bytes(t.numpy().tobytes())
+
     def all_true(self, flag: bool, *, background: bool = False) -> bool:
         """True if ``flag`` is true on every rank."""
         return self.all_max([0 if flag else 1], background=background)[0] == 0

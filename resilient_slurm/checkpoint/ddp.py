@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .state import DDP_KEY
 
@@ -84,6 +85,17 @@ def find_ddp(module: torch.nn.Module) -> Any | None:
             break
         frontier = nxt
     return None
+
+
+def _group_ranks(pg: Any) -> frozenset[int] | None:
+    """The global ranks of a process group; None for the default group (every rank) or when unknown."""
+    if pg is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        ranks = frozenset(dist.get_process_group_ranks(pg))
+    except Exception:  # not a group this rank knows
+        return None
+    return None if len(ranks) == dist.get_world_size() else ranks
 
 
 def _logging_data(ddp: Any, refresh: bool = False) -> dict[str, Any]:
@@ -201,26 +213,31 @@ class DDPTracker:
             if ddp is not None:
                 self._ddps[k] = weakref.ref(ddp)
 
-    def replicated_keys(self, state: Mapping[str, Any]) -> tuple[frozenset[str], tuple[str, ...]]:
-        """State keys DDP keeps equal on its ranks: ``(exact keys, key prefixes)`` of synchronized
-        parameters (``model.<name>``) and of their optimizer state (``optim.state.<i>.``)."""
-        exact: set[str] = set()
-        params: set[int] = set()
+    def replicated_keys(self, state: Mapping[str, Any]) -> dict[str, frozenset[int] | None]:
+        """State keys DDP keeps equal on its ranks, each with the global ranks of its DDP's process group
+        (None: the default group, every rank): synchronized parameters (``model.<name>``) and, as key
+        prefixes ending in ``.``, their optimizer state (``optim.state.<i>.``). Two pipeline stages each
+        under a DDP of their own keep *different* values under one key (an optimizer keyed by index): the
+        group says which ranks hold replicas."""
+        out: dict[str, frozenset[int] | None] = {}
+        groups: dict[int, frozenset[int] | None] = {}  # id(parameter) -> its DDP's ranks
         for k, ref in self._ddps.items():
             ddp = ref()
             if ddp is None:
                 continue
+            group = _group_ranks(getattr(ddp, "process_group", None))
             ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
             synced = {id(p) for name, p in ddp.module.named_parameters() if name not in ignored}
-            params |= synced
+            groups.update(dict.fromkeys(synced, group))
             # Names as the state's own object gives them (the DDP itself: "module.x"; a compiled module: "x").
-            exact |= {f"{k}.{name}" for name, p in state[k].named_parameters(remove_duplicate=False) if id(p) in synced}
-        prefixes = []
+            for name, p in state[k].named_parameters(remove_duplicate=False):
+                if id(p) in synced:
+                    out[f"{k}.{name}"] = group
         for k, v in state.items():
             if isinstance(v, torch.optim.Optimizer):
                 flat = [p for g in v.param_groups for p in g["params"]]
-                prefixes += [f"{k}.state.{i}." for i, p in enumerate(flat) if id(p) in params]
-        return frozenset(exact), tuple(prefixes)
+                out.update({f"{k}.state.{i}.": groups[id(p)] for i, p in enumerate(flat) if id(p) in groups})
+        return out
 
     def gradient_wait_s(self, window: int) -> float | None:
         """Seconds the last iteration DDP sampled waited for its gradient all-reduce after the backward

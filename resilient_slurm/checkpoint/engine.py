@@ -42,7 +42,7 @@ import io
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,19 +271,22 @@ class Engine:
         if changed:
             if self._table is not None:
                 self.ddp.scan(state)
-            exact, prefixes = self.ddp.replicated_keys(state)
             missing = [k for k in self.replicated if k not in state]
             if missing:
                 raise ConfigError(f"replicated={list(self.replicated)}: {missing} not in the state (keys: {sorted(state)})")
-            prefixes += tuple(f"{k}." for k in self.replicated)
-            proven = frozenset(
-                fqn for fqn, v in planner.state_dict.items()
-                if fqn in exact or fqn.startswith(prefixes) or fqn in self.replicated or _is_dtensor(v))
+            proven = _proven_keys(planner.state_dict, self.ddp.replicated_keys(state), self.replicated)
             gathered = self.coord.all_gather((local_plan, proven))
             self._base_plans = [g[0] for g in gathered]
             self._table = ItemTable.build(self._base_plans, [g[1] for g in gathered])
             self._table_version += 1
             self._report_unproven(self._table)
+            if self._table.mixed_kinds and topo.rank == 0:
+                for name, by_rank in self._table.mixed_kinds.items():
+                    kinds: dict[str, list[int]] = {}
+                    for r, kind in sorted(by_rank.items()):
+                        kinds.setdefault(kind, []).append(r)
+                    log.info("state %r is %s: stored and restored per rank", name,
+                             " and ".join(f"{k} on rank{'s' if len(rs) > 1 else ''} {rs}" for k, rs in kinds.items()))
             self._cached_local_plan = local_plan
             self._by_index = {it.index: it for it in local_plan.items}
             selected = self.replicas.select(self._table)
@@ -679,12 +682,42 @@ class _Plan:
     empty: dict[str, str] = field(default_factory=dict)  # state.empty_state_keys: manifest extra
 
 
-def _is_dtensor(v: Any) -> bool:
+_NOT_PROVEN = object()
+
+
+def _mesh_ranks(v: Any) -> Any:
+    """For a DTensor, the global ranks of its device mesh (None: every rank); ``_NOT_PROVEN`` for anything else."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover
-        return False
-    return isinstance(v, DTensor)
+        return _NOT_PROVEN
+    if not isinstance(v, DTensor):
+        return _NOT_PROVEN
+    ranks = frozenset(int(r) for r in v.device_mesh.mesh.flatten().tolist())
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return None if len(ranks) == world else ranks
+
+
+def _proven_keys(sd: Mapping[str, Any], ddp: Mapping[str, frozenset[int] | None],
+                 replicated: Sequence[str]) -> dict[str, frozenset[int] | None]:
+    """This rank's keys whose items are replicated by construction, each with the ranks among which it is
+    (None: every rank): a DDP's parameters and their optimizer state (its process group; keys ending in
+    ``.`` are prefixes), the chunks of a DTensor (its device mesh: ranks holding a chunk at the same offsets
+    are its replicas), and what the user declared ``replicated`` (every rank). Items under one key held by
+    ranks outside one such group (two pipeline stages with an optimizer keyed by index) are proven by
+    digests instead (replication.py)."""
+    prefixes = [(k, g) for k, g in ddp.items() if k.endswith(".")]
+    declared = tuple(f"{k}." for k in replicated)
+    out: dict[str, frozenset[int] | None] = {}
+    for fqn, v in sd.items():
+        group: Any = ddp[fqn] if fqn in ddp else next((g for p, g in prefixes if fqn.startswith(p)), _NOT_PROVEN)
+        if group is _NOT_PROVEN and (fqn in replicated or fqn.startswith(declared)):
+            group = None
+        if group is _NOT_PROVEN:
+            group = _mesh_ranks(v)
+        if group is not _NOT_PROVEN:
+            out[fqn] = group
+    return out
 
 
 def _cross_domain_mismatches(results: list[dict[str, Any]]) -> tuple[ReplicaMismatch, ...]:

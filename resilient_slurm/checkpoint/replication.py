@@ -109,6 +109,19 @@ def _feed_serialized(h: Any, v: Any) -> None:
     h.update(buf.getvalue())
 
 
+def _kind(it: Any) -> tuple[Any, ...]:
+    """What an item is, as far as a key's metadata goes: a plain value, or a tensor of one global size and dtype."""
+    if it.type == WriteItemType.BYTE_IO or it.tensor_data is None:
+        return ("value",)
+    return ("tensor", tuple(it.tensor_data.size), it.tensor_data.properties.dtype)
+
+
+def describe_kind(kind: tuple[Any, ...]) -> str:
+    if kind[0] == "value":
+        return "a plain value"
+    return f"a tensor {kind[1]} {str(kind[2]).removeprefix('torch.')}"
+
+
 @dataclass(frozen=True)
 class ItemTable:
     """The items held by several ranks, in one order every rank agrees on, from every rank's plan."""
@@ -117,21 +130,43 @@ class ItemTable:
     holders: Mapping[MetadataIndex, tuple[int, ...]]
     proven: frozenset[MetadataIndex]  # replicated by construction on every rank holding them
     nbytes: Mapping[MetadataIndex, int]
+    # Keys whose value is of another kind on some ranks (a tensor here, a float there; tensors of other
+    # shapes or dtypes that are not chunks of one tensor): every rank's items under them are stored per rank.
+    mixed: frozenset[MetadataIndex] = frozenset()
+    mixed_kinds: Mapping[str, Mapping[int, str]] = field(default_factory=dict)  # key -> rank -> kind (for the log)
 
     @classmethod
-    def build(cls, plans: Sequence[SavePlan], proven_fqns: Sequence[frozenset[str]]) -> ItemTable:
-        """``plans[r]`` is rank r's local plan; ``proven_fqns[r]`` the keys it holds replicated by construction."""
+    def build(cls, plans: Sequence[SavePlan], proven_fqns: Sequence[Mapping[str, frozenset[int] | None]]
+              ) -> ItemTable:
+        """``plans[r]`` is rank r's local plan; ``proven_fqns[r]`` the keys it holds replicated by construction,
+        each with the global ranks among which it is (None: every rank). An item is proven when every rank
+        holding it says so for one group that holds all of them."""
         holders: dict[MetadataIndex, list[int]] = {}
         nbytes: dict[MetadataIndex, int] = {}
+        kinds: dict[str, dict[tuple[Any, ...], list[int]]] = {}
+        indexes: dict[str, set[MetadataIndex]] = {}
         for r, plan in enumerate(plans):
             for it in plan.items:
                 holders.setdefault(it.index, []).append(r)
+                kinds.setdefault(it.index.fqn, {}).setdefault(_kind(it), []).append(r)
+                indexes.setdefault(it.index.fqn, set()).add(it.index)
                 if it.type != WriteItemType.BYTE_IO:
                     nbytes[it.index] = it.tensor_storage_size() or 0
-        shared = {i: tuple(rs) for i, rs in holders.items() if len(rs) > 1}
+        mixed_fqns = sorted(f for f, ks in kinds.items() if len(ks) > 1)
+        mixed = frozenset(i for f in mixed_fqns for i in indexes[f])
+        shared = {i: tuple(rs) for i, rs in holders.items() if len(rs) > 1 and i not in mixed}
         order = tuple(sorted(shared, key=index_key))
-        proven = frozenset(i for i in order if all(i.fqn in proven_fqns[r] for r in shared[i]))
-        return cls(order=order, holders=shared, proven=proven, nbytes={i: nbytes.get(i, 0) for i in order})
+        proven = frozenset(i for i in order if all(_proves(proven_fqns[r], i.fqn, shared[i]) for r in shared[i]))
+        return cls(order=order, holders=shared, proven=proven, nbytes={i: nbytes.get(i, 0) for i in order},
+                   mixed=mixed, mixed_kinds={f: {r: describe_kind(k) for k, rs in kinds[f].items() for r in rs}
+                                             for f in mixed_fqns})
+
+
+def _proves(proven: Mapping[str, frozenset[int] | None], fqn: str, holders: Sequence[int]) -> bool:
+    if fqn not in proven:
+        return False
+    group = proven[fqn]
+    return group is None or set(holders) <= group
 
 
 @dataclass(frozen=True)
@@ -179,6 +214,7 @@ class ReplicaTracker:
         if table is not self._table:
             self._table = table
             self._cursor = 0
+            self.per_rank |= table.mixed  # a key of another kind on some ranks: per rank, without digests
         sel = [i for i in table.order if i not in table.proven and i not in self.per_rank]
         if self.check == "off":
             return sel

@@ -15,16 +15,19 @@ Call order of :meth:`Restorer.restore` (collective, foreground group, every rank
    collective): every rank first makes its load plan (:meth:`Restorer._planned_reads`, against the
    durable metadata when its domain lacks the step) and the leader fetches the items its ranks' plans
    read (fetch.py: a file whole when they read most of it, else only those items); then every rank
-   reads and verifies what it needs (:meth:`Restorer._try_read` ->
-   :meth:`Restorer._read_step`: manifest, ``.metadata``, the per-rank check, the compatibility check
-   (compat.py: every missing, unexpected and reshaped key in one error), a DCP load plan against the
-   live state, the byte ranges it needs read into fresh buffers and checked item by item against the
-   manifest's xxh3, plain values decoded with ``weights_only=True``) *before touching any live tensor*,
-   under a shared lock on the step so retention cannot delete it; an all_gather of the verdicts follows.
+   reads and verifies what it needs (:meth:`Restorer._read_round`, collective: :meth:`Restorer._open_step`
+   reads the manifest and ``.metadata``, makes the per-rank check and compares the state with the step
+   (compat.py); one all_gather says whether every rank could, and where every rank has saved keys it does
+   not hold (pipeline stages), one all_reduce finds those no rank holds; then :meth:`Restorer._load_step`
+   decides (every missing, unexpected and reshaped key of this rank in one error), makes a DCP load plan
+   against the live state, reads the byte ranges it needs into fresh buffers and checks them item by item
+   against the manifest's xxh3, plain values decoded with ``weights_only=True``) *before touching any live
+   tensor*, under a shared lock on the step so retention cannot delete it; an all_gather of the verdicts
+   follows.
    A copy that failed verification is fetched again from the durable tier when the step is there, and
    every rank reads again.
 3. an incompatibility anywhere (missing key, shape, per-rank state at another world size without
-   ``rank_map``) raises on every rank; corruption anywhere skips the step on every rank, with a warning
+   ``rank_map``) raises on every rank, each with its own differences and the ranks refused named; corruption anywhere skips the step on every rank, with a warning
    naming the file and the reason; only when every rank verified does each copy into its live state
    (:meth:`_Loaded.apply`, then ``state.apply_loaded``) and hand DDP's recorded layout to the tracker.
 4. nothing restored although checkpoints exist (or the durable tier could not be read): every rank raises
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import io
 import itertools
 import logging
@@ -71,8 +75,9 @@ from ..manifest import (
     step_dirname,
 )
 from ..storage.fileio import BLOCK, aligned_buffer, as_memoryview, read_spans, reading_step, round_up
+from . import compat as compat_mod
 from . import state as state_mod
-from .compat import CompatReport, check_compat
+from .compat import CompatReport
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY, DDPTracker
 from .fetch import DurableFetcher, Planned
@@ -257,7 +262,7 @@ class Restorer:
                             skipped.append(step)
                             continue
                         fetched = need
-                status, message, loaded = self._try_read(step, state)
+                status, message, loaded = self._read_round(step, state)
                 verdicts = self.coord.all_gather((status, message))
                 if not any(s == "incompatible" for s, _ in verdicts) and step in durable_set:
                     bad_here = any(verdicts[r][0] != "ok" for r in topo.domain_ranks)
@@ -274,11 +279,11 @@ class Restorer:
                         if again is not None:
                             here = (here or 0) + again
                         if ok:
-                            status, message, loaded = self._try_read(step, state)
+                            status, message, loaded = self._read_round(step, state)
                             verdicts = self.coord.all_gather((status, message))
-                incompatible = [m for s, m in verdicts if s == "incompatible"]
-                if incompatible:
-                    raise IncompatibleCheckpointError(incompatible[0])
+                refused = [r for r, (s, _) in enumerate(verdicts) if s == "incompatible"]
+                if refused:
+                    raise IncompatibleCheckpointError(_refusal(topo.rank, refused, verdicts))
                 bad = [m for s, m in verdicts if s != "ok"]
                 if bad:
                     if topo.rank == 0:
@@ -365,28 +370,34 @@ class Restorer:
                 f"rank_map maps rank {self.topo.rank} to rank {self._source_rank}, but step {step} in {step_dir} "
                 f"was saved by ranks 0..{saved - 1} (per-rank state: {shown})")
 
-    def _plan(self, step: int, where: str, manifest: Manifest, md: Metadata,
-              state: MutableMapping[str, Any]) -> tuple[dict[str, Any], SafeLoadPlanner, LoadPlan]:
-        """This rank's load target, planner and DCP load plan for ``step`` (``where``: the step's place, for
-        messages), after the per-rank and compatibility checks. IncompatibleCheckpointError when the step
-        does not fit the state."""
+    def _setup(self, step: int, where: str, manifest: Manifest, md: Metadata,
+               state: MutableMapping[str, Any]) -> _Prepared:
+        """This rank's load target and planner for ``step`` (``where``: the step's place, for messages), after
+        the per-rank check, and its differences from the step (compat.py: :func:`~.compat.compare`)."""
         self._check_per_rank(step, where, manifest, md, state)
         target = state_mod.prepare_load_target(state, md, rank=self.topo.rank, capture_rng=self.capture_rng,
                                                source_rank=self._source_rank, extra_keys=(DDP_KEY,))
         planner = SafeLoadPlanner(self._source_rank)
         planner.set_up_planner(target, md, is_coordinator=self.topo.rank == 0)
-        # Every difference in one error, before anything is planned or read (compat.py).
-        self._compat = check_compat(planner, md, state, source_rank=self._source_rank,
-                                    allow_missing=self.allow_missing, allow_unexpected=self.allow_unexpected,
-                                    where=f"step {step} in {where}")
+        found = compat_mod.compare(planner, md, source_rank=self._source_rank)
+        return _Prepared(step, where, manifest, md, target, planner, found)
+
+    def _finish_plan(self, prep: _Prepared, state: MutableMapping[str, Any], unheld: frozenset[str]) -> LoadPlan:
+        """The compatibility decision (``unheld``: saved keys no rank holds now; every difference in one error,
+        before anything is read), then the DCP load plan. IncompatibleCheckpointError when the step does not
+        fit the state."""
+        self._compat = compat_mod.decide(
+            prep.planner, prep.md, state, prep.found, unheld, allow_missing=self.allow_missing,
+            allow_unexpected=self.allow_unexpected, where=f"step {prep.step} in {prep.where}",
+            rank=self.topo.rank if self.topo.world_size > 1 else None)
         try:
-            plan = planner.create_local_plan()
+            plan = prep.planner.create_local_plan()
         except (RuntimeError, ValueError, KeyError) as exc:
             raise IncompatibleCheckpointError(
-                f"step {step} in {where} does not fit the state being restored: {exc}. Restore with the "
+                f"step {prep.step} in {prep.where} does not fit the state being restored: {exc}. Restore with the "
                 "same model/optimizer structure, or move the run directory aside to start afresh."
             ) from exc
-        return target, planner, planner.finish_plan(plan)
+        return prep.planner.finish_plan(plan)
 
     def _planned_reads(self, step: int, state: MutableMapping[str, Any], *, local: bool) -> Planned | None:
         """The items (file -> offsets and lengths) this rank's load plan for ``step`` reads, so that a domain
@@ -405,7 +416,8 @@ class Restorer:
                 source = self.fetcher.source(step)
                 manifest, md = source.marker, source.md
                 where = f"{self.fetcher.tier.url if self.fetcher.tier else 'the durable tier'}"
-            _, _, plan = self._plan(step, where, manifest, md, state)
+            # Planned on this rank alone: a saved key it does not hold is taken to be another rank's.
+            plan = self._finish_plan(self._setup(step, where, manifest, md, state), state, frozenset())
         except Exception as exc:  # the fetch takes every file; the read reports the problem
             log.debug("step %d: no load plan before the fetch (%s); the fetch takes every file", step, exc)
             return None
@@ -417,20 +429,90 @@ class Restorer:
             reads.setdefault(info.relative_path, set()).add((info.offset, info.length))
         return {path: frozenset(items) for path, items in reads.items()}
 
-    def _try_read(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
-        step_dir = os.path.join(self.run_dir, step_dirname(step))
-        try:
-            with reading_step(step_dir):
-                return "ok", "", self._read_step(step, step_dir, state)
-        except IncompatibleCheckpointError as exc:
-            return "incompatible", str(exc), None
-        except (CorruptCheckpointError, OSError, CheckpointError) as exc:
-            return "corrupt", f"rank {self.topo.rank}: {exc}", None
-        except Exception as exc:  # unexpected: every rank must still learn of it, or the others hang
-            log.exception("step %d: unexpected error while reading %s", step, step_dir)
-            return "incompatible", f"rank {self.topo.rank}: reading step {step} failed: {exc!r}", None
+    def _read_round(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
+        """Read and verify ``step`` on every rank; this rank's ``(status, message, loaded)``: status "ok",
+        "corrupt" (skip the step) or "incompatible" (refuse it everywhere). Collective (foreground group).
 
-    def _read_step(self, step: int, step_dir: str, state: MutableMapping[str, Any]) -> _Loaded:
+        Two parts around one exchange: every rank opens the step and compares it with its state
+        (:meth:`_open_step`); the ranks share whether that worked and, where every rank has saved keys that
+        it does not hold (pipeline stages, per-rank names), which of those no rank holds
+        (compat.py: :meth:`~.compat.Findings.mask`, one all_reduce); then each decides and reads
+        (:meth:`_load_step`). A rank reads nothing when another could not open the step."""
+        step_dir = os.path.join(self.run_dir, step_dirname(step))
+        with contextlib.ExitStack() as held_open:
+            prep: _Prepared | None = None
+            status, message = "ok", ""
+            try:
+                held_open.enter_context(reading_step(step_dir))
+                prep = self._open_step(step, step_dir, state)
+            except Exception as exc:
+                status, message = self._verdict(step, step_dir, exc)
+            mine = (status, prep.found.digest if prep else None, bool(prep and prep.found.candidates))
+            opened = self.coord.all_gather(mine)
+            if prep is None:
+                return status, message, None
+            if any(o[0] != "ok" for o in opened):
+                return "ok", "", None  # another rank could not open the step: its verdict decides
+            if opened[0][1] != prep.found.digest:
+                return ("corrupt", f"rank {self.topo.rank}: {step_dir}: its DCP metadata lists other keys than "
+                        f"the copy rank 0 read (a damaged or foreign .metadata)", None)
+            unheld: frozenset[str] = frozenset()
+            if len({o[1] for o in opened}) == 1 and all(o[2] for o in opened):
+                # Every rank has saved keys it does not hold: those no rank holds are unexpected.
+                unheld = prep.found.unheld(self.coord.any_max(prep.found.mask()))
+            try:
+                return "ok", "", self._load_step(prep, state, unheld)
+            except Exception as exc:
+                status, message = self._verdict(step, step_dir, exc)
+                return status, message, None
+
+    def _check_optimizer_params(self, prep: _Prepared, state: Mapping[str, Any], needed: dict[str, list[Any]],
+                                decoded: dict[tuple[str, int], Any]) -> None:
+        """An optimizer keyed by parameter index whose parameters moved since the step was saved (a model
+        split differently) would load moments into other parameters: refused, or started afresh where
+        ``allow_missing`` covers all of it (its items are then dropped from ``needed``)."""
+        saved = next((decoded[(rel, info.offset)] for rel, reqs in needed.items() for ri, info in reqs
+                      if _plain_key(ri.dest_index.fqn) == state_mod.OPTIM_PARAMS_KEY), None)
+        report = self._compat
+        if saved is None or report is None:
+            return
+        moved = state_mod.moved_parameters(state, saved, skip=report.fresh)
+        refused = []
+        for top, why in moved.items():
+            mine = [k for k in prep.found.live if k.split(".", 1)[0] == top]
+            if mine and all(compat_mod.matches(k, self.allow_missing) for k in mine):
+                for rel in list(needed):
+                    needed[rel] = [(ri, info) for ri, info in needed[rel]
+                                   if _plain_key(ri.dest_index.fqn).split(".", 1)[0] != top]
+                prep.target.pop(top, None)
+                report = dataclasses.replace(report, fresh=(*report.fresh, top),
+                                             kept=tuple(k for k in report.kept if k.split(".", 1)[0] != top))
+            else:
+                refused.append(
+                    f"  optimizer {top!r} keys its state by parameter index, and its parameters moved since the step "
+                    f"was saved ({why}): its moments would load into other parameters")
+        self._compat = report
+        if refused:
+            raise IncompatibleCheckpointError("\n".join([
+                f"step {prep.step} in {prep.where} does not fit the state being restored"
+                f"{f' on rank {self.topo.rank}' if self.topo.world_size > 1 else ''}; nothing was loaded:", *refused,
+                "A model split differently (another pipeline split, interleaved stages) needs the optimizer's state "
+                "keyed by parameter name: put an object in the state whose state_dict()/load_state_dict() call "
+                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict/set_optimizer_state_dict "
+                "(docs/integration.md, Model parallelism). Else restore with the layout that saved the step, or "
+                f"pass allow_missing=['{next(iter(moved))}.*'] to start the optimizer afresh."]))
+
+    def _verdict(self, step: int, step_dir: str, exc: Exception) -> tuple[str, str]:
+        if isinstance(exc, IncompatibleCheckpointError):
+            return "incompatible", str(exc)
+        if isinstance(exc, (CorruptCheckpointError, OSError, CheckpointError)):
+            return "corrupt", f"rank {self.topo.rank}: {exc}"
+        # unexpected: every rank must still learn of it, or the others hang
+        log.error("step %d: unexpected error while reading %s", step, step_dir, exc_info=exc)
+        return "incompatible", f"rank {self.topo.rank}: reading step {step} failed: {exc!r}"
+
+    def _open_step(self, step: int, step_dir: str, state: MutableMapping[str, Any]) -> _Prepared:
+        """Manifest and DCP metadata of ``step`` in this rank's domain, and this rank's differences from it."""
         mpath = os.path.join(step_dir, MANIFEST_NAME)
         try:
             manifest = read_manifest_file(mpath)
@@ -442,7 +524,12 @@ class Restorer:
             )
         self._provenance, self._compat = manifest.provenance, None
         md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
-        target, planner, plan = self._plan(step, step_dir, manifest, md, state)
+        return self._setup(step, step_dir, manifest, md, state)
+
+    def _load_step(self, prep: _Prepared, state: MutableMapping[str, Any], unheld: frozenset[str]) -> _Loaded:
+        """Decide, plan and read every item this rank loads into fresh buffers, checked against the manifest."""
+        plan = self._finish_plan(prep, state, unheld)
+        step_dir, manifest, md, target, planner = prep.where, prep.manifest, prep.md, prep.target, prep.planner
         shards = {s.path: s for s in manifest.shards_of_node(manifest.node)}
         # Files of other domains of which a resharded fetch took only the items this domain reads.
         partial = partial_items(manifest)
@@ -533,11 +620,45 @@ class Restorer:
                         raise CorruptCheckpointError(
                             f"{path}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
                         ) from exc
+        self._check_optimizer_params(prep, state, needed, decoded)
         read = sum(info.length for reqs in needed.values() for _, info in reqs)
         return _Loaded(planner=planner, target=target, md=md, needed=needed, where=where, adopt=adopt, cuda=cuda,
                        decoded=decoded, bytes_read=read)
 
 
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A step opened on this rank: its manifest and metadata, the load target and planner, its differences."""
+
+    step: int
+    where: str  # the step's directory (or the durable tier), for messages
+    manifest: Manifest
+    md: Metadata
+    target: dict[str, Any]
+    planner: SafeLoadPlanner
+    found: compat_mod.Findings
+
+
+def _plain_key(fqn: str) -> str:
+    """A key as the state names it (a per-rank copy's key without its prefix)."""
+    split = split_per_rank_fqn(fqn)
+    return split[1] if split is not None else fqn
+
+
+def _refusal(rank: int, refused: list[int], verdicts: list[tuple[str, str]]) -> str:
+    """The error of a step refused on ``refused`` ranks, as rank ``rank`` raises it: its own differences (each
+    rank lists its own), or those of the first refusing rank."""
+    others = [r for r in refused if r != rank]
+    also = f"ranks {others}" if len(others) > 1 else f"rank {others[0]}" if others else ""
+    if rank in refused:
+        return verdicts[rank][1] + (f"\n(The step does not fit on {also} either: each rank's error lists its own "
+                                    "differences.)" if others else "")
+    first = refused[0]
+    return (f"this rank's state fits, but not rank {first}'s" + (f" (nor those of {len(refused) - 1} more)"
+                                                                  if len(refused) > 1 else "")
+            + f"; rank {first}: {verdicts[first][1]}")
 
 
 def _log_compat(step: int, report: CompatReport) -> None:

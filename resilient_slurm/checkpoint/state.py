@@ -12,8 +12,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -21,13 +22,18 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import ConfigError
-from ..manifest import per_rank_path, split_per_rank_fqn
+from ..manifest import per_rank_fqn, per_rank_path, split_per_rank_fqn
 from . import rng
 
 log = logging.getLogger(__name__)
 
 RNG_KEY = "_rslurm_rng"
 DDP_KEY = "_rslurm_ddp"  # DDP's gradient bucket layouts (checkpoint/ddp.py), a JSON string
+# The parameter behind each index of every optimizer in the state (a JSON string: key -> names in
+# ``state_dict()`` order): an optimizer's own state_dict keys its state by index, so a restore into a model
+# split differently (another pipeline split, interleaved stages) would load moments into other parameters.
+OPTIM_PARAMS_KEY = "_rslurm_optim_params"
+RESERVED_KEYS = (RNG_KEY, DDP_KEY, OPTIM_PARAMS_KEY)  # not the user's: compared, shown and exported by their own rules
 RESERVED_PREFIX = "_rslurm"
 
 
@@ -54,9 +60,63 @@ def build_state_dict(state: Mapping[str, Any], *, rank: int, capture_rng: bool) 
     sd: dict[str, Any] = {}
     for k, v in state.items():
         sd[k] = v.state_dict() if _stateful(v) else v
+    names = optimizer_param_names(state)
+    if names:
+        sd[OPTIM_PARAMS_KEY] = json.dumps(names, sort_keys=True)
     if capture_rng:
         sd[RNG_KEY] = {f"rank{rank}": rng.capture_rng_state()}
     return sd
+
+
+def optimizer_param_names(state: Mapping[str, Any]) -> dict[str, list[str | None]]:
+    """For each optimizer in ``state``, the name of the parameter behind each index of its ``state_dict()``:
+    ``<key>.<name>`` of the first module in ``state`` that holds it, as DCP names it (no DDP ``module.``,
+    ``torch.compile`` or activation-checkpointing prefixes); None for a parameter no module in ``state``
+    holds. Empty when the state has no optimizer or no module."""
+    modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
+    optims = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+    if not modules or not optims:
+        return {}
+    names: dict[int, str] = {}
+    for k, m in modules.items():
+        for n, p in m.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), f"{k}.{_canonical_name(m, n)}")
+    return {k: [names.get(id(p)) for g in o.param_groups for p in g["params"]] for k, o in optims.items()}
+
+
+def _canonical_name(module: torch.nn.Module, name: str) -> str:
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        fqns = _get_fqns(module, name)
+        return next(iter(fqns)) if len(fqns) == 1 else name
+    except Exception:  # an internal of DCP changed: the name as the module gives it
+        return name
+
+
+def moved_parameters(state: Mapping[str, Any], saved: str, *, skip: Sequence[str] = ()) -> dict[str, str]:
+    """Optimizers of ``state`` (but ``skip``) whose parameters at some index are not those saved at that index
+    (``saved``: the checkpoint's :data:`OPTIM_PARAMS_KEY`), each with a description of the first difference.
+    An optimizer or a parameter the checkpoint did not name is not compared."""
+    try:
+        before = json.loads(saved)
+    except (TypeError, ValueError):
+        return {}
+    if not isinstance(before, dict):
+        return {}
+    out: dict[str, str] = {}
+    for k, now in optimizer_param_names(state).items():
+        was = before.get(k)
+        if k in skip or not isinstance(was, list):
+            continue
+        if len(was) != len(now):
+            out[k] = f"it had {len(was)} parameters, now {len(now)}"
+            continue
+        for i, (a, b) in enumerate(zip(was, now)):
+            if a is not None and b is not None and a != b:
+                out[k] = f"index {i} was {a}, is now {b}"
+                break
+    return out
 
 
 def prepare_load_target(
@@ -86,8 +146,8 @@ def prepare_load_target(
             shaped = _plain_target(k, metadata, src)
             if shaped is not _NOT_SAVED:
                 sd[k] = shaped
-    for k in extra_keys:
-        if k in metadata.state_dict_metadata:
+    for k in (*extra_keys, OPTIM_PARAMS_KEY):
+        if k in metadata.state_dict_metadata or per_rank_fqn(src, k) in metadata.state_dict_metadata:
             sd[k] = None
     if capture_rng:
         prefix = f"{RNG_KEY}.rank{src}."
