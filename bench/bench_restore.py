@@ -65,11 +65,13 @@ from common import (  # noqa: E402
 )
 
 MODES = ("raw_prefaulted", "raw_fresh", "ours", "ours_copying", "torch_load", "dcp_load")
+EXTRA_MODES = ("ours_pinned",)  # --device cuda: read buffers pinned (restore.PIN_FOR_CUDA), not the default
 LABELS = {
     "raw_prefaulted": "raw O_DIRECT read, prefaulted buffer",
     "raw_fresh": "raw O_DIRECT read, fresh buffer",
     "ours": "ours: Checkpointer.restore (verified)",
     "ours_copying": "ours, zero-copy off (verified)",
+    "ours_pinned": "ours, pinned read buffers (verified)",
     "torch_load": "torch.load + load_state_dict",
     "dcp_load": "dcp.load + optimizer.load_state_dict",
 }
@@ -127,12 +129,13 @@ def child(args: argparse.Namespace) -> None:
     model, opt = build_state(size, seed=2, device=args.device)  # other values than the saved ones (untimed)
     cache = Cache()
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    if mode in ("ours", "ours_copying"):
+    if mode in ("ours", "ours_copying", "ours_pinned"):
         from resilient_slurm import Checkpointer
         from resilient_slurm.checkpoint import restore as restore_mod
 
         if mode == "ours_copying":
             restore_mod.ADOPT_MIN_BYTES = 1 << 62
+        restore_mod.PIN_FOR_CUDA = mode == "ours_pinned"
         cache.drop(os.path.join(root, "ours"))
         ck = Checkpointer(local_dir=os.path.join(root, "ours"), run_id="bench", keep_last=1,
                           io_threads=args.io_threads)

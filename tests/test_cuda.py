@@ -122,12 +122,16 @@ def test_async_save_is_not_torn_by_later_gpu_steps(tmp_path: Path) -> None:
     _same(_snapshot(model2, opt2), at_save)
 
 
-def test_restore_stages_through_pinned_memory_on_a_side_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The restore reads GPU state into pinned buffers and copies it on a side stream that first waits for
-    the program's stream: a model still being written by queued work on the current stream when restore is
-    called ends up with the checkpoint's values, not the queued ones, bitwise."""
+@pytest.mark.parametrize("pin", [False, True], ids=["pageable", "pinned"])
+def test_restore_copies_on_a_side_stream_after_queued_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          pin: bool) -> None:
+    """The restore reads GPU state into host buffers (pageable by default, pinned with PIN_FOR_CUDA) and copies
+    it on a side stream that first waits for the program's stream: a model still being written by queued work
+    on the current stream when restore is called ends up with the checkpoint's values, not the queued ones,
+    bitwise."""
     from resilient_slurm.checkpoint import restore as restore_mod
 
+    monkeypatch.setattr(restore_mod, "PIN_FOR_CUDA", pin)
     pinned: list[bool] = []
     real = restore_mod.aligned_buffer
 
@@ -150,5 +154,5 @@ def test_restore_stages_through_pinned_memory_on_a_side_stream(tmp_path: Path, m
             p.add_((big @ big).sum() * 0)
     with Checkpointer(local_dir=str(tmp_path), run_id="pin") as ck:
         assert ck.restore({"model": model2, "opt": opt2}) == 3
-    assert pinned and any(pinned), "no pinned read buffer"
+    assert pinned and any(pinned) == pin, pinned
     _same(_snapshot(model2, opt2), ref)

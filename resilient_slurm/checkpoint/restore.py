@@ -587,7 +587,7 @@ class Restorer:
             if shared:
                 regions = _merged(shared)
                 # Pages it never reads cost nothing (pinned memory is all allocated and locked: only for CUDA).
-                buf = aligned_buffer(regions[-1][1], prefault=False, pin=cuda)
+                buf = aligned_buffer(regions[-1][1], prefault=False, pin=cuda and PIN_FOR_CUDA)
                 mv = as_memoryview(buf)
                 first = len(spans)
                 spans.extend((a, mv[a:b]) for a, b in regions)
@@ -675,6 +675,11 @@ def _log_compat(step: int, report: CompatReport) -> None:
     if report.converted:
         log.info("step %d: converted %s to the state's dtype", step, shown(report.converted))
 
+
+# Read buffers for state on a GPU are pageable by default: a fresh pinned buffer costs more to allocate
+# (page-locking every page) than the faster copies save. Measured on an H200, cold restore of 1 GiB of
+# model + Adam on the GPU (bench_restore.py --device cuda, docs/benchmarks.md).
+PIN_FOR_CUDA = False
 
 ADOPT_MIN_BYTES = 1 << 20  # smaller tensors are copied: a buffer of their own would cost more than the copy
 
