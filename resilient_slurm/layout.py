@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from . import failpoints
 from .flocks import close_locked_fd, flock_within, open_locked_fd
 from .manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname, step_dirname, tmp_dirname
+from .paths import id_problem
 from .storage.fileio import fsync_dir, remove_tree
 from .storage.tier import StorageTier
 from .tags import durable_tagged_steps, local_tagged_steps, tags_lock
@@ -166,9 +167,10 @@ def list_run_dir(run_dir: str) -> RunListing:
 
 
 def list_runs(root: str) -> list[str]:
-    """Run directories under a local root, sorted: real directories whose name does not start with a dot
-    (``.rslurm`` and the daemon's files are not runs; a symbolic link is not followed). Empty when ``root``
-    does not exist; OSError when it cannot be listed."""
+    """Run directories under a local root, sorted: real directories whose name is a run id
+    (:func:`~resilient_slurm.paths.id_problem`: ``.rslurm`` and the daemon's files are not runs, nor a
+    name no command could be given; a symbolic link is not followed). Empty when ``root`` does not
+    exist; OSError when it cannot be listed."""
     try:
         entries = list(os.scandir(root))
     except FileNotFoundError:
@@ -176,7 +178,7 @@ def list_runs(root: str) -> list[str]:
     out = []
     for e in entries:
         try:
-            if not e.name.startswith(".") and e.is_dir(follow_symlinks=False):
+            if id_problem("run id", e.name) is None and e.is_dir(follow_symlinks=False):
                 out.append(e.name)
         except OSError:
             continue
@@ -263,12 +265,9 @@ def _uncommit(run_dir: str, path: str, step: int, kind: TempKind, tag: str | Non
 
 
 REPLICAS_DIRNAME = "replicas"
-_DOMAIN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-
-
 def valid_domain_name(name: str) -> bool:
     """A storage domain name that can name a replica directory (a node name, or ``<node>-r<rank>``)."""
-    return bool(_DOMAIN_RE.match(name)) and name not in (".", "..")
+    return id_problem("node name", name) is None
 
 
 def replica_run_dir(run_dir: str, domain: str) -> str:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
@@ -49,7 +48,7 @@ from ..errors import (
     TagsFileError,
 )
 from ..jobenv import JobEnv
-from ..paths import default_local_dir, default_run_id, node_name
+from ..paths import check_id, default_local_dir, default_run_id, node_name
 from ..storage.registry import open_durable
 from ..tags import check_tag_name, read_local_tags, sync_durable_tags
 from ..telemetry import EventLog, ExactFloat
@@ -64,7 +63,6 @@ from .stragglers import StepClock, StragglerWatch, write_status
 
 log = logging.getLogger(__name__)
 
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 class Checkpointer:
     """Saves and restores the complete training state, sharded per rank, on node-local storage."""
 
@@ -115,9 +113,7 @@ class Checkpointer:
         user_config = provenance_mod.check_user_config(config) if config is not None else None
         cfg = settings_mod.load(args, config_path=config_path)
         self.config: settings_mod.Settings = cfg
-        self.run_id: str = cfg.run_id or default_run_id()
-        if not _RUN_ID_RE.match(self.run_id):
-            raise ConfigError(f"run_id {self.run_id!r}: use letters, digits, '.', '_' and '-' only")
+        self.run_id: str = check_id("run id", cfg.run_id or default_run_id())  # the one validation (paths.py)
         self.durable: str | None = cfg.durable
         # Restore reads the durable tier when a step is missing or corrupt locally; `rslurm daemon`
         # writes it. Opening it makes no request (S3: the client only), so a dead endpoint costs nothing

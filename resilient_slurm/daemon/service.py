@@ -52,7 +52,7 @@ from ..errors import ConfigError, CorruptCheckpointError, ResilientSlurmError, S
 from ..flocks import close_locked_fd, open_locked_fd
 from ..layout import StepBusy, StepTagged, TempKind, delete_durable_step, delete_step, list_runs
 from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname
-from ..paths import open_state_file
+from ..paths import load_json, open_state_file
 from ..storage.fileio import atomic_write
 from ..storage.tier import StorageTier
 from ..tags import (
@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 STATE_DIR = ".rslurm"
 LOCK_FILE = "daemon.lock"
 STATUS_FILE = "daemon.json"
+STATUS_MAX_BYTES = 16 << 20  # one line per local step
 # Incomplete uploads (S3 multipart, POSIX temp files) older than this belong to nobody any more.
 STALE_UPLOAD_AGE = 6 * 3600.0
 MIN_PASS_INTERVAL = 0.05
@@ -779,10 +780,11 @@ class Daemon:
 def read_status(root: str) -> dict[str, Any] | None:
     """The status a node's daemon last wrote, or None."""
     try:
-        with os.fdopen(open_state_file(os.path.join(root, STATE_DIR), STATUS_FILE, os.O_RDONLY)) as f:
-            data = json.load(f)
+        with os.fdopen(open_state_file(os.path.join(root, STATE_DIR), STATUS_FILE, os.O_RDONLY), "rb") as f:
+            raw = f.read(STATUS_MAX_BYTES + 1)
+        data = load_json(raw, source=status_path(root)) if len(raw) <= STATUS_MAX_BYTES else None
         return data if isinstance(data, dict) else None
-    except (OSError, ValueError, ConfigError):  # ConfigError: a symlink or special file, not read
+    except (OSError, ConfigError):  # ConfigError: a symlink or special file, or not JSON: not read
         return None
 
 

@@ -31,7 +31,6 @@ the outside. The ranks and the drain daemon on this node append to the same file
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -54,7 +53,7 @@ from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmE
 from ..jobenv import JobEnv
 from ..layout import list_run_dir
 from ..manifest import MANIFEST_NAME, read_manifest_file, step_dirname
-from ..paths import default_local_dir, default_run_id, expand_local_dir, node_name, open_regular
+from ..paths import default_local_dir, default_run_id, expand_local_dir, load_json, node_name, open_regular
 from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import expand_hostlist, remaining_seconds
 from ..storage.fileio import atomic_write
@@ -506,14 +505,13 @@ class Launcher:
             if pyspy:
                 out = stack_dump_path(self.run_dir, rank).replace(".txt", ".py-spy.txt")
                 try:
-                    os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
                     r = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True,
                                        timeout=30)
                     if r.returncode == 0:
-                        atomic_write(out, r.stdout.encode())
+                        atomic_write(out, r.stdout.encode(), root=os.path.dirname(self.run_dir))
                         written.append(out)
                         continue
-                except (OSError, subprocess.SubprocessError) as exc:
+                except (OSError, subprocess.SubprocessError, ResilientSlurmError) as exc:
                     log.warning("py-spy dump of rank %d (pid %d): %s", rank, pid, exc)
             try:
                 os.kill(pid, DUMP_SIGNAL)
@@ -797,10 +795,9 @@ class Launcher:
         data = history.record(outcome, started_at=self.timings.get("start"), ended_at=time.time(),
                               action=decision.action.value if decision else Action.EXIT.value,
                               in_job=self._in_job_runs).to_json().encode()
-        try:
-            os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
-            atomic_write(os.path.join(self.run_dir, HISTORY_FILE), data)
-        except OSError as exc:
+        try:  # never through a link at the run directory or the file (ConfigError naming it)
+            atomic_write(os.path.join(self.run_dir, HISTORY_FILE), data, root=os.path.dirname(self.run_dir))
+        except (OSError, ResilientSlurmError) as exc:
             log.warning("cannot write the run's history in %s: %s", self.run_dir, exc)
         if self.drain is not None:
             self.drain.write_object(HISTORY_FILE, data)
@@ -812,15 +809,16 @@ class Launcher:
         last: dict[int, int] = {}
         started = self.timings.get("start", 0.0)
         try:
-            fd = open_regular(events_path(os.path.dirname(self.run_dir), self.run_id), os.O_RDONLY | os.O_NONBLOCK)
+            fd = open_regular(events_path(os.path.dirname(self.run_dir), self.run_id), os.O_RDONLY,
+                              root=os.path.dirname(self.run_dir))
             with os.fdopen(fd, "rb") as f:
                 lines = f.read(64 << 20).splitlines()
         except (OSError, ConfigError):  # none yet, or a link or special file there
             return "unknown (no event log)"
         for line in lines:
             try:
-                rec = json.loads(line)
-            except ValueError:
+                rec = load_json(line, source="events.jsonl")
+            except ConfigError:
                 continue
             if (isinstance(rec, dict) and rec.get("source") == "rank" and rec.get("event") in ("restore", "restore_none")
                     and isinstance(rec.get("t"), (int, float)) and rec["t"] >= started and isinstance(rec.get("rank"), int)):
