@@ -48,6 +48,7 @@ from ..errors import (
     TagsFileError,
 )
 from ..jobenv import JobEnv
+from ..layout import WRITER_ENV, RunClaim, RunInUseError, RunWriter, claim_run
 from ..paths import check_id, default_local_dir, default_run_id, node_name
 from ..storage.registry import open_durable
 from ..tags import check_tag_name, read_local_tags, sync_durable_tags
@@ -137,6 +138,7 @@ class Checkpointer:
         except ResilientSlurmError as exc:
             template = exc
         self.topology: Topology = discover_topology(self._coord, template, node_name(cfg.node_name))
+        self._claim = self._claim_run(job)
         # Gathered once (git runs here, with a timeout), where it is used: domain leaders write manifests,
         # rank 0 compares code versions at a restore.
         self.provenance: dict[str, Any] | None = None
@@ -213,6 +215,28 @@ class Checkpointer:
                 self._stragglers_recorded = False
                 self._stragglers = StragglerWatch(cfg.straggler_ratio, cfg.straggler_window,
                                                   self.topology.domain_of_rank)
+
+    def _claim_run(self, job: JobEnv) -> RunClaim | None:
+        """One writer per run (:func:`~resilient_slurm.layout.claim_run`): under ``rslurm launch`` the ranks
+        share their launcher's claim (its token in ``RSLURM_RUN_WRITER``); a rank set started alone claims
+        the run itself, through each storage domain's leader, until :meth:`close`. A run that another
+        launcher or rank set writes raises RunInUseError on every rank alike (one all_gather), before
+        anything is written."""
+        claim: RunClaim | None = None
+        problem: str | None = None
+        if self.topology.is_leader:
+            me = RunWriter.this_process(job.job_id, os.environ.get(WRITER_ENV) or None)
+            try:
+                claim = claim_run(self.topology.root, self.run_id, me)
+            except RunInUseError as exc:
+                problem = str(exc)
+        problems = self._coord.all_gather(problem) if self._coord.multi else [problem]
+        first = next((p for p in problems if p), None)
+        if first is not None:
+            if claim is not None:
+                claim.release()
+            raise RunInUseError(first)
+        return claim
 
     # ------------------------------------------------------------------ properties
     @property
@@ -535,6 +559,8 @@ class Checkpointer:
             # Last: nothing of this Checkpointer runs a collective any more (the writer thread is shut down).
             self._engine.peers.release()
             self._coord.close()
+            if self._claim is not None:
+                self._claim.release()
 
     def __enter__(self) -> Checkpointer:
         return self

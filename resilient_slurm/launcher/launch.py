@@ -49,9 +49,9 @@ import psutil
 from .. import config
 from ..control import ControlServer, default_socket_path
 from ..control.heartbeat import DUMP_SIGNAL, STACKS_DIR, clear_heartbeats, stack_dump_path
-from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError
+from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError, SlurmJobNotFoundError
 from ..jobenv import JobEnv
-from ..layout import list_run_dir
+from ..layout import WRITER_ENV, RunWriter, claim_run, list_run_dir
 from ..manifest import MANIFEST_NAME, read_manifest_file, step_dirname
 from ..paths import default_local_dir, default_run_id, expand_local_dir, load_json, node_name, open_regular
 from ..slurm import JobInfo, SlurmClient, slurm_client
@@ -278,7 +278,28 @@ class Launcher:
 
     # ------------------------------------------------------------------ run
     def run(self) -> LaunchResult:
-        """Run the incarnation to its end and act on the decision; returns the exit code to use."""
+        """Run the incarnation to its end and act on the decision; returns the exit code to use. First the
+        run is claimed (one writer per run, :func:`~resilient_slurm.layout.claim_run`): a run another
+        launcher or rank set writes raises :class:`~resilient_slurm.layout.RunInUseError` (exit 2) before
+        anything is started or written."""
+        me = RunWriter.this_process(self.job_id)
+        claim = claim_run(os.path.dirname(self.run_dir), self.run_id, me, job_ended=self._job_ended)
+        self.env[WRITER_ENV] = me.token  # its ranks write for it (their Checkpointer shares the claim)
+        try:
+            return self._run()
+        finally:
+            claim.release()
+
+    def _job_ended(self, job_id: str) -> bool:
+        """Slurm says ``job_id`` (another run's writer) has ended; False when it cannot tell."""
+        try:
+            return self.slurm.job_info(job_id).finished
+        except SlurmJobNotFoundError:
+            return True  # purged after MinJobAge: long over
+        except (ResilientSlurmError, OSError):
+            return False
+
+    def _run(self) -> LaunchResult:
         baseline, _ = newest_committed(self.run_dir)
         self.timings["start"] = time.time()
         self._event("start", command=self.command, baseline_step=baseline, socket=self.socket_path)
