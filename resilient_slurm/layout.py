@@ -60,7 +60,7 @@ from . import failpoints
 from .errors import ConfigError
 from .flocks import close_locked_fd, flock_within, open_locked_fd
 from .manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname, step_dirname, tmp_dirname
-from .paths import id_problem, load_json, open_regular, valid_time
+from .paths import STATE_DIR, check_id, id_problem, load_json, open_parent, open_state_file, valid_time
 from .storage.fileio import fsync_dir, remove_tree
 from .storage.tier import StorageTier
 from .tags import durable_tagged_steps, local_tagged_steps, tags_lock
@@ -309,7 +309,10 @@ def list_replicas(run_dir: str) -> dict[str, RunListing]:
 
 
 # ------------------------------------------------------------------------------ one writer per run
-WRITER_FILE = "writer.lock"  # <root>/<run_id>/writer.lock: who writes the run on this node, under flock
+# <root>/.rslurm/run-<run_id>.lock: who writes the run on this node, under flock. In the local root's private
+# state directory (the daemon's lock and status are there too), not in the run directory, whose entries are
+# steps and the run's own files.
+WRITER_FILE = "run-{}.lock"
 WRITER_ENV = "RSLURM_RUN_WRITER"  # the launcher's token, handed to its ranks: they write for it
 _WRITER_MAX_BYTES = 4096
 
@@ -394,16 +397,20 @@ def claim_run(root: str, run_id: str, me: RunWriter, *,
               job_ended: Callable[[str], bool] = lambda job_id: False) -> RunClaim:
     """Claim ``run_id`` under the local root ``root`` for ``me``: one writer per run.
 
-    ``<root>/<run_id>/writer.lock`` holds the writer's record under an exclusive ``flock`` for as long as
-    it runs. A lock held by the same writer (:meth:`RunWriter.same_writer`: its launcher, another node's
+    ``<root>/.rslurm/run-<run_id>.lock`` holds the writer's record under an exclusive ``flock`` for as long
+    as it runs. A lock held by the same writer (:meth:`RunWriter.same_writer`: its launcher, another node's
     launcher of the same job) is shared. A lock that is free but still names another writer (a process
     killed, a job requeued) is taken over with a warning, and so is one held by a process whose Slurm
     job has ended (``job_ended``). Anything else raises :class:`RunInUseError` naming the holder (job id,
     host, pid), having changed nothing."""
-    run_dir = os.path.join(root, run_id)
-    path = os.path.join(run_dir, WRITER_FILE)
-    fd = open_locked_fd(lambda: open_regular(path, os.O_RDWR | os.O_CREAT, 0o600, root=root, make_dirs=True,
-                                             where="the run directory"))
+    state_dir = os.path.join(root, STATE_DIR)
+    name = WRITER_FILE.format(check_id("run id", run_id))
+    path = os.path.join(state_dir, name)
+    # The run directory itself: a real directory below the root (made if missing), never a link to elsewhere
+    # (ConfigError naming it), so nothing of the run is written through one.
+    pfd, _ = open_parent(root, os.path.join(root, run_id, WRITER_FILE), make_dirs=True, where="the run directory")
+    os.close(pfd)
+    fd = open_locked_fd(lambda: open_state_file(state_dir, name, os.O_RDWR | os.O_CREAT, create=True))
     try:
         holder = RunWriter.from_json(os.pread(fd, _WRITER_MAX_BYTES, 0), path)
         if flock_within(fd, fcntl.LOCK_EX, 0):
@@ -419,7 +426,7 @@ def claim_run(root: str, run_id: str, me: RunWriter, *,
             log.warning("run %s: taking it over from %s: that job has ended, though its process still holds %s",
                         run_id, holder.describe(), path)
             close_locked_fd(fd)
-            return _replace_lock(root, path, me)
+            return _replace_lock(state_dir, name, me)
     except BaseException:
         close_locked_fd(fd)
         raise
@@ -437,16 +444,15 @@ def _write_record(fd: int, me: RunWriter) -> None:
     os.fsync(fd)
 
 
-def _replace_lock(root: str, path: str, me: RunWriter) -> RunClaim:
+def _replace_lock(state_dir: str, name: str, me: RunWriter) -> RunClaim:
     """A new lock file with ``me``'s record, locked, renamed over the old one (whose holder keeps a lock on
     a file no one opens any more)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = open_locked_fd(lambda: open_regular(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600, root=root,
-                                             where="the run directory"))
+    tmp, path = f"{name}.tmp-{os.getpid()}", os.path.join(state_dir, name)
+    fd = open_locked_fd(lambda: open_state_file(state_dir, tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         _write_record(fd, me)
-        os.replace(tmp, path)
+        os.replace(os.path.join(state_dir, tmp), path)
     except BaseException:
         close_locked_fd(fd)
         raise

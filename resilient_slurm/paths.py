@@ -32,6 +32,9 @@ from typing import Any
 from .errors import ConfigError
 from .jobenv import JobEnv
 
+# The local root's private state directory: the daemon's lock and status, the runs' writer locks.
+STATE_DIR = ".rslurm"
+
 # How to leave the default local directory behind; every refusal of it says so.
 LOCAL_DIR_ELSEWHERE = "set RSLURM_LOCAL_DIR (or --local-dir) to a directory of your own"
 
@@ -90,7 +93,8 @@ def id_problem(kind: str, value: object) -> str | None:
     as a step). A step is an integer (or ASCII digits) from 0 to :data:`MAX_STEP`."""
     if kind == "step":
         if isinstance(value, str):
-            if not value or not value.isascii() or not value.isdigit() or len(value) > len(str(MAX_STEP)):
+            if (not value or not value.isascii() or not value.isdigit()
+                    or len(value.lstrip("0")) > len(str(MAX_STEP))):
                 return f"a step is a number from 0 to {MAX_STEP}, got {value[:40]!r}"
             value = int(value)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_STEP:
@@ -391,7 +395,7 @@ def load_json(data: bytes | str, *, source: str, error: Callable[[str], Exceptio
     try:
         doc = json.loads(data, parse_constant=_no_constant)
     except RecursionError:
-        raise error(f"{source}: nested deeper than {max_depth} levels; not a file rslurm wrote") from None
+        raise error(f"{source}: nested too deeply (more than {max_depth} levels); not a file rslurm wrote") from None
     except (ValueError, UnicodeDecodeError, TypeError) as exc:
         text = str(exc)
         raise error(f"{source}: not valid JSON ({text[:120]}); not a file rslurm wrote") from None
@@ -400,7 +404,7 @@ def load_json(data: bytes | str, *, source: str, error: Callable[[str], Exceptio
         v, depth = stack.pop()
         if isinstance(v, (dict, list)):
             if depth > max_depth:
-                raise error(f"{source}: nested deeper than {max_depth} levels; not a file rslurm wrote")
+                raise error(f"{source}: nested too deeply (more than {max_depth} levels); not a file rslurm wrote")
             stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
         elif isinstance(v, float) and not math.isfinite(v):
             raise error(f"{source}: a number out of range ({v}); not a file rslurm wrote")

@@ -185,6 +185,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("rslurm_drain_retries_total", "counter", _NODE,
                "transient storage errors retried during drains"),
     MetricSpec("rslurm_drain_failures_total", "counter", _NODE, "step drains that failed"),
+    MetricSpec("rslurm_drain_step_retries_total", "counter", _NODE,
+               "step drains that failed and were queued again with a growing delay (drain_retry events)"),
     MetricSpec("rslurm_durable_commits_total", "counter", _NODE,
                "durable manifests written by this node (the durable commit of a step)"),
     MetricSpec("rslurm_local_evicted_steps_total", "counter", _NODE,

@@ -11,25 +11,23 @@ left exact (``json.dumps`` escapes control characters itself).
 from __future__ import annotations
 
 import logging
-import re
 
-# C0 controls but tab and newline, DEL, C1 controls, and the Unicode controls that reorder or hide text
-# (bidirectional overrides and isolates, zero-width marks, the byte-order mark).
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
-_UNSAFE_LINE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
-
-
-def _escape(m: re.Match[str]) -> str:
-    c = ord(m.group(0))
-    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+def _escape(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 def printable(text: object, *, newlines: bool = False) -> str:
-    """``text`` as a string a terminal shows as it is: every control character written as an escape
-    (``\\x1b``, ``\\u202e``). ``newlines``: keep newlines and tabs (a block of lines); else they are
-    escaped too (one field, one line)."""
+    """``text`` as a string a terminal shows as it is: every character Python does not call printable
+    (C0 and C1 controls, DEL, the Unicode format characters that reorder or hide text such as U+202E,
+    line and paragraph separators, unassigned code points) written as an escape (``\\x1b``, ``\\u202e``);
+    a space stays. ``newlines``: keep newlines and tabs (a block of lines); else they are escaped too (one
+    field, one line)."""
     s = text if isinstance(text, str) else str(text)
-    return (_UNSAFE if newlines else _UNSAFE_LINE).sub(_escape, s)
+    if s.isprintable():
+        return s
+    keep = "\n\t" if newlines else ""
+    return "".join(c if c.isprintable() or c in keep else _escape(c) for c in s)
 
 
 class PrintableFormatter(logging.Formatter):

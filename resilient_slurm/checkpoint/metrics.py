@@ -39,6 +39,7 @@ from ..paths import load_json, open_regular
 log = logging.getLogger(__name__)
 
 METRICS_DIR = "metrics"
+_MAX_LINE = 64 << 10
 MAX_METRICS = 32  # values per step: "small" metrics (a loss, a grad norm, a learning rate), not a histogram
 MAX_NAME = 64
 _FILE_RE = re.compile(r"^rank(\d+)\.jsonl$")
@@ -219,7 +220,9 @@ def read_metrics(run_dir: str) -> dict[int, dict[int, Values]]:
             continue
         with os.fdopen(fd, "rb") as f:
             steps: dict[int, Values] = {}
-            for line in f:
+            # A line is a few hundred bytes: a longer one (a damaged file, one without newlines) is read in
+            # pieces that parse as nothing, never into memory whole.
+            for line in iter(lambda: f.readline(_MAX_LINE), b""):
                 rec = _parse(line)
                 if rec is not None:
                     steps[rec.step] = rec.values

@@ -61,7 +61,7 @@ from ..errors import (
 from ..flocks import close_locked_fd, open_locked_fd
 from ..layout import StepBusy, StepTagged, TempKind, delete_durable_step, delete_step, list_runs
 from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname
-from ..paths import load_json, open_state_file
+from ..paths import STATE_DIR, load_json, open_state_file
 from ..storage.fileio import atomic_write
 from ..storage.tier import StorageTier
 from ..tags import (
@@ -78,7 +78,6 @@ from .drain import DrainResult, LocalStep, StepDrainer, drain_lag, drain_order, 
 
 log = logging.getLogger(__name__)
 
-STATE_DIR = ".rslurm"
 LOCK_FILE = "daemon.lock"
 STATUS_FILE = "daemon.json"
 STATUS_MAX_BYTES = 16 << 20  # one line per local step
@@ -93,7 +92,7 @@ COUNTERS = ("rslurm_drained_bytes_total", "rslurm_drained_steps_total", "rslurm_
 # A step whose drain failed for a reason that may pass (the durable tier read-only, unreachable, full)
 # stays in the queue: retried after 2, 4, 8, 16 s, then every 30 s (each plus up to 2 s of jitter), for as
 # long as the daemon runs. Only a fault in the data (a corrupt shard, a link in the tier) gives up.
-STEP_RETRY_WAIT = wait_exponential_jitter(initial=2.0, max=30.0, jitter=2.0)
+STEP_RETRY_WAIT = wait_exponential_jitter(multiplier=2.0, max=30.0, jitter=2.0)
 
 
 def step_retry_delay(attempt: int) -> float:
@@ -771,7 +770,7 @@ class Daemon:
         statuses = list(self._status.values())
         for run in self._runs:
             mine = [st for st in statuses if st.run_id == run]
-            pending = sum(1 for st in mine if st.state == "draining"
+            pending = sum(1 for st in mine if st.state in ("draining", "retrying")
                           or (st.state == "local" and (run, st.step) in self._pending_keys))
             runs[run] = RunGauges(drain_lag_seconds=self._lag(run, now)[0],
                                   local_newest_step=max((st.step for st in mine), default=-1),
