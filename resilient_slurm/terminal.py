@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+
 def _escape(c: str) -> str:
     n = ord(c)
     return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
