@@ -59,6 +59,7 @@ from .errors import ConfigError
 from .jobenv import JobEnv
 from .paths import load_json, open_regular
 from .telemetry import EVENTS_FILE
+from .terminal import printable
 
 RUN_ID = "rehearse"
 STEPS_ENV = "RSLURM_REHEARSE_STEPS"
@@ -81,7 +82,7 @@ class RehearsalError(Exception):
 
 
 def _say(text: str = "") -> None:
-    print(text, flush=True)
+    print(printable(text, newlines=True), flush=True)  # values read from the runs' files: never an escape
 
 
 # ----------------------------------------------------------------------------------------------- a run

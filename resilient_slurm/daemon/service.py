@@ -800,7 +800,7 @@ class Daemon:
         try:
             self._last_status_write = now
             try:
-                atomic_write(status_path(self.root), json.dumps(self.status(), indent=1).encode())
+                atomic_write(status_path(self.root), json.dumps(self.status(), indent=1).encode(), root=self.root)
             except (OSError, ResilientSlurmError) as exc:
                 log.warning("cannot write the daemon status: %s", exc)
             if self.metrics_textfile:

@@ -804,8 +804,13 @@ class Launcher:
         a broken history must not keep a preempted job from being requeued (it only resets the counts)."""
         from ..catalog.history import read_history
 
-        run = read_history(os.path.dirname(self.run_dir), self.run_id,
-                           self.drain.tier if self.drain is not None else None)
+        try:
+            run = read_history(os.path.dirname(self.run_dir), self.run_id,
+                               self.drain.tier if self.drain is not None else None)
+        except Exception as exc:  # the contract: a damaged run file never changes the exit code (75 stays 75)
+            log.warning("cannot read the run's history (%s: %s); counting restarts without it", type(exc).__name__,
+                        exc)
+            return ProgressHistory()
         for err in run.errors:
             log.warning("%s; counting restarts without it", err)
         return run.history
@@ -843,7 +848,8 @@ class Launcher:
                 continue
             if (isinstance(rec, dict) and rec.get("source") == "rank" and rec.get("event") in ("restore", "restore_none")
                     and isinstance(rec.get("t"), (int, float)) and rec["t"] >= started and isinstance(rec.get("rank"), int)):
-                last[rec["rank"]] = int(rec.get("step") or 0) if rec["event"] == "restore" else 0
+                step = rec.get("step")  # a damaged line must not change the exit code: whole numbers only
+                last[rec["rank"]] = step if rec["event"] == "restore" and isinstance(step, int) else 0
         if not last:
             return "nothing (no rank on this node reported a restore)"
         steps = sorted(set(last.values()))
