@@ -40,8 +40,9 @@ LOCAL_DIR_ELSEWHERE = "set RSLURM_LOCAL_DIR (or --local-dir) to a directory of y
 
 
 def node_name(explicit: str | None = None) -> str:
-    """This process's node name: explicit > $SLURMD_NODENAME > hostname."""
-    return explicit or JobEnv.from_env().node_name or socket.gethostname()
+    """This process's node name: explicit > $SLURMD_NODENAME > hostname; checked like every identifier
+    (:func:`check_id`): it names a directory (``%n``) and a storage domain."""
+    return check_id("node name", explicit or JobEnv.from_env().node_name or socket.gethostname())
 
 
 def expand_local_dir(template: str, node: str) -> str:

@@ -359,6 +359,11 @@ class Daemon:
         present = {(x.run_id, x.step) for x in steps}
         for key in [k for k in self._status if k not in present]:
             del self._status[key]
+        saves = {x.manifest.save_id for x in steps}  # forget the retries of steps that are gone
+        for table in (self._failures, self._retry_at):
+            for save in [k for k in table if k not in saves]:
+                del table[save]
+        self._gave_up &= saves
         self._runs = runs
         self._pending_keys = {(x.run_id, x.step) for x in pending}
         self._report_lag()  # what this pass found: new commits behind the durable tier
