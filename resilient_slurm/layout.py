@@ -402,7 +402,9 @@ def claim_run(root: str, run_id: str, me: RunWriter, *,
     launcher of the same job) is shared. A lock that is free but still names another writer (a process
     killed, a job requeued) is taken over with a warning, and so is one held by a process whose Slurm
     job has ended (``job_ended``). Anything else raises :class:`RunInUseError` naming the holder (job id,
-    host, pid), having changed nothing."""
+    host, pid), having changed nothing. The run directory is made if missing and must be a real directory
+    below ``root`` (a link there is a ConfigError naming it). The state directory is the daemon's
+    (:func:`~resilient_slurm.paths.open_state_file`: private, never a link)."""
     state_dir = os.path.join(root, STATE_DIR)
     name = WRITER_FILE.format(check_id("run id", run_id))
     path = os.path.join(state_dir, name)
