@@ -223,6 +223,7 @@ def _apply(root: Path, elsewhere: Path, reader: Reader, mutation: tuple[Any, ...
         else:
             shutil.copy2(comp, copy) if comp.exists() else copy.write_text("{}")
             comp.unlink(missing_ok=True)
+        comp.parent.mkdir(parents=True, exist_ok=True)
         comp.symlink_to(copy)
         return True
     if target.is_dir():
