@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from . import __version__, config, diff, doctor, rehearse, submit
 from .errors import ConfigError, CorruptCheckpointError, ResilientSlurmError
 from .paths import default_local_dir, expand_local_dir, node_name
+from .terminal import PrintableFormatter, printable
 
 if TYPE_CHECKING:  # rich and the catalog are imported by the commands that use them (fast `rslurm launch`)
     from rich.console import Console
@@ -88,20 +89,23 @@ STALE_AFTER_S = 6 * 3600.0  # as the daemon's STALE_UPLOAD_AGE: leftovers older 
 
 def _step_arg(v: str) -> int | str:
     """A STEP argument: a step number, or a tag (resolved per run by ``Catalog.resolve_step``)."""
-    from .tags import tag_name_problem
+    from .paths import id_problem
 
-    if v.isdigit():
+    if v.isascii() and v.isdigit():
+        problem = id_problem("step", v)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
         return int(v)
-    problem = tag_name_problem(v)
+    problem = id_problem("tag", v)
     if problem is not None:
-        raise argparse.ArgumentTypeError(f"expected a step number or a tag, got {v!r} ({problem})")
+        raise argparse.ArgumentTypeError(f"expected a step number or a tag, got {v[:80]!r} ({problem})")
     return v
 
 
 def _tag_arg(v: str) -> str:
-    from .tags import tag_name_problem
+    from .paths import id_problem
 
-    problem = tag_name_problem(v)
+    problem = id_problem("tag", v)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"invalid tag name: {problem}")
     return v
@@ -138,6 +142,12 @@ def _open_catalog(args: argparse.Namespace, *, durable: bool) -> tuple[Catalog, 
     return Catalog.open(cfg, local_template=template, node=node), cfg
 
 
+def _say(*values: object, file: Any = None) -> None:
+    """``print`` for human output: every value made :func:`~resilient_slurm.terminal.printable` (strings
+    from disk never drive the terminal). JSON output is printed as it is."""
+    print(*(printable(v, newlines=True) for v in values), file=sys.stdout if file is None else file)
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     """``-``, or the ranks that hold their own copy of a key (``0-7``, ``0, 2``)."""
     if not ranks:
@@ -163,7 +173,8 @@ def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequ
     for c in columns:
         t.add_column(c, justify="right" if c in right else "left", overflow="fold")
     for r in rows:
-        t.add_row(*(Text("-" if v is None else str(v)) for v in r))  # Text: no markup in paths or messages
+        # Text: no markup in paths or messages; printable: no control character from disk reaches the terminal
+        t.add_row(*(Text("-" if v is None else printable(v)) for v in r))
     return t
 
 
@@ -248,9 +259,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 2 if doc["errors"] else 0
     con = _console()
     if args.tier != "durable":
-        con.print(f"local tier   {', '.join(doc['local_roots'])}", markup=False, highlight=False)
+        con.print(printable(f"local tier   {', '.join(doc['local_roots'])}"), markup=False, highlight=False)
     if args.tier != "local":
-        con.print(f"durable tier {doc['durable'] or '(not set: --durable / RSLURM_DURABLE)'}", markup=False,
+        con.print(printable(f"durable tier {doc['durable'] or '(not set: --durable / RSLURM_DURABLE)'}"), markup=False,
                   highlight=False)
     has_durable = bool(doc["durable"])
     notes = ["; ".join(n for n in ((r["local"] or {}).get("why"), (r["durable"] or {}).get("why")) if n)
@@ -278,7 +289,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         con.print(_table(["RUN", "REPLICA OF", "STEP", "SIZE", "AGE"] + (["NOTE"] if has_note else []),
                          [r if has_note else r[:-1] for r in rep_rows], right=("STEP", "SIZE", "AGE")))
     for e in doc["errors"]:
-        print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}", file=sys.stderr)
     return 2 if doc["errors"] else 0
 
 
@@ -329,14 +340,14 @@ def cmd_show(args: argparse.Namespace) -> int:
         tags = _run_tags(catalog, view.run_id)
         doc["tags"] = tags.names(view.step) if tags is not None else None
     for e in catalog.errors:
-        print(f"rslurm show: {e}", file=sys.stderr)
+        _say(f"rslurm show: {e}", file=sys.stderr)
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
     con = _console()
 
     def line(text: str) -> None:
-        con.print(text, markup=False, highlight=False)
+        con.print(printable(text, newlines=True), markup=False, highlight=False)
 
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["created_at"]))
     line(f"run {doc['run_id']}  step {doc['step']}  ({doc['tier']} tier: {doc['where']})"
@@ -405,16 +416,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 status = "SKIPPED"
             label = f"run {r.run_id} step {r.step}  {r.tier}" + (f" {r.domain}" if r.domain else "")
             files = f"{r.files_checked} file" + ("s" if r.files_checked != 1 else "")
-            print(f"{status:<8} {label}  {r.where}  ({_size(r.bytes_checked)} in {files})")
+            _say(f"{status:<8} {label}  {r.where}  ({_size(r.bytes_checked)} in {files})")
             for f in r.faults:
-                print(f"         {f}")
+                _say(f"         {f}")
             for n in r.notes:
-                print(f"         note: {n}")
+                _say(f"         note: {n}")
         if not checked:
-            print(f"nothing verified: no committed steps in {where}")
+            _say(f"nothing verified: no committed steps in {where}")
         else:
             bad = sum(1 for r in reports if not r.ok)
-            print(f"{len(checked)} copies verified, {bad} with faults ({faults} faults)")
+            _say(f"{len(checked)} copies verified, {bad} with faults ({faults} faults)")
     return 0 if ok else 1
 
 
@@ -441,7 +452,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return 1 if failed or errors else 0
     con = _console()
     for e in errors:
-        print(f"rslurm gc: {e}; nothing in it was deleted", file=sys.stderr)
+        _say(f"rslurm gc: {e}; nothing in it was deleted", file=sys.stderr)
     if not actions:
         con.print("nothing to delete", markup=False)
         return 1 if errors else 0
@@ -459,14 +470,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``rslurm export STEP --format torch|safetensors|dcp OUT``."""
-    from .catalog.export import check_out, export_dcp, export_safetensors, export_torch
+    from .catalog.export import check_out, check_out_of_trees, export_dcp, export_safetensors, export_torch
     from .catalog.source import open_source
+    from .storage import parse_url
 
     if args.only and args.format == "dcp":
         raise ConfigError("--only works with --format torch or safetensors (a DCP export copies the whole step)")
-    out = check_out(args.out, force=args.force, fmt=args.format)
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
+    trees = [("local tier", r) for r in catalog.roots]
+    if cfg.durable and parse_url(cfg.durable)[0] == "file":
+        trees.append(("durable tier", os.path.expanduser(parse_url(cfg.durable)[1])))
     with catalog:
+        check_out_of_trees(os.path.abspath(args.out), trees)  # before anything is read or written
+        out = check_out(args.out, force=args.force, fmt=args.format)
         run = catalog.resolve_run(cfg.run_id)
         view = catalog.step(run, args.step)
         tier = catalog.choose_tier(view, args.tier)
@@ -483,7 +499,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(json.dumps(res.to_json(), indent=1))
     else:
         keys = f"{len(res.keys)} key" + ("s" if len(res.keys) != 1 else "")
-        print(f"exported run {res.run_id} step {res.step} from the {res.tier} tier to {res.out} ({res.format}): "
+        _say(f"exported run {res.run_id} step {res.step} from the {res.tier} tier to {res.out} ({res.format}): "
               f"{keys}, {_size(res.bytes_read)} read from {len(res.files)} files, checksums verified")
     return 0
 
@@ -505,7 +521,7 @@ def cmd_tag(args: argparse.Namespace) -> int:
     what = (f"untagged {change.tag!r} from run {change.run_id} step {change.step}" if remove
             else f"tagged run {change.run_id} step {change.step} as {change.tag!r}"
             + (f" (moved from step {change.moved_from})" if change.moved_from is not None else ""))
-    print(f"{what}: {', '.join(change.written)}")
+    _say(f"{what}: {', '.join(change.written)}")
     return 0
 
 
@@ -559,7 +575,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     else:
         con.print("(no runs)", markup=False)
     for e in out["errors"]:
-        print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}", file=sys.stderr)
     return 2 if out["errors"] else 0
 
 
@@ -609,13 +625,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(format_status(report))
+        _say(format_status(report))
     return 0
 
 
 def cmd_history(args: argparse.Namespace) -> int:
     from .catalog.history import format_history, history_rows, read_history
     from .layout import list_runs
+    from .paths import id_problem
     from .storage import open_durable
 
     cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run_id},
@@ -631,7 +648,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             except FileNotFoundError:
                 runs = []
             if tier is not None:
-                runs = sorted(set(runs) | set(tier.list_dirs("")))
+                runs = sorted(set(runs) | {n for n in tier.list_dirs("") if id_problem("run id", n) is None})
         found = [read_history(root, run, tier) for run in runs]
     finally:
         if tier is not None:
@@ -641,7 +658,7 @@ def cmd_history(args: argparse.Namespace) -> int:
         print(json.dumps({"runs": [{"run_id": h.run_id, "source": h.source, "errors": list(h.errors),
                                     "ends": history_rows(h)} for h in found]}, indent=1))
     else:
-        print(format_history(found))
+        _say(format_history(found))
     return 1 if any(h.errors for h in found) else 0
 
 
@@ -841,14 +858,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # only log_level here: each command loads (and checks) every setting itself, doctor reports them
         level = config.resolve(["log_level"], {}, config_path=args.config)["log_level"]
-        logging.basicConfig(level=level, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.basicConfig(level=level, handlers=[handler])
         return int(args.func(args))
     except CorruptCheckpointError as exc:  # a fault in the data, not in how rslurm was called
-        print(f"rslurm: error: {exc}", file=sys.stderr)
+        _say(f"rslurm: error: {exc}", file=sys.stderr)
         return 1
     except ResilientSlurmError as exc:
-        print(f"rslurm: error: {exc}", file=sys.stderr)
+        _say(f"rslurm: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
+from .paths import id_problem, read_regular
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -193,6 +194,30 @@ def _hang_timeout(v: str) -> float | None:
     return n
 
 
+def _identifier(kind: str) -> Callable[[str], str]:
+    """A run id or node name, checked by the one validation of identifiers (:func:`~.paths.id_problem`):
+    it becomes a directory name and a durable key, so ``..``, ``/``, a control character are refused."""
+    def parse(v: str) -> str:
+        problem = id_problem(kind, v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
+    return parse
+
+
+def _durable_url(v: str) -> str:
+    """A durable tier URL: an absolute path, ``file:///absolute/path`` or ``scheme://bucket/prefix``
+    (checked by :func:`resilient_slurm.storage.registry.parse_url`; the backend is imported on first use)."""
+    from .storage.registry import parse_url
+
+    try:
+        parse_url(v)
+    except ConfigError as exc:
+        raise ValueError(str(exc).removeprefix("durable: ")) from None
+    return v
+
+
 def _log_level(v: str) -> str:
     """A logging level name (``debug``, ``INFO``, ``warn``...) normalized to logging's spelling."""
     s = v.strip().upper()
@@ -244,10 +269,10 @@ class Settings:
 
     local_dir: str | None = _key(str, None, "checkpoint",
                 "node-local checkpoint root; '%n' expands to the node name (default: $TMPDIR/rslurm-<uid>/%n)")
-    durable: str | None = _key(str, None, "checkpoint",
+    durable: str | None = _key(_durable_url, None, "checkpoint",
                 'durable tier URL: /path, file:///path (Lustre or any shared filesystem) or s3://bucket/prefix; '
                 '`rslurm daemon` drains committed steps there and restore falls back to it')
-    run_id: str | None = _key(str, None, "checkpoint",
+    run_id: str | None = _key(_identifier("run id"), None, "checkpoint",
                 "run identifier (default: Slurm job id, array-aware, else 'default')")
     every_steps: int | None = _key(_OPT_COUNT, None, "checkpoint",
                 'save every N optimizer steps')
@@ -275,7 +300,7 @@ class Settings:
                 'parallel pwrite/pread calls per rank')
     collective_timeout: float = _key(_seconds(), 600.0, "checkpoint",
                 'seconds before a checkpoint collective gives up')
-    node_name: str | None = _key(str, None, "checkpoint",
+    node_name: str | None = _key(_identifier("node name"), None, "checkpoint",
                 'storage node name (default: $SLURMD_NODENAME, else the hostname)')
     replica_check: str = _key(_choice("warn", "fail", "off"), "warn", "checkpoint",
                 'what copies of DDP-replicated or DTensor-replicated state that differ between ranks do at a save: '
@@ -403,7 +428,7 @@ SETTINGS: dict[str, Setting] = {
 }
 
 # Variables in the RSLURM_ namespace that are not settings but are set for ranks by our own tools.
-RESERVED_ENV = {"RSLURM_CONFIG", "RSLURM_FAILPOINTS", "RSLURM_REHEARSE_STEPS"}
+RESERVED_ENV = {"RSLURM_CONFIG", "RSLURM_FAILPOINTS", "RSLURM_REHEARSE_STEPS", "RSLURM_RUN_WRITER"}
 
 
 def _suggest(key: str, valid: list[str]) -> str:
@@ -432,11 +457,14 @@ def _config_file(path: str | None, env: Mapping[str, str]) -> str | None:
     return candidate
 
 
+MAX_CONFIG_BYTES = 1 << 20  # every setting with a long comment is a few KiB
+
+
 def _read_toml(candidate: str) -> dict[str, Any]:
     """The file's settings table: ``[rslurm]`` if there is one, else the top level. Keys are checked."""
-    try:
-        with open(candidate, "rb") as f:
-            raw = f.read()
+    try:  # a regular file only (never a FIFO, a device, /dev/zero), at most MAX_CONFIG_BYTES
+        raw = read_regular(candidate, MAX_CONFIG_BYTES, follow=True, what="a config file",
+                           where="--config / RSLURM_CONFIG", error=lambda m: ConfigError(f"config file {m}"))
     except OSError as exc:
         raise ConfigError(f"config file {candidate}: {exc}") from exc
     try:

@@ -59,8 +59,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
+        from .terminal import printable
+
         for line in format_diff(doc):
-            print(line)
+            print(printable(line, newlines=True))
     return 0 if doc["equal"] else 1
 
 

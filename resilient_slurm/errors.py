@@ -38,6 +38,12 @@ class InsufficientSpaceError(SaveError):
     """The target filesystem has less free space than the save needs (checked before writing)."""
 
 
+class StepOrderError(SaveError):
+    """A save at or below the step the run resumed from (or the newest step committed before this
+    Checkpointer started), or below a step it saved itself: it would replace steps of another run
+    history. The message names both steps."""
+
+
 class ReplicaMismatchError(SaveError):
     """Copies of state replicated by construction differ between ranks, and ``replica_check=fail``."""
 

@@ -25,6 +25,8 @@ POINTS = (
     "during_retention",  # any step deletion (layout.delete_step): uncommitted (renamed), not yet removed
     "during_peer_send",  # a peer replica round (checkpoint/peers.py): the first piece sent, the rest not
     "during_range_fetch",  # storage/tier.py get_ranges: one request's bytes arrived, not yet checked
+    "gc_before_age",  # rslurm gc: a temp directory listed, its age not yet measured (unlink: its writer
+    # committed or removed it meanwhile)
 )
 
 
@@ -58,4 +60,9 @@ def hit(name: str, path: str | None = None, data: bytearray | None = None) -> No
     elif action == "raise":
         raise OSError(f"failpoint {name} triggered")
     elif action == "unlink" and path is not None:
-        os.unlink(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            import shutil
+
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)

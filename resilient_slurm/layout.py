@@ -45,18 +45,28 @@ from __future__ import annotations
 import enum
 import errno
 import fcntl
+import json
+import logging
 import os
 import re
 import secrets
+import socket
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import failpoints
+from .errors import ConfigError
 from .flocks import close_locked_fd, flock_within, open_locked_fd
 from .manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname, step_dirname, tmp_dirname
+from .paths import STATE_DIR, check_id, id_problem, load_json, open_parent, open_state_file, valid_time
 from .storage.fileio import fsync_dir, remove_tree
 from .storage.tier import StorageTier
 from .tags import durable_tagged_steps, local_tagged_steps, tags_lock
+from .terminal import printable
+
+log = logging.getLogger(__name__)
 
 
 class TempKind(enum.Enum):
@@ -166,9 +176,10 @@ def list_run_dir(run_dir: str) -> RunListing:
 
 
 def list_runs(root: str) -> list[str]:
-    """Run directories under a local root, sorted: real directories whose name does not start with a dot
-    (``.rslurm`` and the daemon's files are not runs; a symbolic link is not followed). Empty when ``root``
-    does not exist; OSError when it cannot be listed."""
+    """Run directories under a local root, sorted: real directories whose name is a run id
+    (:func:`~resilient_slurm.paths.id_problem`: ``.rslurm`` and the daemon's files are not runs, nor a
+    name no command could be given; a symbolic link is not followed). Empty when ``root`` does not
+    exist; OSError when it cannot be listed."""
     try:
         entries = list(os.scandir(root))
     except FileNotFoundError:
@@ -176,7 +187,7 @@ def list_runs(root: str) -> list[str]:
     out = []
     for e in entries:
         try:
-            if not e.name.startswith(".") and e.is_dir(follow_symlinks=False):
+            if id_problem("run id", e.name) is None and e.is_dir(follow_symlinks=False):
                 out.append(e.name)
         except OSError:
             continue
@@ -263,12 +274,9 @@ def _uncommit(run_dir: str, path: str, step: int, kind: TempKind, tag: str | Non
 
 
 REPLICAS_DIRNAME = "replicas"
-_DOMAIN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-
-
 def valid_domain_name(name: str) -> bool:
     """A storage domain name that can name a replica directory (a node name, or ``<node>-r<rank>``)."""
-    return bool(_DOMAIN_RE.match(name)) and name not in (".", "..")
+    return id_problem("node name", name) is None
 
 
 def replica_run_dir(run_dir: str, domain: str) -> str:
@@ -300,6 +308,159 @@ def list_replicas(run_dir: str) -> dict[str, RunListing]:
     return out
 
 
+# ------------------------------------------------------------------------------ one writer per run
+# <root>/.rslurm/run-<run_id>.lock: who writes the run on this node, under flock. In the local root's private
+# state directory (the daemon's lock and status are there too), not in the run directory, whose entries are
+# steps and the run's own files.
+WRITER_FILE = "run-{}.lock"
+WRITER_ENV = "RSLURM_RUN_WRITER"  # the launcher's token, handed to its ranks: they write for it
+_WRITER_MAX_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class RunWriter:
+    """Who writes a run's local directory: a launcher, or a rank set started without one (its domain
+    leader). ``token`` identifies the launcher (its ranks get it in :data:`WRITER_ENV`) or the rank set."""
+
+    job_id: str | None
+    host: str
+    pid: int
+    token: str
+    started_at: float
+
+    @classmethod
+    def this_process(cls, job_id: str | None, token: str | None = None) -> RunWriter:
+        """This process as a writer (``token``: its launcher's, else its own)."""
+        host, pid = socket.gethostname(), os.getpid()
+        return cls(job_id, host, pid, token or f"{host}:{pid}:{secrets.token_hex(4)}", time.time())
+
+    def describe(self) -> str:
+        """``Slurm job 123 on host n1 (pid 456)`` / ``a local run on host n1 (pid 456)``."""
+        what = f"Slurm job {self.job_id}" if self.job_id else "a local run"
+        return printable(f"{what} on host {self.host} (pid {self.pid})")
+
+    def same_writer(self, other: RunWriter) -> bool:
+        """The same launcher or rank set, or another process of the same Slurm job (one launcher per
+        node, a requeued incarnation): the lock is per run per job, not per process."""
+        return (self.token == other.token or (self.job_id is not None and self.job_id == other.job_id)
+                or (self.host, self.pid) == (other.host, other.pid))
+
+    def to_json(self) -> bytes:
+        return json.dumps({"job_id": self.job_id, "host": self.host, "pid": self.pid, "token": self.token,
+                           "started_at": self.started_at}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, source: str) -> RunWriter | None:
+        """The record in a writer lock; None when it is empty or not one rslurm wrote."""
+        try:
+            d = load_json(data, source=source)
+        except ConfigError:
+            return None
+        if not isinstance(d, dict):
+            return None
+        job, host, pid, token, at = (d.get(k) for k in ("job_id", "host", "pid", "token", "started_at"))
+        if not (isinstance(host, str) and isinstance(token, str) and isinstance(pid, int) and not isinstance(pid, bool)
+                and (job is None or isinstance(job, str)) and valid_time(at)):
+            return None
+        return cls(job, host[:256], pid, token[:256], float(at or 0.0))
+
+
+class RunInUseError(ConfigError):
+    """Another launcher or rank set writes this run (the message names it: job id, host, pid)."""
+
+
+class RunClaim:
+    """This process's claim on a run (:func:`claim_run`); :meth:`release` gives it back."""
+
+    def __init__(self, path: str, writer: RunWriter, fd: int | None) -> None:
+        self.path = path
+        self.writer = writer
+        self._fd = fd  # None: another process of the same writer holds the lock
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Clear the record and unlock (a writer that ended cleanly leaves nothing to take over)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass
+        close_locked_fd(fd)
+
+
+def claim_run(root: str, run_id: str, me: RunWriter, *,
+              job_ended: Callable[[str], bool] = lambda job_id: False) -> RunClaim:
+    """Claim ``run_id`` under the local root ``root`` for ``me``: one writer per run.
+
+    ``<root>/.rslurm/run-<run_id>.lock`` holds the writer's record under an exclusive ``flock`` for as long
+    as it runs. A lock held by the same writer (:meth:`RunWriter.same_writer`: its launcher, another node's
+    launcher of the same job) is shared. A lock that is free but still names another writer (a process
+    killed, a job requeued) is taken over with a warning, and so is one held by a process whose Slurm
+    job has ended (``job_ended``). Anything else raises :class:`RunInUseError` naming the holder (job id,
+    host, pid), having changed nothing. The run directory is made if missing and must be a real directory
+    below ``root`` (a link there is a ConfigError naming it). The state directory is the daemon's
+    (:func:`~resilient_slurm.paths.open_state_file`: private, never a link)."""
+    state_dir = os.path.join(root, STATE_DIR)
+    name = WRITER_FILE.format(check_id("run id", run_id))
+    path = os.path.join(state_dir, name)
+    # The run directory itself: a real directory below the root (made if missing), never a link to elsewhere
+    # (ConfigError naming it), so nothing of the run is written through one.
+    pfd, _ = open_parent(root, os.path.join(root, run_id, WRITER_FILE), make_dirs=True, where="the run directory")
+    os.close(pfd)
+    fd = open_locked_fd(lambda: open_state_file(state_dir, name, os.O_RDWR | os.O_CREAT, create=True))
+    try:
+        holder = RunWriter.from_json(os.pread(fd, _WRITER_MAX_BYTES, 0), path)
+        if flock_within(fd, fcntl.LOCK_EX, 0):
+            if holder is not None and not holder.same_writer(me):
+                log.warning("run %s: taking it over from %s, which no longer runs (its lock %s was free)", run_id,
+                            holder.describe(), path)
+            _write_record(fd, me)
+            return RunClaim(path, me, fd)
+        if holder is not None and holder.same_writer(me):
+            close_locked_fd(fd)
+            return RunClaim(path, me, None)
+        if holder is not None and holder.job_id is not None and job_ended(holder.job_id):
+            log.warning("run %s: taking it over from %s: that job has ended, though its process still holds %s",
+                        run_id, holder.describe(), path)
+            close_locked_fd(fd)
+            return _replace_lock(state_dir, name, me)
+    except BaseException:
+        close_locked_fd(fd)
+        raise
+    close_locked_fd(fd)
+    who = holder.describe() if holder is not None else "a process whose record in the lock cannot be read"
+    raise RunInUseError(
+        f"run {run_id} in {root} is in use by {who} (lock {path}); nothing was started or changed. Wait for it "
+        "to end or stop it, or give this run another id (--run-id / RSLURM_RUN_ID). A writer that no longer "
+        "runs is taken over by itself")
+
+
+def _write_record(fd: int, me: RunWriter) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, me.to_json(), 0)
+    os.fsync(fd)
+
+
+def _replace_lock(state_dir: str, name: str, me: RunWriter) -> RunClaim:
+    """A new lock file with ``me``'s record, locked, renamed over the old one (whose holder keeps a lock on
+    a file no one opens any more)."""
+    tmp, path = f"{name}.tmp-{os.getpid()}", os.path.join(state_dir, name)
+    fd = open_locked_fd(lambda: open_state_file(state_dir, tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _write_record(fd, me)
+        os.replace(os.path.join(state_dir, tmp), path)
+    except BaseException:
+        close_locked_fd(fd)
+        raise
+    return RunClaim(path, me, fd)
+
+
 def delete_durable_step(tier: StorageTier, run_id: str, step: int) -> None:
     """Delete ``step`` of ``run_id`` from a durable tier: the one deletion protocol of that tier. A step
     the durable tags file tags is refused (:class:`StepTagged`; the file is read just before, as the
@@ -313,6 +474,6 @@ def delete_durable_step(tier: StorageTier, run_id: str, step: int) -> None:
     tier.delete_prefix(durable_step_key(run_id, step))
 
 
-__all__ = ["REPLICAS_DIRNAME", "TAGS_LOCK_WAIT_S", "RunListing", "StepBusy", "StepTagged", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir",
+__all__ = ["WRITER_ENV", "WRITER_FILE", "RunClaim", "RunInUseError", "RunWriter", "claim_run", "REPLICAS_DIRNAME", "TAGS_LOCK_WAIT_S", "RunListing", "StepBusy", "StepTagged", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir",
            "list_replicas", "list_runs",
            "parse_temp_dirname", "replica_run_dir", "temp_dirname", "valid_domain_name"]

@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import paths
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, UnsafePathError
-from .storage.fileio import open_regular
 
 if TYPE_CHECKING:
     from .storage.tier import StorageTier
@@ -370,8 +369,8 @@ def _check(m: Manifest, source: str) -> None:
             raise bad(f"field {field_name!r} is {'empty' if not v else 'holding a NUL byte'} ({_short(repr(v))})")
     if m.reason not in REASONS:
         raise bad(f"field 'reason' is {_short(repr(m.reason))}, expected one of {REASONS}")
-    if not math.isfinite(m.created_at) or m.created_at < 0:
-        raise bad(f"field 'created_at' is {m.created_at!r}, not a time")
+    if not paths.valid_time(m.created_at):
+        raise bad(f"field 'created_at' is {m.created_at!r}, not a time (seconds since 1970, before the year 10000)")
     if m.step < 0 or m.world_size < 1:
         raise bad(f"step {m.step} / world_size {m.world_size} out of range")
     if not m.nodes:
@@ -401,34 +400,17 @@ def read_manifest_file(path: str, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Man
     return Manifest.from_json(read_regular_file(path, max_bytes, what="a manifest"), source=path)
 
 
-def read_regular_file(path: str, max_bytes: int, *, what: str) -> bytes:
-    """The bytes of a file in a checkpoint tree, read defensively: never through a symbolic link
-    (``O_NOFOLLOW``), never a FIFO or a device (opened non-blocking, checked with ``fstat`` before a
-    byte is read), never more than ``max_bytes``. ``what`` names the file's role in messages. Raises
-    FileNotFoundError, CorruptCheckpointError (a link, a special file, too big) or OSError."""
-    try:
-        fd = open_regular(path, what=what)
-    except UnsafePathError as exc:
-        raise CorruptCheckpointError(f"{exc}; the step is not usable") from None
-    try:
-        st = os.fstat(fd)
-        if st.st_size > max_bytes:
-            raise CorruptCheckpointError(f"{path}: {st.st_size} bytes, more than {what} may have ({max_bytes}); "
-                                         "the step is not usable")
-        chunks = []
-        left = max_bytes + 1
-        while left > 0:
-            b = os.read(fd, min(left, 1 << 20))
-            if not b:
-                break
-            chunks.append(b)
-            left -= len(b)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > max_bytes:
-        raise CorruptCheckpointError(f"{path}: more than {what} may have ({max_bytes} bytes); the step is not usable")
-    return data
+def read_regular_file(path: str, max_bytes: int, *, what: str, root: str | None = None) -> bytes:
+    """The bytes of a file in a checkpoint tree, read defensively (:func:`resilient_slurm.paths.read_regular`):
+    never through a symbolic link (the last component; with ``root``, any component below it), never a
+    FIFO or a device (opened non-blocking, checked with ``fstat`` before a byte is read), never more than
+    ``max_bytes``. ``what`` names the file's role in messages. Raises FileNotFoundError,
+    CorruptCheckpointError (a link, a special file, too big) or OSError."""
+    def corrupt(message: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{message}; the step is not usable")
+
+    return paths.read_regular(path, max_bytes, root=root, error=corrupt, what=what,
+                              where=f"a checkpoint tree (where {what} goes)")
 
 
 def _float(d: Mapping[str, Any], key: str, source: str) -> float:

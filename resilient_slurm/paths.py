@@ -1,31 +1,48 @@
 """Where a run's files live: node name, node-local root, run id. Standard library only, so the launcher
 and the CLI can name a run's directory without importing torch.
 
-It also holds the checks that keep other users out of those files: :func:`ensure_private_dir` (the
-default local directory ``$TMPDIR/rslurm-<uid>``, the control socket's runtime directory, the local
-root's ``.rslurm/``) and :func:`open_regular` / :func:`open_state_file` (files opened there never follow a
-symlink and never block on a FIFO)."""
+It also holds the one guard of every input the product accepts (docs/architecture.md, "Inputs and their
+guards"):
+
+* identifiers: :func:`id_problem` / :func:`check_id` is the one validation of run ids, tags, node names
+  and step numbers, called by every entry point (settings, the CLI's arguments, the daemon, the
+  launcher, the Checkpointer) before anything is written;
+* files: :func:`open_regular` (with ``root``: no symbolic link at any component below the root, walked
+  with ``openat``), :func:`read_regular` (regular file only, opened non-blocking, a size cap) and
+  :func:`load_json` (no NaN/Infinity, bounded nesting, finite numbers); writers use
+  :func:`resilient_slurm.storage.fileio.atomic_write` with the same ``root``;
+* the private directories: :func:`ensure_private_dir` (the default local directory
+  ``$TMPDIR/rslurm-<uid>``, the control socket's runtime directory, the local root's ``.rslurm/``) and
+  :func:`open_state_file`."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
+import math
 import os
+import re
 import socket
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .errors import ConfigError
 from .jobenv import JobEnv
+
+# The local root's private state directory: the daemon's lock and status, the runs' writer locks.
+STATE_DIR = ".rslurm"
 
 # How to leave the default local directory behind; every refusal of it says so.
 LOCAL_DIR_ELSEWHERE = "set RSLURM_LOCAL_DIR (or --local-dir) to a directory of your own"
 
 
 def node_name(explicit: str | None = None) -> str:
-    """This process's node name: explicit > $SLURMD_NODENAME > hostname."""
-    return explicit or JobEnv.from_env().node_name or socket.gethostname()
+    """This process's node name: explicit > $SLURMD_NODENAME > hostname; checked like every identifier
+    (:func:`check_id`): it names a directory (``%n``) and a storage domain."""
+    return check_id("node name", explicit or JobEnv.from_env().node_name or socket.gethostname())
 
 
 def expand_local_dir(template: str, node: str) -> str:
@@ -54,8 +71,55 @@ def default_local_base() -> str:
 
 
 def default_run_id(env: Mapping[str, str] | None = None) -> str:
-    """Slurm job id (``<array job>_<task>`` for array tasks); ``default`` outside Slurm."""
-    return JobEnv.from_env(env).run_key() or "default"
+    """Slurm job id (``<array job>_<task>`` for array tasks); ``default`` outside Slurm. Checked like an
+    explicit run id (:func:`check_id`): a job id no run directory can be named after is a ConfigError."""
+    return check_id("run id", JobEnv.from_env(env).run_key() or "default")
+
+
+# --------------------------------------------------------------------------- identifiers (one validation)
+MAX_STEP = 10**12 - 1  # step_<step:012d>: twelve digits
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# kind -> longest name. Run ids and node names become directory names and durable keys; tags live in a
+# small JSON file and stand where a STEP is expected.
+_NAME_LENGTH = {"run id": 128, "tag": 64, "node name": 255}
+ID_KINDS = (*_NAME_LENGTH, "step")
+
+
+def id_problem(kind: str, value: object) -> str | None:
+    """Why ``value`` cannot be a ``kind`` (``run id``, ``tag``, ``node name``, ``step``); None when it can.
+
+    The one validation of identifiers, called at every entry point before anything is written. A name is
+    1 to N letters, digits, ``.``, ``_`` and ``-`` starting with a letter or digit (so never ``.``,
+    ``..``, a path, empty, or holding a control character); a tag is also not only digits (it would read
+    as a step). A step is an integer (or ASCII digits) from 0 to :data:`MAX_STEP`."""
+    if kind == "step":
+        if isinstance(value, str):
+            if (not value or not value.isascii() or not value.isdigit()
+                    or len(value.lstrip("0")) > len(str(MAX_STEP))):
+                return f"a step is a number from 0 to {MAX_STEP}, got {value[:40]!r}"
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_STEP:
+            return f"a step is a number from 0 to {MAX_STEP}, got {str(value)[:40]!r}"
+        return None
+    longest = _NAME_LENGTH[kind]
+    if not isinstance(value, str):
+        return f"a {kind} is a string, got {type(value).__name__}"
+    if not value or len(value) > longest:
+        return f"a {kind} has 1 to {longest} characters, {value[:80]!r} has {len(value)}"
+    if not _NAME_RE.fullmatch(value):
+        return (f"{value[:80]!r}: a {kind} holds letters, digits, '.', '_' and '-' only, and starts with a letter or "
+                "a digit")
+    if kind == "tag" and value.isdigit():
+        return f"{value!r}: a tag cannot be only digits (it would read as a step number)"
+    return None
+
+
+def check_id(kind: str, value: Any, *, error: Callable[[str], Exception] = ConfigError) -> Any:
+    """``value`` (a step given as text: its number) if it can be a ``kind``, else ``error`` saying why."""
+    problem = id_problem(kind, value)
+    if problem is not None:
+        raise error(f"invalid {kind}: {problem}")
+    return int(value) if kind == "step" else value
 
 
 # --------------------------------------------------------------------------- private directories and files
@@ -168,15 +232,27 @@ def ensure_private_dir(path: str, *, what: str, why: str, elsewhere: str,
 
 
 def open_regular(path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None,
-                 shown: str | None = None, error: type[Exception] = ConfigError,
-                 where: str = "its local directory") -> int:
+                 shown: str | None = None, error: Callable[[str], Exception] = ConfigError,
+                 where: str = "its local directory", root: str | None = None, make_dirs: bool = False) -> int:
     """``os.open(path, flags, mode)`` for a file in a directory others might have planted things in:
     never follows a symlink as the last component (O_NOFOLLOW), never blocks on a FIFO (O_NONBLOCK while
     opening, cleared after), and accepts only a regular file (fstat). Anything else is refused with
     ``error`` (ConfigError unless given) naming the path (``shown``, else ``path``), what is there and
     ``where`` it is; other failures raise OSError as ``os.open`` does. Every open of a file rslurm did
     not just create itself, in the local directory or a POSIX durable tier, goes through here (the
-    checkpoint readers through :func:`resilient_slurm.storage.fileio.open_regular`)."""
+    checkpoint readers through :func:`resilient_slurm.storage.fileio.open_regular`).
+
+    ``root``: ``path`` lies below it (a local root: the run directory, ``metrics/``, a step directory...
+    and the file itself), and no component below ``root`` may be a symbolic link or anything but a
+    directory: each is opened with ``O_NOFOLLOW | O_DIRECTORY`` relative to the one before
+    (:func:`open_parent`), so nothing can be swapped in between. ``make_dirs``: create missing
+    directories below ``root`` (mode 0700), and ``root`` itself."""
+    if root is not None:
+        pfd, name = open_parent(root, path, error=error, where=where, make_dirs=make_dirs)
+        try:
+            return open_regular(name, flags, mode, dir_fd=pfd, shown=shown or path, error=error, where=where)
+        finally:
+            os.close(pfd)
     shown = shown or path
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
@@ -195,6 +271,149 @@ def open_regular(path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None
         os.close(fd)
         raise
     return fd
+
+
+def below(root: str, path: str) -> list[str] | None:
+    """The components of ``path`` below ``root`` (both made absolute and normalized), or None when
+    ``path`` is not strictly below ``root``."""
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(root))
+    parts = rel.split(os.sep)
+    if rel == "." or parts[0] == ".." or any(p in ("", ".", "..") for p in parts):
+        return None
+    return parts
+
+
+def open_parent(root: str, path: str, *, error: Callable[[str], Exception] = ConfigError,
+                where: str = "its local directory", make_dirs: bool = False) -> tuple[int, str]:
+    """A descriptor of the directory holding ``path`` and the file's name in it, reached from ``root``
+    one component at a time with ``O_NOFOLLOW | O_DIRECTORY``: a symbolic link, a file or a special file
+    at any component below ``root`` is refused with ``error`` naming that component and what it is
+    (``root`` itself may be a link: it is the user's choice). ``make_dirs`` creates missing directories
+    (mode 0700; ``root`` too). FileNotFoundError when one is missing otherwise. The caller closes the
+    descriptor."""
+    parts = below(root, path)
+    if parts is None:
+        raise error(f"{path} is not inside {root}; rslurm keeps {where} below its root")
+    root = os.path.abspath(root)
+    if make_dirs:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    cur = root
+    try:
+        for part in parts[:-1]:
+            cur = os.path.join(cur, part)
+            try:
+                nfd = _open_dir(part, dfd)
+            except FileNotFoundError:
+                if not make_dirs:
+                    raise
+                try:
+                    os.mkdir(part, 0o700, dir_fd=dfd)
+                except FileExistsError:
+                    pass
+                nfd = _open_dir(part, dfd)
+            except NotADirectoryError:
+                raise error(f"{cur} is {_describe(part, dfd)}, not a real directory; rslurm never follows a "
+                            f"symlink (or opens anything but a directory) below {root}, where {where} is: "
+                            "remove it (and find out who made it)") from None
+            os.close(dfd)
+            dfd = nfd
+    except BaseException:
+        os.close(dfd)
+        raise
+    return dfd, parts[-1]
+
+
+def _open_dir(name: str, dir_fd: int) -> int:
+    """``name`` in ``dir_fd`` opened as a directory, never through a link (NotADirectoryError for a
+    link or anything else that is not a directory)."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotADirectoryError(exc.errno, exc.strerror, name) from None
+        raise
+
+
+def read_regular(path: str, max_bytes: int, *, root: str | None = None, follow: bool = False,
+                 error: Callable[[str], Exception] = ConfigError, where: str = "its local directory",
+                 what: str = "this file") -> bytes:
+    """The bytes of a file read defensively: a regular file only (opened non-blocking and checked with
+    ``fstat`` before a byte is read: never a FIFO, a socket or ``/dev/zero``), never more than
+    ``max_bytes`` (``error`` naming the file and ``what`` it is), never through a link at any component
+    below ``root`` (:func:`open_regular`). ``follow``: the file is one the user named (a config file),
+    whose links are followed. FileNotFoundError when it is not there; OSError when it cannot be read."""
+    if follow:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in (errno.ENXIO, errno.ENODEV):
+                raise
+            raise error(_refusal(path, _describe(path), where)) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise error(_refusal(path, _a(_kind(st)), where))
+    else:
+        fd = open_regular(path, os.O_RDONLY, error=error, where=where, root=root)
+    try:
+        if os.fstat(fd).st_size > max_bytes:
+            raise error(f"{path}: {os.fstat(fd).st_size} bytes, more than {what} may have ({max_bytes}); not read")
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            b = os.pread(fd, min(left, 1 << 20), max_bytes + 1 - left)
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise error(f"{path}: more than {what} may have ({max_bytes} bytes); not read")
+    return data
+
+
+# --------------------------------------------------------------------------- JSON from disk (depth-limited)
+MAX_JSON_DEPTH = 32  # every document rslurm writes is under 8 levels deep
+# Times in rslurm's files (seconds since the epoch) are between 1970 and the year 9999: a time that
+# cannot be printed (1e308) is not one rslurm wrote.
+MAX_TIME = 253402300799.0
+
+
+def valid_time(v: object) -> bool:
+    """``v`` is a number of seconds since the epoch that a date can show (0 to :data:`MAX_TIME`)."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and 0 <= v <= MAX_TIME)
+
+
+def load_json(data: bytes | str, *, source: str, error: Callable[[str], Exception] = ConfigError,
+              max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse JSON read from disk or the wire: ``error`` naming ``source`` for text that is not JSON, NaN or
+    Infinity, a number out of range (``1e999``, an integer of thousands of digits), or nesting deeper
+    than ``max_depth`` (checked without recursion, so no depth crashes the reader). Duplicate keys: the
+    last wins, as in :func:`json.loads`."""
+    try:
+        doc = json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise error(f"{source}: nested too deeply (more than {max_depth} levels); not a file rslurm wrote") from None
+    except (ValueError, UnicodeDecodeError, TypeError) as exc:
+        text = str(exc)
+        raise error(f"{source}: not valid JSON ({text[:120]}); not a file rslurm wrote") from None
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > max_depth:
+                raise error(f"{source}: nested too deeply (more than {max_depth} levels); not a file rslurm wrote")
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise error(f"{source}: a number out of range ({v}); not a file rslurm wrote")
+    return doc
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number rslurm writes")
 
 
 def _refusal(path: str, kind: str, where: str = "its local directory") -> str:

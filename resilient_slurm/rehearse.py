@@ -39,7 +39,6 @@ Standard library and psutil only, like ``rslurm launch``: no torch import here.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shlex
@@ -58,7 +57,9 @@ from . import config
 from .checkpoint.metrics import Values, read_metrics, same
 from .errors import ConfigError
 from .jobenv import JobEnv
+from .paths import load_json, open_regular
 from .telemetry import EVENTS_FILE
+from .terminal import printable
 
 RUN_ID = "rehearse"
 STEPS_ENV = "RSLURM_REHEARSE_STEPS"
@@ -81,7 +82,7 @@ class RehearsalError(Exception):
 
 
 def _say(text: str = "") -> None:
-    print(text, flush=True)
+    print(printable(text, newlines=True), flush=True)  # values read from the runs' files: never an escape
 
 
 # ----------------------------------------------------------------------------------------------- a run
@@ -108,15 +109,15 @@ class Run:
         """The newest step ``rank`` recorded (-1: none): the end of its metrics file."""
         path = self.run_dir / "metrics" / f"rank{rank}.jsonl"
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(str(path), os.O_RDONLY, root=str(self.local_dir)), "rb") as f:
                 f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
                 lines = f.read().splitlines()
-        except OSError:
+        except (OSError, ConfigError):
             return -1
         for line in reversed(lines):
             try:
-                return int(json.loads(line)["step"])
-            except (ValueError, KeyError, TypeError):
+                return int(load_json(line, source=str(path))["step"])
+            except (ConfigError, ValueError, KeyError, TypeError, IndexError):
                 continue
         return -1
 
@@ -129,10 +130,10 @@ class Run:
             return out
         for line in text.splitlines():
             try:
-                e = json.loads(line)
-            except ValueError:
+                e = load_json(line, source=EVENTS_FILE)
+            except ConfigError:
                 continue
-            if e.get("event") == "restore" and e.get("rank") == 0 and isinstance(e.get("step"), int):
+            if isinstance(e, dict) and e.get("event") == "restore" and e.get("rank") == 0 and isinstance(e.get("step"), int):
                 out.append(e["step"])
         return out
 

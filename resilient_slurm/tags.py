@@ -38,7 +38,6 @@ import fcntl
 import json
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import ConfigError, ObjectNotFoundError, TagsFileError, UnsafePathError
 from .flocks import flocked
 from .manifest import durable_run_key
-from .paths import open_regular
+from .paths import id_problem, load_json, open_regular, valid_time
 from .storage.fileio import atomic_write
 
 if TYPE_CHECKING:
@@ -60,22 +59,13 @@ MAX_TAGS_BYTES = 1 << 20  # 2,048 records of 100 bytes are 200 KiB
 MAX_TAGS = 1024  # names that tag a step, per run
 MAX_REMOVALS = 1024  # untag records kept per run (the oldest go first)
 MAX_TAG_LENGTH = 64
-_TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def tag_name_problem(name: object) -> str | None:
     """Why ``name`` cannot be a tag (None when it can): a tag is 1 to 64 letters, digits, ``.``, ``_`` and
-    ``-``, starting with a letter or digit, and not only digits (so it never reads as a step number)."""
-    if not isinstance(name, str):
-        return f"a tag is a string, got {type(name).__name__}"
-    if not name or len(name) > MAX_TAG_LENGTH:
-        return f"a tag has 1 to {MAX_TAG_LENGTH} characters, {name[:80]!r} has {len(name)}"
-    if not _TAG_RE.fullmatch(name):
-        return (f"{name!r}: a tag holds letters, digits, '.', '_' and '-' only, and starts with a letter or a "
-                "digit")
-    if name.isdigit():
-        return f"{name!r}: a tag cannot be only digits (it would read as a step number)"
-    return None
+    ``-``, starting with a letter or digit, and not only digits (so it never reads as a step number). The
+    one validation of identifiers, :func:`resilient_slurm.paths.id_problem`."""
+    return id_problem("tag", name)
 
 
 def check_tag_name(name: object) -> str:
@@ -122,10 +112,11 @@ class RunTags:
         return sorted(n for n, r in self.records.items() if not r.removed and r.step == step)
 
     def _stamp(self, name: str, now: float | None) -> float:
-        # Later than the record it replaces even when that one came from a node whose clock runs ahead.
+        # Later than the record it replaces even when that one came from a node whose clock runs ahead (or
+        # was stamped far in the future: + 0.001 does not change 1e20, the next float does).
         t = time.time() if now is None else now
         old = self.records.get(name)
-        return max(t, old.at + 0.001) if old is not None else t
+        return max(t, old.at + 0.001, math.nextafter(old.at, math.inf)) if old is not None else t
 
     def tagged(self, name: str, step: int, *, now: float | None = None) -> RunTags:
         """These tags with ``name`` on ``step`` (moved there if it tagged another step)."""
@@ -174,12 +165,8 @@ class RunTags:
 
         if len(data) > MAX_TAGS_BYTES:
             raise bad(f"larger than a tags file may be ({MAX_TAGS_BYTES} bytes)")
-        try:
-            d = json.loads(data, parse_constant=_no_constant)
-        except RecursionError:
-            raise bad("nested too deeply") from None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad(f"not valid JSON ({str(exc)[:120]})") from None
+        d = load_json(data, source=source, error=lambda m: _bad(source, run_id, m.removeprefix(f"{source}: ")
+                                                                .removesuffix("; not a file rslurm wrote")))
         if not isinstance(d, dict) or d.get("format") != TAGS_FORMAT:
             raise bad(f"not a JSON object with \"format\": \"{TAGS_FORMAT}\"")
         version = d.get("version")
@@ -206,8 +193,9 @@ class RunTags:
                 step, at = r["step"], r["at"]
                 if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                     raise bad(f"field {key!r}, tag {name!r}: step {str(step)[:40]} is not a step number")
-                if not isinstance(at, (int, float)) or isinstance(at, bool) or not math.isfinite(at) or at < 0:
-                    raise bad(f"field {key!r}, tag {name!r}: 'at' {str(at)[:40]} is not a time")
+                if not valid_time(at):
+                    raise bad(f"field {key!r}, tag {name!r}: 'at' {str(at)[:40]} is not a time (seconds since "
+                              f"1970, before the year 10000)")
                 rec = TagRecord(step, float(at), removed)
                 if name not in out or rec.wins_over(out[name]):
                     out[name] = rec
@@ -225,10 +213,6 @@ def _bad(source: str, run_id: str, what: str, *, malformed: bool = True) -> Tags
 def _unsafe(exc: Exception, run_id: str) -> TagsFileError:
     """A link or special file where a tags file goes."""
     return TagsFileError(f"tags file {exc}. {_CONSEQUENCE.format(run_id)}")
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number a tags file may hold")
 
 
 def _pruned(t: RunTags) -> RunTags:
@@ -262,7 +246,8 @@ def read_local_tags(run_dir: str, run_id: str) -> RunTags | None:
     never more than :data:`MAX_TAGS_BYTES`; :class:`TagsFileError` for anything unreadable."""
     path = local_tags_path(run_dir)
     try:
-        fd = open_regular(path, os.O_RDONLY, error=TagsFileError, where="the run directory")
+        fd = open_regular(path, os.O_RDONLY, error=TagsFileError, where="the run directory",
+                          root=os.path.dirname(os.path.abspath(run_dir)))
     except FileNotFoundError:
         return None
     except TagsFileError as exc:
@@ -305,7 +290,7 @@ def update_local_tags(run_dir: str, run_id: str, change: Callable[[RunTags], Run
         cur = read_local_tags(run_dir, run_id)
         new = change(cur if cur is not None else empty(run_id))
         if cur is None or new.records != cur.records:
-            atomic_write(local_tags_path(run_dir), new.to_json())
+            atomic_write(local_tags_path(run_dir), new.to_json(), root=os.path.dirname(os.path.abspath(run_dir)))
         return new
 
 

@@ -12,9 +12,9 @@ Who writes what (the schema, every event and every metric: docs/telemetry.md):
   interleave (lines are kept under :data:`MAX_LINE` bytes). No fsync: an event log is for people and
   monitoring, not for recovery, and a save's stall must not pay for it. It never raises: a failing
   event log logs one warning per log and training goes on. The file is opened without following a
-  symlink and without blocking on a FIFO, and must be a regular file
-  (:func:`~resilient_slurm.paths.open_regular`); anything else is refused that way (one warning naming
-  the path; the events are dropped).
+  symlink (at the run directory or the file) and without blocking on a FIFO, and must be a regular file
+  (:func:`~resilient_slurm.paths.open_regular` with the local root); anything else is refused that way
+  (one warning naming the path; the events are dropped).
 * The daemon, after every transfer and at least every poll interval, builds a :class:`DaemonMetrics`
   snapshot and calls :func:`write_metrics_textfile`, which renders :data:`METRICS` with
   ``prometheus_client`` and replaces the ``.prom`` file atomically (temp file, rename) for
@@ -78,6 +78,7 @@ class EventLog:
                  clock: Callable[[], float] = time.time, **context: Any) -> None:
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+        self.root = root
         self.path = events_path(root, run_id)
         self.keep_open = keep_open
         self._clock = clock
@@ -117,10 +118,9 @@ class EventLog:
                 self._fd = None
 
     def _open(self) -> int:
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        # Never through a symlink, never blocking on a FIFO, only a regular file: anything else raises
-        # ConfigError naming the path, which emit() logs once (then drops events).
-        fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        # Never through a symlink (the run directory or the file), never blocking on a FIFO, only a regular
+        # file: anything else raises ConfigError naming the path, which emit() logs once (then drops events).
+        fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600, root=self.root, make_dirs=True)
         self._fd = fd
         return fd
 
@@ -185,6 +185,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("rslurm_drain_retries_total", "counter", _NODE,
                "transient storage errors retried during drains"),
     MetricSpec("rslurm_drain_failures_total", "counter", _NODE, "step drains that failed"),
+    MetricSpec("rslurm_drain_step_retries_total", "counter", _NODE,
+               "step drains that failed and were queued again with a growing delay (drain_retry events)"),
     MetricSpec("rslurm_durable_commits_total", "counter", _NODE,
                "durable manifests written by this node (the durable commit of a step)"),
     MetricSpec("rslurm_local_evicted_steps_total", "counter", _NODE,

@@ -37,21 +37,22 @@ def _rslurm(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_empty_values_are_named_shown_exported_and_restore_as_before(tmp_path: Path) -> None:
     saved = _state(1)
-    with Checkpointer(local_dir=str(tmp_path), run_id=RUN) as ck:
+    root = tmp_path / "nvme"  # exports go next to it: never inside a tier (docs/cli.md)
+    with Checkpointer(local_dir=str(root), run_id=RUN) as ck:
         ck.save(5, saved)
         ck.wait()
-    m = read_manifest_file(str(tmp_path / RUN / step_dirname(5) / "manifest.json"))
+    m = read_manifest_file(str(root / RUN / step_dirname(5) / "manifest.json"))
     assert empty_keys(m) == {"scaler": "dict"}  # an empty list is a plain value: stored as one
 
-    shown = _rslurm(tmp_path, "show", "5", "--json")
+    shown = _rslurm(root, "show", "5", "--json")
     assert shown.returncode == 0, shown.stderr
     keys = {k["key"]: k for k in json.loads(shown.stdout)["keys"]}
     assert keys["scaler"]["empty"] == "dict" and keys["scaler"]["items"] == 0
     assert keys["history"]["values"] == 1 and "empty" not in keys["history"] and "empty" not in keys["model"]
-    assert "empty dict" in _rslurm(tmp_path, "show", "5").stdout
+    assert "empty dict" in _rslurm(root, "show", "5").stdout
 
     out = tmp_path / "all.pt"
-    r = _rslurm(tmp_path, "export", "5", "--format", "torch", str(out))
+    r = _rslurm(root, "export", "5", "--format", "torch", str(out))
     assert r.returncode == 0, r.stderr
     sd = torch.load(out, weights_only=True)
     assert sd["scaler"] == {} and sd["history"] == [] and sd["epoch"] == 1 and sd["_rslurm_step"] == 5
@@ -59,12 +60,12 @@ def test_empty_values_are_named_shown_exported_and_restore_as_before(tmp_path: P
     assert torch.equal(sd["model"]["weight"], saved["model"].weight.detach())
 
     only = tmp_path / "scaler.pt"
-    r = _rslurm(tmp_path, "export", "5", "--format", "torch", "--only", "scaler", str(only))
+    r = _rslurm(root, "export", "5", "--format", "torch", "--only", "scaler", str(only))
     assert r.returncode == 0, r.stderr
     assert torch.load(only, weights_only=True) == {"scaler": {}}
 
     fresh = _state(2)
-    with Checkpointer(local_dir=str(tmp_path), run_id=RUN) as ck:
+    with Checkpointer(local_dir=str(root), run_id=RUN) as ck:
         assert ck.restore(fresh) == 5
     assert fresh["history"] == [] and fresh["epoch"] == 1
     assert torch.equal(fresh["model"].weight, saved["model"].weight)

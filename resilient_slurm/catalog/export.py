@@ -82,6 +82,22 @@ def check_out(out: str, *, force: bool, fmt: str) -> str:
     return out
 
 
+def check_out_of_trees(out: str, trees: Sequence[tuple[str, str]]) -> None:
+    """Refuse an ``out`` inside a tier or run tree, or one that holds one: ``trees`` are (what, path) pairs
+    (each local root, a POSIX durable tier's root). Compared by real path, so a link to a tree is one too.
+    An export writes its temp file next to ``out`` and, with ``--force``, replaces ``out`` whole: inside a
+    run it would delete the run's steps, tags and history. Refused with or without ``--force``."""
+    real = os.path.realpath(out)
+    for what, tree in trees:
+        t = os.path.realpath(tree)
+        if real == t or real.startswith(t.rstrip(os.sep) + os.sep):
+            raise ConfigError(f"OUT {out} is inside the {what} {tree}: an export never writes into a tier or a run "
+                              "(with or without --force); choose an OUT outside it")
+        if t.startswith(real.rstrip(os.sep) + os.sep):
+            raise ConfigError(f"OUT {out} holds the {what} {tree}: an export never replaces a tier or a run (with "
+                              "or without --force); choose an OUT outside it")
+
+
 def _install(tmp: str, out: str) -> None:
     """Move the finished ``tmp`` to ``out``, replacing what is there (files atomically)."""
     parent = os.path.dirname(out)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import failpoints
 from ..checkpoint.metadata_pickle import read_checked_metadata
 from ..checkpoint.policy import RetentionPolicy
 from ..errors import (
@@ -80,21 +81,23 @@ class GcAction:
                 "bytes": self.bytes, "why": self.why, "state": self.state, "detail": self.detail}
 
 
-def _tree_newest(path: str) -> tuple[float, int]:
-    """Newest mtime of a directory and everything in it, and its size in bytes."""
-    newest, size = 0.0, 0
+def _tree_newest(path: str) -> tuple[float | None, int]:
+    """Newest mtime of a directory and everything in it (links not followed), and its size in bytes.
+    The mtime is None when ``path`` itself cannot be stat'ed (gone: committed or removed meanwhile): its
+    age is unknown, never "since 1970"."""
+    try:
+        newest = os.lstat(path).st_mtime
+    except OSError:
+        return None, 0
+    size = 0
     for dirpath, _, files in os.walk(path):
-        try:
-            newest = max(newest, os.stat(dirpath).st_mtime)
-        except FileNotFoundError:
-            continue
-        for n in files:
+        for n in (".", *files):
             try:
-                st = os.stat(os.path.join(dirpath, n))
-            except FileNotFoundError:
+                st = os.lstat(os.path.join(dirpath, n))
+            except OSError:
                 continue
             newest = max(newest, st.st_mtime)
-            size += st.st_size
+            size += st.st_size if n != "." else 0
     return newest, size
 
 
@@ -123,7 +126,10 @@ def _local_plan(catalog: Catalog, run: str, durable: set[int] | None, policy: Re
             out.append(GcAction("local", "step", run, s, path, size, why))
         for t in listing.temps:
             path = listing.temp_path(t)
+            failpoints.hit("gc_before_age", path)
             newest, size = _tree_newest(path)
+            if newest is None:
+                continue  # gone since the listing (its save committed, or its writer removed it)
             age = now - newest
             if age >= stale_after:
                 out.append(GcAction("local", "stale_temp", run, t.step, path, size,
@@ -248,8 +254,14 @@ def run_gc(catalog: Catalog, actions: list[GcAction], *, stale_after: float) -> 
                 assert a.step is not None
                 a.state, a.detail = _delete_local_step(a.where, a.step)
             elif a.tier == "local":
-                remove_tree(a.where)
-                a.state = "deleted"
+                newest, _ = _tree_newest(a.where)  # again: the plan is a moment old
+                if newest is None:
+                    a.state, a.detail = "skipped", "gone since the plan (committed or removed by its writer)"
+                elif time.time() - newest < stale_after:
+                    a.state, a.detail = "skipped", "changed since the plan: its writer is back"
+                else:
+                    remove_tree(a.where)
+                    a.state = "deleted"
             elif a.kind == "incomplete_upload":
                 uploads.setdefault(a.run_id, set()).add(str(a.key))
             else:

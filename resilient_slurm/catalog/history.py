@@ -24,6 +24,7 @@ from ..errors import ConfigError, ObjectNotFoundError, ProgressHistoryError, Res
 from ..launcher.policy import HISTORY_FILE, REASON_LABELS, Incarnation, ProgressHistory, Reason
 from ..manifest import durable_run_key
 from ..paths import open_regular
+from ..terminal import printable
 
 HISTORY_MAX_BYTES = 4 << 20  # 64 entries with long evidence are well under 1 MiB
 
@@ -33,7 +34,8 @@ def read_local_text(run_dir: str) -> str | None:
     a file over :data:`HISTORY_MAX_BYTES`, raises ProgressHistoryError naming it."""
     path = os.path.join(run_dir, HISTORY_FILE)
     try:
-        fd = open_regular(path, os.O_RDONLY, where="the run directory")
+        fd = open_regular(path, os.O_RDONLY, where="the run directory",
+                          root=os.path.dirname(os.path.abspath(run_dir)))
     except FileNotFoundError:
         return None
     except ConfigError as exc:
@@ -141,7 +143,7 @@ def format_history(runs: Sequence[RunHistory]) -> str:
             lines.append(f"  {n:>3} {r['job_id'] or 'local':<10} {_when(r['ended_at']):<19} {r['class']:<19} "
                          f"{steps:<11} {r['action'] or '-':<15} {where}")
             if r["evidence"]:
-                lines.append(f"  {'':>3} {r['evidence']}")
+                lines.append(f"  {'':>3} {printable(r['evidence'])}")  # one line, whatever the file holds
         for err in run.errors:
             lines.append(f"  error: {err}")
     return "\n".join(lines) if lines else "(no runs)"

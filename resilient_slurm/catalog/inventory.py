@@ -60,7 +60,7 @@ from ..manifest import (
     read_durable_manifest,
     read_manifest_file,
 )
-from ..paths import default_run_id, expand_local_dir
+from ..paths import default_run_id, expand_local_dir, id_problem
 from ..storage.tier import StorageTier
 from ..tags import RunTags, merge, read_durable_tags, read_local_tags, tag_name_problem
 
@@ -266,8 +266,10 @@ class Catalog:
         return sorted(runs)
 
     def durable_runs(self) -> list[str]:
-        """Runs with a directory in the durable tier (raises StorageError when it cannot be listed)."""
-        return self.durable.list_dirs("") if self.durable is not None else []
+        """Runs with a directory in the durable tier (raises StorageError when it cannot be listed); a name
+        that is not a run id (:func:`~resilient_slurm.paths.id_problem`) is not a run."""
+        names = self.durable.list_dirs("") if self.durable is not None else []
+        return [n for n in names if id_problem("run id", n) is None]
 
     def runs(self, *, strict: bool = True) -> list[str]:
         """Every run in either tier. With ``strict`` False a durable listing failure is recorded in

@@ -99,6 +99,14 @@ def change_tag(catalog: Catalog, run: str, step: int, name: str, *, remove: bool
             update_local_tags(run_dir, run, lambda cur: cur.merged(new))
             written.append(local_tags_path(run_dir))
     catalog.forget_tags(run)
+    if written:  # what every copy says now: a change that did not take is an error, never a success
+        after = catalog.tags(run).tags.get(name)
+        if after != (None if remove else step):
+            raise ConfigError(f"run {run}: {'untag' if remove else 'tag'} {name!r} did not take: the tags files "
+                              f"({', '.join(written)}) still give {name!r} "
+                              + (f"step {after}" if after is not None else "no step")
+                              + "; a record there is newer than this one (check the clocks of the nodes that wrote it)")
+        catalog.forget_tags(run)
     if not written:
         raise ConfigError(f"run {run}: no copy of its tags is reachable here (no run directory in "
                           f"{', '.join(catalog.roots)}" + ("" if catalog.durable is not None and "durable" in tiers

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
@@ -46,10 +45,12 @@ from ..errors import (
     ReplicaMismatchError,
     ResilientSlurmError,
     RestoreUnavailableError,
+    StepOrderError,
     TagsFileError,
 )
 from ..jobenv import JobEnv
-from ..paths import default_local_dir, default_run_id, node_name
+from ..layout import WRITER_ENV, RunClaim, RunInUseError, RunWriter, claim_run, list_run_dir
+from ..paths import check_id, default_local_dir, default_run_id, node_name
 from ..storage.registry import open_durable
 from ..tags import check_tag_name, read_local_tags, sync_durable_tags
 from ..telemetry import EventLog, ExactFloat
@@ -64,7 +65,6 @@ from .stragglers import StepClock, StragglerWatch, write_status
 
 log = logging.getLogger(__name__)
 
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 class Checkpointer:
     """Saves and restores the complete training state, sharded per rank, on node-local storage."""
 
@@ -115,9 +115,7 @@ class Checkpointer:
         user_config = provenance_mod.check_user_config(config) if config is not None else None
         cfg = settings_mod.load(args, config_path=config_path)
         self.config: settings_mod.Settings = cfg
-        self.run_id: str = cfg.run_id or default_run_id()
-        if not _RUN_ID_RE.match(self.run_id):
-            raise ConfigError(f"run_id {self.run_id!r}: use letters, digits, '.', '_' and '-' only")
+        self.run_id: str = check_id("run id", cfg.run_id or default_run_id())  # the one validation (paths.py)
         self.durable: str | None = cfg.durable
         # Restore reads the durable tier when a step is missing or corrupt locally; `rslurm daemon`
         # writes it. Opening it makes no request (S3: the client only), so a dead endpoint costs nothing
@@ -141,6 +139,7 @@ class Checkpointer:
         except ResilientSlurmError as exc:
             template = exc
         self.topology: Topology = discover_topology(self._coord, template, node_name(cfg.node_name))
+        self._claim = self._claim_run(job)
         # Gathered once (git runs here, with a timeout), where it is used: domain leaders write manifests,
         # rank 0 compares code versions at a restore.
         self.provenance: dict[str, Any] | None = None
@@ -193,6 +192,11 @@ class Checkpointer:
         # Newest step restored or handed to the writer. The same on every rank (saves are collective),
         # so an emergency request at that step is skipped by all ranks alike, never by some.
         self._saved_step: int | None = None
+        # The run's history before this Checkpointer wrote: the step restored, else (found at the first
+        # save) the newest step committed on any rank's node. A save at or below it is refused (_check_order).
+        self._floor: int | None = None
+        self._floor_known = False
+        self._floor_restored = False
         self.last_outcome: SaveOutcome | None = None
         self.last_stall_s: float = 0.0
         self.last_stage_stats: dict[str, float] = {}  # the last stall's parts: plan_s, digest_s, reduce_s, copy_s
@@ -217,6 +221,28 @@ class Checkpointer:
                 self._stragglers_recorded = False
                 self._stragglers = StragglerWatch(cfg.straggler_ratio, cfg.straggler_window,
                                                   self.topology.domain_of_rank)
+
+    def _claim_run(self, job: JobEnv) -> RunClaim | None:
+        """One writer per run (:func:`~resilient_slurm.layout.claim_run`): under ``rslurm launch`` the ranks
+        share their launcher's claim (its token in ``RSLURM_RUN_WRITER``); a rank set started alone claims
+        the run itself, through each storage domain's leader, until :meth:`close`. A run that another
+        launcher or rank set writes raises RunInUseError on every rank alike (one all_gather), before
+        anything is written."""
+        claim: RunClaim | None = None
+        problem: str | None = None
+        if self.topology.is_leader:
+            me = RunWriter.this_process(job.job_id, os.environ.get(WRITER_ENV) or None)
+            try:
+                claim = claim_run(self.topology.root, self.run_id, me)
+            except RunInUseError as exc:
+                problem = str(exc)
+        problems = self._coord.all_gather(problem) if self._coord.multi else [problem]
+        first = next((p for p in problems if p), None)
+        if first is not None:
+            if claim is not None:
+                claim.release()
+            raise RunInUseError(first)
+        return claim
 
     # ------------------------------------------------------------------ properties
     @property
@@ -271,6 +297,7 @@ class Checkpointer:
                                  skipped=list(last.skipped) if last else [])
             raise
         self._steps_since_restore = 0
+        self._floor, self._floor_known, self._floor_restored = (step or None), True, bool(step)
         self._report_restore()
         self._start_resume_check(step)
         self.cadence.saved()
@@ -300,6 +327,7 @@ class Checkpointer:
         """
         self._check_open()
         values = check_metrics(step, metrics) if metrics is not None else None  # before any collective
+        self._check_order(step)  # a step counter that went back is refused at once, not at the next save
         self._record_metrics(step, values)
         if self._clock is not None:
             self._clock.entered(time.perf_counter())
@@ -423,8 +451,8 @@ class Checkpointer:
         A blocking save returns once the step is committed and retention has run after it.
         """
         self._check_open()
-        if step < 0:
-            raise ConfigError(f"step must be >= 0, got {step}")
+        check_id("step", step, error=ConfigError)
+        self._check_order(step)
         t0 = time.perf_counter()
         if self.topology.is_leader:
             self.events.emit("save_started", step=step, reason=reason)
@@ -461,6 +489,33 @@ class Checkpointer:
         if blocking:
             self._finish_inflight()
             self._finish_retention()
+
+    def _check_order(self, step: int) -> None:
+        """Refuse (StepOrderError, on every rank alike) a save at or below the run's history before this
+        Checkpointer (the step restored, else the newest committed step, agreed by one all_max at the first
+        save), or below a step saved here: a program that restarted its own step counter would replace
+        committed steps with another history, and retention would then delete the newest ones."""
+        if not self._floor_known:
+            try:
+                committed = list_run_dir(self.run_dir).committed
+            except OSError:
+                committed = []
+            newest = committed[-1] if committed else -1
+            if self._coord.multi:
+                newest = self._coord.all_max([newest])[0]
+            self._floor, self._floor_known = (newest if newest >= 0 else None), True
+        floor = self._floor
+        if floor is not None and step <= floor:
+            what = "resumed from" if self._floor_restored else "already has committed"
+            raise StepOrderError(
+                f"step {step} refused: run {self.run_id} {what} step {floor}, and a save at or below it "
+                f"would replace that run's steps with another history. Number steps on from {floor} (the step "
+                "restore() returned plus the steps trained since; a framework that restarts its own counter "
+                "needs that offset), or give this run a new id (RSLURM_RUN_ID / --run-id)")
+        own = self._saved_step
+        if own is not None and (floor is None or own > floor) and step < own:
+            raise StepOrderError(f"step {step} refused: run {self.run_id} already saved step {own}; step numbers "
+                                 "must not go back (a save would replace a newer history's steps)")
 
     def tag(self, step: int, name: str) -> None:
         """Tag committed ``step`` as ``name`` (``"best"``, ``"v1.0"``): retention, the daemon's eviction and
@@ -539,6 +594,8 @@ class Checkpointer:
             # Last: nothing of this Checkpointer runs a collective any more (the writer thread is shut down).
             self._engine.peers.release()
             self._coord.close()
+            if self._claim is not None:
+                self._claim.release()
 
     def __enter__(self) -> Checkpointer:
         return self

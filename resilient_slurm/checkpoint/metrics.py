@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from ..paths import open_regular
+from ..paths import load_json, open_regular
 
 log = logging.getLogger(__name__)
 
 METRICS_DIR = "metrics"
+_MAX_LINE = 64 << 10
 MAX_METRICS = 32  # values per step: "small" metrics (a loss, a grad norm, a learning rate), not a histogram
 MAX_NAME = 64
 _FILE_RE = re.compile(r"^rank(\d+)\.jsonl$")
@@ -101,9 +102,9 @@ class Record:
 def _parse(line: bytes) -> Record | None:
     """A line as written by :meth:`MetricsLog.record`; None for a torn or foreign line."""
     try:
-        d = json.loads(line)
+        d = load_json(line, source="metrics")
         step, world, values = d["step"], d["world"], d["m"]
-    except (ValueError, KeyError, TypeError):
+    except (ConfigError, KeyError, TypeError, IndexError):
         return None
     if not (isinstance(step, int) and isinstance(world, int) and isinstance(values, dict)):
         return None
@@ -118,6 +119,7 @@ class MetricsLog:
 
     def __init__(self, run_dir: str, rank: int, world: int) -> None:
         self.path = metrics_path(run_dir, rank)
+        self.root = os.path.dirname(os.path.abspath(run_dir))  # no link below it (the run dir, metrics/)
         self.world = world
         self._fd: int | None = None
         self._warned = False
@@ -129,7 +131,7 @@ class MetricsLog:
         step order: each incarnation appends after the step it restored, and this cut runs first."""
         later: dict[int, Record] = {}
         try:
-            fd = open_regular(self.path, os.O_RDWR)
+            fd = open_regular(self.path, os.O_RDWR, root=self.root)
         except FileNotFoundError:
             return later
         except Exception as exc:  # a link, a FIFO: nothing is compared, and nothing appended there
@@ -178,8 +180,8 @@ class MetricsLog:
         line = (json.dumps({"step": step, "world": self.world, "m": values}, separators=(",", ":")) + "\n").encode()
         try:
             if self._fd is None:
-                os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-                self._fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                self._fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600, root=self.root,
+                                        make_dirs=True)
             os.write(self._fd, line)
         except Exception as exc:
             self._warn(exc)
@@ -213,12 +215,14 @@ def read_metrics(run_dir: str) -> dict[int, dict[int, Values]]:
         if not m:
             continue
         try:
-            fd = open_regular(os.path.join(d, name), os.O_RDONLY)
+            fd = open_regular(os.path.join(d, name), os.O_RDONLY, root=os.path.dirname(os.path.abspath(run_dir)))
         except Exception:
             continue
         with os.fdopen(fd, "rb") as f:
             steps: dict[int, Values] = {}
-            for line in f:
+            # A line is a few hundred bytes: a longer one (a damaged file, one without newlines) is read in
+            # pieces that parse as nothing, never into memory whole.
+            for line in iter(lambda: f.readline(_MAX_LINE), b""):
                 rec = _parse(line)
                 if rec is not None:
                     steps[rec.step] = rec.values

@@ -181,17 +181,18 @@ def write_status(run_dir: str, *, step: int, window: int, ratio: float, straggle
 
     doc = {"version": 1, "at": time.time(), "step": step, "window": window, "ratio": ratio,
            "job_id": job_id, "restart_count": restart_count, "stragglers": [s.to_json() for s in stragglers]}
-    atomic_write(os.path.join(run_dir, STATUS_FILE), json.dumps(doc, sort_keys=True).encode())
+    atomic_write(os.path.join(run_dir, STATUS_FILE), json.dumps(doc, sort_keys=True).encode(), root=os.path.dirname(os.path.abspath(run_dir)))
 
 
 def read_status(run_dir: str) -> dict[str, Any] | None:
     """What :func:`write_status` recorded; None when nothing was (or it is not a file rslurm wrote: a link,
     a special file, oversized or malformed, which ``rslurm status`` then leaves out)."""
-    from ..paths import open_regular
+    from ..errors import ConfigError
+    from ..paths import load_json, open_regular, valid_time
 
     path = os.path.join(run_dir, STATUS_FILE)
     try:
-        fd = open_regular(path, os.O_RDONLY, where="the run directory")
+        fd = open_regular(path, os.O_RDONLY, where="the run directory", root=os.path.dirname(os.path.abspath(run_dir)))
     except Exception:  # missing, a link, a FIFO: nothing to show
         return None
     with os.fdopen(fd, "rb") as f:
@@ -199,8 +200,8 @@ def read_status(run_dir: str) -> dict[str, Any] | None:
     if len(data) > STATUS_MAX_BYTES:
         return None
     try:
-        doc = json.loads(data)
-    except ValueError:
+        doc = load_json(data, source=path)
+    except ConfigError:
         return None
     if not isinstance(doc, dict) or not isinstance(doc.get("stragglers"), list):
         return None
@@ -209,8 +210,8 @@ def read_status(run_dir: str) -> dict[str, Any] | None:
                     for k in ("step_time_s", "peer_median_s", "ratio"))]
     step = doc.get("step")
     at = doc.get("at")
-    return {"step": step if isinstance(step, int) else None,
-            "at": at if isinstance(at, (int, float)) and math.isfinite(at) else None,
+    return {"step": step if isinstance(step, int) and not isinstance(step, bool) else None,
+            "at": at if valid_time(at) else None,
             "stragglers": [dict(s, node=str(s.get("node", "?"))) for s in rows]}
 
 

@@ -29,6 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import IO
 
+from ..errors import ConfigError
+from ..paths import open_regular
+
 RECORD = struct.Struct("<qqqdddd16s")  # seq, pid, step, beat_t, section_t, section_timeout, spare, name
 SIZE = 128
 assert RECORD.size <= SIZE
@@ -141,10 +144,10 @@ def register_stack_dump(run_dir: str, rank: int) -> IO[str] | None:
     if signal.getsignal(DUMP_SIGNAL) not in (signal.SIG_DFL, None):
         return None
     path = stack_dump_path(run_dir, rank)
-    try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
+    try:  # never through a link at the run directory, stacks/ or the file (paths.open_regular)
+        fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600,
+                          root=os.path.dirname(os.path.abspath(run_dir)), make_dirs=True)
+    except (OSError, ConfigError):
         return None
     f = os.fdopen(fd, "a")
     faulthandler.register(DUMP_SIGNAL, file=f, all_threads=True, chain=False)

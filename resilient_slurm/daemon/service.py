@@ -46,13 +46,22 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from tenacity import RetryCallState, Retrying, wait_exponential_jitter
+
 from ..catalog.inventory import ReplicaStep, scan_replicas
 from ..checkpoint.policy import RetentionPolicy
-from ..errors import ConfigError, CorruptCheckpointError, ResilientSlurmError, StorageError, TagsFileError
+from ..errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    ResilientSlurmError,
+    StorageError,
+    TagsFileError,
+    UnsafePathError,
+)
 from ..flocks import close_locked_fd, open_locked_fd
 from ..layout import StepBusy, StepTagged, TempKind, delete_durable_step, delete_step, list_runs
 from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname
-from ..paths import open_state_file
+from ..paths import STATE_DIR, load_json, open_state_file
 from ..storage.fileio import atomic_write
 from ..storage.tier import StorageTier
 from ..tags import (
@@ -69,17 +78,28 @@ from .drain import DrainResult, LocalStep, StepDrainer, drain_lag, drain_order, 
 
 log = logging.getLogger(__name__)
 
-STATE_DIR = ".rslurm"
 LOCK_FILE = "daemon.lock"
 STATUS_FILE = "daemon.json"
+STATUS_MAX_BYTES = 16 << 20  # one line per local step
 # Incomplete uploads (S3 multipart, POSIX temp files) older than this belong to nobody any more.
 STALE_UPLOAD_AGE = 6 * 3600.0
 MIN_PASS_INTERVAL = 0.05
 # While the durable tier trails a run, its drain_lag event is repeated this often (and on every change).
 LAG_EVENT_EVERY = 60.0
 COUNTERS = ("rslurm_drained_bytes_total", "rslurm_drained_steps_total", "rslurm_drain_seconds_total",
-            "rslurm_drain_retries_total", "rslurm_drain_failures_total", "rslurm_durable_commits_total",
-            "rslurm_local_evicted_steps_total", "rslurm_replica_mismatches_total")
+            "rslurm_drain_retries_total", "rslurm_drain_failures_total", "rslurm_drain_step_retries_total",
+            "rslurm_durable_commits_total", "rslurm_local_evicted_steps_total", "rslurm_replica_mismatches_total")
+# A step whose drain failed for a reason that may pass (the durable tier read-only, unreachable, full)
+# stays in the queue: retried after 2, 4, 8, 16 s, then every 30 s (each plus up to 2 s of jitter), for as
+# long as the daemon runs. Only a fault in the data (a corrupt shard, a link in the tier) gives up.
+STEP_RETRY_WAIT = wait_exponential_jitter(multiplier=2.0, max=30.0, jitter=2.0)
+
+
+def step_retry_delay(attempt: int) -> float:
+    """Seconds before the next drain of a step whose ``attempt``-th drain failed (:data:`STEP_RETRY_WAIT`)."""
+    state = RetryCallState(Retrying(), None, (), {})
+    state.attempt_number = attempt
+    return float(STEP_RETRY_WAIT(state))
 
 
 class _FromSettings:
@@ -132,13 +152,14 @@ class StepStatus:
     reason: str
     bytes: int
     created_at: float
-    state: str  # local | draining | waiting | durable | failed
+    state: str  # local | draining | waiting | durable | retrying (next_retry_at) | failed (gave up)
     durable_at: float | None = None
     drain_s: float | None = None
     throughput: float | None = None
     retries: int = 0
     waiting_for: list[str] = field(default_factory=list)
     error: str | None = None
+    next_retry_at: float | None = None  # retrying: when the step is drained again
 
 
 class Daemon:
@@ -167,7 +188,9 @@ class Daemon:
         self._current: dict[str, Any] | None = None
         self._lock_fd: int | None = None
         self._last_status_write = 0.0
-        self._failures: dict[tuple[str, int, float], int] = {}
+        self._failures: dict[tuple[str, int, float], int] = {}  # save -> failed drains in a row
+        self._retry_at: dict[tuple[str, int, float], float] = {}  # save -> when it may be drained again
+        self._gave_up: set[tuple[str, int, float]] = set()  # saves whose data cannot be drained
         self._invalid_paths: set[str] = set()  # committed-looking steps whose manifest is unreadable
         self._tags: dict[str, RunTags] = {}  # run -> both copies merged; absent: unknown (nothing deleted durably)
         self._local_tags: dict[str, RunTags] = {}  # run -> this node's copy; absent: unreadable (nothing evicted)
@@ -246,7 +269,7 @@ class Daemon:
                 if once and not busy:
                     break
                 if not busy:
-                    self._wake.wait(self.poll_interval)
+                    self._wake.wait(self._idle_wait())
                     time.sleep(MIN_PASS_INTERVAL)  # let a burst of events (a commit, a fetch) settle
             return 1 if failed else 0
         finally:
@@ -258,6 +281,12 @@ class Daemon:
             self._up = False
             self._write_status(force=True)
             self.release()
+
+    def _idle_wait(self) -> float:
+        """Seconds until the next pass: the poll interval, or sooner when a failed step is due again."""
+        now = self.clock()
+        due = [t - now for t in self._retry_at.values()]
+        return max(MIN_PASS_INTERVAL, min([self.poll_interval, *due]))
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         log.warning("rslurm daemon: %s received; stopping after the current file", signal.Signals(signum).name)
@@ -320,17 +349,25 @@ class Daemon:
             if not self._worth_draining(s):
                 st.state = "local"
                 continue
-            if self._failures.get(s.manifest.save_id, 0) >= 3:
+            if s.manifest.save_id in self._gave_up:
                 st.state = "failed"
+                continue
+            if self._retry_at.get(s.manifest.save_id, 0.0) > self.clock():
+                st.state = "retrying"
                 continue
             pending.append(s)
         present = {(x.run_id, x.step) for x in steps}
         for key in [k for k in self._status if k not in present]:
             del self._status[key]
+        saves = {x.manifest.save_id for x in steps}  # forget the retries of steps that are gone
+        for table in (self._failures, self._retry_at):
+            for save in [k for k in table if k not in saves]:
+                del table[save]
+        self._gave_up &= saves
         self._runs = runs
         self._pending_keys = {(x.run_id, x.step) for x in pending}
         self._report_lag()  # what this pass found: new commits behind the durable tier
-        failed = any(st.state == "failed" for st in self._status.values()) or bool(self._invalid_paths)
+        failed = any(st.state in ("failed", "retrying") for st in self._status.values()) or bool(self._invalid_paths)
         busy = False
         for i, ls in enumerate(drain_order(pending)):
             if self.stop_requested.is_set():
@@ -469,21 +506,32 @@ class Daemon:
         drainer = StepDrainer(self.tier, should_yield=should_yield, progress=progress)
         try:
             result = drainer.drain(ls)
-        except CorruptCheckpointError as exc:
+        except (CorruptCheckpointError, UnsafePathError) as exc:
+            # A fault in the data or a link in the tier does not heal by retrying: given up (`rslurm status`
+            # shows it failed, and a launcher waiting for the step stops waiting).
             log.error("run %s step %d cannot be drained: %s", ls.run_id, ls.step, exc)
-            st.state, st.error = "failed", str(exc)
-            self._failures[ls.manifest.save_id] = 3  # corrupt data does not heal by retrying
-            self._failed(ls, str(exc), 1, retry=False)
+            st.state, st.error, st.next_retry_at = "failed", str(exc), None
+            self._gave_up.add(ls.manifest.save_id)
+            self._retry_at.pop(ls.manifest.save_id, None)
+            self._failed(ls, str(exc), self._failures.get(ls.manifest.save_id, 0) + 1, retry=False)
             return None
         except (ResilientSlurmError, OSError) as exc:
             n = self._failures.get(ls.manifest.save_id, 0) + 1
             self._failures[ls.manifest.save_id] = n
-            log.error("draining run %s step %d failed (attempt %d of 3): %s", ls.run_id, ls.step, n, exc)
-            st.state, st.error = ("failed" if n >= 3 else "local"), str(exc)
-            self._failed(ls, str(exc), n, retry=n < 3)
+            delay = step_retry_delay(n)
+            log.error("draining run %s step %d failed (attempt %d): %s; retrying in %.0f s", ls.run_id, ls.step, n,
+                      exc, delay)
+            st.state, st.error, st.next_retry_at = "retrying", str(exc), self.clock() + delay
+            self._retry_at[ls.manifest.save_id] = st.next_retry_at
+            self._failed(ls, str(exc), n, retry=True)
+            self.counters["rslurm_drain_step_retries_total"] += 1
+            events.emit("drain_retry", step=ls.step, attempt=n, retry_in_s=delay, error=str(exc))
             return None
         finally:
             self._current = None
+        self._failures.pop(ls.manifest.save_id, None)
+        self._retry_at.pop(ls.manifest.save_id, None)
+        st.next_retry_at = None
         st.retries += result.retries
         self.counters["rslurm_drain_retries_total"] += result.retries
         self.counters["rslurm_drain_seconds_total"] += result.seconds
@@ -727,7 +775,7 @@ class Daemon:
         statuses = list(self._status.values())
         for run in self._runs:
             mine = [st for st in statuses if st.run_id == run]
-            pending = sum(1 for st in mine if st.state == "draining"
+            pending = sum(1 for st in mine if st.state in ("draining", "retrying")
                           or (st.state == "local" and (run, st.step) in self._pending_keys))
             runs[run] = RunGauges(drain_lag_seconds=self._lag(run, now)[0],
                                   local_newest_step=max((st.step for st in mine), default=-1),
@@ -757,7 +805,7 @@ class Daemon:
         try:
             self._last_status_write = now
             try:
-                atomic_write(status_path(self.root), json.dumps(self.status(), indent=1).encode())
+                atomic_write(status_path(self.root), json.dumps(self.status(), indent=1).encode(), root=self.root)
             except (OSError, ResilientSlurmError) as exc:
                 log.warning("cannot write the daemon status: %s", exc)
             if self.metrics_textfile:
@@ -779,10 +827,11 @@ class Daemon:
 def read_status(root: str) -> dict[str, Any] | None:
     """The status a node's daemon last wrote, or None."""
     try:
-        with os.fdopen(open_state_file(os.path.join(root, STATE_DIR), STATUS_FILE, os.O_RDONLY)) as f:
-            data = json.load(f)
+        with os.fdopen(open_state_file(os.path.join(root, STATE_DIR), STATUS_FILE, os.O_RDONLY), "rb") as f:
+            raw = f.read(STATUS_MAX_BYTES + 1)
+        data = load_json(raw, source=status_path(root)) if len(raw) <= STATUS_MAX_BYTES else None
         return data if isinstance(data, dict) else None
-    except (OSError, ValueError, ConfigError):  # ConfigError: a symlink or special file, not read
+    except (OSError, ConfigError):  # ConfigError: a symlink or special file, or not JSON: not read
         return None
 
 

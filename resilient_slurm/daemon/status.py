@@ -120,6 +120,8 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
                         r["waiting_for"] = d["waiting_for"]
                     if d.get("error"):
                         r["error"] = d["error"]
+                    if d.get("next_retry_at") is not None:
+                        r["next_retry_at"] = d["next_retry_at"]
                     if d.get("throughput"):
                         r["drain_mib_s"] = round(d["throughput"] / 2**20, 1)
             if tier is not None:
@@ -191,7 +193,9 @@ def format_status(report: Mapping[str, Any]) -> str:
         if r.get("waiting_for"):
             lines.append(f"{'':<28}waiting for nodes: {', '.join(r['waiting_for'])}")
         if r.get("error"):
-            lines.append(f"{'':<28}error: {r['error']}")
+            retry = (f" (retried in {max(0, int(r['next_retry_at'] - now))} s)"
+                     if isinstance(r.get("next_retry_at"), (int, float)) else "")
+            lines.append(f"{'':<28}error: {r['error']}{retry}")
     if not report["steps"]:
         lines.append("(no checkpoints)")
     for e in report["errors"]:

@@ -230,6 +230,8 @@ def render_table(ctx: DoctorContext, findings: Sequence[Finding]) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    from ..terminal import printable
+
     width = None if os.isatty(1) or os.environ.get("COLUMNS") else 140
     console = Console(width=width, highlight=False)
     where = f"job {ctx.job_id}" if ctx.job_id else "no job"
@@ -239,8 +241,9 @@ def render_table(ctx: DoctorContext, findings: Sequence[Finding]) -> None:
     table.add_column("finding", ratio=3)
     table.add_column("what to do", ratio=2)
     for f in findings:
-        table.add_row(f.check, Text(f.status.value, style=_STYLES[f.status.value]), Text(f.finding),
-                      Text(f.fix))
+        # A finding may quote a file (the batch script, a path): printable, never a terminal escape.
+        table.add_row(f.check, Text(f.status.value, style=_STYLES[f.status.value]), Text(printable(f.finding)),
+                      Text(printable(f.fix)))
     console.print(table)
     s = summary(findings)
     verdict = "no FAIL" if not s["fail"] else f"{s['fail']} FAIL"

@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable, Mapping
 
 from ..config import Settings
-from ..daemon.service import daemon_running
+from ..daemon.service import daemon_running, read_status
 from ..errors import ResilientSlurmError
-from ..manifest import MANIFEST_NAME, durable_run_key, durable_step_key
+from ..manifest import MANIFEST_NAME, durable_run_key, durable_step_key, read_manifest_file, step_dirname
 from ..storage.registry import open_durable
 from ..storage.tier import StorageTier
 from .processes import die_with_parent_by_sigint
@@ -113,11 +113,29 @@ class JobDrain:
                 return True
             if time.monotonic() >= deadline or interrupted():
                 return False
+            gave_up = self.gave_up(step)
+            if gave_up is not None:  # a corrupt shard, a link in the tier: waiting longer changes nothing
+                log.warning("the drain daemon gave up on step %d: %s", step, gave_up)
+                return False
             if self.proc is not None and self.proc.poll() is not None and not daemon_running(self.root):
                 log.warning("the drain daemon exited (code %s) before step %d was durable", self.proc.returncode,
                             step)
                 return self.is_durable(step)
             time.sleep(POLL_S)
+
+    def gave_up(self, step: int) -> str | None:
+        """The error of ``step`` when this node's daemon reports it gave up on it (state ``failed``:
+        the data cannot be drained; a step it retries is ``retrying``); None otherwise."""
+        status = read_status(self.root)
+        try:  # the daemon's record must be of this save of the step, not of one it replaced
+            created = read_manifest_file(os.path.join(self.root, self.run_id, step_dirname(step), MANIFEST_NAME)).created_at
+        except (OSError, ResilientSlurmError):
+            return None
+        for st in (status or {}).get("steps") or []:
+            if (isinstance(st, dict) and st.get("run_id") == self.run_id and st.get("step") == step
+                    and st.get("state") == "failed" and st.get("created_at") == created):
+                return str(st.get("error") or "no error recorded")
+        return None
 
     def write_object(self, name: str, data: bytes) -> None:
         """Keep a small run-level file in the durable tier too (best effort)."""

@@ -38,6 +38,7 @@ from ..config import Settings
 from ..layout import list_run_dir
 from ..manifest import MANIFEST_NAME, read_manifest_file, step_dirname
 from ..paths import default_local_dir, expand_local_dir, node_name
+from ..terminal import printable
 from .rank_env import srun_options
 
 log = logging.getLogger(__name__)
@@ -252,9 +253,9 @@ def cli_main(cfg: Settings, *, as_json: bool) -> int:
     if as_json:
         print(h.to_json(), flush=True)
     else:
-        print(f"{h.node}: {'healthy' if h.ok else 'UNHEALTHY'} (checked: {', '.join(h.checked) or 'nothing'})")
+        print(printable(f"{h.node}: {'healthy' if h.ok else 'UNHEALTHY'} (checked: {', '.join(h.checked) or 'nothing'})"))
         for p in h.problems:
-            print(f"  {p}")
+            print(f"  {printable(p)}")  # a health command's output line
     return 0 if h.ok else 1
 
 

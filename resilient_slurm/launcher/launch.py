@@ -31,7 +31,6 @@ the outside. The ranks and the drain daemon on this node append to the same file
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -50,11 +49,11 @@ import psutil
 from .. import config
 from ..control import ControlServer, default_socket_path
 from ..control.heartbeat import DUMP_SIGNAL, STACKS_DIR, clear_heartbeats, stack_dump_path
-from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError
+from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError, SlurmJobNotFoundError
 from ..jobenv import JobEnv
-from ..layout import list_run_dir
+from ..layout import WRITER_ENV, RunWriter, claim_run, list_run_dir
 from ..manifest import MANIFEST_NAME, read_manifest_file, step_dirname
-from ..paths import default_local_dir, default_run_id, expand_local_dir, node_name, open_regular
+from ..paths import default_local_dir, default_run_id, expand_local_dir, load_json, node_name, open_regular
 from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import expand_hostlist, remaining_seconds
 from ..storage.fileio import atomic_write
@@ -279,7 +278,28 @@ class Launcher:
 
     # ------------------------------------------------------------------ run
     def run(self) -> LaunchResult:
-        """Run the incarnation to its end and act on the decision; returns the exit code to use."""
+        """Run the incarnation to its end and act on the decision; returns the exit code to use. First the
+        run is claimed (one writer per run, :func:`~resilient_slurm.layout.claim_run`): a run another
+        launcher or rank set writes raises :class:`~resilient_slurm.layout.RunInUseError` (exit 2) before
+        anything is started or written."""
+        me = RunWriter.this_process(self.job_id)
+        claim = claim_run(os.path.dirname(self.run_dir), self.run_id, me, job_ended=self._job_ended)
+        self.env[WRITER_ENV] = me.token  # its ranks write for it (their Checkpointer shares the claim)
+        try:
+            return self._run()
+        finally:
+            claim.release()
+
+    def _job_ended(self, job_id: str) -> bool:
+        """Slurm says ``job_id`` (another run's writer) has ended; False when it cannot tell."""
+        try:
+            return self.slurm.job_info(job_id).finished
+        except SlurmJobNotFoundError:
+            return True  # purged after MinJobAge: long over
+        except (ResilientSlurmError, OSError):
+            return False
+
+    def _run(self) -> LaunchResult:
         baseline, _ = newest_committed(self.run_dir)
         self.timings["start"] = time.time()
         self._event("start", command=self.command, baseline_step=baseline, socket=self.socket_path)
@@ -506,14 +526,13 @@ class Launcher:
             if pyspy:
                 out = stack_dump_path(self.run_dir, rank).replace(".txt", ".py-spy.txt")
                 try:
-                    os.makedirs(os.path.dirname(out), mode=0o700, exist_ok=True)
                     r = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True,
                                        timeout=30)
                     if r.returncode == 0:
-                        atomic_write(out, r.stdout.encode())
+                        atomic_write(out, r.stdout.encode(), root=os.path.dirname(self.run_dir))
                         written.append(out)
                         continue
-                except (OSError, subprocess.SubprocessError) as exc:
+                except (OSError, subprocess.SubprocessError, ResilientSlurmError) as exc:
                     log.warning("py-spy dump of rank %d (pid %d): %s", rank, pid, exc)
             try:
                 os.kill(pid, DUMP_SIGNAL)
@@ -785,8 +804,13 @@ class Launcher:
         a broken history must not keep a preempted job from being requeued (it only resets the counts)."""
         from ..catalog.history import read_history
 
-        run = read_history(os.path.dirname(self.run_dir), self.run_id,
-                           self.drain.tier if self.drain is not None else None)
+        try:
+            run = read_history(os.path.dirname(self.run_dir), self.run_id,
+                               self.drain.tier if self.drain is not None else None)
+        except Exception as exc:  # the contract: a damaged run file never changes the exit code (75 stays 75)
+            log.warning("cannot read the run's history (%s: %s); counting restarts without it", type(exc).__name__,
+                        exc)
+            return ProgressHistory()
         for err in run.errors:
             log.warning("%s; counting restarts without it", err)
         return run.history
@@ -797,10 +821,9 @@ class Launcher:
         data = history.record(outcome, started_at=self.timings.get("start"), ended_at=time.time(),
                               action=decision.action.value if decision else Action.EXIT.value,
                               in_job=self._in_job_runs).to_json().encode()
-        try:
-            os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
-            atomic_write(os.path.join(self.run_dir, HISTORY_FILE), data)
-        except OSError as exc:
+        try:  # never through a link at the run directory or the file (ConfigError naming it)
+            atomic_write(os.path.join(self.run_dir, HISTORY_FILE), data, root=os.path.dirname(self.run_dir))
+        except (OSError, ResilientSlurmError) as exc:
             log.warning("cannot write the run's history in %s: %s", self.run_dir, exc)
         if self.drain is not None:
             self.drain.write_object(HISTORY_FILE, data)
@@ -812,19 +835,21 @@ class Launcher:
         last: dict[int, int] = {}
         started = self.timings.get("start", 0.0)
         try:
-            fd = open_regular(events_path(os.path.dirname(self.run_dir), self.run_id), os.O_RDONLY | os.O_NONBLOCK)
+            fd = open_regular(events_path(os.path.dirname(self.run_dir), self.run_id), os.O_RDONLY,
+                              root=os.path.dirname(self.run_dir))
             with os.fdopen(fd, "rb") as f:
                 lines = f.read(64 << 20).splitlines()
         except (OSError, ConfigError):  # none yet, or a link or special file there
             return "unknown (no event log)"
         for line in lines:
             try:
-                rec = json.loads(line)
-            except ValueError:
+                rec = load_json(line, source="events.jsonl")
+            except ConfigError:
                 continue
             if (isinstance(rec, dict) and rec.get("source") == "rank" and rec.get("event") in ("restore", "restore_none")
                     and isinstance(rec.get("t"), (int, float)) and rec["t"] >= started and isinstance(rec.get("rank"), int)):
-                last[rec["rank"]] = int(rec.get("step") or 0) if rec["event"] == "restore" else 0
+                step = rec.get("step")  # a damaged line must not change the exit code: whole numbers only
+                last[rec["rank"]] = step if rec["event"] == "restore" and isinstance(step, int) else 0
         if not last:
             return "nothing (no rank on this node reported a restore)"
         steps = sorted(set(last.values()))

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -41,6 +40,7 @@ from enum import Enum
 from typing import Any, Protocol, TypeGuard
 
 from ..errors import ConfigError, ProgressHistoryError
+from ..paths import load_json, valid_time
 
 logger = logging.getLogger(__name__)
 
@@ -296,10 +296,9 @@ class ProgressHistory:
                 f"progress history {source}:{where} {what}; delete the file to start counting afresh "
                 "(only the no-progress hold count is lost)", source=source, field=fld)
 
-        try:
-            doc = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise fail(f"not valid JSON ({exc})", None) from exc
+        # Bounded nesting, no NaN, numbers in range: a hostile file is an error naming it, never a crash
+        # (a RecursionError here once turned a requeue into exit 1).
+        doc = load_json(text, source=source, error=lambda m: fail(m.removeprefix(f"{source}: "), None))
         if not isinstance(doc, dict):
             raise fail(f"expected a JSON object, got {type(doc).__name__}", None)
         if doc.get("version") not in (1, HISTORY_VERSION):
@@ -368,8 +367,9 @@ def _attribution_fields(item: dict[str, Any], fld: str,
             out[key] = v[:_TEXT_MAX]
     for key in ("started_at", "ended_at"):
         v = item.get(key)
-        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
-            raise fail(f"expected a time or null, got {v!r}", f"{fld}.{key}")
+        if v is not None and not valid_time(v):
+            raise fail(f"expected a time (seconds since 1970, before the year 10000) or null, got {str(v)[:40]}",
+                       f"{fld}.{key}")
         out[key] = v
     rank = item.get("rank")
     if rank is not None and (not _is_int(rank) or rank < 0):
@@ -385,7 +385,7 @@ def _attribution_fields(item: dict[str, Any], fld: str,
             raise fail("expected an object with a known reason", where)
         ev, step, at = run.get("evidence", ""), run.get("committed_step"), run.get("ended_at")
         if not isinstance(ev, str) or (step is not None and (not _is_int(step) or step < 0)) or (
-                at is not None and (not isinstance(at, (int, float)) or isinstance(at, bool) or not math.isfinite(at))):
+                at is not None and not valid_time(at)):
             raise fail("evidence must be a string, committed_step a step or null, ended_at a time or null", where)
         parsed.append(RankRun(run["reason"], ev[:_TEXT_MAX], step, at))
     out["in_job"] = tuple(parsed)

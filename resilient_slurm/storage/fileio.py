@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import xxhash
 
 from .. import paths
-from ..errors import InsufficientSpaceError, StorageError, UnsafePathError
+from ..errors import InsufficientSpaceError, StorageError, TransientStorageError, UnsafePathError
 from ..flocks import close_locked_fd, open_locked_fd
 
 if TYPE_CHECKING:  # torch is imported where buffers are made, so the launcher can use this module without it
@@ -200,7 +200,7 @@ def write_file(
                 f"{path}: the filesystem filled up while writing ({exc.strerror}); free space there. "
                 "Older checkpoints were left intact."
             ) from exc
-        raise StorageError(f"{path}: write failed: {exc}") from exc
+        raise storage_error(f"{path}: write failed: {exc}", exc) from exc
     finally:
         os.close(fd)
     return WrittenFile(size=size, checksum=file_sum, chunk_checksums=chunk_sums)
@@ -311,28 +311,57 @@ def fsync_dir(path: str) -> None:
 
 
 @contextlib.contextmanager
-def unpublished_on_error(tmp: str, what: str) -> Iterator[None]:
-    """Around writing ``tmp`` and renaming it into place: on any failure (or interruption) remove
-    ``tmp``, and turn OS errors into :class:`InsufficientSpaceError` / :class:`StorageError` that name
-    ``what``. Nothing partial is ever left under the final name."""
+def unpublished_on_error(tmp: str, what: str, *, dir_fd: int | None = None) -> Iterator[None]:
+    """Around writing ``tmp`` (relative to ``dir_fd`` when given) and renaming it into place: on any failure
+    (or interruption) remove ``tmp``, and turn OS errors into :class:`InsufficientSpaceError` /
+    :class:`StorageError` (:class:`TransientStorageError` for an error that may pass, such as a
+    read-only or unreachable filesystem) that name ``what``. Nothing partial is ever left under the final
+    name."""
     try:
         yield
     except BaseException as exc:
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         except OSError:
             pass
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise InsufficientSpaceError(f"{what}: no space left ({exc.strerror}); free space there. Nothing "
                                          "partial was published.") from exc
         if isinstance(exc, OSError):
-            raise StorageError(f"{what} failed: {exc}") from exc
+            raise storage_error(f"{what} failed: {exc}", exc) from exc
         raise
 
 
-def atomic_write(path: str, data: bytes, *, tmp: str | None = None) -> None:
+# errno values of a storage fault that may pass: a filesystem remounted read-only for a moment, a
+# Lustre/NFS server that does not answer, a stale handle after a failover. Retried (daemon, tiers).
+TRANSIENT_ERRNOS = frozenset({errno.EROFS, errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN,
+                              errno.ESHUTDOWN, errno.EAGAIN, errno.EBUSY, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+                              errno.ENETDOWN, errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNREFUSED,
+                              errno.EINTR, errno.ENOLINK, errno.ECOMM})
+
+
+def storage_error(message: str, exc: BaseException | None = None) -> StorageError:
+    """:class:`TransientStorageError` when ``exc`` (or its cause) is an OSError of
+    :data:`TRANSIENT_ERRNOS`, else :class:`StorageError`; with ``message``."""
+    cur: BaseException | None = exc
+    while cur is not None:
+        if isinstance(cur, OSError) and cur.errno in TRANSIENT_ERRNOS:
+            return TransientStorageError(message)
+        cur = cur.__cause__
+    return StorageError(message)
+
+
+def atomic_write(path: str, data: bytes, *, tmp: str | None = None, root: str | None = None) -> None:
     """Write ``data`` to ``path`` atomically: temp name (``tmp``, default ``<path>.tmp-<pid>``), fsync,
-    rename, fsync of the directory."""
+    rename, fsync of the directory.
+
+    ``root``: ``path`` lies below it (a local root) and no component below ``root`` may be a link or
+    anything but a directory (:func:`resilient_slurm.paths.open_parent`, which also creates missing
+    directories): the temp file is created and renamed relative to the directory reached that way, so a
+    run directory or ``metrics/`` replaced by a link is never written through (ConfigError naming it)."""
+    if root is not None:
+        _atomic_write_below(root, path, data)
+        return
     d = os.path.dirname(path) or "."
     tmp = tmp or f"{path}.tmp-{os.getpid()}"
     with unpublished_on_error(tmp, f"writing {path}"):
@@ -346,6 +375,25 @@ def atomic_write(path: str, data: bytes, *, tmp: str | None = None) -> None:
             os.close(fd)
         os.replace(tmp, path)
         fsync_dir(d)
+
+
+def _atomic_write_below(root: str, path: str, data: bytes) -> None:
+    pfd, name = paths.open_parent(root, path, make_dirs=True)
+    tmp = f"{name}.tmp-{os.getpid()}-{os.urandom(3).hex()}"
+    try:
+        with unpublished_on_error(tmp, f"writing {path}", dir_fd=pfd):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+            os.fsync(pfd)
+    finally:
+        os.close(pfd)
 
 
 def open_regular(path: str, *, what: str = "a file") -> int:

@@ -5,6 +5,12 @@ wants many requests in flight), are fsynced, tagged with the checksum in the ``u
 extended attribute where the filesystem supports it, renamed into place and the directory fsynced.
 The source's xxh3 is computed on the same buffers, in order, while the pieces are in flight; a
 mismatch deletes the temp file and publishes nothing.
+
+Transient faults (:data:`~.fileio.TRANSIENT_ERRNOS`: a filesystem remounted read-only for a moment, a
+Lustre or NFS server that does not answer, a stale handle) raise
+:class:`~resilient_slurm.errors.TransientStorageError` and each request is retried with tenacity's
+jittered exponential backoff: at most ``max_attempts`` tries within ``retry_timeout`` seconds (the
+daemon then retries the whole step later, with a growing delay). Counted in ``TransferStats.retries``.
 """
 
 from __future__ import annotations
@@ -20,9 +26,27 @@ import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
-from ..errors import CorruptCheckpointError, ObjectNotFoundError, StorageError, UnsafePathError
-from .fileio import BLOCK, atomic_write, fsync_dir, open_regular, unpublished_on_error, write_file
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, stop_after_delay
+from tenacity.wait import wait_random_exponential
+
+from ..errors import (
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    StorageError,
+    TransientStorageError,
+    UnsafePathError,
+)
+from .fileio import (
+    BLOCK,
+    atomic_write,
+    fsync_dir,
+    open_regular,
+    storage_error,
+    unpublished_on_error,
+    write_file,
+)
 from .tier import IncompleteTransfer, ObjectInfo, Progress, RateLimiter, ReadRange, StorageTier, TransferStats
 
 log = logging.getLogger(__name__)
@@ -30,6 +54,7 @@ log = logging.getLogger(__name__)
 TMP_MARK = ".tmp-rslurm-"
 XATTR = "user.rslurm.xxh3"
 PIECE = 16 << 20
+T = TypeVar("T")
 
 
 def _unmap(views: list[memoryview], mm: mmap.mmap | None) -> None:
@@ -59,7 +84,16 @@ class PosixTier(StorageTier):
     """A directory tree as a durable tier (see the module docstring)."""
 
     def __init__(self, root: str, *, threads: int = 8, limiter: RateLimiter | None = None,
-                 piece_size: int = PIECE) -> None:
+                 piece_size: int = PIECE, max_attempts: int = 5, retry_timeout: float = 20.0,
+                 backoff: float = 0.25, max_backoff: float = 4.0,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        """``max_attempts``, ``retry_timeout``: one request is tried at most that often, for at most that
+        many seconds, waiting ``backoff`` * 2^n seconds (full jitter, at most ``max_backoff``) between
+        tries; ``sleep`` is injected for tests."""
+        self.max_attempts = max(1, max_attempts)
+        self.retry_timeout = retry_timeout
+        self._wait = wait_random_exponential(multiplier=backoff, max=max_backoff)
+        self._sleep = sleep
         self.root = os.path.abspath(os.path.expanduser(root))
         self.url = self.root
         self.threads = max(1, threads)
@@ -72,6 +106,27 @@ class PosixTier(StorageTier):
         except OSError as exc:
             raise StorageError(f"durable tier {self.root}: cannot create it ({exc.strerror}); check the path "
                                "and permissions (RSLURM_DURABLE)") from exc
+
+    def _retrying(self, what: str, key: str, fn: Callable[[], T], stats: TransferStats | None = None) -> T:
+        """``fn()``, retried on :class:`TransientStorageError` (see the module docstring); the last error
+        names the object and how often it was tried."""
+        def log_retry(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            log.warning("%s %s/%s: attempt %d/%d failed (%s); retrying in %.2fs", what, self.root, key,
+                        state.attempt_number, self.max_attempts, exc,
+                        state.next_action.sleep if state.next_action else 0.0)
+            if stats is not None:
+                stats.retries += 1
+
+        retrying = Retrying(stop=stop_after_attempt(self.max_attempts) | stop_after_delay(self.retry_timeout),
+                            wait=self._wait, retry=retry_if_exception_type(TransientStorageError), reraise=True,
+                            sleep=self._sleep, before_sleep=log_retry)
+        try:
+            return retrying(fn)
+        except TransientStorageError as exc:
+            attempts = retrying.statistics.get("attempt_number", 1)
+            raise TransientStorageError(f"{exc} (after {attempts} attempt(s) in {self.root}; the durable tier may "
+                                        "be read-only or unreachable for now)") from exc
 
     def _path(self, key: str) -> str:
         """The path of ``key``, refusing one that passes through a symbolic link below the root (a step
@@ -86,7 +141,7 @@ class PosixTier(StorageTier):
             except FileNotFoundError:
                 break
             except OSError as exc:
-                raise StorageError(f"{cur}: cannot stat it: {exc}") from exc
+                raise storage_error(f"{cur}: cannot stat it: {exc}", exc) from exc
             if stat.S_ISLNK(mode):
                 raise UnsafePathError(
                     f"{cur}: a symbolic link inside the durable tier {self.root}; rslurm never reads, writes or "
@@ -163,12 +218,20 @@ class PosixTier(StorageTier):
     def put_file(self, src: str, key: str, *, size: int, checksum: str,
                  progress: Progress | None = None) -> TransferStats:
         """See :meth:`StorageTier.put_file`."""
-        return self._copy(src, self._path(key), size, checksum, progress, "local shard", key)
+        retries = TransferStats(key=key)
+        st = self._retrying("write", key, lambda: self._copy(src, self._path(key), size, checksum, progress,
+                                                              "local shard", key), retries)
+        st.retries += retries.retries
+        return st
 
     def get_file(self, key: str, dest: str, *, size: int, checksum: str,
                  progress: Progress | None = None) -> TransferStats:
         """See :meth:`StorageTier.get_file`."""
-        return self._copy(self._path(key), os.path.abspath(dest), size, checksum, progress, "durable object", key)
+        retries = TransferStats(key=key)
+        st = self._retrying("read", key, lambda: self._copy(self._path(key), os.path.abspath(dest), size, checksum,
+                                                             progress, "durable object", key), retries)
+        st.retries += retries.retries
+        return st
 
     @staticmethod
     def _open_object(path: str) -> int:
@@ -178,7 +241,7 @@ class PosixTier(StorageTier):
         except FileNotFoundError as exc:
             raise ObjectNotFoundError(f"{path}: does not exist") from exc
         except OSError as exc:
-            raise StorageError(f"{path}: read failed: {exc}") from exc
+            raise storage_error(f"{path}: read failed: {exc}", exc) from exc
 
     @contextlib.contextmanager
     def open_ranges(self, key: str, size: int) -> Iterator[ReadRange]:
@@ -203,31 +266,42 @@ class PosixTier(StorageTier):
 
     def put_bytes(self, key: str, data: bytes) -> None:
         """See :meth:`StorageTier.put_bytes`."""
-        path = self._path(key)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"{os.path.dirname(path)}: cannot create it: {exc}") from exc
-        atomic_write(path, data, tmp=f"{path}{TMP_MARK}{secrets.token_hex(4)}")
+        def put() -> None:
+            path = self._path(key)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            except OSError as exc:
+                raise storage_error(f"{os.path.dirname(path)}: cannot create it: {exc}", exc) from exc
+            atomic_write(path, data, tmp=f"{path}{TMP_MARK}{secrets.token_hex(4)}")
+
+        self._retrying("write", key, put)
 
     def get_bytes(self, key: str, *, limit: int | None = None) -> bytes:
         """See :meth:`StorageTier.get_bytes`."""
-        path = self._path(key)
-        fd = self._open_object(path)
-        try:
-            with os.fdopen(fd, "rb") as f:
-                return f.read() if limit is None else f.read(limit + 1)
-        except OSError as exc:
-            raise StorageError(f"{path}: read failed: {exc}") from exc
+        def get() -> bytes:
+            path = self._path(key)
+            fd = self._open_object(path)
+            try:
+                with os.fdopen(fd, "rb") as f:
+                    return f.read() if limit is None else f.read(limit + 1)
+            except OSError as exc:
+                raise storage_error(f"{path}: read failed: {exc}", exc) from exc
+
+        return self._retrying("read", key, get)
 
     # ------------------------------------------------------------------ listing
     def stat(self, key: str) -> ObjectInfo | None:
         """See :meth:`StorageTier.stat`."""
+        return self._retrying("stat", key, lambda: self._stat(key))
+
+    def _stat(self, key: str) -> ObjectInfo | None:
         path = self._path(key)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise storage_error(f"{path}: cannot stat it: {exc}", exc) from exc
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{path}: not a regular file ({stat.filemode(st.st_mode)}); rslurm never reads, "
                                   "writes or deletes through a link or a special file. Remove it")
@@ -251,13 +325,17 @@ class PosixTier(StorageTier):
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
         """See :meth:`StorageTier.list_dirs`."""
-        base = self._path(prefix) if prefix.strip("/") else self.root
-        try:
-            return sorted(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False) and TMP_MARK not in e.name)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise StorageError(f"{base}: cannot list it: {exc}") from exc
+        def listing() -> builtins.list[str]:
+            base = self._path(prefix) if prefix.strip("/") else self.root
+            try:
+                return sorted(e.name for e in os.scandir(base)
+                              if e.is_dir(follow_symlinks=False) and TMP_MARK not in e.name)
+            except FileNotFoundError:
+                return []
+            except OSError as exc:
+                raise storage_error(f"{base}: cannot list it: {exc}", exc) from exc
+
+        return self._retrying("list", prefix, listing)
 
     # ------------------------------------------------------------------ deletion
     def delete(self, keys: Sequence[str]) -> None:
@@ -270,14 +348,14 @@ class PosixTier(StorageTier):
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                raise StorageError(f"{path}: cannot delete it: {exc}") from exc
+                raise storage_error(f"{path}: cannot delete it: {exc}", exc) from exc
         for d in dirs:  # the unlink of a manifest is an uncommit: it must be durable before the rest goes
             try:
                 fsync_dir(d)
             except OSError as exc:
                 if exc.errno == errno.EINVAL:  # a filesystem that cannot fsync a directory: nothing to wait for
                     continue
-                raise StorageError(f"{d}: cannot fsync the directory after deleting from it: {exc}") from exc
+                raise storage_error(f"{d}: cannot fsync the directory after deleting from it: {exc}", exc) from exc
 
     def delete_prefix(self, prefix: str) -> int:
         """See :meth:`StorageTier.delete_prefix`."""

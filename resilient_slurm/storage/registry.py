@@ -5,6 +5,7 @@ with an install hint when it is missing)."""
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -34,6 +35,12 @@ def parse_url(url: str) -> tuple[str, str]:
         path = unquote(u.path) if u.scheme == "file" else url
         if u.scheme == "file" and u.netloc not in ("", "localhost"):
             raise ConfigError(f"durable={url!r}: file URLs name a local path (file:///path), not a host")
+        if "\0" in path or not os.path.isabs(os.path.expanduser(path)):
+            # A relative path would be a different tier from every directory a command runs in (and
+            # file:// names none at all): every node's daemon and every restore must find the same one.
+            raise ConfigError(f"durable={url!r}: "
+                              + ("names no directory" if not path.strip() else "not an absolute path")
+                              + "; use /absolute/path, file:///absolute/path or s3://bucket/prefix (RSLURM_DURABLE)")
         return "file", path
     if u.scheme not in _BACKENDS:
         raise ConfigError(f"durable={url!r}: unknown scheme {u.scheme!r}; use one of "
