@@ -100,7 +100,7 @@ def moved_parameters(state: Mapping[str, Any], saved: str, *, skip: Sequence[str
     An optimizer or a parameter the checkpoint did not name is not compared."""
     try:
         before = json.loads(saved)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # not what a save wrote: nothing to compare
         return {}
     if not isinstance(before, dict):
         return {}
