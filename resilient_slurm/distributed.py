@@ -32,7 +32,7 @@ import re
 import socket
 import subprocess
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ class DistributedEnv:
     master_addr: str
     master_port: int
     source: str  # "torchrun" (RANK/WORLD_SIZE were set) or "slurm"
-    addr_source: str = "MASTER_ADDR"  # where master_addr came from, in words, for messages
+    addr_source: str = field(default="MASTER_ADDR", compare=False)  # where master_addr came from, in words
 
 
 # -- node lists -----------------------------------------------------------------------------------
@@ -357,6 +357,7 @@ def init_distributed(
         )
 
     ranks_here = local_world_size(os.environ)  # before anything is exported: a bad value changes nothing
+    check_rendezvous_address(resolved)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
@@ -382,7 +383,6 @@ def init_distributed(
         resolved.master_port,
         resolved.source,
     )
-    check_rendezvous_address(resolved)
     try:
         dist.init_process_group(
             backend=backend,
@@ -397,7 +397,7 @@ def init_distributed(
         raise RendezvousError(
             f"rank {resolved.rank} of {resolved.world_size} could not meet the other ranks at "
             f"{resolved.master_addr}:{resolved.master_port} (MASTER_ADDR from {resolved.addr_source}): "
-            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. {_RENDEZVOUS_HINT}"
+            f"{(str(exc).splitlines() or [type(exc).__name__])[0].rstrip('.')}. {_RENDEZVOUS_HINT}"
         ) from exc
     return resolved.rank, resolved.world_size, resolved.local_rank
 

@@ -172,6 +172,7 @@ def rendezvous_failure_line(texts: Iterable[str]) -> tuple[str, str | None, int 
         if not lines:
             continue
         line = lines[-1].strip()
+        line = line[line.index("[c10d]"):] if "[c10d]" in line else line  # torch's own time and place prefix
         for pattern in _HOST_PORT:
             m = pattern.search(line)
             if m:

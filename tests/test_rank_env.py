@@ -26,10 +26,17 @@ import pytest
 from conftest import REPO, clean_env
 from slurm_cluster import SlurmCluster
 
-from resilient_slurm.errors import ConfigError
+from resilient_slurm.errors import ConfigError, PermanentSlurmError
 from resilient_slurm.jobenv import job_master_port, tasks_on_node
 from resilient_slurm.launcher.processes import SrunStep
-from resilient_slurm.launcher.rank_env import CHAIN_VAR, TASK_PROLOG, split_task_prolog, srun_with_rank_env
+from resilient_slurm.launcher.rank_env import (
+    CHAIN_VAR,
+    TASK_PROLOG,
+    node_address_map,
+    split_task_prolog,
+    srun_with_rank_env,
+)
+from resilient_slurm.rendezvous import NODE_ADDRS_MAX, NODE_ADDRS_VAR, decode_node_addresses
 
 PY = sys.executable
 WORKER = str(REPO / "tests" / "workers" / "torchrun_style.py")
@@ -118,6 +125,21 @@ def test_the_prolog_keeps_what_the_task_has() -> None:
     assert exports["RANK"] == "3" and exports["GROUP_RANK"] == "1"
 
 
+def test_the_prolog_takes_master_addr_from_the_launchers_node_addresses() -> None:
+    """Node names need not be host names: the launcher hands the prolog each node's NodeAddr (only those that
+    differ from the name), and every task gets the address of its step's first node. A node listed with no
+    address gets no MASTER_ADDR; one not listed gets its name. The map is not left in the task's environment."""
+    addrs = "n1=10.0.0.1 n10=10.0.0.10 gpu-st-7=fd00::7 n3="
+    for step_nodes, want in (("n[1-2]", "10.0.0.1"), ("n[10-11]", "10.0.0.10"), ("gpu-st-[7-8]", "fd00::7"),
+                             ("n2,n1", "n2"), ("n[3-4]", None), ("n1x", "n1x")):
+        exports, unsets, _ = _prolog({**TASK, "SLURM_STEP_NODELIST": step_nodes, NODE_ADDRS_VAR: addrs})
+        assert exports.get("MASTER_ADDR") == want, (step_nodes, exports)
+        assert unsets == [NODE_ADDRS_VAR]
+    # A MASTER_ADDR set for the step is the user's, map or not.
+    exports, _, _ = _prolog({**TASK, "MASTER_ADDR": "head.example", NODE_ADDRS_VAR: addrs})
+    assert "MASTER_ADDR" not in exports
+
+
 def test_the_prolog_outside_a_slurm_task_exports_nothing() -> None:
     exports, unsets, out = _prolog({"SLURM_JOB_ID": "5"})
     assert exports == {} and unsets == [] and out == ""
@@ -204,6 +226,43 @@ def test_the_users_prolog_is_chained_from_the_command_or_srun_variable() -> None
     # Ours is never chained to itself; a stale chaining variable is not passed on.
     _, env = srun_with_rank_env(["srun", f"--task-prolog={TASK_PROLOG}", "python"], {**BATCH, CHAIN_VAR: "/old"})
     assert CHAIN_VAR not in env
+
+
+def test_srun_gets_the_node_addresses_unless_the_user_set_master_addr(caplog: pytest.LogCaptureFixture) -> None:
+    addrs = {"n1": "10.0.0.1", "n2": "n2", "n3": None}
+    _, env = srun_with_rank_env(["srun", "python"], {**BATCH, NODE_ADDRS_VAR: "stale"}, addrs)
+    assert decode_node_addresses(env[NODE_ADDRS_VAR]) == {"n1": "10.0.0.1", "n3": ""}  # n2 resolves as itself
+    _, env = srun_with_rank_env(["srun", "python"], {**BATCH, "MASTER_ADDR": "10.9.9.9", NODE_ADDRS_VAR: "stale"},
+                                addrs)
+    assert NODE_ADDRS_VAR not in env and env["MASTER_ADDR"] == "10.9.9.9"
+    # Past the size one environment string may have, the first nodes (where task 0 runs) are kept.
+    many = {f"node{i:05d}": f"10.{i // 65536}.{i // 256 % 256}.{i % 256}" for i in range(5000)}
+    _, env = srun_with_rank_env(["srun", "python"], BATCH, many)
+    kept = decode_node_addresses(env[NODE_ADDRS_VAR])
+    assert len(env[NODE_ADDRS_VAR]) <= NODE_ADDRS_MAX and "node00000" in kept and len(kept) < 5000
+    assert "cannot carry the address of node(s) node0" in caplog.text
+
+
+def test_node_address_map_prefers_slurms_node_addr_then_a_name_that_resolves(
+        caplog: pytest.LogCaptureFixture) -> None:
+    resolvable = {"login1"}
+
+    def resolve(host: str) -> str | None:
+        return None if host in resolvable else "Name or service not known"
+
+    addrs = node_address_map(["n1", "n2", "login1"], lambda: {"n1": "10.0.0.1"}, resolve)
+    assert addrs == {"n1": "10.0.0.1", "n2": None, "login1": "login1"}
+    assert "no rendezvous address for node(s) n2" in caplog.text and "MASTER_ADDR" in caplog.text
+
+    def no_slurm() -> dict[str, str]:
+        raise PermanentSlurmError("scontrol: error: no controller")
+
+    caplog.clear()
+    nodes = [f"n{i}" for i in range(40)]
+    addrs = node_address_map(nodes, no_slurm, resolve)
+    assert "cannot read the nodes' addresses from Slurm (scontrol: error: no controller)" in caplog.text
+    # The first nodes' names are checked (n0 does not resolve); beyond those, the name is left as it is.
+    assert addrs["n0"] is None and addrs["n39"] == "n39"
 
 
 def test_srun_step_runs_the_rewritten_command() -> None:

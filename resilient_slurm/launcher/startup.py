@@ -77,8 +77,9 @@ class LocalTask:
 
 
 def local_tasks(marker: str, node: str | None) -> list[LocalTask]:
-    """The step's tasks on this node: processes whose environment has ``RANKS_MARKER_VAR=marker`` (and, when
-    it says, ``SLURMD_NODENAME=node``), whose parent does not (a task's own children inherit the marker)."""
+    """The step's tasks on this node: processes whose environment has ``RANKS_MARKER_VAR=marker`` and a step
+    id (and, when it says, ``SLURMD_NODENAME=node``), whose parent does not (a task's own children inherit
+    the marker)."""
     found: dict[int, tuple[int, JobEnv]] = {}
     for p in psutil.process_iter(["pid", "ppid"]):
         try:
@@ -88,7 +89,9 @@ def local_tasks(marker: str, node: str | None) -> list[LocalTask]:
         if env.get(RANKS_MARKER_VAR) != marker:
             continue
         job = JobEnv.from_env(env, warn=False)
-        if node and job.node_name not in (None, node):
+        # srun itself carries the marker too (the launcher's child, with the batch shell's variables and
+        # no step id); a task has its step's id and another parent: slurmstepd.
+        if job.step_id is None or p.info["ppid"] == os.getpid() or (node and job.node_name not in (None, node)):
             continue
         found[p.info["pid"]] = (p.info["ppid"], job)
     return [LocalTask(pid, job) for pid, (ppid, job) in sorted(found.items()) if ppid not in found]
