@@ -575,7 +575,7 @@ def test_appends_from_many_processes_never_interleave(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- Slurm: requeue decisions
 def _slurm_script(work: Path) -> str:
-    env = {"MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",  # nothing rendezvous-related: rslurm derives it
            "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"), "RSLURM_RUN_ID": RUN, "RSLURM_LOG_LEVEL": "INFO",
            "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl")}
     exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())

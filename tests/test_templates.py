@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, read_jsonl, wait_for_step
+from conftest import REPO, read_jsonl, wait_for_step
 from slurm_cluster import SlurmCluster
 
 from resilient_slurm import submit
@@ -250,9 +250,9 @@ def _job_env(slurm: SlurmCluster, work: Path, **extra: str) -> dict[str, str]:
     env = slurm.env({
         "PATH": f"{Path(PY).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}", "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1", "RSLURM_LOG_LEVEL": "INFO",
-        # The emulated nodes n1 and n2 are names only Slurm knows; every test cluster numbers its jobs
-        # from 1, so ports and control sockets are kept apart from clusters running at the same time.
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        # Nothing rendezvous-related: the emulated nodes n1 and n2 are names only Slurm knows, and the
+        # templates (through the launcher) derive MASTER_ADDR and MASTER_PORT. Test clusters that run at
+        # the same time may number jobs alike: their control sockets are kept apart.
         "RSLURM_CONTROL_DIR": str(slurm.root / "ctl"), **extra})
     keep = {"RSLURM_LOG_LEVEL", "RSLURM_CONTROL_DIR", *extra}
     return {k: v for k, v in env.items() if not k.startswith("RSLURM_") or k in keep}
