@@ -38,6 +38,7 @@ import torch
 from conftest import REPO, assert_same, clean_env, read_jsonl, run_ranks, wait_for_step
 from slurm_cluster import SlurmCluster
 from test_cloud_notice import MetadataServer, Seen
+from test_telemetry import check_records, read_docs
 
 PY = sys.executable
 TOY = [PY, "-m", "resilient_slurm.examples.train_toy"]
@@ -536,6 +537,7 @@ def test_a_rendezvous_that_cannot_work_ends_within_the_startup_bound(slurm: Slur
     events = _events(work)
     diagnosis = "\n".join(map(str, events)) + _job_text(work)[-5000:]
     port = 15000 + job % 20000
+    check_records(read_docs(), events)  # startup_failed included, as docs/telemetry.md says
     [failed] = [e for e in events if e["event"] == "startup_failed"]
     assert (failed["addr"], failed["port"], failed["bound_s"]) == ("rdzv-host.invalid", port, 20.0), diagnosis
     assert failed["in_rendezvous"] == [0] and failed["ranks"] == [0], diagnosis  # n1 runs rank 0

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import clean_env
+from conftest import clean_env, read_jsonl
 
 from resilient_slurm.jobenv import JobEnv
 from resilient_slurm.launcher.startup import (
@@ -212,3 +212,34 @@ def test_local_tasks_are_found_by_their_marker_on_this_node(tmp_path: Path) -> N
     finally:
         subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
         proc.wait(timeout=30)
+
+
+def test_a_start_that_cannot_be_judged_is_logged_and_recorded(tmp_path: Path, home: Path) -> None:
+    """A launcher whose bound passed while no task of its step runs on its node (here: no task at all)
+    says why it cannot judge, records ``startup_not_judged`` as docs/telemetry.md describes it, and
+    leaves the ranks alone."""
+    from test_telemetry import check_records, read_docs
+
+    from resilient_slurm.launcher.launch import Launcher
+
+    launcher = Launcher(["true"], env={"HOME": str(home), "RSLURM_LOCAL_DIR": str(tmp_path / "nvme"),
+                                       "RSLURM_CONTROL_DIR": str(tmp_path / "ctl"), "RSLURM_RUN_ID": "r"})
+    launcher.startup = StartupWatch(20.0, marker="no-such-step", node=launcher.node, started_at=0.0)
+
+    class Step:
+        torn_down = False
+
+        def stderr_tail(self, index: int = 0) -> str:
+            return ""
+
+        def teardown(self, grace: float) -> None:
+            self.torn_down = True
+
+    step = Step()
+    launcher._on_startup_timeout(step)  # type: ignore[arg-type]
+    assert launcher.startup_failure is None and not step.torn_down
+    events = read_jsonl(tmp_path / "nvme" / "r" / "events.jsonl")
+    check_records(read_docs(), events)
+    [e] = events
+    assert e["event"] == "startup_not_judged" and "no task of the ranks' step runs on" in e["why"], e
+

@@ -69,6 +69,10 @@ HANG_ONLY = {"hang", "in_job_restart"}
 # A node that fails its health check: tests/test_health.py (local) and test_launcher_slurm.py write it,
 # test_health checks its fields against docs/telemetry.md.
 HEALTH_ONLY = {"node_unhealthy"}
+# A start that never gets there, on Slurm: test_launcher_slurm's
+# test_a_rendezvous_that_cannot_work_ends_within_the_startup_bound writes startup_failed, and
+# tests/test_startup.py a launcher's startup_not_judged; both check them against these docs.
+STARTUP_ONLY = {"startup_failed", "startup_not_judged"}
 # Rank events written only when a rank is slower than its peers: tests/test_stragglers.py checks them
 # against these docs.
 STRAGGLER_ONLY = {"straggler", "straggler_cleared"}
@@ -384,7 +388,7 @@ def test_every_documented_event_appears_with_exactly_its_fields(scenario: Scenar
     records = scenario.all_events()
     seen = check_records(docs, records)
     missing = set(docs.events) - seen - {("launcher", e) for e in SLURM_ONLY | SLURM_STARTUP_ONLY | HANG_ONLY
-                                                            | HEALTH_ONLY} - {("rank", e) for e in STRAGGLER_ONLY
+                                                            | HEALTH_ONLY | STARTUP_ONLY} - {("rank", e) for e in STRAGGLER_ONLY
                                                                                | RESUME_ONLY
                                                                                | PROVENANCE_ONLY
                                                                                | TAG_ONLY
