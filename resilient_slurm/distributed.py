@@ -396,7 +396,7 @@ def init_distributed(
         # other ranks never came. Said once, with what to set, instead of only torch's socket error.
         raise RendezvousError(
             f"rank {resolved.rank} of {resolved.world_size} could not meet the other ranks at "
-            f"{resolved.master_addr}:{resolved.master_port} (MASTER_ADDR from {resolved.addr_source}): "
+            f"{resolved.master_addr}:{resolved.master_port} (the address: {resolved.addr_source}): "
             f"{(str(exc).splitlines() or [type(exc).__name__])[0].rstrip('.')}. {_RENDEZVOUS_HINT}"
         ) from exc
     return resolved.rank, resolved.world_size, resolved.local_rank

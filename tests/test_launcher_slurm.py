@@ -456,6 +456,7 @@ def test_scancel_is_cancelled_saved_and_not_requeued(slurm: SlurmCluster):
     assert asked["reason"] == "cancelled", diagnosis
     [decision] = [e for e in events if e["event"] == "decision"]
     assert (decision["action"], decision["outcome"], decision["rule"]) == ("exit", "cancelled", "cancelled"), diagnosis
+    assert [e["state"] for e in events if e["event"] == "not_requeued"] == ["COMPLETING"], diagnosis
     exits = _exits(work)
     assert exits and exits[0]["stopped"] is True, (exits, diagnosis)
     ends = _history(work)

@@ -598,7 +598,7 @@ def _poll(what: str, cond: Callable[[], bool], timeout: float) -> None:
 
 def test_requeue_decisions_on_slurm_and_each_node_logs_its_own(slurm: SlurmCluster) -> None:
     """USR1 to the batch shell: decision and requeue call; the requeued incarnation restores from each
-    node's local tier; scancel then: not requeued. n1's log (the batch host) has the launcher's events and
+    node's local tier; scancel then: cancelled, not requeued. n1's log (the batch host) has the launcher's events and
     rank 0's, n2's has rank 1's only."""
     work = slurm.work_dir / "telemetry"
     work.mkdir()
@@ -633,7 +633,7 @@ def test_requeue_decisions_on_slurm_and_each_node_logs_its_own(slurm: SlurmClust
         check_order(events(n), n)
     first, second = launcher("decision")  # one per incarnation
     assert first["action"] == "requeue" and first["job_id"] == str(job) and first["restart_count"] == 0, first
-    assert second["restart_count"] == 1, second
+    assert second["restart_count"] == 1 and (second["action"], second["outcome"]) == ("exit", "cancelled"), second
     assert launcher("requeue_call")[0]["action"] == "requeue"
     assert [e["state"] for e in launcher("not_requeued")] == ["COMPLETING"] and launcher("not_requeued")[0]["restart_count"] == 1
     assert not [e for e in events("n2") if e["source"] != "rank"], "n2 ran no launcher and no daemon"

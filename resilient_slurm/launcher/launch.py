@@ -914,9 +914,10 @@ class Launcher:
         history = self._read_history()
         # The requeue rules count the earlier incarnations of this job only (a new submission starts afresh).
         decision = self.policy.decide(outcome, history.of_job(self.job_id, self.restart_count))
-        job = self._job_info() if decision.action is not Action.EXIT else None
+        cancelled = outcome.reason is Reason.CANCELLED
+        job = self._job_info() if decision.action is not Action.EXIT or cancelled else None
         ending = job is not None and _ending(job)
-        if ending:
+        if ending and not cancelled:
             # A time limit that struck before rslurm heard of it, or the end of a preemption's grace: Slurm is
             # ending the job and `requeue Incomplete` would not touch it. Decided before anything is said
             # or recorded, so that neither claims a requeue that does not happen.
@@ -933,7 +934,7 @@ class Launcher:
         self._event("decision", action=decision.action.value, rule=decision.rule, message=decision.message,
                     outcome=outcome.reason.value, committed_step=outcome.committed_step,
                     restored_step=outcome.restored_step, evidence=outcome.evidence)
-        quiet = outcome.reason is Reason.CANCELLED or ending  # what the user or Slurm asked for
+        quiet = cancelled or ending  # what the user or Slurm asked for
         (log.error if not quiet and (decision.action is Action.HOLD
                                      or decision.exit_code not in (0, REQUEUE_EXIT_CODE))
          else log.warning if decision.action is Action.REQUEUE or quiet else log.info)("%s", decision.message)
