@@ -523,8 +523,9 @@ def test_a_rendezvous_that_cannot_work_ends_within_the_startup_bound(slurm: Slur
     work = slurm.work_dir / "launch-bad-rendezvous"
     (work / "out").mkdir(parents=True)
     env = {"MASTER_ADDR": "rdzv-host.invalid", "RSLURM_STARTUP_TIMEOUT": "20", "RSLURM_NO_PROGRESS_LIMIT": "1"}
+    venv = f'export PATH="{Path(PY).parent}:$PATH"\n'  # the user's environment, activated: py-spy is on PATH
     job = _submit(slurm, work, _script(work, [PY, str(REPO / "tests" / "workers" / "torchrun_style.py"),
-                                              str(work / "out")], extra_env=env))
+                                              str(work / "out")], extra_env=env, before=venv))
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         info = slurm.job_info(job)

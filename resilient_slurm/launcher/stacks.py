@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 
 from ..control.heartbeat import stack_dump_path
 from ..storage.fileio import atomic_write
@@ -24,10 +23,8 @@ PYSPY_TIMEOUT_S = 30.0
 
 
 def pyspy() -> str | None:
-    """The py-spy executable: on PATH, else next to this Python (installed in the same environment as
-    rslurm, which a batch script need not activate); None when it is not installed."""
-    here = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    return shutil.which("py-spy") or (here if os.access(here, os.X_OK) else None)
+    """The py-spy executable on PATH, or None when it is not installed."""
+    return shutil.which("py-spy")
 
 
 def pyspy_path(run_dir: str, rank: int) -> str:

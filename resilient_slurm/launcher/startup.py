@@ -229,7 +229,7 @@ class StartupWatch:
             failed = prober(addr, port) or (f"{addr}:{port} answers (so the ranks fail elsewhere: from another "
                                             "node, or before they reach the rendezvous)")
         note = "" if written else (
-            "no stacks: py-spy is not installed (pip install py-spy)" if dump is None
+            "no stacks: py-spy is not on PATH (pip install py-spy)" if dump is None
             else "no stacks: py-spy could not read the ranks (ptrace permission?)")
         return StartupFailure(self.bound_s, self.node, addr, port, source, failed, said[0] if said else "",
                               tuple(sorted(t.rank for t in found if t.rank is not None)), tuple(sorted(in_rdzv)),
