@@ -179,7 +179,8 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 
 def _hang_timeout(v: str) -> float | None:
-    """``auto`` (None: learned from the step times), ``off`` (inf: never), or seconds > 0."""
+    """``auto`` (None: the component works it out: from the step times, from the job's size), ``off`` (inf:
+    never), or seconds > 0."""
     s = v.strip().lower()
     if s in ("", "auto"):
         return None
@@ -367,6 +368,14 @@ class Settings:
     hang_startup_timeout: float = _key(_seconds(), 1800.0, "launcher",
                 "seconds a rank may take from building its Checkpointer to its first step (restore "
                 "included) before the job counts as hung")
+    startup_timeout: float | None = _key(_hang_timeout, None, "launcher",
+                "seconds from the start of the ranks' job step until a rank on the launcher's node has built "
+                "its Checkpointer (srun's launch, the imports, the rendezvous of torch.distributed); past it "
+                "the start failed: the ranks' stacks are written, the ranks torn down, and the incarnation "
+                "ends as startup with one message naming the rendezvous address and port, what did not "
+                "resolve or connect, and what to set. auto: 300 s plus 1 s for every 4 nodes of the job; off: "
+                "never (a program that builds no Checkpointer but runs longer needs off, unless py-spy shows "
+                "its ranks past the rendezvous)")
     health_check: str = _key(_choice("on", "off"), "on", "launcher",
                 "on: before each launch of the ranks (and each in-job restart) check every node: its local "
                 "directory is writable with room for the newest checkpoint, and its GPUs answer nvidia-smi when "

@@ -2,9 +2,17 @@
 
 Precedence: ``RANK`` and ``WORLD_SIZE`` already set (torchrun, or ``rslurm launch -n N`` local mode) are
 used as they are; otherwise a Slurm task (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``) is
-mapped. The rendezvous address is ``MASTER_ADDR`` when set, else the first host of
-``SLURM_STEP_NODELIST`` (or ``SLURM_JOB_NODELIST``); the port is ``MASTER_PORT`` when set, else
-``15000 + SLURM_JOB_ID % 20000``, so every task of a job derives the same port without talking.
+mapped. The rendezvous address is ``MASTER_ADDR`` when set, else an address of the first host of
+``SLURM_STEP_NODELIST`` (or ``SLURM_JOB_NODELIST``), where task 0 runs, as Slurm knows it: its
+``NodeAddr`` (``scontrol show node``), else its name where the name resolves (the rule of
+:mod:`resilient_slurm.rendezvous`, the launcher's too: Slurm's node names need not be host names). The
+port is ``MASTER_PORT`` when set, else ``15000 + SLURM_JOB_ID % 20000``, so every task of a job derives
+the same port without talking.
+
+Before the group is created, the address must resolve here; and a rendezvous that fails (nothing
+answers at the address, a timeout waiting for the other ranks) is a
+:class:`~resilient_slurm.errors.RendezvousError` that names the address, the port, where the address
+came from and what to set, instead of torch's retries for the whole timeout.
 
 Without any distributed environment, and for a Slurm step of a single task, no process group is
 created: single-process training must not need one (nor a free port). That holds too when the task has
@@ -24,13 +32,14 @@ import re
 import socket
 import subprocess
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from resilient_slurm.errors import ConfigError
+from resilient_slurm.errors import ConfigError, RendezvousError
 from resilient_slurm.jobenv import PORT_BASE, PORT_SPAN, JobEnv, job_master_port, tasks_on_node
+from resilient_slurm.rendezvous import resolve_error, slurm_node_addr
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +69,7 @@ class DistributedEnv:
     master_addr: str
     master_port: int
     source: str  # "torchrun" (RANK/WORLD_SIZE were set) or "slurm"
+    addr_source: str = field(default="MASTER_ADDR", compare=False)  # where master_addr came from, in words
 
 
 # -- node lists -----------------------------------------------------------------------------------
@@ -206,12 +216,17 @@ def _free_loopback_port() -> int:
 
 
 def resolve_distributed_env(
-    env: Mapping[str, str], *, expand: Callable[[str], list[str]] = expand_nodelist
+    env: Mapping[str, str],
+    *,
+    expand: Callable[[str], list[str]] = expand_nodelist,
+    node_addr: Callable[[str], str | None] = slurm_node_addr,
 ) -> DistributedEnv | None:
     """Work out rank, world size, local rank and rendezvous from ``env``; None if not distributed.
 
     Strict, unlike :class:`JobEnv`'s own parsing: a malformed value is a :class:`ConfigError` that quotes
-    it, so the variables are read verbatim from :attr:`JobEnv.raw`."""
+    it, so the variables are read verbatim from :attr:`JobEnv.raw`. ``node_addr`` gives a node's
+    ``NodeAddr`` (None: Slurm does not say; the node's name is used then, and :func:`init_distributed`
+    checks that it resolves)."""
     job = JobEnv.from_env(env, warn=False)
     raw = job.raw
     has_rank, has_world = "RANK" in raw, "WORLD_SIZE" in raw
@@ -251,6 +266,7 @@ def resolve_distributed_env(
     if rank >= world_size:
         raise ConfigError(f"{rank_var}={rank} is not below the world size {world_size}")
 
+    addr_source = "MASTER_ADDR, set in the environment"
     if job.master_addr:
         master_addr = job.master_addr
     else:
@@ -258,11 +274,16 @@ def resolve_distributed_env(
         nodelist = job.step_nodelist or job.job_nodelist
         if nodelist:
             try:
-                master_addr = expand(nodelist)[0]
+                first = expand(nodelist)[0]
             except ConfigError as exc:
                 raise ConfigError(f"{list_var}: {exc}") from exc
+            addr = node_addr(first) if world_size > 1 else None
+            master_addr = addr or first
+            addr_source = (f"NodeAddr of node {first}, the first of {list_var}, from Slurm" if addr
+                           else f"node {first}, the first of {list_var}: Slurm gave no NodeAddr for it")
         elif world_size == 1:
             master_addr = "127.0.0.1"
+            addr_source = "loopback: a group of one"
         else:
             raise ConfigError(
                 "MASTER_ADDR is not set and neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST names the "
@@ -280,7 +301,7 @@ def resolve_distributed_env(
             "MASTER_PORT is not set and SLURM_JOB_ID is not there to derive one from; set MASTER_PORT to a "
             "free port on the host of rank 0"
         )
-    return DistributedEnv(rank, world_size, local_rank, master_addr, master_port, source)
+    return DistributedEnv(rank, world_size, local_rank, master_addr, master_port, source, addr_source)
 
 
 def local_world_size(env: Mapping[str, str]) -> int:
@@ -336,6 +357,7 @@ def init_distributed(
         )
 
     ranks_here = local_world_size(os.environ)  # before anything is exported: a bad value changes nothing
+    check_rendezvous_address(resolved)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
@@ -361,11 +383,42 @@ def init_distributed(
         resolved.master_port,
         resolved.source,
     )
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=resolved.rank,
-        world_size=resolved.world_size,
-        timeout=timeout,
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=resolved.rank,
+            world_size=resolved.world_size,
+            timeout=timeout,
+        )
+    except (dist.DistNetworkError, dist.DistStoreError) as exc:
+        # torch's store errors at this point are the rendezvous: nothing answered at the address, or the
+        # other ranks never came. Said once, with what to set, instead of only torch's socket error.
+        raise RendezvousError(
+            f"rank {resolved.rank} of {resolved.world_size} could not meet the other ranks at "
+            f"{resolved.master_addr}:{resolved.master_port} (the address: {resolved.addr_source}): "
+            f"{(str(exc).splitlines() or [type(exc).__name__])[0].rstrip('.')}. {_RENDEZVOUS_HINT}"
+        ) from exc
     return resolved.rank, resolved.world_size, resolved.local_rank
+
+
+_RENDEZVOUS_HINT = (
+    "Set MASTER_ADDR to an address of the node that runs rank 0 that every node reaches (e.g. "
+    "`export MASTER_ADDR=$(srun -N1 -n1 -w <first node> hostname --ip-address)` in the batch script), and "
+    "MASTER_PORT to a port free there; under `rslurm launch -- srun` leave both unset: the launcher derives "
+    "them from Slurm (NodeAddr)"
+)
+
+
+def check_rendezvous_address(resolved: DistributedEnv) -> None:
+    """Raise :class:`RendezvousError` when the rendezvous address does not resolve on this node: torch would
+    retry it for the whole timeout (30 minutes by default) with a warning a second, and no rank would
+    start. The message names the address, the port, where the address came from and what to set."""
+    why = resolve_error(resolved.master_addr)
+    if why is None:
+        return
+    node = JobEnv.from_env(warn=False).node_name or socket.gethostname()
+    raise RendezvousError(
+        f"rank {resolved.rank} of {resolved.world_size}: the rendezvous address {resolved.master_addr!r} (port "
+        f"{resolved.master_port}; from {resolved.addr_source}) does not resolve on {node}: {why}. {_RENDEZVOUS_HINT}"
+    )

@@ -26,6 +26,12 @@ class ConfigError(PermanentError):
     """A configuration key or value is wrong; the message names the key and the valid choices."""
 
 
+class RendezvousError(ConfigError):
+    """The ranks cannot meet: the rendezvous address (``MASTER_ADDR``) does not resolve, or nothing answered
+    at ``MASTER_ADDR:MASTER_PORT``. The message names the address, the port, where the address came from
+    and what to set. The launcher classes a rank that ends with it as a ``startup`` failure."""
+
+
 class CheckpointError(PermanentError):
     """A checkpoint could not be saved or restored."""
 

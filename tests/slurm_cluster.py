@@ -20,6 +20,7 @@ survive a test session.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -191,6 +192,7 @@ class SlurmCluster:
         self.slurmd_timeout = slurmd_timeout
         self.preempt_send_user_signal = preempt_send_user_signal
         self.debug = debug
+        self.first_job_id = random.randrange(1000, 10**6)
         self.nodes = NODES
         self.conf_path = self.root / "etc" / "slurm.conf"
         self.log_dir = self.root / "log"
@@ -279,6 +281,10 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 # Batch jobs are requeueable unless submitted with --no-requeue.
 JobRequeue=1
+# Job ids as a real cluster's: large, and different from those of another test cluster running at the same
+# time. Numbered from 1 on every test cluster, two clusters' jobs would derive the same rendezvous port
+# (15000 + job id % 20000) on this one host at the same time.
+FirstJobId={self.first_job_id}
 # Seconds between SIGTERM and SIGKILL at a time limit or at the end of GraceTime (default 30).
 KillWait={self.kill_wait}
 # Round-trip timeout for RPCs; small so that a dead peer is noticed quickly, but not so small that a

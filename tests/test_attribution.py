@@ -199,6 +199,15 @@ def test_exception_lines_per_rank_prefix() -> None:
     assert exception_lines("no traceback here\n") == []
 
 
+RDZV_UNRESOLVED = ("Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n"
+                   "resilient_slurm.errors.RendezvousError: rank 1 of 2: the rendezvous address 'n1' (port 15001; "
+                   "from node n1, the first of SLURM_STEP_NODELIST: Slurm gave no NodeAddr for it) does not "
+                   "resolve on n2: Name or service not known. Set MASTER_ADDR ...\n")
+RDZV_TIMEOUT = ("Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n"
+                "torch.distributed.DistStoreError: Timed out after 61 seconds waiting for clients. 1/2 clients "
+                "joined.\n")
+
+
 @pytest.mark.parametrize(("failed", "stderr", "srun", "oom", "reason", "evidence"), [
     ([_exit(0, 1)], {0: GLOO}, "", None, Reason.COMMUNICATOR_ERROR, "Connection closed by peer"),
     # a user error on rank 1 makes rank 0's collective fail: the user error is the cause, whatever ended first
@@ -219,9 +228,12 @@ def test_exception_lines_per_rank_prefix() -> None:
     ([_exit(1, None, 9, node="n2")], {}, "srun: error: Node failure on n2\n", None, Reason.NODE_FAILURE,
      "Node failure on n2"),
     ([_exit(0, 3)], {0: "exiting with 3\n"}, "", None, Reason.USER_ERROR, ""),
+    # init_distributed's own error (the address does not resolve) while the peer times out in the store
+    ([_exit(0, 1), _exit(1, 1)], {0: RDZV_TIMEOUT, 1: RDZV_UNRESOLVED}, "", None, Reason.STARTUP,
+     "the rendezvous address 'n1' (port 15001; from node n1, the first of SLURM_STEP_NODELIST"),
 ], ids=["gloo peer closed", "user error beats the peers' collective errors", "cuda oom raised",
         "sigkill", "oom counter", "srun out of memory", "slurmstepd oom event", "nccl watchdog abort",
-        "srun node failure", "exit code without traceback"])
+        "srun node failure", "exit code without traceback", "rendezvous error is a failed start"])
 def test_attribution_of_what_the_tools_print(failed: list[RankExit], stderr: dict[int, str], srun: str,
                                              oom: str | None, reason: Reason, evidence: str) -> None:
     att = attribute_failure(failed, lambda e: stderr.get(e.rank or 0, ""), oom_evidence=oom, srun_text=srun)

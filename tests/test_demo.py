@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_same, clean_env, free_port, read_jsonl
+from conftest import REPO, assert_same, clean_env, read_jsonl
 from slurm_cluster import SlurmCluster
 
 from resilient_slurm.manifest import Manifest
@@ -136,12 +136,10 @@ def test_demo_kill_resumes_from_last_interval_checkpoint(tmp_path: Path):
 @pytest.mark.slow
 def test_demo_slurm_requeues_once_and_matches(slurm: SlurmCluster):
     out = slurm.work_dir / "demo-slurm"
+    # Nothing rendezvous-related: the emulated nodes n1 and n2 are names only Slurm knows; the launcher
+    # derives MASTER_ADDR (their NodeAddr) and MASTER_PORT.
     env = slurm.env({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-                     # the emulated nodes n1 and n2 are names for this host that only Slurm knows; the
-                     # port derived from the job id (the same job 1 in every test cluster) could be taken
-                     # by a job of another cluster running at the same time
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                     # every test cluster numbers its jobs from 1: keep sockets of parallel clusters apart
+                     # test clusters that run at the same time may number jobs alike: keep their sockets apart
                      "RSLURM_CONTROL_DIR": str(slurm.root / "ctl")})
     code, text = _demo(out, "--slurm", "--nodes", "2", "--partition", "low", env=env)
     assert code == 0, text

@@ -21,7 +21,7 @@ from resilient_slurm.distributed import (
     parse_nodelist,
     resolve_distributed_env,
 )
-from resilient_slurm.errors import ConfigError
+from resilient_slurm.errors import ConfigError, RendezvousError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -172,6 +172,69 @@ def test_missing_slurm_localid_and_missing_rendezvous_raise() -> None:
         resolve_distributed_env({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1234"})
     with pytest.raises(ConfigError, match="MASTER_PORT"):
         resolve_distributed_env({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"})
+
+
+def test_the_rendezvous_address_is_the_first_nodes_node_addr() -> None:
+    """Node names need not be host names: Slurm's NodeAddr of the first node is the address; the name only
+    when Slurm gives none; a MASTER_ADDR that is set is used without asking Slurm."""
+    asked: list[str] = []
+
+    def node_addr(node: str) -> str | None:
+        asked.append(node)
+        return {"gpu-07": "10.1.0.7"}.get(node)
+
+    resolved = resolve_distributed_env(SLURM_ENV, expand=_hosts_of, node_addr=node_addr)
+    assert resolved is not None and resolved.master_addr == "10.1.0.7" and asked == ["gpu-07"]
+    assert resolved.addr_source == "NodeAddr of node gpu-07, the first of SLURM_JOB_NODELIST, from Slurm"
+    resolved = resolve_distributed_env({**SLURM_ENV, "SLURM_STEP_NODELIST": "gpu-[09-10]"}, expand=_hosts_of,
+                                       node_addr=node_addr)
+    assert resolved is not None and resolved.master_addr == "gpu-09"
+    assert "Slurm gave no NodeAddr" in resolved.addr_source
+    asked.clear()
+    resolved = resolve_distributed_env({**SLURM_ENV, "MASTER_ADDR": "10.0.0.5"}, expand=_hosts_of, node_addr=node_addr)
+    assert resolved is not None and resolved.master_addr == "10.0.0.5" and asked == []
+
+
+@pytest.mark.parametrize(("env", "words"), [
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "rdzv-host.invalid", "MASTER_PORT": "29511"},
+     ["rank 1 of 2", "'rdzv-host.invalid' (port 29511; from MASTER_ADDR, set in the environment) does not resolve"]),
+    # Outside the launcher, with no NodeAddr from Slurm (no cluster here), the first node's name is tried.
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "n1-nowhere.invalid",
+      "SLURM_JOB_ID": "42"},
+     ["rank 0 of 2", "'n1-nowhere.invalid' (port 15042; from node n1-nowhere.invalid, the first of "
+      "SLURM_JOB_NODELIST: Slurm gave no NodeAddr for it) does not resolve"]),
+], ids=["set by the user", "derived"])
+def test_an_address_that_does_not_resolve_is_said_at_once(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                                                          words: list[str]) -> None:
+    """Instead of torch's retries for the whole timeout: one error that names the address, the port, where
+    the address came from and what to set; nothing is exported and no group is created."""
+    for name in list(os.environ):
+        if name in DIST_VARS or name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(RendezvousError) as err:
+        init_distributed(timeout=5)
+    for w in [*words, "Set MASTER_ADDR to an address of the node that runs rank 0", "rslurm launch -- srun"]:
+        assert w in str(err.value), (w, str(err.value))
+    assert not dist.is_initialized() and "LOCAL_WORLD_SIZE" not in os.environ
+    assert isinstance(err.value, ConfigError)  # what init_distributed raised for a bad environment before
+
+
+def test_a_rendezvous_where_nothing_answers_is_a_rendezvous_error() -> None:
+    """Rank 1 of 2 and nothing listening at the port: torch's store gives up after the timeout, and the
+    error says where it tried and what to set (a real process, a real socket)."""
+    port = _free_port()
+    env = _clean_env()
+    env.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = ("from resilient_slurm.distributed import init_distributed\n"
+            "from resilient_slurm.errors import RendezvousError\n"
+            "try:\n    init_distributed(timeout=2)\n"
+            "except RendezvousError as e:\n    print('RendezvousError:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"rank 1 of 2 could not meet the other ranks at 127.0.0.1:{port}" in r.stdout, r.stdout
+    assert "Set MASTER_ADDR" in r.stdout
 
 
 def test_init_distributed_without_environment_creates_no_group(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -361,9 +361,10 @@ for i in $(seq 50); do
 done
 """
 def _job_script(slurm: SlurmCluster, work: Path, signal: str, doctor_args: str = "") -> str:
-    # Every test cluster numbers its jobs from 1: keep control sockets of concurrent clusters apart.
+    # Test clusters that run at the same time may number jobs alike: keep their control sockets apart.
+    # Nothing rendezvous-related: n1 and n2 are names only Slurm knows; rslurm derives MASTER_ADDR.
     env = {"PATH": f"{VENV_BIN}:$PATH", "PYTHONPATH": str(REPO), "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
-           "RSLURM_CONTROL_DIR": str(slurm.root / "ctl"), "MASTER_ADDR": "127.0.0.1"}
+           "RSLURM_CONTROL_DIR": str(slurm.root / "ctl")}
     exports = "".join(f'export {k}="{v}"\n' for k, v in env.items())
     return (f"#!/bin/bash\n#SBATCH -N2 --ntasks-per-node=1\n#SBATCH --signal={signal}\n#SBATCH --requeue\n"
             f"#SBATCH --open-mode=append\n{exports}"

@@ -12,7 +12,14 @@ Every job runs two ranks, one per node (n1, n2), each with its own node-local di
 * a rank SIGKILLed: restarted in the same allocation (a new srun step), resumed from the last commit;
 * a hung collective: found past hang_timeout, every rank's stacks written, restarted in the allocation;
 * an exception in the program: FAILED with the rank's exit code, not requeued;
-* a checkpoint that kills the program right after every restore: held after K restarts.
+* a checkpoint that kills the program right after every restore: held after K restarts;
+* ``scancel``: saved, CANCELLED, never requeued, history ``cancelled``;
+* a cloud termination notice (an AWS-style metadata server on loopback): save, requeue, resume;
+* a rendezvous that cannot work (a MASTER_ADDR that does not resolve): ended within the start-up bound,
+  with one message naming the address, classed ``startup``, held by the no-progress rule.
+
+Nothing rendezvous-related is set in any job: n1 and n2 are names only Slurm knows (NodeAddr 127.0.0.1), as
+on clusters whose node names are not host names; the launcher derives MASTER_ADDR and MASTER_PORT.
 """
 
 from __future__ import annotations
@@ -23,12 +30,15 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, assert_same, clean_env, read_jsonl, run_ranks, wait_for_step
 from slurm_cluster import SlurmCluster
+from test_cloud_notice import MetadataServer, Seen
+from test_telemetry import check_records, read_docs
 
 PY = sys.executable
 TOY = [PY, "-m", "resilient_slurm.examples.train_toy"]
@@ -47,11 +57,13 @@ def _toy_args(work: Path, steps: int, sleep: float | str) -> list[str]:
 
 def _script(work: Path, program: list[str], *, extra_env: dict[str, str] | None = None,
             before: str = "", srun: tuple[str, ...] = ("-N2", "-n2")) -> str:
-    # MASTER_ADDR: the emulated nodes n1 and n2 are names for this host that only Slurm knows.
-    env = {"MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
+    # Nothing rendezvous-related: the emulated nodes n1 and n2 are names only Slurm knows (NodeAddr
+    # 127.0.0.1), as on clusters whose node names are not host names; the launcher derives MASTER_ADDR
+    # and MASTER_PORT.
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
            "RSLURM_RUN_ID": "toy", "RSLURM_LOG_LEVEL": "INFO",
-           # Every test cluster numbers its jobs from 1: keep the sockets of clusters that run at the same
-           # time (another pytest, a benchmark) apart. work = <cluster root>/work/<test>.
+           # Test clusters that run at the same time (another pytest, a benchmark) may number jobs alike:
+           # keep their sockets apart. work = <cluster root>/work/<test>.
            "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl"), **(extra_env or {})}
     exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
     cmd = " ".join([PY, "-m", "resilient_slurm.cli", "launch", "--", "srun", *srun, *program])
@@ -420,10 +432,11 @@ def test_no_progress_loop_is_held(slurm: SlurmCluster):
     slurm.scancel(job)
 
 
-def test_scancel_is_not_undone_by_a_requeue(slurm: SlurmCluster):
-    """`scancel` sends SIGTERM to the launcher like a preemption would, but the user meant it: the ranks
-    still take their emergency checkpoint within KillWait, and the job stays CANCELLED instead of being
-    requeued (the launcher sees it COMPLETING: Slurm is already killing it)."""
+def test_scancel_is_cancelled_saved_and_not_requeued(slurm: SlurmCluster):
+    """`scancel` (no --signal) sends SIGTERM to the launcher like a preemption would, but the user meant it:
+    Slurm is already ending the job (COMPLETING, with no TimeLimit reason, which a time limit would carry).
+    The ranks still take their emergency checkpoint within KillWait, the job stays CANCELLED instead of being
+    requeued, and the history says cancelled, not time limit."""
     work = slurm.work_dir / "launch-scancel"
     work.mkdir()
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, 400, 0.1)]))
@@ -431,15 +444,120 @@ def test_scancel_is_not_undone_by_a_requeue(slurm: SlurmCluster):
     slurm.scancel(job)
     slurm.wait_state(job, "CANCELLED", timeout=60)
     deadline = time.monotonic() + 30
-    while not any(e["event"] in ("not_requeued", "decision") for e in _events(work)):
+    while not any(e["event"] == "decision" for e in _events(work)):
         assert time.monotonic() < deadline, (_events(work), _job_text(work)[-3000:])
         time.sleep(0.2)
     time.sleep(slurm.cred_expire + 3)  # a requeued job would be PENDING or running again by now
     info = slurm.job_info(job)
+    events = _events(work)
+    diagnosis = "\n".join(map(str, events)) + _job_text(work)[-4000:]
     assert info is not None and info["JobState"] == "CANCELLED" and int(info["Restarts"]) == 0, info
-    assert [e["state"] for e in _events(work) if e["event"] == "not_requeued"] == ["COMPLETING"], "\n".join(map(str, _events(work))) + _job_text(work)[-4000:]
+    [asked] = [e for e in events if e["event"] == "save_requested"]
+    assert asked["reason"] == "cancelled", diagnosis
+    [decision] = [e for e in events if e["event"] == "decision"]
+    assert (decision["action"], decision["outcome"], decision["rule"]) == ("exit", "cancelled", "cancelled"), diagnosis
+    assert [e["state"] for e in events if e["event"] == "not_requeued"] == ["COMPLETING"], diagnosis
     exits = _exits(work)
-    assert exits and exits[0]["stopped"] is True, (exits, _job_text(work)[-3000:])
+    assert exits and exits[0]["stopped"] is True, (exits, diagnosis)
+    ends = _history(work)
+    assert [(e["reason"], e["action"]) for e in ends] == [("cancelled", "exit")], ends
+    assert ends[0]["committed_step"] == exits[0]["step"], (ends, exits)
+    text = _job_text(work)
+    assert f"not requeued: job {job} was cancelled (scancel); step {exits[0]['step']} is committed" in text, diagnosis
+    assert "time_limit" not in text and "requeued after" not in text, diagnosis
+
+
+SPOT = "/latest/meta-data/spot/instance-action"
+
+
+def test_a_cloud_notice_saves_requeues_and_resumes_on_the_cluster(slurm: SlurmCluster):
+    """The launcher of a 2-node job polls an AWS-style metadata endpoint (a real HTTP server on loopback,
+    IMDSv2 token first). Once a spot notice appears, the ranks commit an emergency checkpoint at the step
+    they were at, the job is requeued (cloud_termination), and the next incarnation, whose endpoint is quiet,
+    resumes from that very step and completes."""
+    steps = 40
+    announced = datetime.now(timezone.utc) + timedelta(seconds=120)
+
+    def behaviour(server: MetadataServer, req: Seen) -> tuple[int, str]:
+        if req.method == "PUT":  # IMDSv2 token
+            return 200, "token"
+        if not server.release.is_set() or server.state.get("served"):
+            return 404, "Not Found"
+        server.state["served"] = True  # one notice: the instance the first incarnation ran on
+        return 200, json.dumps({"action": "terminate", "time": announced.strftime("%Y-%m-%dT%H:%M:%SZ")})
+
+    server = MetadataServer(behaviour).start()
+    try:
+        work = slurm.work_dir / "launch-cloud"
+        work.mkdir()
+        env = {"RSLURM_CLOUD_NOTICE": "aws", "RSLURM_CLOUD_NOTICE_URL": server.url(SPOT),
+               "RSLURM_CLOUD_NOTICE_INTERVAL": "0.2"}
+        job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)], extra_env=env))
+        _wait_started(slurm, job, work, work / "log.0.jsonl", 8)
+        assert server.gets(), "the launcher never polled the metadata endpoint"
+        server.release.set()
+        info = _wait_done(slurm, job, work, timeout=240)
+    finally:
+        server.stop()
+    starts, exits = _starts(work), _exits(work)
+    diagnosis = (info, starts, exits, _job_text(work)[-4000:])
+    assert int(info["Restarts"]) == 1, diagnosis
+    assert exits[0]["stopped"] is True and starts[1]["step"] == exits[0]["step"] > 8, diagnosis
+    assert exits[-1] == {"event": "exit", "step": steps, "stopped": False}, diagnosis
+    [asked] = [e for e in _events(work) if e["event"] == "save_requested"]
+    assert (asked["signal"], asked["reason"]) == ("cloud", "cloud_termination"), diagnosis
+    # The announced time (less requeue_margin) bounds the deadline, well before save_timeout (300 s).
+    assert asked["deadline"] <= announced.timestamp() - 3 + 1, (asked, announced)
+    ends = _history(work)
+    assert [(e["reason"], e["action"]) for e in ends] == [("cloud_termination", "requeue"), ("completed", "exit")], ends
+    assert "termination notice from aws metadata" in ends[0]["evidence"], ends
+
+
+def test_a_rendezvous_that_cannot_work_ends_within_the_startup_bound(slurm: SlurmCluster):
+    """A MASTER_ADDR set for the job that does not resolve (a user's typo): torch would retry it for the
+    whole timeout and no rank would ever register. With startup_timeout=20 the launcher ends the start
+    once the bound has passed, with one message naming the address, the port, what failed and what to set;
+    the waiting rank's stacks (py-spy) are written; the incarnation is classed startup, the no-progress
+    rule (no_progress_limit=1) holds the job at once, and `rslurm history` shows it. The program is the
+    torchrun-style one: no Checkpointer, no resilient_slurm."""
+    work = slurm.work_dir / "launch-bad-rendezvous"
+    (work / "out").mkdir(parents=True)
+    env = {"MASTER_ADDR": "rdzv-host.invalid", "RSLURM_STARTUP_TIMEOUT": "20", "RSLURM_NO_PROGRESS_LIMIT": "1"}
+    venv = f'export PATH="{Path(PY).parent}:$PATH"\n'  # the user's environment, activated: py-spy is on PATH
+    job = _submit(slurm, work, _script(work, [PY, str(REPO / "tests" / "workers" / "torchrun_style.py"),
+                                              str(work / "out")], extra_env=env, before=venv))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        info = slurm.job_info(job)
+        assert info is not None
+        if info["JobState"] == "PENDING" and info.get("Reason") == "job_requeued_in_held_state":
+            break
+        assert info["JobState"] not in ("COMPLETED", "FAILED", "CANCELLED"), _diagnose(slurm, job, work)
+        assert time.monotonic() < deadline, _diagnose(slurm, job, work)
+        time.sleep(0.5)
+    slurm.scancel(job)
+    events = _events(work)
+    diagnosis = "\n".join(map(str, events)) + _job_text(work)[-5000:]
+    port = 15000 + job % 20000
+    check_records(read_docs(), events)  # startup_failed included, as docs/telemetry.md says
+    [failed] = [e for e in events if e["event"] == "startup_failed"]
+    assert (failed["addr"], failed["port"], failed["bound_s"]) == ("rdzv-host.invalid", port, 20.0), diagnosis
+    assert failed["in_rendezvous"] == [0] and failed["ranks"] == [0], diagnosis  # n1 runs rank 0
+    [start] = [e for e in events if e["event"] == "start"]
+    print(f"failed start: ended {failed['t'] - start['t']:.1f} s after the launcher started (bound 20 s)")
+    [decision] = [e for e in events if e["event"] == "decision"]
+    assert (decision["action"], decision["outcome"]) == ("hold", "startup"), diagnosis
+    ends = _history(work)
+    assert [(e["reason"], e["action"]) for e in ends] == [("startup", "hold")], ends
+    message = ends[0]["evidence"]
+    for words in ("no rank on n1 built its Checkpointer within 20 s", f"rdzv-host.invalid:{port}",
+                  "MASTER_ADDR set for the job", "'rdzv-host.invalid' does not resolve",
+                  "a rank said: [c10d] The IPv6 network addresses of (rdzv-host.invalid,",
+                  "set MASTER_ADDR to an address of the node that runs rank 0", "RSLURM_STARTUP_TIMEOUT"):
+        assert words in message, (words, message)
+    assert message in _job_text(work), diagnosis  # the same one message in the job's output
+    stacks = (work / "nvme" / "n1" / "toy" / "stacks" / "rank0.py-spy.txt").read_text()
+    assert "init_process_group" in stacks and "torchrun_style.py" in stacks, stacks
 
 
 def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: SlurmCluster, tmp_path: Path):

@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "resilient_slurm"
 
 # The lower layers, and what they may not import.
 LOWER = ["checkpoint", "storage", "manifest.py", "layout.py", "tags.py", "paths.py", "errors.py", "config.py", "jobenv.py",
-         "telemetry.py", "failpoints.py", "distributed.py", "terminal.py"]
+         "telemetry.py", "failpoints.py", "distributed.py", "terminal.py", "rendezvous.py"]
 # A package stands for all its modules: "resilient_slurm.doctor" covers doctor/storage.py, doctor/probe.py...;
 # "resilient_slurm.examples" the README demo (examples/demo.py) and the example training programs.
 UPPER = ["resilient_slurm.daemon", "resilient_slurm.launcher", "resilient_slurm.cli", "resilient_slurm.catalog",

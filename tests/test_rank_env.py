@@ -4,11 +4,12 @@ resilient_slurm/launcher/task_env.sh) and ``LOCAL_WORLD_SIZE`` from ``init_distr
 * the task prolog itself, run with the environment slurmstepd gives a task: what it exports from which
   Slurm variable (tasks-per-node forms ``2(x2)``, ``3,1``, ``1``; node lists), what it leaves alone;
 * how the launcher rewrites the srun command and environment (the prolog added, the user's own chained,
-  stale per-task variables dropped, ``MASTER_PORT`` derived unless set);
-* on the real two-node Slurm cluster: a torchrun-style program (tests/workers/torchrun_style.py) runs
-  unchanged under ``rslurm launch -- srun -N2 -n4`` and all-reduces across the 4 tasks; and a second job
-  checks the derived ``MASTER_ADDR``, a user-set ``MASTER_PORT``, a value set for the step, an uneven
-  layout and a chained user task prolog;
+  stale per-task variables dropped, ``MASTER_PORT`` derived unless set, the nodes' addresses passed on);
+* on the real two-node Slurm cluster, whose node names are not host names: a torchrun-style program
+  (tests/workers/torchrun_style.py, with its own ``os.environ.setdefault("MASTER_ADDR", ...)``) runs
+  unchanged under ``rslurm launch -- srun -N2 -n4`` with nothing rendezvous-related set and all-reduces
+  across the 4 tasks; and a second job checks the derived ``MASTER_ADDR`` (the node's NodeAddr), a
+  user-set ``MASTER_PORT``, a value set for the step, an uneven layout and a chained user task prolog;
 * ``init_distributed`` exports ``LOCAL_WORLD_SIZE`` (a real gloo group of two processes).
 """
 
@@ -26,10 +27,17 @@ import pytest
 from conftest import REPO, clean_env
 from slurm_cluster import SlurmCluster
 
-from resilient_slurm.errors import ConfigError
+from resilient_slurm.errors import ConfigError, PermanentSlurmError
 from resilient_slurm.jobenv import job_master_port, tasks_on_node
 from resilient_slurm.launcher.processes import SrunStep
-from resilient_slurm.launcher.rank_env import CHAIN_VAR, TASK_PROLOG, split_task_prolog, srun_with_rank_env
+from resilient_slurm.launcher.rank_env import (
+    CHAIN_VAR,
+    TASK_PROLOG,
+    node_address_map,
+    split_task_prolog,
+    srun_with_rank_env,
+)
+from resilient_slurm.rendezvous import NODE_ADDRS_MAX, NODE_ADDRS_VAR, decode_node_addresses
 
 PY = sys.executable
 WORKER = str(REPO / "tests" / "workers" / "torchrun_style.py")
@@ -116,6 +124,21 @@ def test_the_prolog_keeps_what_the_task_has() -> None:
     exports, _, _ = _prolog(env)
     assert "MASTER_ADDR" not in exports and "MASTER_PORT" not in exports and "NODE_RANK" not in exports
     assert exports["RANK"] == "3" and exports["GROUP_RANK"] == "1"
+
+
+def test_the_prolog_takes_master_addr_from_the_launchers_node_addresses() -> None:
+    """Node names need not be host names: the launcher hands the prolog each node's NodeAddr (only those that
+    differ from the name), and every task gets the address of its step's first node. A node listed with no
+    address gets no MASTER_ADDR; one not listed gets its name. The map is not left in the task's environment."""
+    addrs = "n1=10.0.0.1 n10=10.0.0.10 gpu-st-7=fd00::7 n3="
+    for step_nodes, want in (("n[1-2]", "10.0.0.1"), ("n[10-11]", "10.0.0.10"), ("gpu-st-[7-8]", "fd00::7"),
+                             ("n2,n1", "n2"), ("n[3-4]", None), ("n1x", "n1x")):
+        exports, unsets, _ = _prolog({**TASK, "SLURM_STEP_NODELIST": step_nodes, NODE_ADDRS_VAR: addrs})
+        assert exports.get("MASTER_ADDR") == want, (step_nodes, exports)
+        assert unsets == [NODE_ADDRS_VAR]
+    # A MASTER_ADDR set for the step is the user's, map or not.
+    exports, _, _ = _prolog({**TASK, "MASTER_ADDR": "head.example", NODE_ADDRS_VAR: addrs})
+    assert "MASTER_ADDR" not in exports
 
 
 def test_the_prolog_outside_a_slurm_task_exports_nothing() -> None:
@@ -206,6 +229,43 @@ def test_the_users_prolog_is_chained_from_the_command_or_srun_variable() -> None
     assert CHAIN_VAR not in env
 
 
+def test_srun_gets_the_node_addresses_unless_the_user_set_master_addr(caplog: pytest.LogCaptureFixture) -> None:
+    addrs = {"n1": "10.0.0.1", "n2": "n2", "n3": None}
+    _, env = srun_with_rank_env(["srun", "python"], {**BATCH, NODE_ADDRS_VAR: "stale"}, addrs)
+    assert decode_node_addresses(env[NODE_ADDRS_VAR]) == {"n1": "10.0.0.1", "n3": ""}  # n2 resolves as itself
+    _, env = srun_with_rank_env(["srun", "python"], {**BATCH, "MASTER_ADDR": "10.9.9.9", NODE_ADDRS_VAR: "stale"},
+                                addrs)
+    assert NODE_ADDRS_VAR not in env and env["MASTER_ADDR"] == "10.9.9.9"
+    # Past the size one environment string may have, the first nodes (where task 0 runs) are kept.
+    many = {f"node{i:05d}": f"10.{i // 65536}.{i // 256 % 256}.{i % 256}" for i in range(5000)}
+    _, env = srun_with_rank_env(["srun", "python"], BATCH, many)
+    kept = decode_node_addresses(env[NODE_ADDRS_VAR])
+    assert len(env[NODE_ADDRS_VAR]) <= NODE_ADDRS_MAX and "node00000" in kept and len(kept) < 5000
+    assert "cannot carry the address of node(s) node0" in caplog.text
+
+
+def test_node_address_map_prefers_slurms_node_addr_then_a_name_that_resolves(
+        caplog: pytest.LogCaptureFixture) -> None:
+    resolvable = {"login1"}
+
+    def resolve(host: str) -> str | None:
+        return None if host in resolvable else "Name or service not known"
+
+    addrs = node_address_map(["n1", "n2", "login1"], lambda: {"n1": "10.0.0.1"}, resolve)
+    assert addrs == {"n1": "10.0.0.1", "n2": None, "login1": "login1"}
+    assert "no rendezvous address for node(s) n2" in caplog.text and "MASTER_ADDR" in caplog.text
+
+    def no_slurm() -> dict[str, str]:
+        raise PermanentSlurmError("scontrol: error: no controller")
+
+    caplog.clear()
+    nodes = [f"n{i}" for i in range(40)]
+    addrs = node_address_map(nodes, no_slurm, resolve)
+    assert "cannot read the nodes' addresses from Slurm (scontrol: error: no controller)" in caplog.text
+    # The first nodes' names are checked (n0 does not resolve); beyond those, the name is left as it is.
+    assert addrs["n0"] is None and addrs["n39"] == "n39"
+
+
 def test_srun_step_runs_the_rewritten_command() -> None:
     step = SrunStep(["srun", "-n2", "true"], BATCH)
     assert step.argv[:2] == ["srun", f"--task-prolog={TASK_PROLOG}"] and step.env["MASTER_PORT"] == "19242"
@@ -216,7 +276,7 @@ def _batch_script(work: Path, srun: list[str], env: dict[str, str], *, rsrun: bo
     """``exec rslurm launch -- srun SRUN...`` (``rsrun``: ``exec bin/rsrun SRUN...``, the drop-in)."""
     base = {"PYTHONPATH": str(REPO), "PYTHON": PY, "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
             "RSLURM_RUN_ID": "rankenv", "RSLURM_LOG_LEVEL": "INFO",
-            # Every test cluster numbers its jobs from 1: keep sockets of clusters running at once apart.
+            # Test clusters that run at the same time may number jobs alike: keep their sockets apart.
             "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl"), **env}
     exports = "".join(f"export {k}='{v}'\n" for k, v in base.items())
     launcher = [str(REPO / "bin" / "rsrun")] if rsrun else [PY, "-m", "resilient_slurm.cli", "launch", "--", "srun"]
@@ -233,14 +293,16 @@ def _run_job(slurm: SlurmCluster, work: Path, script: str, *sbatch: str) -> None
 
 
 def test_a_torchrun_style_program_runs_unchanged_under_rslurm_launch_srun(slurm: SlurmCluster) -> None:
-    """2 nodes x 2 tasks: each task reads torchrun's variables at import, forms a gloo group with env://
-    and all-reduces. MASTER_ADDR is set in the batch script (the emulated nodes n1, n2 are names only
-    Slurm knows; see the other job for the derived one) and kept; RANK and WORLD_SIZE left over in the
-    batch script are stale and must not reach the tasks; MASTER_PORT is derived from the job id."""
+    """2 nodes x 2 tasks: each task defaults MASTER_ADDR/MASTER_PORT to localhost:29500 with
+    ``os.environ.setdefault`` (as a program written for one machine does), reads torchrun's variables at
+    import, forms a gloo group with env:// and all-reduces. Nothing rendezvous-related is set: the emulated
+    nodes n1, n2 are names only Slurm knows, and every task gets n1's NodeAddr (127.0.0.1) and the port
+    derived from the job id, which the program's defaults do not override. RANK and WORLD_SIZE left over
+    in the batch script are stale and must not reach the tasks."""
     work = slurm.work_dir / "rankenv-torchrun-style"
     (work / "out").mkdir(parents=True)
-    script = _batch_script(work, ["-N2", "-n4", PY, WORKER, str(work / "out"), CHAIN_VAR],
-                           {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1"})
+    script = _batch_script(work, ["-N2", "-n4", PY, WORKER, str(work / "out"), CHAIN_VAR, NODE_ADDRS_VAR],
+                           {"RANK": "0", "WORLD_SIZE": "1"})
     job_out = work / "job.out"
     _run_job(slurm, work, script, "-n4")
     records = {int(p.stem[len("rank"):]): json.loads(p.read_text()) for p in (work / "out").glob("rank*.json")}
@@ -256,16 +318,17 @@ def test_a_torchrun_style_program_runs_unchanged_under_rslurm_launch_srun(slurm:
         assert (sl["SLURM_PROCID"], sl["SLURM_LOCALID"], sl["SLURM_NODEID"], sl["SLURMD_NODENAME"]) == (
             str(rank), str(rank % 2), str(node), f"n{node + 1}")
         assert rec["group"] == [rank, 4] and rec["sum"] == 10.0  # 1 + 2 + 3 + 4
-        assert rec["extra"] == {CHAIN_VAR: None}
+        assert rec["extra"] == {CHAIN_VAR: None, NODE_ADDRS_VAR: None}
     text = job_out.read_text()
     assert f"--task-prolog={TASK_PROLOG}" in text and "not passing RANK='0', WORLD_SIZE='1'" in text
+    assert "(NodeAddr; n1 -> 127.0.0.1)" in text
     assert "completed: every rank exited 0" in text
 
 
 def test_derived_master_addr_user_values_and_a_chained_prolog_on_the_cluster(slurm: SlurmCluster) -> None:
     """Through bin/rsrun: 3 tasks on 2 nodes (2 + 1) with the user's own --task-prolog, NODE_RANK set for the step with
-    --export, MASTER_PORT set in the batch script, MASTER_ADDR not set: every task gets the step's first
-    node (n1), the user's port, NODE_RANK=7, the right LOCAL_WORLD_SIZE per node, and the user's prolog
+    --export, MASTER_PORT set in the batch script, MASTER_ADDR not set: every task gets the address of the
+    step's first node as Slurm knows it (n1's NodeAddr, 127.0.0.1), the user's port, NODE_RANK=7, the right LOCAL_WORLD_SIZE per node, and the user's prolog
     ran after ours (it saw RANK; its GROUP_RANK wins)."""
     work = slurm.work_dir / "rankenv-chained"
     (work / "out").mkdir(parents=True)
@@ -284,8 +347,8 @@ def test_derived_master_addr_user_values_and_a_chained_prolog_on_the_cluster(slu
     for rank, env in envs.items():
         assert {k: env.get(k) for k in TORCHRUN_VARS} == {
             "RANK": str(rank), "LOCAL_RANK": str(rank % 2), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": lws[rank],
-            "GROUP_RANK": "42", "NODE_RANK": "7", "MASTER_ADDR": "n1", "MASTER_PORT": "23456"}, env
-        assert env["FROM_USER"] == f"rank{rank}-lws{lws[rank]}" and CHAIN_VAR not in env
+            "GROUP_RANK": "42", "NODE_RANK": "7", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "23456"}, env
+        assert env["FROM_USER"] == f"rank{rank}-lws{lws[rank]}" and CHAIN_VAR not in env and NODE_ADDRS_VAR not in env
 
 
 # --------------------------------------------------------------------------- init_distributed

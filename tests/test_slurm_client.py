@@ -575,6 +575,15 @@ def test_hostnames_match_slurm(client: CliSlurmClient):
             client.hostnames(bad)
 
 
+def test_node_addresses_are_slurms_node_addr(client: CliSlurmClient):
+    """One `scontrol show node` for a node list: each node's NodeAddr (the test cluster's names n1, n2 do
+    not resolve; their address is 127.0.0.1). A node Slurm does not know is a permanent error."""
+    assert client.node_addresses("n[1-2]") == {"n1": "127.0.0.1", "n2": "127.0.0.1"}
+    assert client.node_addresses("") == {}
+    with pytest.raises(PermanentSlurmError):
+        client.node_addresses("no-such-node")
+
+
 def test_real_slurm_errors(slurm: SlurmCluster, client: CliSlurmClient):
     with pytest.raises(SlurmJobNotFoundError) as ei:
         client.job_info(987654)

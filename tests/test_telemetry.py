@@ -69,6 +69,10 @@ HANG_ONLY = {"hang", "in_job_restart"}
 # A node that fails its health check: tests/test_health.py (local) and test_launcher_slurm.py write it,
 # test_health checks its fields against docs/telemetry.md.
 HEALTH_ONLY = {"node_unhealthy"}
+# A start that never gets there, on Slurm: test_launcher_slurm's
+# test_a_rendezvous_that_cannot_work_ends_within_the_startup_bound writes startup_failed, and
+# tests/test_startup.py a launcher's startup_not_judged; both check them against these docs.
+STARTUP_ONLY = {"startup_failed", "startup_not_judged"}
 # Rank events written only when a rank is slower than its peers: tests/test_stragglers.py checks them
 # against these docs.
 STRAGGLER_ONLY = {"straggler", "straggler_cleared"}
@@ -384,7 +388,7 @@ def test_every_documented_event_appears_with_exactly_its_fields(scenario: Scenar
     records = scenario.all_events()
     seen = check_records(docs, records)
     missing = set(docs.events) - seen - {("launcher", e) for e in SLURM_ONLY | SLURM_STARTUP_ONLY | HANG_ONLY
-                                                            | HEALTH_ONLY} - {("rank", e) for e in STRAGGLER_ONLY
+                                                            | HEALTH_ONLY | STARTUP_ONLY} - {("rank", e) for e in STRAGGLER_ONLY
                                                                                | RESUME_ONLY
                                                                                | PROVENANCE_ONLY
                                                                                | TAG_ONLY
@@ -575,7 +579,7 @@ def test_appends_from_many_processes_never_interleave(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- Slurm: requeue decisions
 def _slurm_script(work: Path) -> str:
-    env = {"MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",  # nothing rendezvous-related: rslurm derives it
            "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"), "RSLURM_RUN_ID": RUN, "RSLURM_LOG_LEVEL": "INFO",
            "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl")}
     exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
@@ -594,7 +598,7 @@ def _poll(what: str, cond: Callable[[], bool], timeout: float) -> None:
 
 def test_requeue_decisions_on_slurm_and_each_node_logs_its_own(slurm: SlurmCluster) -> None:
     """USR1 to the batch shell: decision and requeue call; the requeued incarnation restores from each
-    node's local tier; scancel then: not requeued. n1's log (the batch host) has the launcher's events and
+    node's local tier; scancel then: cancelled, not requeued. n1's log (the batch host) has the launcher's events and
     rank 0's, n2's has rank 1's only."""
     work = slurm.work_dir / "telemetry"
     work.mkdir()
@@ -629,7 +633,7 @@ def test_requeue_decisions_on_slurm_and_each_node_logs_its_own(slurm: SlurmClust
         check_order(events(n), n)
     first, second = launcher("decision")  # one per incarnation
     assert first["action"] == "requeue" and first["job_id"] == str(job) and first["restart_count"] == 0, first
-    assert second["restart_count"] == 1, second
+    assert second["restart_count"] == 1 and (second["action"], second["outcome"]) == ("exit", "cancelled"), second
     assert launcher("requeue_call")[0]["action"] == "requeue"
     assert [e["state"] for e in launcher("not_requeued")] == ["COMPLETING"] and launcher("not_requeued")[0]["restart_count"] == 1
     assert not [e for e in events("n2") if e["source"] != "rank"], "n2 ran no launcher and no daemon"

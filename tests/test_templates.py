@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, read_jsonl, wait_for_step
+from conftest import REPO, read_jsonl, wait_for_step
 from slurm_cluster import SlurmCluster
 
 from resilient_slurm import submit
@@ -136,7 +136,8 @@ def test_template_renders_with_options_replaced_and_the_command_quoted(name: str
         assert env["RSLURM_RUN_ID"] == "40_3"
     if name == "multi_node_torchrun":
         assert env["RSLURM_SAVE_SIGNAL"] == "none"
-        assert (env["RDZV_HOST"], env["RDZV_PORT"]) == ("gpu01", str(15000 + 42))
+        # The rendezvous is the launcher's, per task (the step's first node's NodeAddr): the script sets none.
+        assert not {"MASTER_ADDR", "MASTER_PORT", "RDZV_HOST", "RDZV_PORT"} & set(env), env
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
@@ -167,9 +168,9 @@ def test_torchrun_line_uses_stable_node_ranks_and_turns_a_slurm_sigterm_into_a_s
     assert argv[:i] == ["launch", "--", "srun", "--ntasks-per-node=1", "bash"], argv
     inner, rest = argv[i + 1], argv[i + 2:]
     assert rest == ["torchrun", *NASTY]
+    # What the launcher's task prolog gives each task: the step's first node's NodeAddr and the job's port.
     task_env = {"PATH": env["PATH"], "RECORD": env["RECORD"], "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1",
-                "NPROC_PER_NODE": env["NPROC_PER_NODE"], "RDZV_HOST": env["RDZV_HOST"],
-                "RDZV_PORT": env["RDZV_PORT"]}
+                "NPROC_PER_NODE": env["NPROC_PER_NODE"], "MASTER_ADDR": "10.0.3.7", "MASTER_PORT": str(15000 + 42)}
     record = Path(env["RECORD"])
 
     def task(**extra: str) -> int:
@@ -177,7 +178,7 @@ def test_torchrun_line_uses_stable_node_ranks_and_turns_a_slurm_sigterm_into_a_s
 
     assert task() == 0
     torchrun_argv = (record / "torchrun.argv").read_bytes().decode().split("\0")[:-1]
-    assert torchrun_argv == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=4", "--master-addr=gpu01",
+    assert torchrun_argv == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=4", "--master-addr=10.0.3.7",
                              f"--master-port={15000 + 42}", "--max-restarts=0", "--no-python", "--", *NASTY]
     assert task(EXIT_CODE="3") == 3  # a worker's error stays an error
     assert task(TERM_PARENT="1", EXIT_CODE="1") == -signal.SIGTERM
@@ -250,9 +251,9 @@ def _job_env(slurm: SlurmCluster, work: Path, **extra: str) -> dict[str, str]:
     env = slurm.env({
         "PATH": f"{Path(PY).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}", "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1", "RSLURM_LOG_LEVEL": "INFO",
-        # The emulated nodes n1 and n2 are names only Slurm knows; every test cluster numbers its jobs
-        # from 1, so ports and control sockets are kept apart from clusters running at the same time.
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        # Nothing rendezvous-related: the emulated nodes n1 and n2 are names only Slurm knows, and the
+        # templates (through the launcher) derive MASTER_ADDR and MASTER_PORT. Test clusters that run at
+        # the same time may number jobs alike: their control sockets are kept apart.
         "RSLURM_CONTROL_DIR": str(slurm.root / "ctl"), **extra})
     keep = {"RSLURM_LOG_LEVEL", "RSLURM_CONTROL_DIR", *extra}
     return {k: v for k, v in env.items() if not k.startswith("RSLURM_") or k in keep}

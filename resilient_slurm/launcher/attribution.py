@@ -15,8 +15,10 @@ The classes, first match wins:
    of this node went up, or srun says ``Out Of Memory``, or slurmstepd reports an oom-kill event);
    ``communicator_error`` for a SIGABRT after a collective's watchdog fired (NCCL's timeout aborts the
    process); else ``killed_by_signal``.
-3. Ranks that exited with a code: the last exception line of each one's traceback. Any exception that is
-   neither a communicator error nor out of memory makes it a ``user_error`` (the program's own bug; the
+3. Ranks that exited with a code: the last exception line of each one's traceback. A
+   ``RendezvousError`` (``init_distributed`` found that the rendezvous address does not resolve, or the
+   ranks could not meet there) makes it ``startup``: the job never started, and the error says what to
+   set. Any other exception that is neither a communicator error nor out of memory makes it a ``user_error`` (the program's own bug; the
    peers' collective errors that follow it are consequences). Else ``out_of_memory`` (MemoryError, CUDA
    out of memory: raised by the program, so not restarted) before ``communicator_error`` (gloo or NCCL
    errors, collective timeouts, a peer that closed its connection: the network or a peer failed, a restart
@@ -46,6 +48,7 @@ COMMUNICATOR_ERROR = re.compile(
     r"Connection (?:closed|reset) by peer|Watchdog caught collective operation timeout|"
     r"Timed out waiting \d+ms for (?:send|recv) operation|Socket Timeout|"
     r"\bc10d\b.*(?:timed out|timeout|connect)", re.I)
+RENDEZVOUS = re.compile(r"\bRendezvousError\b")
 OUT_OF_MEMORY = re.compile(r"\bMemoryError\b|OutOfMemoryError|\bout of memory\b|Cannot allocate memory", re.I)
 # slurmstepd (task/cgroup): "slurmstepd: error: Detected 1 oom_kill event in StepId=12.0. Some of the step
 # tasks have been OOM Killed." (wording varies by release: oom-kill / oom_kill)
@@ -136,6 +139,9 @@ def attribute_failure(failed: Sequence[RankExit], stderr_of: Callable[[RankExit]
         found += [(e, line) for line in exception_lines(texts[id(e)], e.rank)]
     if not found:
         return Attribution(Reason.USER_ERROR, "", coded[0])
+    for e, line in found:
+        if RENDEZVOUS.search(line):
+            return Attribution(Reason.STARTUP, line, e)
     for e, line in found:
         if not COMMUNICATOR_ERROR.search(line) and not OUT_OF_MEMORY.search(line):
             return Attribution(Reason.USER_ERROR, line, e)

@@ -34,10 +34,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -48,12 +46,13 @@ import psutil
 
 from .. import config
 from ..control import ControlServer, default_socket_path
-from ..control.heartbeat import DUMP_SIGNAL, STACKS_DIR, clear_heartbeats, stack_dump_path
+from ..control.heartbeat import DUMP_SIGNAL, STACKS_DIR, clear_heartbeats, read_heartbeats
 from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError, SlurmJobNotFoundError
 from ..jobenv import JobEnv
 from ..layout import WRITER_ENV, RunWriter, claim_run, list_run_dir
 from ..manifest import MANIFEST_NAME, read_manifest_file, step_dirname
 from ..paths import default_local_dir, default_run_id, expand_local_dir, load_json, node_name, open_regular
+from ..rendezvous import rendezvous_failure_line
 from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import expand_hostlist, remaining_seconds
 from ..storage.fileio import atomic_write
@@ -81,7 +80,10 @@ from .policy import (
     traceback_location,
 )
 from .processes import Children, LocalRanks, RankExit, SrunStep
+from .rank_env import node_address_map
 from .signals import SignalTrap, TrapEvent
+from .stacks import pyspy, pyspy_dump
+from .startup import RANKS_MARKER_VAR, NotJudged, StartupFailure, StartupWatch, startup_bound
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,8 @@ IN_JOB_RESTARTABLE = frozenset({Reason.HANG, Reason.KILLED_BY_SIGNAL, Reason.OUT
 # Ends after which waiting for the newest step to become durable is not worth it (the ranks failed: that
 # step, if any, was an interval save the daemon drains anyway).
 _NO_DURABLE_WAIT = frozenset({Reason.USER_ERROR, Reason.NODE_FAILURE, Reason.HANG, Reason.STORAGE_UNAVAILABLE,
-                              Reason.KILLED_BY_SIGNAL, Reason.OUT_OF_MEMORY, Reason.COMMUNICATOR_ERROR})
+                              Reason.KILLED_BY_SIGNAL, Reason.OUT_OF_MEMORY, Reason.COMMUNICATOR_ERROR,
+                              Reason.STARTUP})
 # A stop signal with the job's end this close is the time limit (USR1 from --signal, or SIGTERM at the
 # end); further away it is a preemption or an operator's request.
 TIME_LIMIT_WINDOW = 15 * 60.0
@@ -193,6 +196,11 @@ class Launcher:
         self.hang_watch = HangWatch(self.socket_path, timeout=self.cfg.hang_timeout,
                                     startup_timeout=self.cfg.hang_startup_timeout)
         self.hang: Hang | None = None
+        self.startup: StartupWatch | None = None  # the start-up bound of the current srun step of ranks
+        self.startup_failure: StartupFailure | None = None
+        self._ranks_seen = False  # a rank of this node registered or wrote a heartbeat in this run of the ranks
+        self._ranks_seen_check = 0.0
+        self._runs = 0  # runs of the ranks started by this launcher (each srun step gets its own marker)
         self._deferred_check_at = 0.0
         self._kill_wait_s: float | None = None
         self._oom = OomCounters()
@@ -408,8 +416,17 @@ class Launcher:
         self.hang_watch = HangWatch(self.socket_path, timeout=self.cfg.hang_timeout,
                                     startup_timeout=self.cfg.hang_startup_timeout)
         env = self._rank_env()
+        self.startup, self.startup_failure, self._ranks_seen, self._ranks_seen_check = None, None, False, 0.0
+        self._runs += 1
         if self.srun:
-            children: Children = SrunStep(self.command, env)
+            marker = f"{os.getpid()}.{self._runs}"
+            env[RANKS_MARKER_VAR] = marker
+            addrs = self._node_addresses(env)
+            bound = startup_bound(self.cfg.startup_timeout, self._num_nodes())
+            self.startup = StartupWatch(bound, marker=marker, node=self.node, started_at=time.time(),
+                                        user_addr=JobEnv.from_env(self.env, warn=False).master_addr,
+                                        expected=addrs or {})
+            children: Children = SrunStep(self.command, env, addrs)
         elif self.nprocs is not None:
             children = LocalRanks(self.command, self.nprocs, env, _free_port())
         else:
@@ -422,6 +439,44 @@ class Launcher:
             raise ConfigError(f"rslurm launch: cannot start {self.command[0]!r}: {exc.strerror or exc}") from exc
         self._oom.watch(children.pids)
         return children
+
+    def _node_addresses(self, env: Mapping[str, str]) -> dict[str, str | None] | None:
+        """The rendezvous address of each node of the allocation (:func:`~.rank_env.node_address_map`: one
+        ``scontrol show node``), for the task prolog's MASTER_ADDR; None when the user set MASTER_ADDR."""
+        job = JobEnv.from_env(env, warn=False)
+        if job.master_addr:
+            return None
+        nodes = self._allocation_nodes()
+        nodelist = JobEnv.from_env(self.env).job_nodelist or ""
+        if not nodes or not nodelist:
+            return None
+        addrs = node_address_map(nodes, lambda: self.slurm.node_addresses(nodelist))
+        first = next((n for n in nodes if n not in self._excluded), nodes[0])
+        log.info("rendezvous: each task's MASTER_ADDR is the address of its step's first node as Slurm knows it "
+                 "(NodeAddr; %s -> %s), MASTER_PORT %s", first, addrs.get(first) or "none",
+                 job.master_port or "derived from the job id")
+        return addrs
+
+    def _ranks_started(self, server: ControlServer) -> bool:
+        """A rank of this node registered on the control socket or wrote a heartbeat (it built its
+        Checkpointer, which comes after the rendezvous), in this run of the ranks."""
+        if not self._ranks_seen:
+            self._ranks_seen = bool(server.status()["ranks"]) or bool(read_heartbeats(self.socket_path))
+        return self._ranks_seen
+
+    def _on_startup_timeout(self, children: Children) -> None:
+        """The start-up bound passed with no rank of this node started: judge it (:mod:`.startup`); a failed
+        start is said in one message, recorded as a ``startup_failed`` event, and the ranks torn down."""
+        assert self.startup is not None
+        verdict = self.startup.examine(children.stderr_tail(0), self.run_dir)
+        if isinstance(verdict, NotJudged):
+            log.warning("%s", verdict.why)
+            self._event("startup_not_judged", why=verdict.why)
+            return
+        self.startup_failure = verdict
+        log.error("%s", verdict.message())
+        self._event("startup_failed", message=verdict.message(), **verdict.to_json())
+        self._teardown(children, grace=self.cfg.term_grace)
 
     def _restart_in_job(self, outcome: Outcome, restarts: int, stalled: int, baseline: int | None,
                         trap: SignalTrap, server: ControlServer, children: Children) -> bool:
@@ -493,6 +548,14 @@ class Launcher:
             if stop is None and first_failure is None and (hang := self.hang_watch.check(now)) is not None:
                 self._on_hang(hang, children)
                 break
+            if not self._ranks_seen and now >= self._ranks_seen_check:
+                self._ranks_seen_check = now + 1.0
+                self._ranks_started(server)
+            if (stop is None and first_failure is None and self.startup is not None
+                    and self.startup.due(now, lambda: self._ranks_started(server))):
+                self._on_startup_timeout(children)
+                if self.startup_failure is not None:
+                    break
             if first_failure is None and children.failures():
                 first_failure = now
                 self._root_failures = list(children.failures())
@@ -519,21 +582,13 @@ class Launcher:
         (faulthandler, registered by each Checkpointer), through Slurm for ranks on other nodes. Returns
         the files written on this node."""
         pids = {r: t.last.pid for r, t in self.hang_watch.tracks().items()}
-        pyspy = shutil.which("py-spy")
+        exe = pyspy()
         asked = time.time()
         written = []
         for rank, pid in sorted(pids.items()):
-            if pyspy:
-                out = stack_dump_path(self.run_dir, rank).replace(".txt", ".py-spy.txt")
-                try:
-                    r = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                                       timeout=30)
-                    if r.returncode == 0:
-                        atomic_write(out, r.stdout.encode(), root=os.path.dirname(self.run_dir))
-                        written.append(out)
-                        continue
-                except (OSError, subprocess.SubprocessError, ResilientSlurmError) as exc:
-                    log.warning("py-spy dump of rank %d (pid %d): %s", rank, pid, exc)
+            if exe and (dumped := pyspy_dump(pid, self.run_dir, rank, exe=exe)) is not None:
+                written.append(dumped[0])
+                continue
             try:
                 os.kill(pid, DUMP_SIGNAL)
             except ProcessLookupError:
@@ -680,6 +735,14 @@ class Launcher:
         if job is not None:
             if job.preempt_time is not None:
                 return Reason.PREEMPTED
+            if _ending(job):
+                # Slurm is killing the job: at the time limit it says so (Reason=TimeLimit, state TIMEOUT);
+                # a job the user cancelled has no such reason (state CANCELLED, or COMPLETING while its
+                # processes end). EndTime cannot tell them apart: a cancel moves it to now.
+                if job.state == "TIMEOUT" or job.reason == "TimeLimit":
+                    return Reason.TIME_LIMIT
+                if job.state == "CANCELLED" or (job.state == "COMPLETING" and job.reason is None):
+                    return Reason.CANCELLED
             rem = remaining_seconds(job, time.time())
             if rem <= TIME_LIMIT_WINDOW:
                 return Reason.TIME_LIMIT
@@ -700,6 +763,11 @@ class Launcher:
         stop = self.stop
         if self.hang is not None:
             return replace(base, reason=Reason.HANG, detail=self.hang.describe(), evidence=self.hang.describe())
+        if self.startup_failure is not None and stop is None:
+            f = self.startup_failure
+            where = f"{f.addr}:{f.port}" if f.addr and f.port else "an unknown address"
+            return replace(base, reason=Reason.STARTUP, node=f.node, evidence=f.message(),
+                           detail=f"no rank started within {f.bound_s:.0f} s; rendezvous at {where}")
         if stop is not None:
             # We asked the ranks to stop (or tore them down): whatever their exit codes, the job was
             # stopped from outside and can go on from the last commit.
@@ -732,6 +800,13 @@ class Launcher:
                                 srun_text=children.stderr_tail(0) if self.srun else "")
         assert att is not None
         who = att.failed
+        if att.reason is Reason.COMMUNICATOR_ERROR and not self._ranks_seen and (
+                said := rendezvous_failure_line([self._stderr_of(children, who), children.stderr_tail(0)])):
+            # The collective that failed was the rendezvous: no rank had started, and torch said it could
+            # not reach the store. The address is the cause, not the network of a running job.
+            return replace(base, reason=Reason.STARTUP, rank=who.rank, exit_code=who.exit_code, node=who.node,
+                           evidence=f"{att.evidence}; before it: {said[0]}",
+                           detail=f"the rendezvous failed before any rank started: {att.evidence}")
         if att.reason is Reason.USER_ERROR:
             return replace(base, reason=Reason.USER_ERROR, rank=who.rank, exit_code=who.exit_code, node=who.node,
                            error_location=self._error_location(children, who),
@@ -865,27 +940,36 @@ class Launcher:
         history = self._read_history()
         # The requeue rules count the earlier incarnations of this job only (a new submission starts afresh).
         decision = self.policy.decide(outcome, history.of_job(self.job_id, self.restart_count))
+        cancelled = outcome.reason is Reason.CANCELLED
+        job = self._job_info() if decision.action is not Action.EXIT or cancelled else None
+        ending = job is not None and _ending(job)
+        if ending and not cancelled:
+            # A time limit that struck before rslurm heard of it, or the end of a preemption's grace: Slurm is
+            # ending the job and `requeue Incomplete` would not touch it. Decided before anything is said
+            # or recorded, so that neither claims a requeue that does not happen.
+            assert job is not None
+            if job.preempt_time is not None:
+                hint = "Slurm requeues a preempted job itself when the partition's PreemptMode is REQUEUE"
+            else:
+                hint = ("if this was the time limit, ask for a warning signal so rslurm can requeue in time: "
+                        "#SBATCH --signal=B:USR1@300")
+            decision = replace(decision, action=Action.EXIT, rule="already_ending", message=(
+                f"not requeued: job {self.job_id} is already ending ({job.state}) after "
+                f"{describe_outcome(outcome)}; {hint}. The last committed step is {outcome.committed_step}"))
         self._record_history(history, outcome, decision)  # before the requeue: it kills this process
         self._event("decision", action=decision.action.value, rule=decision.rule, message=decision.message,
                     outcome=outcome.reason.value, committed_step=outcome.committed_step,
                     restored_step=outcome.restored_step, evidence=outcome.evidence)
-        (log.error if decision.action is Action.HOLD or decision.exit_code not in (0, REQUEUE_EXIT_CODE)
-         else log.warning if decision.action is Action.REQUEUE else log.info)("%s", decision.message)
+        quiet = cancelled or ending  # what the user or Slurm asked for
+        (log.error if not quiet and (decision.action is Action.HOLD
+                                     or decision.exit_code not in (0, REQUEUE_EXIT_CODE))
+         else log.warning if decision.action is Action.REQUEUE or quiet else log.info)("%s", decision.message)
         result = LaunchResult(decision.exit_code, outcome, decision, self.timings)
-        if decision.action is Action.EXIT:
-            return result
-        job = self._job_info()
-        if job is not None and _ending(job):
-            # scancel, a time limit that struck before rslurm heard of it, or the end of a preemption's
-            # grace: Slurm is ending the job and `requeue Incomplete` would not touch it.
-            if job.preempt_time is not None:
-                hint = "; Slurm requeues a preempted job itself when the partition's PreemptMode is REQUEUE"
-            else:
-                hint = ("; if this was the time limit, ask for a warning signal so rslurm can requeue in "
-                        "time: #SBATCH --signal=B:USR1@300")
-            log.warning("job %s is already ending (%s): not requeued by rslurm%s. The last committed step is %s",
-                        self.job_id, job.state, hint, outcome.committed_step)
+        if ending:
+            assert job is not None
             self._event("not_requeued", state=job.state)
+            return result
+        if decision.action is Action.EXIT:
             return result
         if job is not None and not job.requeue:
             log.error("job %s was submitted with --no-requeue (or JobRequeue=0): Slurm will not requeue it; "

@@ -15,13 +15,17 @@ checkpoint committed or its deadline passed):
 Rules (``RequeuePolicy``), first match wins:
 
 * ``completed`` -> exit 0.
+* ``cancelled`` (the user's ``scancel``; the emergency checkpoint was taken) -> exit 1, never requeued: the
+  user asked for the end.
 * ``user_error`` (a rank exited non-zero on its own) -> exit with that rank's exit code, never requeued:
   an error in the program would repeat on every restart.
 * ``out_of_memory`` raised by the program (MemoryError, CUDA out of memory: the rank exited with a code)
   -> exit with that code, like a user error: the same batch would run out of memory again.
 * ``preempted``, ``time_limit``, ``node_failure``, ``cloud_termination``, ``hang``, ``killed_by_signal``,
   ``out_of_memory`` (a rank killed by the kernel's OOM killer), ``communicator_error``, ``storage_unavailable``
-  (a rank raised RestoreUnavailableError: checkpoints exist but storage kept them from being restored) ->
+  (a rank raised RestoreUnavailableError: checkpoints exist but storage kept them from being restored),
+  ``startup`` (the ranks never started: another allocation may start them; a cause that stays is held by
+  the no-progress rule, since a start commits nothing) ->
   requeue, unless a hold rule
   fires: ``NoProgressRule`` (the last K incarnations in a row committed nothing past the step committed
   before each of them) or ``MaxRestartsRule`` (requeueing once more would exceed ``max_restarts``).
@@ -68,6 +72,9 @@ class Reason(str, Enum):
     HANG = "hang"                            # no progress on the launcher's node past the hang timeout
     CLOUD_TERMINATION = "cloud_termination"  # the cloud provider announced the instance's end
     STORAGE_UNAVAILABLE = "storage_unavailable"  # a rank could not restore: checkpoint storage failed
+    STARTUP = "startup"                      # the ranks never started: the rendezvous failed, or nothing
+                                             # registered within startup_timeout
+    CANCELLED = "cancelled"                  # the user's scancel (no --signal): saved, never requeued
     USER_ERROR = "user_error"                # a rank exited non-zero on its own
     COMPLETED = "completed"                  # every rank exited 0
 
@@ -75,7 +82,7 @@ class Reason(str, Enum):
 # Reasons caused by the environment, not the program: a restart can succeed.
 RESTARTABLE = frozenset({Reason.PREEMPTED, Reason.TIME_LIMIT, Reason.NODE_FAILURE, Reason.HANG, Reason.CLOUD_TERMINATION,
                          Reason.STORAGE_UNAVAILABLE, Reason.KILLED_BY_SIGNAL, Reason.OUT_OF_MEMORY,
-                         Reason.COMMUNICATOR_ERROR})
+                         Reason.COMMUNICATOR_ERROR, Reason.STARTUP})
 
 # Ends that came without a warning: the work since the last commit is lost. The default cadence plans for
 # these (a preemption, a time limit or a cloud notice is announced, and saved for).
@@ -88,6 +95,7 @@ REASON_LABELS = {
     Reason.KILLED_BY_SIGNAL: "killed by signal", Reason.OUT_OF_MEMORY: "out of memory",
     Reason.COMMUNICATOR_ERROR: "communicator error", Reason.HANG: "hang",
     Reason.CLOUD_TERMINATION: "cloud termination", Reason.STORAGE_UNAVAILABLE: "storage unavailable",
+    Reason.STARTUP: "startup failure", Reason.CANCELLED: "cancelled",
     Reason.USER_ERROR: "user error", Reason.COMPLETED: "completed",
 }
 
@@ -478,6 +486,10 @@ def _describe(outcome: Outcome) -> str:
         return "preemption"
     if r is Reason.STORAGE_UNAVAILABLE:
         return f"a restore that checkpoint storage failed ({who}: RestoreUnavailableError)"
+    if r is Reason.STARTUP:
+        return f"a failed start ({outcome.detail})" if outcome.detail else "a failed start"
+    if r is Reason.CANCELLED:
+        return "a cancel (scancel)"
     return REASON_LABELS.get(r, r.value)
 
 
@@ -527,6 +539,14 @@ class RequeuePolicy:
                 Action.EXIT, code,
                 f"not requeued: {who} failed with exit code {code}{at}; an error in the program "
                 "would repeat on every restart; fix it and resubmit", "user_error")
+        if outcome.reason is Reason.CANCELLED:
+            step = outcome.committed_step
+            job = outcome.job_id or "<jobid>"
+            return Decision(
+                Action.EXIT, 1,
+                f"not requeued: job {job} was cancelled (scancel); "
+                + (f"step {step} is committed: submit the job again with the same run id to resume from it"
+                   if step is not None else "nothing is committed"), "cancelled")
         if raised_by_program(outcome):
             who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
             code = outcome.exit_code or 1

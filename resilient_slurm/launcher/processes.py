@@ -321,9 +321,10 @@ class SrunStep(Children):
     variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...) through a task prolog that
     :func:`~.rank_env.srun_with_rank_env` adds to ``argv``."""
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str],
+                 node_addrs: Mapping[str, str | None] | None = None) -> None:
         super().__init__()
-        self.argv, self.env = srun_with_rank_env(argv, env)
+        self.argv, self.env = srun_with_rank_env(argv, env, node_addrs)
 
     def start(self) -> None:
         self._spawn(self.argv, self.env, "srun", parse_tasks=True)

@@ -7,15 +7,22 @@ Under srun, each task's values differ and only Slurm knows them when the task st
 script before each task and applies the ``export NAME=value`` lines it prints (see the script for what it
 exports from which Slurm variable). What is the same for every task comes from here, in srun's
 environment: ``MASTER_PORT`` (:func:`~resilient_slurm.jobenv.job_master_port`, the port
-``init_distributed`` derives as well) unless the user set it.
+``init_distributed`` derives as well) unless the user set it, and the map of the allocation's node names
+to their addresses (:data:`~resilient_slurm.rendezvous.NODE_ADDRS_VAR`), from which the script takes
+``MASTER_ADDR``: the address of the step's first node, as Slurm knows it (``NodeAddr``), since node
+names need not resolve (:mod:`resilient_slurm.rendezvous`).
 
-Who calls what: :class:`~.processes.SrunStep` calls :func:`srun_with_rank_env` on the command and
-environment the launcher gives it, each time it starts a step.
+Who calls what: the launcher asks Slurm for the node addresses (``SlurmClient.node_addresses``, one query)
+and applies the rendezvous rule (:func:`node_address_map`) before each start of the ranks;
+:class:`~.processes.SrunStep` calls :func:`srun_with_rank_env` on the command, environment and map the
+launcher gives it.
 
 Rules:
 
 * A variable the user set is kept: ``MASTER_ADDR`` / ``MASTER_PORT`` in the launcher's environment, and
-  anything set for the step (``srun --export=ALL,NAME=value``), which the script leaves alone.
+  anything set for the step (``srun --export=ALL,NAME=value``), which the script leaves alone. A program
+  that sets its own default (``os.environ.setdefault("MASTER_ADDR", "localhost")``) gets ours: the task
+  starts with it set.
 * The per-task variables (:data:`PER_TASK_VARS`) in the launcher's own environment are stale, inherited
   from the batch script (one value cannot be each task's): they are taken out of srun's environment,
   with a warning naming them, and every task gets its own.
@@ -28,10 +35,12 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from ..errors import SlurmError
 from ..jobenv import JobEnv, job_master_port
+from ..rendezvous import NODE_ADDRS_VAR, encode_node_addresses, rendezvous_address, resolve_error
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +144,58 @@ def _usable_prolog() -> str | None:
         return None
 
 
-def srun_with_rank_env(argv: Sequence[str], env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
-    """The srun command and environment that give every task torchrun's variables (module docstring)."""
+# Without an answer from Slurm, how many of the allocation's first nodes get their name checked here (a name
+# that does not resolve can take the resolver seconds; task 0 runs on the first node of the step).
+RESOLVE_CHECKS = 16
+
+
+def node_address_map(nodes: Sequence[str], query: Callable[[], Mapping[str, str]],
+                     resolve: Callable[[str], str | None] = resolve_error) -> dict[str, str | None]:
+    """The rendezvous address of each of ``nodes`` (the allocation's, in Slurm's order): its ``NodeAddr`` from
+    ``query`` (``SlurmClient.node_addresses``), else its name where the name resolves, else None. When
+    Slurm does not answer, the names of the first :data:`RESOLVE_CHECKS` nodes are checked and the rest
+    left to their names; every node without a working address is named in a warning."""
+    try:
+        addrs = dict(query())
+    except SlurmError as exc:
+        log.warning("cannot read the nodes' addresses from Slurm (%s); MASTER_ADDR falls back to the node's "
+                    "name where it resolves", exc)
+        addrs = None
+    out: dict[str, str | None] = {}
+    for i, node in enumerate(nodes):
+        if addrs is None and i >= RESOLVE_CHECKS:
+            out[node] = node
+            continue
+        out[node] = rendezvous_address(node, (addrs or {}).get(node), resolve)
+    bad = [n for n, a in out.items() if a is None]
+    if bad:
+        log.warning("no rendezvous address for node(s) %s: Slurm gives no NodeAddr and the name does not resolve "
+                    "here; a step whose first node is one of them gets no MASTER_ADDR: set MASTER_ADDR for the "
+                    "job to an address of that node (`srun -N1 -n1 -w NODE hostname --ip-address`)",
+                    ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else ""))
+    return out
+
+
+def srun_with_rank_env(argv: Sequence[str], env: Mapping[str, str],
+                       node_addrs: Mapping[str, str | None] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The srun command and environment that give every task torchrun's variables (module docstring);
+    ``node_addrs`` is :func:`node_address_map`'s result (None: the tasks fall back to the node's name)."""
     out_env = dict(env)
+    out_env.pop(NODE_ADDRS_VAR, None)
+    job = JobEnv.from_env(env, warn=False)
+    if node_addrs and not job.master_addr:
+        text, left_out = encode_node_addresses(node_addrs)
+        if text:
+            out_env[NODE_ADDRS_VAR] = text
+        if left_out:
+            log.warning("the task prolog cannot carry the address of node(s) %s (%d bytes of addresses at most, "
+                        "or characters a shell word cannot hold): a step whose first node is one of them gets "
+                        "that node's name as MASTER_ADDR", ", ".join(left_out[:8]), len(text))
     stale = {k: out_env.pop(k) for k in PER_TASK_VARS if k in out_env}
     if stale:
         log.warning("not passing %s from the launcher's environment to the tasks: each task gets its own "
                     "(set per-task values in your own srun --task-prolog)",
                     ", ".join(f"{k}={v!r}" for k, v in stale.items()))
-    job = JobEnv.from_env(env, warn=False)
     if not job.raw.get("MASTER_PORT", "").strip() and job.job_id:
         try:
             out_env["MASTER_PORT"] = str(job_master_port(int(job.job_id)))
@@ -163,4 +215,4 @@ def srun_with_rank_env(argv: Sequence[str], env: Mapping[str, str]) -> tuple[lis
     return [command[0], f"{_TASK_PROLOG_OPT}={script}", *command[1:]], out_env
 
 
-__all__ = ["CHAIN_VAR", "PER_TASK_VARS", "TASK_PROLOG", "split_task_prolog", "srun_with_rank_env"]
+__all__ = ["CHAIN_VAR", "PER_TASK_VARS", "TASK_PROLOG", "node_address_map", "split_task_prolog", "srun_with_rank_env"]

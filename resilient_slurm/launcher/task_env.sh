@@ -12,7 +12,11 @@
 #                     "2(x2)" or "3,1", at SLURM_NODEID
 #   GROUP_RANK        SLURM_NODEID (the node's index in the step, as torchrun's GROUP_RANK)
 #   NODE_RANK         SLURM_NODEID
-#   MASTER_ADDR       the first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST): where task 0 runs
+#   MASTER_ADDR       the address of the first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST), where
+#                     task 0 runs: its entry in _RSLURM_NODE_ADDRS, the launcher's map of the allocation's
+#                     node names to their NodeAddr ("n1=10.0.0.1 n2=10.0.0.2"; only nodes whose address is
+#                     not their name are listed; an empty entry, "n3=", means no address works: no export);
+#                     the host's name when it is not listed (resilient_slurm/rendezvous.py has the rule)
 # MASTER_PORT comes from the launcher, in srun's environment (15000 + SLURM_JOB_ID % 20000).
 #
 # A variable the task already has (not empty) is left alone: one the user set for the step. The launcher
@@ -79,6 +83,17 @@ first_host() {  # NODELIST: its first host ("gpu-[07-10],a1" -> gpu-07, "r[1-2]n
     echo "$_rs_host"
 }
 
+node_addr() {  # HOST: its address from _RSLURM_NODE_ADDRS ("" when listed without one); HOST when not listed
+    _rs_map=" ${_RSLURM_NODE_ADDRS-} "
+    case $_rs_map in
+        *" $1="*)
+            _rs_addr=${_rs_map#*" $1="}
+            echo "${_rs_addr%%" "*}"
+            ;;
+        *) echo "$1" ;;
+    esac
+}
+
 if is_count "${SLURM_PROCID-}"; then
     _rs_world=${SLURM_STEP_NUM_TASKS:-${SLURM_NTASKS-}}
     _rs_node=${SLURM_NODEID:-0}
@@ -91,7 +106,12 @@ if is_count "${SLURM_PROCID-}"; then
     emit LOCAL_WORLD_SIZE "$_rs_local_world"
     emit GROUP_RANK "$_rs_node"
     emit NODE_RANK "$_rs_node"
-    emit MASTER_ADDR "$(first_host "${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST-}}}")"
+    _rs_first=$(first_host "${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST-}}}")
+    [ -n "$_rs_first" ] && emit MASTER_ADDR "$(node_addr "$_rs_first")"
+fi
+if [ -n "${_RSLURM_NODE_ADDRS+set}" ]; then
+    echo "unset _RSLURM_NODE_ADDRS"
+    unset _RSLURM_NODE_ADDRS
 fi
 
 _rs_user=${_RSLURM_USER_TASK_PROLOG-}

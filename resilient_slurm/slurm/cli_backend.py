@@ -44,6 +44,7 @@ from ..errors import (
     SlurmUnreachableError,
     TransientSlurmError,
 )
+from ..rendezvous import node_addrs_from_records
 from .client import JobInfo, PartitionInfo, Signal, SlurmClient, expand_hostlist, parse_duration, signal_name
 
 log = logging.getLogger(__name__)
@@ -482,6 +483,11 @@ class CliSlurmClient(SlurmClient):
         self.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(merged)}"])
         log.warning("job %s: nodes %s excluded (ExcNodeList=%s)", job_id, ",".join(nodes), ",".join(merged))
         return merged
+
+    def node_addresses(self, nodelist: str) -> dict[str, str]:
+        if not nodelist.strip():
+            return {}
+        return node_addrs_from_records(self.run(["scontrol", "show", "node", "-o", nodelist], query=True).stdout)
 
     def steps(self, job_id: int | str) -> list[tuple[str, str]]:
         cp = self.run(["squeue", "--noheader", "--steps", f"--jobs={job_id}", "--format=%i|%j"])

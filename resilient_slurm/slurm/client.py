@@ -9,7 +9,8 @@ Who calls what, and when (one job run; the launcher is the batch shell's ``rslur
 1. submitter (``rslurm submit``, login node): ``submit`` once; ``job_info`` to report.
 2. launcher, at start: ``job_info(own id)`` (restarts, time limit, partition, nodes), then
    ``partition_info(partition)`` (GraceTime, PreemptMode) and ``config_value("KillWait")`` once each;
-   ``hostnames`` to expand a node list when needed.
+   ``hostnames`` to expand a node list when needed; ``node_addresses`` before each start of the ranks
+   (the rendezvous address).
 3. launcher, on SIGTERM/SIGUSR1: ``job_info(own id)`` again (``preempt_time`` tells preemption from the
    time limit), then ``remaining_seconds`` for the emergency-save deadline; ``signal`` to forward or
    escalate to steps.
@@ -155,6 +156,12 @@ class SlurmClient(ABC):
     @abstractmethod
     def hostnames(self, nodelist: str) -> list[str]:
         """Expand a Slurm node list (``n[1-2],gpu07``) into host names, as Slurm does."""
+
+    @abstractmethod
+    def node_addresses(self, nodelist: str) -> dict[str, str]:
+        """Each node's address as Slurm knows it (``NodeAddr``) for the nodes of ``nodelist`` (``n[1-2]``), in
+        one query: node name -> address. A node Slurm gives no address for is left out. The launcher calls
+        it before each start of the ranks, for the rendezvous address (:mod:`resilient_slurm.rendezvous`)."""
 
     @abstractmethod
     def steps(self, job_id: int | str) -> list[tuple[str, str]]:

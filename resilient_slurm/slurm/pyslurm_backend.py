@@ -95,6 +95,9 @@ class PyslurmSlurmClient(SlurmClient):
     def hostnames(self, nodelist: str) -> list[str]:
         return self.cli.hostnames(nodelist)
 
+    def node_addresses(self, nodelist: str) -> dict[str, str]:
+        return self.cli.node_addresses(nodelist)
+
     def steps(self, job_id: int | str) -> list[tuple[str, str]]:
         return self.cli.steps(job_id)
 

@@ -2,8 +2,9 @@
 
     python torchrun_style.py OUT_DIR [NAME ...]
 
-It reads torchrun's variables at import (a KeyError if one is missing), forms a gloo group with
-``init_method="env://"``, all-reduces ``rank + 1`` and writes what it saw to ``OUT_DIR/rank<RANK>.json``
+It reads torchrun's variables at import (a KeyError if one is missing; ``MASTER_ADDR`` and ``MASTER_PORT``
+default to ``localhost:29500`` with ``os.environ.setdefault``, as many programs written for one machine
+do, which is wrong on two nodes), forms a gloo group with ``init_method="env://"``, all-reduces ``rank + 1`` and writes what it saw to ``OUT_DIR/rank<RANK>.json``
 (``saw``: the torchrun variables; ``slurm``: Slurm's task variables, for the test to check them against;
 ``extra``: the variables NAME ...; ``sum``: the all-reduce result, ``WORLD_SIZE * (WORLD_SIZE + 1) / 2``
 when the group is right).
@@ -16,6 +17,8 @@ import json
 import os
 import sys
 
+os.environ.setdefault("MASTER_ADDR", "localhost")
+os.environ.setdefault("MASTER_PORT", "29500")
 RANK = int(os.environ["RANK"])
 LOCAL_RANK = int(os.environ["LOCAL_RANK"])
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])
