@@ -322,6 +322,10 @@ def test_7_a_second_launcher_or_rank_set_is_refused_naming_the_holder(tmp_path: 
     try:
         wait_for("the first launcher's claim", lambda: lock.exists() and f'"pid": {holder.pid}' in lock.read_text(),
                  60, log)
+        # ... and its own first writes after the claim (its start event), which a loaded machine may delay.
+        events = root / RUN / "events.jsonl"
+        wait_for("the first launcher's start event",
+                 lambda: events.exists() and f"local-{holder.pid}." in events.read_text(), 60, log)
         before = tree(root)
         r = launch(root, sys.executable, "-c", "pass", n=1)
         assert r.returncode == 2, r.stderr

@@ -264,7 +264,7 @@ def test_state_declared_replicated_is_checked_not_digested_and_a_false_claim_is_
     assert {(e["key"], e["step"]) for e in ev} == {("cursor.pos", 2), ("cursor.pos", 3)}, ev
     restored = _ranks("restore", 2, tmp_path, dirs)
     assert [r["cursor"] for r in restored] == [s["cursor"] for s in saved]
-    bad = _ranks("save", 2, tmp_path, dirs, extra=["--declare", "nope"])
+    bad = _ranks("save", 2, tmp_path, dirs, extra=["--declare", "nope", "--first", "4"])
     assert all(s["error"] and "ConfigError" in s["error"] and "'nope'" in s["error"] for s in bad), bad
 
 
@@ -318,10 +318,10 @@ def test_a_failed_write_on_one_rank_commits_nowhere_and_keeps_older_steps(tmp_pa
     _ranks("save", 2, tmp_path, dirs, nodes=["n1", "n2"])
     fault = [{}, {"RSLURM_FAILPOINTS": "before_shard_write=raise"}]
     (tmp_path / "out" / "save.0.pt").unlink()
-    saved = _ranks("save", 2, tmp_path, dirs, nodes=["n1", "n2"], per_rank_env=fault)
+    saved = _ranks("save", 2, tmp_path, dirs, nodes=["n1", "n2"], per_rank_env=fault, extra=["--first", "4"])
     for s in saved:
         assert s["error"] and "rank 1 could not write" in s["error"] and str(tmp_path / "n2") in s["error"], s["error"]
-    for d in ("n1", "n2"):  # the first run's steps 2 and 3 are intact; the failed re-saves left nothing
+    for d in ("n1", "n2"):  # the first run's steps 2 and 3 are intact; the failed saves of 5 and 6 left nothing
         entries = checkpoint_entries(tmp_path / d / "rep")
         assert entries == ["step_000000000002", "step_000000000003"], (d, entries)
     restored = _ranks("restore", 2, tmp_path, dirs, nodes=["n1", "n2"])

@@ -4,7 +4,8 @@
 
 Modes:
 * ``topology``: create a Checkpointer and write its storage domains to ``O/topology.<rank>.json``.
-* ``save``: train 2 steps under DDP (per-rank ``cursor`` under a shared key), then save step 2 and 3.
+* ``save``: train 2 steps under DDP (per-rank ``cursor`` under a shared key), then save step 2 and 3
+  (``--first F``: steps F..F+2, saving F+1 and F+2: a later run of the same job numbers on).
   With ``--perturb-rank R`` rank R adds 1e-3 to one parameter of the DDP model before saving step 3:
   a desynchronised replica. Writes ``O/save.<rank>.pt`` (the state as saved at step 3, and whether
   the save of step 3 failed with which error). ``--declare KEY``: ``Checkpointer(replicated=[KEY])``.
@@ -45,6 +46,7 @@ def main() -> int:
     ap.add_argument("--perturb-rank", type=int, default=None)
     ap.add_argument("--map", type=int, default=None)
     ap.add_argument("--declare", action="append", default=[], help="Checkpointer(replicated=[...])")
+    ap.add_argument("--first", type=int, default=1, help="save: the first step's number (a later run of the job)")
     args = ap.parse_args()
     rank, world, _ = init_distributed(backend="gloo")
     net, wrapped, opt = build()
@@ -58,15 +60,15 @@ def main() -> int:
                 json.dump({"domain": t.domain, "domains": list(t.domain_of_rank), "leader": t.is_leader,
                            "root": t.root}, f)
         elif args.mode == "save":
-            for step in range(1, 4):
+            for step in range(args.first, args.first + 3):
                 wrapped(torch.randn(4, 8)).sum().backward()
                 opt.step()
                 opt.zero_grad()
                 state["cursor"]["pos"] += rank + 1
-                if step == 3 and args.perturb_rank == rank:
+                if step == args.first + 2 and args.perturb_rank == rank:
                     with torch.no_grad():
                         net[0].weight[0, 0] += 1e-3
-                if step >= 2:
+                if step >= args.first + 1:
                     try:
                         ckpt.save(step, state)
                         out["error"] = None
