@@ -22,6 +22,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import __version__, config, diff, doctor, rehearse, submit
+from .cliargs import INSPECT_STORAGE_FLAGS
+from .cliargs import flag_settings as _flag_settings
+from .cliargs import open_catalog as _open_catalog
+from .cliargs import step_arg as _step_arg
+from .cliargs import tag_arg as _tag_arg
 from .errors import ConfigError, CorruptCheckpointError, ResilientSlurmError
 from .paths import default_local_dir, expand_local_dir, node_name
 from .terminal import PrintableFormatter, printable
@@ -50,65 +55,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     env = dict(os.environ)
-    for name, s in config.SETTINGS.items():
-        value = getattr(args, f"set_{name}", None)
-        if s.component not in LAUNCH_FLAG_COMPONENTS or value is None:
-            continue
-        try:
-            s.parse(value)
-        except ValueError as exc:
-            raise ConfigError(f"--{name.replace('_', '-')}={value!r}: {exc}") from exc
-        env[s.env] = value
+    for name, value in _flag_settings(args, LAUNCH_FLAG_COMPONENTS).items():
+        env[config.SETTINGS[name].env] = value  # the launcher passes its settings to the ranks as variables
     result = Launcher(command, nprocs=args.nprocs, env=env, config_path=args.config).run()
     return result.exit_code
 
 
 
 
-def _flag_settings(args: argparse.Namespace, components: tuple[str, ...]) -> dict[str, Any]:
-    """Settings given as ``--name`` flags (parsed and checked like their environment variables)."""
-    out: dict[str, Any] = {}
-    for name, s in config.SETTINGS.items():
-        value = getattr(args, f"set_{name}", None)
-        if s.component not in components or value is None:
-            continue
-        try:
-            s.parse(value)
-        except ValueError as exc:
-            raise ConfigError(f"--{name.replace('_', '-')}={value!r}: {exc}") from exc
-        out[name] = value  # the text: an explicit 'none' (unset) then wins over the environment and file
-    return out
-
-
 # ------------------------------------------------------------------ inspection: ls, show, verify, gc, export
 # The logic lives in resilient_slurm.catalog; these functions resolve settings, call it and print.
-# Storage settings the inspection commands take as flags (how to reach the durable tier).
-INSPECT_STORAGE_FLAGS = ("s3_endpoint_url", "s3_region", "s3_max_attempts", "drain_threads")
 STALE_AFTER_S = 6 * 3600.0  # as the daemon's STALE_UPLOAD_AGE: leftovers older than this have no writer
-
-
-def _step_arg(v: str) -> int | str:
-    """A STEP argument: a step number, or a tag (resolved per run by ``Catalog.resolve_step``)."""
-    from .paths import id_problem
-
-    if v.isascii() and v.isdigit():
-        problem = id_problem("step", v)
-        if problem is not None:
-            raise argparse.ArgumentTypeError(problem)
-        return int(v)
-    problem = id_problem("tag", v)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(f"expected a step number or a tag, got {v[:80]!r} ({problem})")
-    return v
-
-
-def _tag_arg(v: str) -> str:
-    from .paths import id_problem
-
-    problem = id_problem("tag", v)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(f"invalid tag name: {problem}")
-    return v
 
 
 def _seconds(v: str) -> float:
@@ -119,27 +76,6 @@ def _seconds(v: str) -> float:
     if not math.isfinite(s) or s < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {v!r}")
     return s
-
-
-def _settings(args: argparse.Namespace) -> config.Settings:
-    """Settings of an inspection command: flag > RSLURM_* environment > config file > default."""
-    given = _flag_settings(args, ("storage", "checkpoint"))
-    given.update(local_dir=args.local_dir, durable=args.durable, run_id=args.run_id)
-    return config.load(given, config_path=args.config)
-
-
-def _open_catalog(args: argparse.Namespace, *, durable: bool) -> tuple[Catalog, config.Settings]:
-    """The catalog of the command's tiers; ``durable`` False leaves the durable tier closed (not read)."""
-    from .catalog import Catalog
-
-    cfg = _settings(args)
-    if args.tier == "durable" and not cfg.durable:
-        raise ConfigError("--tier durable: no durable tier; give --durable URL or set RSLURM_DURABLE")
-    template = cfg.local_dir or default_local_dir()
-    node = node_name(cfg.node_name)
-    if not durable:
-        return Catalog(template, node, None), cfg
-    return Catalog.open(cfg, local_template=template, node=node), cfg
 
 
 def _say(*values: object, file: Any = None) -> None:

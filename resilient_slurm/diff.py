@@ -20,26 +20,24 @@ import json
 from typing import Any
 
 from . import config
+from .cliargs import INSPECT_STORAGE_FLAGS, open_catalog, step_arg
 from .errors import ConfigError, CorruptCheckpointError
 
 
 def _step_spec(v: str) -> tuple[str | None, int | str]:
     """``[RUN:]STEP``: a run (or None: the command's run) and a step number or tag."""
-    from .cli import _step_arg
-
     run, sep, step = v.rpartition(":")
     if sep and not run:
         raise argparse.ArgumentTypeError(f"expected [RUN:]STEP, got {v!r} (a run before the ':')")
-    return (run or None), _step_arg(step)
+    return (run or None), step_arg(step)
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """Compare steps A and B; print the differences (or JSON); exit 0 equal, 1 different."""
     from .catalog.diff import compare, format_diff, step_facts
     from .catalog.source import open_source
-    from .cli import _open_catalog
 
-    catalog, cfg = _open_catalog(args, durable=args.tier != "local")
+    catalog, cfg = open_catalog(args, durable=args.tier != "local")
     facts = []
     with catalog:
         for run_id, step in (args.a, args.b):
@@ -68,7 +66,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``rslurm diff`` on the CLI's sub-parsers (called by :func:`resilient_slurm.cli.build_parser`)."""
-    from .cli import INSPECT_STORAGE_FLAGS
 
     sp: argparse.ArgumentParser = sub.add_parser(
         "diff", help="compare two steps: state keys, shapes, dtypes and provenance (exit 1 when they differ)",

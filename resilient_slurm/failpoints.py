@@ -4,7 +4,8 @@
 itself (``kill``) or raise an OSError (``raise``) when it reaches that point; ``unlink`` removes the file
 the point names (``after_shard_write``: the shard just written, as if it had gone to another directory or
 been lost); ``flip`` inverts the first byte of the data the point passes (``during_range_fetch``: bytes
-damaged on the wire), once per process. Points are named after the step of the commit protocol they follow, so a test can crash a
+damaged on the wire), once per process. ``phase:<name>=raise`` makes every cross-rank phase whose name
+starts with ``<name>`` fail on this rank (checkpoint/coordination.py; tests/test_phases.py). Points are named after the step of the commit protocol they follow, so a test can crash a
 save at every step and check that every previously committed step survives. Set for one rank only, they
 inject a fault on that rank. Checked once per point per process; costs one dict lookup.
 """
@@ -30,10 +31,16 @@ POINTS = (
 )
 
 
+PHASE = "phase:"  # "phase:<start of a phase's name>=raise": that cross-rank phase fails on this rank (coordination.py)
+
+
 def _parse(spec: str) -> dict[str, str]:
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, action = part.partition("=")
+        if name.startswith(PHASE) and len(name) > len(PHASE) and action == "raise":
+            out[name] = action
+            continue
         if name not in POINTS or action not in ("kill", "raise", "unlink", "flip"):
             raise ValueError(f"{ENV}: bad entry {part!r}; points: {', '.join(POINTS)}; actions: kill, raise, unlink, "
                              "flip")
@@ -42,6 +49,13 @@ def _parse(spec: str) -> dict[str, str]:
 
 
 _ACTIVE = _parse(os.environ.get(ENV, ""))
+
+
+def hit_phase(name: str) -> None:
+    """Raise OSError when a ``phase:`` point armed here names the start of phase ``name``."""
+    for point in _ACTIVE:
+        if point.startswith(PHASE) and name.startswith(point[len(PHASE):]):
+            raise OSError(f"failpoint {point} triggered")
 
 
 def armed(name: str) -> bool:

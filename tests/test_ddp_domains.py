@@ -172,7 +172,8 @@ def test_two_nodes_sharing_one_dir_form_one_domain(tmp_path: Path) -> None:
     saved, _ = _job("save", 2, tmp_path, local_dir, "save", TWO_NODES)
     payload = saved[0]["payload_bytes"]
     root = tmp_path / "shared"
-    assert sorted(os.listdir(root)) == [RUN]  # probe files cleaned up
+    # probe files cleaned up; .rslurm holds the run's writer lock (layout.claim_run)
+    assert sorted(os.listdir(root)) == [".rslurm", RUN]
     run_dir = root / RUN
     assert checkpoint_entries(run_dir) == [STEP_DIR]
     step_dir = run_dir / STEP_DIR

@@ -89,10 +89,13 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, log: Path | No
 
 
 def tree(root: Path) -> dict[str, str]:
-    """Every entry under ``root`` (links not followed) and a digest of each file's bytes."""
+    """Every entry under ``root`` (links not followed) and a digest of each file's bytes; a launcher's own
+    health probes (``.health-*``, written and removed while it runs) left out."""
     out: dict[str, str] = {}
     for dirpath, dirs, files in os.walk(root):
         for name in dirs + files:
+            if name.startswith(".health-"):
+                continue
             p = Path(dirpath) / name
             rel = str(p.relative_to(root))
             if p.is_symlink():

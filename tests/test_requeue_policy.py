@@ -260,7 +260,7 @@ def test_malformed_history_names_file_and_field(text: str, field: str | None, wo
 
 def test_unreadable_history_is_empty_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     # The launcher's choice: a broken history file must not stop a preempted job from being requeued.
-    caplog.set_level(logging.WARNING, logger="resilient_slurm.launcher.policy")
+    caplog.set_level(logging.WARNING, logger="resilient_slurm.run_history")
     h = ProgressHistory.parse("{garbage", source=HISTORY_FILE)
     assert h == EMPTY
     assert any(HISTORY_FILE in r.getMessage() and "treating it as empty" in r.getMessage()

@@ -362,14 +362,14 @@ def test_an_explicit_unset_flag_wins_over_the_environment(monkeypatch: pytest.Mo
     (the parsed None used to read as "not given" and let the variable through)."""
     import argparse
 
-    from resilient_slurm import cli
+    from resilient_slurm import cliargs
 
     monkeypatch.setenv("RSLURM_KEEP_EVERY", "10")
     monkeypatch.setenv("RSLURM_DRAIN_BANDWIDTH", "100M")
     ns = argparse.Namespace(local_dir=None, durable=None, run_id=None, config=None, set_keep_every="none",
                             set_drain_bandwidth="off", set_keep_last=None)
-    s = cli._settings(ns)
+    s = cliargs.inspect_settings(ns)
     assert s.keep_every is None and s.drain_bandwidth is None and s.keep_last == 3
     ns.set_keep_every, ns.set_drain_bandwidth = None, None
-    s = cli._settings(ns)
+    s = cliargs.inspect_settings(ns)
     assert s.keep_every == 10 and s.drain_bandwidth == 100 << 20

@@ -148,7 +148,8 @@ def test_the_status_file_round_trips_and_hostile_ones_are_ignored(tmp_path: Path
         got = read_status(str(tmp_path))
         assert got is None or got["stragglers"] == [], (bad, got)
     path.write_bytes(b'{"stragglers": [{"rank": 1, "step_time_s": NaN, "peer_median_s": 1, "ratio": 1}]}')
-    assert read_status(str(tmp_path))["stragglers"] == []  # type: ignore[index]
+    got = read_status(str(tmp_path))  # NaN is not JSON: the file is ignored, or the entry is
+    assert got is None or got["stragglers"] == [], got
     path.unlink()
     path.symlink_to("/dev/zero")
     assert read_status(str(tmp_path)) is None

@@ -1,7 +1,7 @@
 """A run's history: every incarnation's end, classified with its evidence (``rslurm history``, the
 history lines of ``rslurm status``, the daemon's ``rslurm_incarnation_ends`` metric).
 
-The launcher writes the history (``launcher/policy.py``'s :class:`ProgressHistory`, version 2) into the
+The launcher writes the history (``run_history.py``'s :class:`ProgressHistory`, version 2) into the
 run directory on its node, ``<local root>/<run>/launcher-history.json``, and a copy into the durable tier,
 ``<durable>/<run>/launcher-history.json``, after every incarnation. A job requeued onto another batch
 host finds its history in the durable tier. Readers here take the copy whose last entry ended last.
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, ObjectNotFoundError, ProgressHistoryError, ResilientSlurmError
-from ..launcher.policy import HISTORY_FILE, REASON_LABELS, Incarnation, ProgressHistory, Reason
 from ..manifest import durable_run_key
 from ..paths import open_regular
+from ..run_history import HISTORY_FILE, REASON_LABELS, Incarnation, ProgressHistory, Reason
 from ..terminal import printable
 
 HISTORY_MAX_BYTES = 4 << 20  # 64 entries with long evidence are well under 1 MiB

@@ -49,7 +49,7 @@ from ..errors import (
     TagsFileError,
 )
 from ..jobenv import JobEnv
-from ..layout import WRITER_ENV, RunClaim, RunInUseError, RunWriter, claim_run, list_run_dir
+from ..layout import WRITER_ENV, RunClaim, RunWriter, claim_run, list_run_dir
 from ..paths import check_id, default_local_dir, default_run_id, node_name
 from ..storage.registry import open_durable
 from ..tags import check_tag_name, read_local_tags, sync_durable_tags
@@ -229,19 +229,19 @@ class Checkpointer:
         launcher or rank set writes raises RunInUseError on every rank alike (one all_gather), before
         anything is written."""
         claim: RunClaim | None = None
-        problem: str | None = None
-        if self.topology.is_leader:
-            me = RunWriter.this_process(job.job_id, os.environ.get(WRITER_ENV) or None)
-            try:
+
+        def take() -> None:
+            nonlocal claim
+            if self.topology.is_leader:
+                me = RunWriter.this_process(job.job_id, os.environ.get(WRITER_ENV) or None)
                 claim = claim_run(self.topology.root, self.run_id, me)
-            except RunInUseError as exc:
-                problem = str(exc)
-        problems = self._coord.all_gather(problem) if self._coord.multi else [problem]
-        first = next((p for p in problems if p), None)
-        if first is not None:
+
+        try:
+            self._coord.phase("claiming the run", take)
+        except BaseException:
             if claim is not None:
                 claim.release()
-            raise RunInUseError(first)
+            raise
         return claim
 
     # ------------------------------------------------------------------ properties
@@ -364,7 +364,7 @@ class Checkpointer:
                 report = self._clock is not None and self._clock.report_due()
                 if report:  # every rank alike: the count of step() calls is the same everywhere
                     flags += self._straggler_slots()
-                agreed = self._coord.all_max(flags)
+                agreed = self._coord.phase_max("agreeing on a save at this step", lambda: flags, len(flags))
                 due, emergency, failed = (bool(v) for v in agreed[:3])
                 if report and self._stragglers is not None:
                     self._judge_stragglers(step, agreed[3:])
@@ -501,8 +501,7 @@ class Checkpointer:
             except OSError:
                 committed = []
             newest = committed[-1] if committed else -1
-            if self._coord.multi:
-                newest = self._coord.all_max([newest])[0]
+            newest = self._coord.phase_max("agreeing on the newest committed step", lambda: [newest], 1)[0]
             self._floor, self._floor_known = (newest if newest >= 0 else None), True
         floor = self._floor
         if floor is not None and step <= floor:
@@ -537,19 +536,19 @@ class Checkpointer:
             raise ConfigError(f"step must be an integer >= 0, got {step!r}")
         if self._inflight is not None and self._saved_step == step:
             self._finish_inflight()  # the step's own save must commit first
-        failure: tuple[str, str] | None = None
         moved: int | None = None
-        if self.topology.is_leader:
+
+        def tag_domain() -> None:
+            nonlocal moved
+            if not self.topology.is_leader:
+                return
             try:
                 moved = self._engine.tag(step, name)
             except (ResilientSlurmError, OSError) as exc:
-                kind = "tags" if isinstance(exc, TagsFileError) else "config" if isinstance(exc, ConfigError) else "other"
-                failure = (kind, f"domain {self.topology.domain}: {exc}")
-        failures = [f for f in self._coord.all_gather(failure) if f]  # every rank raises alike, or none
-        if failures:
-            kinds = {k for k, _ in failures}
-            cls = TagsFileError if "tags" in kinds else ConfigError if kinds == {"config"} else CheckpointError
-            raise cls("; ".join(dict.fromkeys(m for _, m in failures)))
+                cls = type(exc) if isinstance(exc, (TagsFileError, ConfigError)) else CheckpointError
+                raise cls(f"domain {self.topology.domain}: {exc}") from exc
+
+        self._coord.phase("tagging the step", tag_domain)  # every rank raises alike, or none
         if self.topology.is_leader:
             self.events.emit("tagged", step=step, tag=name, moved_from=moved)
         if self.rank == 0:

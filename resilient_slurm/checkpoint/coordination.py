@@ -20,20 +20,82 @@ import os
 import secrets
 import socket
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, ResilientSlurmError
+from .. import failpoints
+from ..errors import ConfigError, DistributedError, ResilientSlurmError
 from ..paths import expand_local_dir
 
 log = logging.getLogger(__name__)
 
 
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RankError:
+    """What one rank's part of a phase raised, as every rank learns it."""
+
+    rank: int
+    kind: str  # the exception's class name
+    message: str
+
+    def describe(self) -> str:
+        """``rank 3: message`` (a message that names its rank already is left as it is)."""
+        return self.message if self.message.startswith(f"rank {self.rank}") else f"rank {self.rank}: {self.message}"
+
+
+class PhaseError(DistributedError):
+    """A phase failed on ranks whose errors are of different kinds (or not the product's own): raised on every
+    rank, naming the phase and each failed rank with its error (:attr:`errors`)."""
+
+    def __init__(self, message: str, errors: tuple[RankError, ...] = ()) -> None:
+        super().__init__(message)
+        self.errors = errors
+
+
+def _error_classes() -> dict[str, type[ResilientSlurmError]]:
+    """The product's error classes by name: the only ones a phase re-raises by a name another rank sent."""
+    out: dict[str, type[ResilientSlurmError]] = {}
+    todo: list[type[ResilientSlurmError]] = [ResilientSlurmError]
+    while todo:
+        cls = todo.pop()
+        out.setdefault(cls.__name__, cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+def phase_error(name: str, errors: Sequence[RankError]) -> ResilientSlurmError:
+    """The error every rank raises when ``errors`` (at least one) happened in phase ``name``: of the failed
+    ranks' class when they share one of the product's classes (the launcher classes an incarnation by it:
+    a user's configuration error, a storage failure worth a requeue), else :class:`PhaseError`. The message
+    is each distinct error once, naming its ranks."""
+    by_message: dict[str, list[int]] = {}
+    for e in errors:
+        by_message.setdefault(e.message, []).append(e.rank)
+    text = "; ".join(RankError(rs[0], "", m).describe() if len(rs) == 1 else f"ranks {rs}: {m}"
+                     for m, rs in by_message.items())
+    kinds = {e.kind for e in errors}
+    cls = _error_classes().get(next(iter(kinds))) if len(kinds) == 1 else None
+    if cls is not None:
+        try:
+            return cls(text)
+        except TypeError:  # a class that needs more than a message
+            pass
+    return PhaseError(f"{name} failed: {text}", tuple(errors))
+
+
 class Coordinator:
-    """Collectives on dedicated gloo groups; trivial when not distributed."""
+    """Collectives on dedicated gloo groups; trivial when not distributed.
+
+    Every cross-rank step of the engine is a *phase* (:meth:`phase`, :meth:`phase_max`, :meth:`phase_flags`):
+    each rank runs its part, and if it raised on any rank, every rank raises the same error naming every
+    failed rank; a rank never waits in a collective that a failed rank will not join."""
 
     def __init__(self, timeout_s: float = 600.0) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -54,39 +116,96 @@ class Coordinator:
         """True when there is more than one rank to coordinate with."""
         return self._fg is not None
 
-    def all_gather(self, obj: Any, *, background: bool = False) -> list[Any]:
-        """Every rank's ``obj``, in rank order."""
+    def phase(self, name: str, fn: Callable[[], T], *, background: bool = False,
+              error: Callable[[str, list[RankError]], Exception] = phase_error) -> list[T]:
+        """Run ``fn`` here and share every rank's result (one all_gather): the results in rank order. If ``fn``
+        raised on any rank, every rank raises ``error(name, errors)`` (default :func:`phase_error`; a failed
+        rank's own exception is its cause). ``name`` names the phase in errors; ``background``: the writer
+        thread's group."""
+        mine: T | None = None
+        err: RankError | None = None
+        exc: Exception | None = None
+        try:
+            failpoints.hit_phase(name)
+            mine = fn()
+        except Exception as e:  # every rank must learn of it, or the others wait in the gather below
+            exc, err = e, RankError(self.rank, type(e).__name__, str(e))
+        gathered = self._all_gather((mine, err), background=background)
+        errors = [e for _, e in gathered if e is not None]
+        if errors:
+            raise error(name, errors) from exc
+        return [g for g, _ in gathered]
+
+    def phase_max(self, name: str, fn: Callable[[], Sequence[int]], length: int, *,
+                  background: bool = False) -> list[int]:
+        """Run ``fn`` here (``length`` integers, the same length on every rank) and return their element-wise
+        maximum across ranks: one all_reduce, the size of the vector. If ``fn`` raised (or returned another
+        length) on any rank, every rank raises as :meth:`phase` does (a second collective, on failure only,
+        tells every rank what failed where)."""
+        values: list[int] = [0] * length
+        err: RankError | None = None
+        exc: Exception | None = None
+        try:
+            failpoints.hit_phase(name)
+            got = [int(v) for v in fn()]
+            if len(got) != length:
+                raise DistributedError(f"{name}: {len(got)} values on rank {self.rank}, {length} expected")
+            values = got
+        except Exception as e:  # every rank must learn of it, or the others wait in the reduce below
+            exc, err = e, RankError(self.rank, type(e).__name__, str(e))
+        reduced = self._all_max([int(err is not None), *values], background=background)
+        if reduced[0]:
+            errors = [e for e in self._all_gather(err, background=background) if e is not None]
+            raise phase_error(name, errors) from exc
+        return reduced[1:]
+
+    def phase_flags(self, name: str, fn: Callable[[], bytes], length: int) -> bytes:
+        """:meth:`phase_max` for long vectors of one-byte flags (foreground group): their element-wise
+        maximum (a flag set on any rank), ``length`` bytes."""
+        flags = bytes(length)
+        err: RankError | None = None
+        exc: Exception | None = None
+        try:
+            failpoints.hit_phase(name)
+            got = bytes(fn())
+            if len(got) != length:
+                raise DistributedError(f"{name}: {len(got)} flags on rank {self.rank}, {length} expected")
+            flags = got
+        except Exception as e:  # every rank must learn of it, or the others wait in the reduce below
+            exc, err = e, RankError(self.rank, type(e).__name__, str(e))
+        reduced = self._bytes_max(bytes([int(err is not None)]) + flags)
+        if reduced[0]:
+            errors = [e for e in self._all_gather(err) if e is not None]
+            raise phase_error(name, errors) from exc
+        return reduced[1:]
+
+    def barrier(self, name: str, *, background: bool = False) -> None:
+        """Wait for every rank (a phase with nothing to share)."""
+        if self.multi:
+            self._all_max([0], background=background)
+
+    # The primitives: only the phases above call them, so that every cross-rank step is failure-safe
+    # (tests/test_layering.py checks that no other module makes a collective call).
+    def _all_gather(self, obj: Any, *, background: bool = False) -> list[Any]:
         if not self.multi:
             return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self._bg if background else self._fg)
         return out
 
-    def all_max(self, values: list[int], *, background: bool = False) -> list[int]:
-        """Element-wise max of small integer vectors across ranks (one tiny all_reduce)."""
+    def _all_max(self, values: list[int], *, background: bool = False) -> list[int]:
         if not self.multi:
             return list(values)
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._bg if background else self._fg)
         return [int(v) for v in t.tolist()]
 
-    def any_max(self, values: bytes) -> bytes:
-        """Element-wise max of byte vectors across ranks (foreground group): flags of one byte per item,
-        for vectors too long to send as integers."""
+    def _bytes_max(self, values: bytes) -> bytes:
         if not self.multi:
             return bytes(values)
         t = torch.frombuffer(bytearray(values), dtype=torch.uint8) if values else torch.zeros(0, dtype=torch.uint8)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._fg)
         return bytes(t.numpy().tobytes())
-
-    def all_true(self, flag: bool, *, background: bool = False) -> bool:
-        """True if ``flag`` is true on every rank."""
-        return self.all_max([0 if flag else 1], background=background)[0] == 0
-
-    def barrier(self, *, background: bool = False) -> None:
-        """Wait for every rank."""
-        if self.multi:
-            self.all_max([0], background=background)
 
     def group(self, *, background: bool = False) -> Any:
         """The gloo group of the training thread (foreground) or of the writer thread (background), for
@@ -155,9 +274,9 @@ def discover_topology(coord: Coordinator, local_dir_template: str | Exception, n
     """Collective: agree on storage domains. Creates the local root (mode 0700) of every rank.
 
     ``local_dir_template`` may be the error this rank met choosing its directory (an unsafe default
-    directory). That error, or one creating the directory, goes through the collective: every rank
-    raises, naming the ranks and their problems, instead of the others waiting for the collective
-    timeout. The rank that met it raises its own error.
+    directory). That error, or one creating the directory (a ConfigError naming the rank and node), goes
+    through the phase: every rank raises it, naming the ranks and their problems, instead of the others
+    waiting for the collective timeout (the rank that met it has its own error as the cause).
 
     Ranks whose roots are one directory on one host (same device and inode) are grouped first. When
     the groups span several hosts, each group's first rank drops a probe file into its root and lists
@@ -165,29 +284,22 @@ def discover_topology(coord: Coordinator, local_dir_template: str | Exception, n
     merged. A domain is named after the node of its lowest rank, or ``<node>-r<lowest rank>`` when that
     node has several domains (per-GPU directories).
     """
-    own: Exception | None = local_dir_template if isinstance(local_dir_template, Exception) else None
-    root, dev, ino = "", 0, 0
-    if own is None:
-        assert isinstance(local_dir_template, str)
-        try:
-            root = expand_local_dir(local_dir_template, node)
-            os.makedirs(root, mode=0o700, exist_ok=True)
-            st = os.stat(root)
-            dev, ino = st.st_dev, st.st_ino
-        except (OSError, ResilientSlurmError) as exc:
-            own = exc
     host = socket.gethostname()  # the real host: (device, inode) identify a directory on one host only
-    problem = None if own is None else f"{own}"
-    gathered = coord.all_gather((node, root, secrets.token_hex(4), host, dev, ino, problem))
-    bad = [(r, g[0], g[6]) for r, g in enumerate(gathered) if g[6] is not None]
-    if bad:
-        if own is not None:
-            raise own
-        raise ConfigError("local checkpoint directory unusable on "
-                          + "; ".join(f"rank {r} ({n}): {p}" for r, n, p in bad[:8])
-                          + (f"; and {len(bad) - 8} more ranks" if len(bad) > 8 else "")
-                          + "; every rank stops (see that rank's error for what to do)")
-    infos = [g[:6] for g in gathered]
+
+    def mine() -> tuple[str, str, str, str, int, int]:
+        if isinstance(local_dir_template, Exception):
+            raise local_dir_template
+        try:
+            where = expand_local_dir(local_dir_template, node)
+            os.makedirs(where, mode=0o700, exist_ok=True)
+            st = os.stat(where)
+        except OSError as exc:
+            raise ConfigError(f"local checkpoint directory unusable on rank {coord.rank} ({node}): {exc}; every "
+                              "rank stops (set RSLURM_LOCAL_DIR to a writable node-local directory)") from exc
+        return node, where, secrets.token_hex(4), host, st.st_dev, st.st_ino
+
+    infos = coord.phase("choosing the local checkpoint directories", mine)
+    root = infos[coord.rank][1]
     nonce = infos[0][2]
     nodes = [i[0] for i in infos]
     group_of_rank: list[int] = []
@@ -207,19 +319,26 @@ def discover_topology(coord: Coordinator, local_dir_template: str | Exception, n
         # numbers. Group leaders drop probes and look for each other's.
         leader = group_of_rank[coord.rank] == coord.rank
         probe = os.path.join(root, f"{_PROBE}{nonce}-{coord.rank}")
-        if leader:
-            with open(probe, "w") as f:
-                f.write(node)
-        coord.barrier()
-        seen: list[int] = []
-        if leader:
+
+        def drop_probe() -> None:
+            if leader:
+                with open(probe, "w") as f:
+                    f.write(node)
+
+        def look() -> list[int]:
+            if not leader:
+                return []
             prefix = f"{_PROBE}{nonce}-"
-            seen = sorted(int(n[len(prefix):]) for n in os.listdir(root)
+            return sorted(int(n[len(prefix):]) for n in os.listdir(root)
                           if n.startswith(prefix) and n[len(prefix):].isdigit())
-        all_seen = coord.all_gather(seen)
-        coord.barrier()
-        if leader:
-            os.unlink(probe)
+
+        def remove_probe() -> None:
+            if leader:
+                os.unlink(probe)
+
+        coord.phase("probing for shared checkpoint directories", drop_probe)
+        all_seen = coord.phase("listing the probes of other nodes", look)
+        coord.phase("removing the probes", remove_probe)
         for seen_list in all_seen:
             roots = sorted({find(g) for g in seen_list if g in parent})
             for g in roots[1:]:

@@ -87,7 +87,7 @@ from ..storage.fileio import (
 from ..storage.tier import StorageTier
 from ..tags import RunTags, local_tagged_steps, update_local_tags
 from . import state as state_mod
-from .coordination import Coordinator, Topology
+from .coordination import Coordinator, RankError, Topology
 from .ddp import DDP_KEY, DDPTracker
 from .fetch import DurableFetcher
 from .peers import PeerReplicas
@@ -243,39 +243,57 @@ class Engine:
         return self._staging
 
     def _plan(self, state: Mapping[str, Any]) -> _Plan:
-        """Plan a save: this rank's items, the replication proofs, the global plan. Collective (foreground)."""
+        """Plan a save: this rank's items, the replication proofs, the global plan. Collective (foreground):
+        one phase in the steady state (plan changed? and the digests), three when a plan changed."""
         topo = self.topo
-        if self._table is None:
-            self.ddp.scan(state)
-        sd = state_mod.build_state_dict(state, rank=topo.rank, capture_rng=self.capture_rng)
-        layouts = self.ddp.layouts()
-        if layouts is not None:
-            sd[DDP_KEY] = layouts
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(sd, is_coordinator=topo.rank == 0)
-        local_plan = planner.create_local_plan()
-        changed = self._cached_local_plan is None or not _same_plan(local_plan, self._cached_local_plan)
+        timing = {"digest_s": 0.0, "reduce_s": 0.0}
+        local: dict[str, Any] = {}  # this rank's state_dict, planner, plan (filled inside the phases)
+
+        def plan_here() -> bool:
+            """This rank's plan of the save; whether it differs from the cached one."""
+            t0 = time.perf_counter()
+            if self._table is None:
+                self.ddp.scan(state)
+            sd = state_mod.build_state_dict(state, rank=topo.rank, capture_rng=self.capture_rng)
+            layouts = self.ddp.layouts()
+            if layouts is not None:
+                sd[DDP_KEY] = layouts
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(sd, is_coordinator=topo.rank == 0)
+            local.update(sd=sd, planner=planner, plan=planner.create_local_plan())
+            self._by_index = {it.index: it for it in local["plan"].items}
+            local["plan_s"] = time.perf_counter() - t0  # not the collective's time
+            return self._cached_local_plan is None or not _same_plan(local["plan"], self._cached_local_plan)
+
+        def digests(selected: list[MetadataIndex]) -> list[int]:
+            local["mine"] = self._digests(selected, local["planner"], timing)
+            return digest_vector(selected, local["mine"])
+
         reduced: list[int] = []
         selected: list[MetadataIndex] = []
-        mine: dict[MetadataIndex, int] = {}
-        timing = {"digest_s": 0.0, "reduce_s": 0.0}
+        changed = True
         if self._table is not None:
             # Steady state: one all_reduce carries "my plan changed" and this save's digests.
-            self._by_index = {it.index: it for it in local_plan.items}
             selected = self.replicas.select(self._table)
-            mine = self._digests(selected, planner, timing)
             t = time.perf_counter()
-            vec = self.coord.all_max([int(changed), *digest_vector(selected, mine)])
-            timing["reduce_s"] += time.perf_counter() - t
+            vec = self.coord.phase_max("planning the save", lambda: [int(plan_here()), *digests(selected)],
+                                       1 + 2 * len(selected))
+            timing["reduce_s"] += time.perf_counter() - t - timing["digest_s"] - local.get("plan_s", 0.0)
             changed, reduced = bool(vec[0]), vec[1:]
         if changed:
-            if self._table is not None:
-                self.ddp.scan(state)
-            missing = [k for k in self.replicated if k not in state]
-            if missing:
-                raise ConfigError(f"replicated={list(self.replicated)}: {missing} not in the state (keys: {sorted(state)})")
-            proven = _proven_keys(planner.state_dict, self.ddp.replicated_keys(state), self.replicated)
-            gathered = self.coord.all_gather((local_plan, proven))
+            def plan_and_proven() -> tuple[SavePlan, dict[str, frozenset[int] | None]]:
+                if "plan" not in local:
+                    plan_here()
+                elif self._table is not None:
+                    self.ddp.scan(state)
+                missing = [k for k in self.replicated if k not in state]
+                if missing:
+                    raise ConfigError(f"replicated={list(self.replicated)}: {missing} not in the state "
+                                      f"(keys: {sorted(state)})")
+                return local["plan"], _proven_keys(local["planner"].state_dict, self.ddp.replicated_keys(state),
+                                                   self.replicated)
+
+            gathered = self.coord.phase("planning the save", plan_and_proven)
             self._base_plans = [g[0] for g in gathered]
             self._table = ItemTable.build(self._base_plans, [g[1] for g in gathered])
             self._table_version += 1
@@ -287,13 +305,14 @@ class Engine:
                         kinds.setdefault(kind, []).append(r)
                     log.info("state %r is %s: stored and restored per rank", name,
                              " and ".join(f"{k} on rank{'s' if len(rs) > 1 else ''} {rs}" for k, rs in kinds.items()))
-            self._cached_local_plan = local_plan
-            self._by_index = {it.index: it for it in local_plan.items}
+            self._cached_local_plan = local["plan"]
             selected = self.replicas.select(self._table)
-            mine = self._digests(selected, planner, timing)
             t = time.perf_counter()
-            reduced = self.coord.all_max(digest_vector(selected, mine))
-            timing["reduce_s"] += time.perf_counter() - t
+            digest_s = timing["digest_s"]
+            reduced = self.coord.phase_max("proving replicas", lambda: digests(selected), 2 * len(selected))
+            timing["reduce_s"] += time.perf_counter() - t - (timing["digest_s"] - digest_s)
+        planner, sd = local["planner"], local["sd"]
+        mine: dict[MetadataIndex, int] = local.get("mine", {})
         table = self._table
         assert table is not None
         equal = equal_from_reduced(reduced, len(selected))
@@ -304,7 +323,8 @@ class Engine:
                                                                               if len(newly) > 8 else ""))
         mismatches: tuple[ReplicaMismatch, ...] = ()
         if mismatched:
-            every = self.coord.all_gather({i: mine[i] for i in mismatched if i in mine})
+            every = self.coord.phase("naming the replicas that differ",
+                                     lambda: {i: mine[i] for i in mismatched if i in mine})
             mismatches = tuple(mismatch_from_digests(i, {r: d[i] for r, d in enumerate(every) if i in d})
                                for i in mismatched)
             if self.replicas.check == "fail":
@@ -396,57 +416,72 @@ class Engine:
         tmp = os.path.join(self.run_dir, temp_dirname(p.step, TempKind.SAVE, p.token))
         fname = shard_filename(topo.rank)
         t0 = time.perf_counter()
-        result: dict[str, Any]
-        try:
-            os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
-            os.makedirs(tmp, mode=0o700, exist_ok=True)
-            failpoints.hit("before_shard_write", os.path.join(tmp, fname))
-            result = self._write_shard(p, tmp, fname)
-            failpoints.hit("after_shard_write", os.path.join(tmp, fname))
-        except Exception as exc:  # reported to every rank below; never lost
-            log.error("step %d: rank %d could not write its shard %s: %s", p.step, topo.rank,
-                      os.path.join(tmp, fname), exc)
-            result = {"ok": False, "error": f"rank {topo.rank} could not write {os.path.join(tmp, fname)}: {exc}",
-                      "space": isinstance(exc, InsufficientSpaceError)}
-        t1 = time.perf_counter()
-        results = self.coord.all_gather(result, background=True)
-        failed = [r for r in results if not r["ok"]]
-        errors: list[str] = [r["error"] for r in failed]
+
+        def write() -> dict[str, Any]:
+            try:
+                os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+                os.makedirs(tmp, mode=0o700, exist_ok=True)
+                failpoints.hit("before_shard_write", os.path.join(tmp, fname))
+                result = self._write_shard(p, tmp, fname)
+                failpoints.hit("after_shard_write", os.path.join(tmp, fname))
+            except Exception as exc:
+                log.error("step %d: rank %d could not write its shard %s: %s", p.step, topo.rank,
+                          os.path.join(tmp, fname), exc)
+                cls = InsufficientSpaceError if isinstance(exc, InsufficientSpaceError) else SaveError
+                raise cls(f"rank {topo.rank} could not write {os.path.join(tmp, fname)}: {exc}") from exc
+            return result
+
+        def failed(name: str, errors: list[RankError]) -> Exception:
+            msg = (f"save of step {p.step} (run {self.run_id}) failed, no domain committed it: "
+                   + "; ".join(dict.fromkeys(e.describe() for e in errors)))
+            return (InsufficientSpaceError if any(e.kind == "InsufficientSpaceError" for e in errors) else SaveError)(msg)
+
         mismatches: tuple[ReplicaMismatch, ...] = ()
-        if not failed:
-            # Phase 1 (prepare): every leader checks its directory and writes .metadata and the manifest
-            # into the temp directory; nothing is committed until every domain has prepared.
-            error: str | None = None
-            if topo.is_leader:
+        try:
+            results = self.coord.phase("writing the shards", write, background=True, error=failed)
+            t1 = time.perf_counter()
+            # Items written once per domain whose copies differ (every rank finds the same from the results).
+            mismatches = _cross_domain_mismatches(results)
+            if mismatches and self.replicas.check == "fail":
+                raise ReplicaMismatchError(
+                    f"save of step {p.step} (run {self.run_id}) failed, no domain committed it: copies of "
+                    "replicated state differ between storage domains: "
+                    + "; ".join(m.describe() for m in mismatches) + " (replica_check=fail)", mismatches)
+
+            def prepare() -> None:
+                # Every leader checks its directory and writes .metadata and the manifest into the temp
+                # directory; nothing is committed until every domain has prepared.
+                if not topo.is_leader:
+                    return
                 try:
-                    mismatches = _cross_domain_mismatches(results)
-                    if mismatches and self.replicas.check == "fail":
-                        raise ReplicaMismatchError(
-                            "copies of replicated state differ between storage domains: "
-                            + "; ".join(m.describe() for m in mismatches) + " (replica_check=fail)", mismatches)
                     self._prepare_domain(p, tmp, results, mismatches)
                 except Exception as exc:
                     log.error("step %d: preparing the commit in %s failed: %s", p.step, tmp, exc)
-                    error = f"domain {topo.domain} ({tmp}): {exc}"
-            errors = [e for e in self.coord.all_gather(error, background=True) if e]
-        commit_error: str | None = None
-        if not errors and topo.is_leader:
-            try:  # phase 2: every domain prepared; the rename is the commit
+                    raise SaveError(f"domain {topo.domain} ({tmp}): {exc}") from exc
+
+            self.coord.phase("preparing the commit", prepare, background=True, error=failed)
+        except BaseException:
+            if topo.is_leader:
+                remove_tree_quietly(tmp)
+            raise
+
+        def install() -> None:
+            if not topo.is_leader:
+                return
+            try:  # every domain prepared; the rename is the commit
                 self._install(tmp, p.step, p.token)
             except Exception as exc:
                 log.error("step %d: commit in %s failed: %s", p.step, self.run_dir, exc)
-                commit_error = f"domain {topo.domain}: renaming {tmp} failed: {exc}"
-        if (errors or commit_error) and topo.is_leader:
-            remove_tree_quietly(tmp)
-        if errors:
-            msg = f"save of step {p.step} (run {self.run_id}) failed, no domain committed it: " + "; ".join(errors)
-            if mismatches and self.replicas.check == "fail":
-                raise ReplicaMismatchError(msg, mismatches)
-            raise (InsufficientSpaceError if any(r.get("space") for r in failed) else SaveError)(msg)
-        renames = [e for e in self.coord.all_gather(commit_error, background=True) if e]
-        if renames:  # rare: a rename failed after every domain prepared; restore needs the step in every domain
-            raise SaveError(f"save of step {p.step} (run {self.run_id}) is committed in some storage domains only, "
-                            "so restore will not use it: " + "; ".join(renames))
+                remove_tree_quietly(tmp)
+                raise SaveError(f"domain {topo.domain}: renaming {tmp} failed: {exc}") from exc
+
+        def partly(name: str, errors: list[RankError]) -> Exception:
+            # rare: a rename failed after every domain prepared; restore needs the step in every domain
+            return SaveError(f"save of step {p.step} (run {self.run_id}) is committed in some storage domains "
+                             "only, so restore will not use it: " + "; ".join(e.describe() for e in errors))
+
+        self.coord.phase("committing the step", install, background=True, error=partly)
+        result = results[topo.rank]
         t2 = time.perf_counter()
         if topo.is_leader:
             failpoints.hit("after_commit_rename")

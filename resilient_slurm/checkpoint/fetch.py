@@ -140,24 +140,26 @@ class DurableFetcher:
         this rank's domain fetched (None when it fetched nothing). Fetches that failed for a storage reason
         (not corruption) are appended to ``unreachable``. ``save_of``: the ``created_at`` of the other domains'
         own copies of ``step``; a durable step of another save is refused (it would restore a mix of two)."""
-        plans = self.coord.all_gather(planned)
-        union = merge_planned([plans[r] for r in self.topo.domain_ranks])
-        err: str | None = None
-        transient = False
-        n: int | None = None
-        if need:
+        plans = self.coord.phase(f"planning the fetch of step {step}", lambda: planned)
+
+        def fetch_here() -> tuple[str | None, int | None, bool]:
+            """(error, bytes fetched, whether the error is the storage's): a failed fetch skips the step."""
+            if not need:
+                return None, None, False
             try:
+                union = merge_planned([plans[r] for r in self.topo.domain_ranks])
                 t0 = time.perf_counter()
                 n = self.fetch(step, union, save_of=save_of)
                 dt = time.perf_counter() - t0
                 log.info("step %d: fetched %.1f MiB for %s from %s in %.2f s (%.1f MiB/s)", step, n / 2**20,
                          self.topo.domain, self.tier.url if self.tier else "?", dt, n / 2**20 / max(dt, 1e-9))
-            except Exception as exc:  # every rank must learn of it, or the others hang
+                return None, n, False
+            except Exception as exc:  # a value, not an error: the step is skipped on every rank
                 err = f"{self.topo.domain}: fetching step {step} from the durable tier failed: {exc}"
-                transient = _storage_failure(exc)
                 log.error("%s", err)
-                n = None
-        gathered = self.coord.all_gather((err, n, transient))
+                return err, None, _storage_failure(exc)
+
+        gathered = self.coord.phase(f"fetching step {step} from the durable tier", fetch_here)
         errors = [e for e, _, _ in gathered if e]
         unreachable += [e for e, _, t in gathered if e and t]
         if errors and self.topo.rank == 0:

@@ -666,36 +666,48 @@ class PeerReplicas:
         received (None when it received nothing)."""
         topo = self.topo
         group = coord.group()
-        got_here: int | None = None
-        err: str | None = None
-        for needer, (holder, domain) in sorted(sources.items()):
-            if topo.rank == holder:
-                sdir = os.path.join(replica_run_dir(self.run_dir, domain), step_dirname(step))
-                with reading_step(sdir) as there:
-                    offer = None
+        offers: dict[int, Offer | None] = {}  # needer -> what this rank (its holder) offers it
+        sinks: dict[int, StepSink] = {}  # holder -> where this rank (its needer) receives
+        held_open = contextlib.ExitStack()
+
+        def prepare() -> None:
+            """This rank's side of each of its transfers (an offer it cannot make is offered as nothing)."""
+            for needer, (holder, domain) in sorted(sources.items()):
+                if topo.rank == holder:
+                    sdir = os.path.join(replica_run_dir(self.run_dir, domain), step_dirname(step))
+                    offers[needer] = None
                     try:
-                        if there:
-                            offer = offer_of(sdir, self.run_id, step, domain,
-                                             read_manifest_file(os.path.join(sdir, MANIFEST_NAME)))
+                        if held_open.enter_context(reading_step(sdir)):
+                            offers[needer] = offer_of(sdir, self.run_id, step, domain,
+                                                      read_manifest_file(os.path.join(sdir, MANIFEST_NAME)))
                     except Exception as exc:
                         log.warning("peer replicas: cannot offer %s: %s", sdir, exc)
-                    transfer(group, to=needer, offer=offer, frm=None, sink=None, run_id=self.run_id)
-            elif topo.rank == needer:
-                sink = StepSink(self.run_id, lambda _d: self.run_dir, TempKind.PEER, topo.nonce,
-                                free_space_margin=self.margin, commit=self._commit_restored, step=step)
-                t0 = time.perf_counter()
-                res = transfer(group, to=None, offer=None, frm=holder, sink=sink, run_id=self.run_id)
-                if res.received and not res.error:
-                    got_here = res.received
-                    dt = time.perf_counter() - t0
-                    log.info("step %d: received %.1f MiB for %s from rank %d's replica of %s in %.2f s (%.1f MiB/s)",
-                             step, res.received / 2**20, topo.domain, holder, domain, dt,
-                             res.received / 2**20 / max(dt, 1e-9))
-                else:
-                    err = res.error or res.declined or f"rank {holder} offered nothing"
-                    log.warning("step %d: %s could not restore from rank %d's replica of %s: %s", step,
-                                topo.domain, holder, domain, err)
-        gathered = coord.all_gather(got_here)
+                elif topo.rank == needer:
+                    sinks[holder] = StepSink(self.run_id, lambda _d: self.run_dir, TempKind.PEER, topo.nonce,
+                                             free_space_margin=self.margin, commit=self._commit_restored, step=step)
+
+        got_here: int | None = None
+        with held_open:
+            # Both sides of every transfer are ready, or every rank raises here: a rank never waits in a
+            # transfer whose partner failed before it (the transfers themselves keep their streams paired).
+            coord.phase(f"preparing the transfers of step {step} from partners' replicas", prepare)
+            for needer, (holder, domain) in sorted(sources.items()):
+                if topo.rank == holder:
+                    transfer(group, to=needer, offer=offers[needer], frm=None, sink=None, run_id=self.run_id)
+                elif topo.rank == needer:
+                    t0 = time.perf_counter()
+                    res = transfer(group, to=None, offer=None, frm=holder, sink=sinks[holder], run_id=self.run_id)
+                    if res.received and not res.error:
+                        got_here = res.received
+                        dt = time.perf_counter() - t0
+                        log.info("step %d: received %.1f MiB for %s from rank %d's replica of %s in %.2f s "
+                                 "(%.1f MiB/s)", step, res.received / 2**20, topo.domain, holder, domain, dt,
+                                 res.received / 2**20 / max(dt, 1e-9))
+                    else:
+                        err = res.error or res.declined or f"rank {holder} offered nothing"
+                        log.warning("step %d: %s could not restore from rank %d's replica of %s: %s", step,
+                                    topo.domain, holder, domain, err)
+        gathered = coord.phase(f"receiving step {step} from partners' replicas", lambda: got_here)
         got = {r for r, n in enumerate(gathered) if n is not None}
         return got, gathered[topo.domain_ranks[0]]
 

@@ -169,40 +169,38 @@ class Restorer:
         tier = self.fetcher.tier
         self._source_rank = topo.rank
         self._rank_mapped = rank_map is not None
-        map_error: str | None = None
-        if rank_map is not None:
-            try:
-                self._source_rank = int(rank_map(topo.rank))
-            except Exception as exc:  # every rank must learn of it, or the others wait in the gather below
-                map_error = f"rank_map({topo.rank}) failed: {exc!r}"
         t0 = time.perf_counter()
         self.last_restore = None
         skipped: list[int] = []
-        if topo.is_leader:
-            self.local.clean_stale(spare_current=False)
-        mine = self.local.committed_steps() if topo.is_leader else None
-        durable: list[int] | None = None
-        listing_error: str | None = None
-        if topo.rank == 0 and tier is not None:
-            durable, listing_error = self.fetcher.steps()
-        held: list[Held] = self.peers.held() if topo.is_leader and self.peers is not None else []
-        saved_at = self._saved_at(mine) if topo.is_leader else {}
-        gathered = self.coord.all_gather((mine, durable, map_error, listing_error, held, saved_at))
-        errors = [g[2] for g in gathered if g[2]]
-        if errors:
-            raise ConfigError("; ".join(errors))
-        lists = [g[0] for g in gathered]
-        durable_set = set(gathered[0][1] or [])
-        listing_error = gathered[0][3]
+
+        def listing() -> _Listing:
+            """This rank's part of the candidates: its domain's committed steps (leaders), the durable tier's
+            (rank 0), the partners' replicas it holds, and which save each local step is."""
+            if rank_map is not None:
+                try:
+                    self._source_rank = int(rank_map(topo.rank))
+                except Exception as exc:
+                    raise ConfigError(f"rank_map({topo.rank}) failed: {exc!r}") from exc
+            if topo.is_leader:
+                self.local.clean_stale(spare_current=False)
+            mine = self.local.committed_steps() if topo.is_leader else None
+            durable, listing_error = self.fetcher.steps() if topo.rank == 0 and tier is not None else (None, None)
+            held = self.peers.held() if topo.is_leader and self.peers is not None else []
+            return _Listing(mine, durable, listing_error, tuple(held), self._saved_at(mine) if topo.is_leader else {})
+
+        gathered = self.coord.phase("listing the committed steps", listing)
+        lists: list[list[int]] = [g.committed or [] for g in gathered]
+        durable_set = set(gathered[0].durable or [])
+        listing_error = gathered[0].durable_error
         unreachable: list[str] = [listing_error] if listing_error else []  # storage failures, not corruption
-        leaders = [r for r in range(topo.world_size) if lists[r] is not None]
+        leaders = [r for r in range(topo.world_size) if gathered[r].committed is not None]
         common = set.intersection(*[set(lists[r]) for r in leaders]) if leaders else set()
         union = set().union(*[set(lists[r]) for r in leaders]) if leaders else set()
-        replicas = {r: gathered[r][4] for r in leaders if gathered[r][4]}
+        replicas = {r: list(gathered[r].held) for r in leaders if gathered[r].held}
 
         def stamps_of(step: int) -> set[float]:
             """The saves (created_at) of the domains' own copies of ``step`` whose manifests read."""
-            return {gathered[r][5][step] for r in leaders if step in gathered[r][5]}
+            return {gathered[r].saved_at[step] for r in leaders if step in gathered[r].saved_at}
 
         # One step number committed by two different saves in different domains (a run that went back to an
         # older step and saved this one again where only some domains committed it, or were fetched into)
@@ -262,8 +260,7 @@ class Restorer:
                             skipped.append(step)
                             continue
                         fetched = need
-                status, message, loaded = self._read_round(step, state)
-                verdicts = self.coord.all_gather((status, message))
+                verdicts, loaded = self._read_round(step, state)
                 if not any(s == "incompatible" for s, _ in verdicts) and step in durable_set:
                     bad_here = any(verdicts[r][0] != "ok" for r in topo.domain_ranks)
                     if any(v != "ok" for v, _ in verdicts):
@@ -279,8 +276,7 @@ class Restorer:
                         if again is not None:
                             here = (here or 0) + again
                         if ok:
-                            status, message, loaded = self._read_round(step, state)
-                            verdicts = self.coord.all_gather((status, message))
+                            verdicts, loaded = self._read_round(step, state)
                 refused = [r for r, (s, _) in enumerate(verdicts) if s == "incompatible"]
                 if refused:
                     raise IncompatibleCheckpointError(_refusal(topo.rank, refused, verdicts))
@@ -429,15 +425,23 @@ class Restorer:
             reads.setdefault(info.relative_path, set()).add((info.offset, info.length))
         return {path: frozenset(items) for path, items in reads.items()}
 
-    def _read_round(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
-        """Read and verify ``step`` on every rank; this rank's ``(status, message, loaded)``: status "ok",
-        "corrupt" (skip the step) or "incompatible" (refuse it everywhere). Collective (foreground group).
+    def _read_round(self, step: int, state: MutableMapping[str, Any]
+                    ) -> tuple[list[tuple[str, str]], _Loaded | None]:
+        """Read and verify ``step`` on every rank; every rank's verdict ``(status, message)`` and what this rank
+        read: status "ok", "corrupt" (skip the step) or "incompatible" (refuse it everywhere). Collective
+        (foreground group): three phases, the last one sharing the verdicts.
 
         Two parts around one exchange: every rank opens the step and compares it with its state
         (:meth:`_open_step`); the ranks share whether that worked and, where every rank has saved keys that
         it does not hold (pipeline stages, per-rank names), which of those no rank holds
         (compat.py: :meth:`~.compat.Findings.mask`, one all_reduce); then each decides and reads
         (:meth:`_load_step`). A rank reads nothing when another could not open the step."""
+        status, message, loaded = self._read_here(step, state)
+        verdicts = self.coord.phase(f"verifying step {step}", lambda: (status, message))
+        return verdicts, loaded
+
+    def _read_here(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
+        """This rank's part of :meth:`_read_round` (two phases inside): its verdict and what it read."""
         step_dir = os.path.join(self.run_dir, step_dirname(step))
         with contextlib.ExitStack() as held_open:
             prep: _Prepared | None = None
@@ -448,7 +452,7 @@ class Restorer:
             except Exception as exc:
                 status, message = self._verdict(step, step_dir, exc)
             mine = (status, prep.found.digest if prep else None, bool(prep and prep.found.candidates))
-            opened = self.coord.all_gather(mine)
+            opened = self.coord.phase(f"opening step {step}", lambda: mine)
             if prep is None:
                 return status, message, None
             if any(o[0] != "ok" for o in opened):
@@ -459,7 +463,9 @@ class Restorer:
             unheld: frozenset[str] = frozenset()
             if len({o[1] for o in opened}) == 1 and all(o[2] for o in opened):
                 # Every rank has saved keys it does not hold: those no rank holds are unexpected.
-                unheld = prep.found.unheld(self.coord.any_max(prep.found.mask()))
+                found = prep.found
+                unheld = found.unheld(self.coord.phase_flags(f"comparing the keys of step {step}", found.mask,
+                                                             len(found.keyspace)))
             try:
                 return "ok", "", self._load_step(prep, state, unheld)
             except Exception as exc:
@@ -626,6 +632,17 @@ class Restorer:
                        decoded=decoded, bytes_read=read)
 
 
+
+
+@dataclass(frozen=True)
+class _Listing:
+    """One rank's part of a restore's candidates (:meth:`Restorer.restore`, its first phase)."""
+
+    committed: list[int] | None  # the steps committed in its domain (leaders; None elsewhere)
+    durable: list[int] | None  # the steps committed in the durable tier (rank 0; None elsewhere)
+    durable_error: str | None  # why the durable tier could not be listed (rank 0)
+    held: tuple[Held, ...]  # partners' replicas its node holds (leaders)
+    saved_at: dict[int, float]  # which save each committed step is: its manifest's created_at (leaders)
 
 
 @dataclass(frozen=True)

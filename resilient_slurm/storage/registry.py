@@ -7,12 +7,14 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
-from ..config import Settings
 from ..errors import ConfigError
 from .tier import RateLimiter, StorageTier
+
+if TYPE_CHECKING:  # for annotations only: config imports this module to check URLs
+    from ..config import Settings
 
 # scheme -> (module, class, pip extra that provides its dependency)
 _BACKENDS: dict[str, tuple[str, str, str | None]] = {
