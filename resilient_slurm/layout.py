@@ -48,7 +48,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import secrets
 import socket
 import stat
@@ -59,7 +58,15 @@ from dataclasses import dataclass, field
 from . import failpoints
 from .errors import ConfigError
 from .flocks import close_locked_fd, flock_within, open_locked_fd
-from .manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname, step_dirname, tmp_dirname
+from .manifest import (
+    MANIFEST_NAME,
+    durable_step_key,
+    is_tmp_dirname,
+    parse_step_dirname,
+    split_tmp_dirname,
+    step_dirname,
+    tmp_dirname,
+)
 from .paths import STATE_DIR, check_id, id_problem, load_json, open_parent, open_state_file, valid_time
 from .storage.fileio import fsync_dir, remove_tree
 from .storage.tier import StorageTier
@@ -86,7 +93,6 @@ class TempKind(enum.Enum):
         return self in (TempKind.REPLACED, TempKind.GC, TempKind.EVICT)
 
 
-_TEMP_RE = re.compile(r"^step_(\d{12})\.tmp-([A-Za-z0-9_.-]+)$")
 _KIND_PREFIX = {k: f"{k.value}-" for k in TempKind if k is not TempKind.SAVE}
 
 
@@ -112,12 +118,12 @@ class TempDir:
 
 def parse_temp_dirname(name: str) -> TempDir | None:
     """The temp directory ``name`` names, or None if it is not one."""
-    m = _TEMP_RE.match(name)
-    if m is None:
+    split = split_tmp_dirname(name)
+    if split is None:
         return None
-    token = m.group(2)
+    step, token = split
     kind = next((k for k, prefix in _KIND_PREFIX.items() if token.startswith(prefix)), TempKind.SAVE)
-    return TempDir(name, int(m.group(1)), kind, token)
+    return TempDir(name, step, kind, token)
 
 
 @dataclass
@@ -155,7 +161,7 @@ def list_run_dir(run_dir: str) -> RunListing:
         return out
     for e in entries:
         step = parse_step_dirname(e.name)
-        if step is None and not _TEMP_RE.match(e.name):
+        if step is None and not is_tmp_dirname(e.name):
             continue
         try:
             real_dir = e.is_dir(follow_symlinks=False)

@@ -47,7 +47,7 @@ CHECKSUM_ALGORITHM = "xxh3_64"
 REASONS = ("interval", "emergency", "final", "manual")
 
 _STEP_RE = re.compile(r"^step_(\d{12})$")
-_TMP_RE = re.compile(r"^step_(\d{12})\.tmp-[A-Za-z0-9_.-]+$")
+_TMP_RE = re.compile(r"^step_(\d{12})\.tmp-([A-Za-z0-9_.-]+)$")  # the one pattern of temp names (layout.py parses them)
 
 
 DOMAINS_DIR = "domains"
@@ -114,6 +114,12 @@ def parse_step_dirname(name: str) -> int | None:
 def is_tmp_dirname(name: str) -> bool:
     """True for in-progress / abandoned step directories (``step_X.tmp-*``)."""
     return _TMP_RE.match(name) is not None
+
+
+def split_tmp_dirname(name: str) -> tuple[int, str] | None:
+    """``(step, token)`` of a temp directory's name (``step_X.tmp-<token>``), or None if it is not one."""
+    m = _TMP_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 @dataclass(frozen=True)

@@ -113,9 +113,10 @@ def probe_signal_delivery(slurm: Any, job_id: str, nodes: Sequence[str], sig: st
     """Run the probe step on ``nodes`` of ``job_id``, signal it through Slurm, and collect the reports."""
     n = len(nodes)
     res = ProbeResult(nodes=list(nodes))
-    cmd = ["srun", "--overlap", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
-           "--job-name=rslurm-doctor", sys.executable, "-m", "resilient_slurm.doctor.probe",
-           "--signal", sig, "--timeout", str(start_timeout + signal_timeout + 5)]
+    from ..slurm.client import per_node_step  # here: the probe task itself imports the standard library only
+
+    cmd = per_node_step(n, "rslurm-doctor", sys.executable, "-m", "resilient_slurm.doctor.probe",
+                        "--signal", sig, "--timeout", str(start_timeout + signal_timeout + 5))
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                 text=True, env=env, start_new_session=True)

@@ -30,6 +30,7 @@ from ..config import Settings
 from ..daemon.service import daemon_running, read_status
 from ..errors import ResilientSlurmError
 from ..manifest import MANIFEST_NAME, durable_run_key, durable_step_key, read_manifest_file, step_dirname
+from ..slurm.client import per_node_step
 from ..storage.registry import open_durable
 from ..storage.tier import StorageTier
 from .processes import die_with_parent_by_sigint
@@ -78,8 +79,7 @@ class JobDrain:
                 return
             cmd = daemon
         else:
-            cmd = ["srun", "--overlap", f"--nodes={self.slurm_nodes}", "--ntasks-per-node=1",
-                   f"--ntasks={self.slurm_nodes}", "--kill-on-bad-exit=0", f"--job-name={DAEMON_STEP_NAME}", *daemon]
+            cmd = per_node_step(self.slurm_nodes, DAEMON_STEP_NAME, *daemon)
         try:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                          preexec_fn=die_with_parent_by_sigint)

@@ -38,6 +38,7 @@ from ..config import Settings
 from ..layout import list_run_dir
 from ..manifest import MANIFEST_NAME, read_manifest_file, step_dirname
 from ..paths import default_local_dir, expand_local_dir, node_name
+from ..slurm.client import per_node_step
 from ..terminal import printable
 from .rank_env import srun_options
 
@@ -172,11 +173,8 @@ def check_node(cfg: Settings, env: Mapping[str, str] | None = None, *, run_id: s
 
 def health_step_command(nodes: int, exclude: Sequence[str]) -> list[str]:
     """The srun step that runs ``rslurm health --json`` once on each of ``nodes`` nodes of the allocation."""
-    cmd = ["srun", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-           "--kill-on-bad-exit=0", f"--job-name={HEALTH_STEP_NAME}"]
-    if exclude:
-        cmd.append(f"--exclude={','.join(exclude)}")
-    return [*cmd, sys.executable, "-m", "resilient_slurm.cli", "health", "--json"]
+    return per_node_step(nodes, HEALTH_STEP_NAME, sys.executable, "-m", "resilient_slurm.cli", "health", "--json",
+                         exclude=exclude)
 
 
 def check_allocation(cfg: Settings, env: Mapping[str, str], *, nodes: Sequence[str] | None, run_id: str,

@@ -179,6 +179,18 @@ class SlurmClient(ABC):
         return parse_duration(self.config_value(key))
 
 
+def per_node_step(nodes: int, job_name: str, *command: str, exclude: Sequence[str] = ()) -> list[str]:
+    """The ``srun`` line of a helper step inside the job: one task on each of ``nodes`` nodes, ``--overlap``
+    so it never takes CPUs the ranks' step holds, a task that fails not ending the others, named
+    ``job_name`` (so ``squeue --steps`` and the launcher tell it from the ranks' step), nodes in
+    ``exclude`` left out. The one place these lines are built (health checks, the drain daemon, doctor)."""
+    cmd = ["srun", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+           "--kill-on-bad-exit=0", f"--job-name={job_name}"]
+    if exclude:
+        cmd.append(f"--exclude={','.join(exclude)}")
+    return [*cmd, *command]
+
+
 def remaining_seconds(job: JobInfo, now: float, *, grace_time: float | None = None,
                       kill_wait: float | None = None) -> float:
     """Seconds from ``now`` (epoch seconds) until Slurm starts killing the running ``job``.
