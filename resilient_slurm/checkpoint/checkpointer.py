@@ -124,7 +124,7 @@ class Checkpointer:
         self.retention = RetentionPolicy(cfg.keep_last, cfg.keep_every)
         auto = cfg.auto_cadence == "on" and cfg.every_steps is None and cfg.every_seconds is None
         self.cadence = Cadence(cfg.every_steps, cfg.every_seconds, auto=auto, failure_interval=cfg.failure_interval)
-        self._coord = Coordinator(timeout_s=cfg.collective_timeout)
+        self._coord = Coordinator(timeout_s=cfg.collective_timeout, node=node_name(cfg.node_name))
         job = JobEnv.from_env()
         if not self._coord.distributed and (job.world_size or 1) > 1:
             # Several ranks each acting as "rank 0" would write over one another's shards.

@@ -44,10 +44,13 @@ class RankError:
     rank: int
     kind: str  # the exception's class name
     message: str
+    node: str = ""  # the rank's node, when its coordinator knows it
 
     def describe(self) -> str:
-        """``rank 3: message`` (a message that names its rank already is left as it is)."""
-        return self.message if self.message.startswith(f"rank {self.rank}") else f"rank {self.rank}: {self.message}"
+        """``rank 3 (node7): message`` (a message that names its rank already is left as it is)."""
+        if self.message.startswith(f"rank {self.rank}"):
+            return self.message
+        return f"rank {self.rank}{f' ({self.node})' if self.node else ''}: {self.message}"
 
 
 class PhaseError(DistributedError):
@@ -78,7 +81,8 @@ def phase_error(name: str, errors: Sequence[RankError]) -> ResilientSlurmError:
     by_message: dict[str, list[int]] = {}
     for e in errors:
         by_message.setdefault(e.message, []).append(e.rank)
-    text = "; ".join(RankError(rs[0], "", m).describe() if len(rs) == 1 else f"ranks {rs}: {m}"
+    node_of = {e.rank: e.node for e in errors}
+    text = "; ".join(RankError(rs[0], "", m, node_of[rs[0]]).describe() if len(rs) == 1 else f"ranks {rs}: {m}"
                      for m, rs in by_message.items())
     kinds = {e.kind for e in errors}
     cls = _error_classes().get(next(iter(kinds))) if len(kinds) == 1 else None
@@ -97,7 +101,8 @@ class Coordinator:
     each rank runs its part, and if it raised on any rank, every rank raises the same error naming every
     failed rank; a rank never waits in a collective that a failed rank will not join."""
 
-    def __init__(self, timeout_s: float = 600.0) -> None:
+    def __init__(self, timeout_s: float = 600.0, node: str = "") -> None:
+        self.node = node  # this rank's node name, in the errors of its failed phases
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -129,7 +134,7 @@ class Coordinator:
             failpoints.hit_phase(name)
             mine = fn()
         except Exception as e:  # every rank must learn of it, or the others wait in the gather below
-            exc, err = e, RankError(self.rank, type(e).__name__, str(e))
+            exc, err = e, RankError(self.rank, type(e).__name__, str(e), self.node)
         gathered = self._all_gather((mine, err), background=background)
         errors = [e for _, e in gathered if e is not None]
         if errors:
@@ -152,7 +157,7 @@ class Coordinator:
                 raise DistributedError(f"{name}: {len(got)} values on rank {self.rank}, {length} expected")
             values = got
         except Exception as e:  # every rank must learn of it, or the others wait in the reduce below
-            exc, err = e, RankError(self.rank, type(e).__name__, str(e))
+            exc, err = e, RankError(self.rank, type(e).__name__, str(e), self.node)
         reduced = self._all_max([int(err is not None), *values], background=background)
         if reduced[0]:
             errors = [e for e in self._all_gather(err, background=background) if e is not None]
@@ -172,7 +177,7 @@ class Coordinator:
                 raise DistributedError(f"{name}: {len(got)} flags on rank {self.rank}, {length} expected")
             flags = got
         except Exception as e:  # every rank must learn of it, or the others wait in the reduce below
-            exc, err = e, RankError(self.rank, type(e).__name__, str(e))
+            exc, err = e, RankError(self.rank, type(e).__name__, str(e), self.node)
         reduced = self._bytes_max(bytes([int(err is not None)]) + flags)
         if reduced[0]:
             errors = [e for e in self._all_gather(err) if e is not None]
