@@ -60,19 +60,27 @@ def test_sigkilled_launcher_leaves_no_ranks_and_they_save_first(tmp_path: Path) 
         pids = [e["pid"] for r in (0, 1) for e in read_jsonl(tmp_path / f"log.{r}.jsonl") if e.get("event") == "start"]
         procs = [psutil.Process(p) for p in pids]
         procs += [c for p in procs for c in p.children(recursive=True)]  # DataLoader workers
+        before = max(e["step"] for e in read_jsonl(tmp_path / "log.0.jsonl") if "loss" in e)
         _kill_launcher_and_wait(launcher, procs)
     finally:
         _cleanup(launcher, tmp_path)
-    exits = [e for e in read_jsonl(tmp_path / "log.0.jsonl") if e.get("event") == "exit"]
-    assert exits and exits[0]["stopped"] is True, exits
     newest = sorted((tmp_path / "nvme" / "toy").glob("step_*"))[-1]
     manifest = json.loads((newest / "manifest.json").read_text())
-    assert manifest["reason"] == "emergency" and manifest["step"] == exits[0]["step"], manifest
+    assert manifest["reason"] == "emergency" and manifest["step"] >= before, (manifest, before)
     events = read_jsonl(tmp_path / "nvme" / "toy" / "events.jsonl")
+    committed = [e for e in events if e["event"] == "save_committed" and e["reason"] == "emergency"]
+    assert sorted(e["rank"] for e in committed) == [0, 1] and {e["step"] for e in committed} == {manifest["step"]}
     gone = [e for e in events if e["event"] == "launcher_gone"]
     assert sorted(e["rank"] for e in gone) == [0, 1] and all(e["launcher_pid"] == launcher.pid for e in gone), gone
-    assert not [e for e in events if e["event"] == "orphan_timeout"], "they saved and left on their own"
-    check_records(read_docs(), [e for e in events if e["event"] == "launcher_gone"])
+    # Each rank left its loop on should_stop after that save and exited; or, on a node so busy that its exit
+    # outlasted term_grace after the commit, its bound ended it then (saved).
+    ended = {e["rank"]: e for e in events if e["event"] == "orphan_timeout"}
+    assert all(e["saved"] for e in ended.values()), ended
+    for r in (0, 1):
+        exits = [e for e in read_jsonl(tmp_path / f"log.{r}.jsonl") if e.get("event") == "exit"]
+        assert exits == [{"event": "exit", "step": manifest["step"], "stopped": True}] or (not exits and r in ended), (
+            r, exits, ended)
+    check_records(read_docs(), [e for e in events if e["event"] in ("launcher_gone", "orphan_timeout")])
 
 
 def test_orphaned_ranks_that_cannot_save_are_ended_within_the_bound(tmp_path: Path) -> None:

@@ -40,6 +40,8 @@ from slurm_cluster import SlurmCluster
 from test_cloud_notice import MetadataServer, Seen
 from test_telemetry import check_records, read_docs
 
+from resilient_slurm.launcher.processes import parse_task_line
+
 PY = sys.executable
 TOY = [PY, "-m", "resilient_slurm.examples.train_toy"]
 #: How long a job may take to reach its first steps: the batch script, the launcher, the node health step,
@@ -241,11 +243,17 @@ def test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them(slurm: 
     that has not trapped it yet. The launcher holds it back until a rank registers (a rank registers
     only after a collective that every rank enters with its traps installed), so the ranks start,
     restore, take the emergency checkpoint at their first step and stop; none dies by a signal. Here
-    each task sleeps 8 s in a shell before python starts, and USR1 reaches the launcher 2 s in."""
+    each task sleeps 8 s in a shell before python starts, and USR1 reaches the launcher 2 s in.
+
+    The save signal, once sent, can reach the ranks after they saved and closed their Checkpointer
+    (scancel goes through slurmctld and slurmd: seconds on a busy node); it must not kill them then either.
+    term_grace is raised to 60 s here: what is tested is that the stop is saved and that no signal ends a
+    rank, not how fast a rank exits after its commit (10 s at a load of 20 on two cores, past the default
+    term_grace, after which the launcher tears the ranks down as documented)."""
     work = slurm.work_dir / "launch-stop-while-starting"
     work.mkdir()
     program = ["bash", "-c", "'sleep 8; exec \"$@\"'", "task", *TOY, *_toy_args(work, 30, 0.05)]
-    job = _submit(slurm, work, _script(work, program))
+    job = _submit(slurm, work, _script(work, program, extra_env={"RSLURM_TERM_GRACE": "60"}))
     deadline = time.monotonic() + 60
     while not ((work / "nvme" / "n1" / "toy" / "events.jsonl").exists()
                and any(e["event"] == "start" for e in _events(work))):
@@ -268,6 +276,9 @@ def test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them(slurm: 
     exits = _exits(work)
     assert exits[0]["stopped"] is True and exits[0]["step"] >= 1, (exits, diagnosis)  # saved, not killed
     assert "killed by signal" not in _job_text(work), diagnosis
+    # srun names each task a signal ended ("srun: error: n1: task 0: User defined signal 2", "...: Killed")
+    assert not [e for line in _job_text(work).splitlines() for e in parse_task_line(line) if e.signal], diagnosis
+    assert not [e for e in first if e["event"] == "deadline_missed"], diagnosis
     assert int(info["Restarts"]) == 1 and exits[-1] == {"event": "exit", "step": 30, "stopped": False}, diagnosis
 
 
