@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -637,14 +638,28 @@ def test_an_unhealthy_node_without_a_spare_requeues_the_job_elsewhere(slurm: Slu
     """A 1-node job whose node fails the health check (the first node checked is marked bad for good):
     no rank starts, the incarnation ends as a node failure, the job is requeued with that node in its
     ExcNodeList, and the next incarnation runs on the other node and completes. The history, kept in the
-    durable tier, follows the run to the new batch host."""
+    durable tier, follows the run to the new batch host.
+
+    The requeue starts the job's teardown, which sends SIGTERM to every process of the job, the launcher's
+    `scontrol requeue` among them: on a busy node that SIGTERM ended it after the controller had requeued
+    the job, the launcher took the requeue for failed, and the node was not excluded (the job ran there
+    again, and was held after three such restarts). Here the `scontrol` on the job's PATH sends itself that
+    SIGTERM after every requeue, as the teardown did on that node."""
     steps = 12
     work = slurm.work_dir / "launch-health-requeue"
     work.mkdir()
     ref = _reference(tmp_path, steps)
     bad_file = work / "bad-node"
     check = f'[ -e {bad_file} ] || echo "$SLURMD_NODENAME" > {bad_file}; ! grep -qx "$SLURMD_NODENAME" {bad_file}'
-    env = {"RSLURM_HEALTH_CHECK_COMMAND": check, "RSLURM_DURABLE": str(work / "durable")}
+    wrapped = work / "bin"
+    wrapped.mkdir()
+    real = shutil.which("scontrol")
+    assert real is not None
+    (wrapped / "scontrol").write_text(f'#!/bin/sh\n{real} "$@"; rc=$?\n'
+                                      'case "$1" in requeue|requeuehold) kill -TERM $$ ;; esac\nexit $rc\n')
+    (wrapped / "scontrol").chmod(0o755)
+    env = {"RSLURM_HEALTH_CHECK_COMMAND": check, "RSLURM_DURABLE": str(work / "durable"),
+           "PATH": f"{wrapped}:{os.environ['PATH']}"}
     script = _script(work, [*TOY, *_toy_args(work, steps, 0.0)], extra_env=env, srun=("-N1", "-n2"))
     job = slurm.sbatch(script, "-p", "low", "--requeue", "-N1", "--exclusive", "--open-mode=append",
                        "-o", str(work / "job.out"))
@@ -658,4 +673,5 @@ def test_an_unhealthy_node_without_a_spare_requeues_the_job_elsewhere(slurm: Slu
     ends = _history(work, other, "--durable", str(work / "durable"))
     assert [(e["reason"], e["action"]) for e in ends] == [("node_failure", "requeue"), ("completed", "exit")], ends
     assert ends[0]["evidence"].startswith(f"node health check: {first}: health_check_command exited 1"), ends
+    assert "requeue of job" not in _job_text(work), _job_text(work)[-4000:]  # no "requeue of job J failed"
     _assert_identical_to(ref, work, steps)
