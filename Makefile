@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-load lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,16 @@ test: $(STAMP)
 	# A real Slurm (slurmctld + two slurmd + munge on loopback) for the end-to-end tests; needs root.
 	bash tests/slurm/install.sh || echo "make test: Slurm unavailable here; its end-to-end tests will be skipped (CI requires them)"
 	$(PY) -m pytest -q -rs tests
+
+# The launcher, attribution, orphan and Slurm tests with a CPU and an I/O hog on every core beside them
+# (tests/under_load.py), LOAD_RUNS times in a row, stopping at the first failure: races that only a busy
+# node shows. Run it before a change to the launcher lands (docs/testing.md). Not part of `make test` or CI:
+# it takes hours.
+LOAD_TESTS ?= tests/test_launcher_local.py tests/test_attribution.py tests/test_launcher_orphans.py tests/test_launcher_slurm.py
+LOAD_RUNS  ?= 3
+test-load: $(STAMP)
+	bash tests/slurm/install.sh
+	RSLURMTEST_REQUIRE_SLURM=1 $(PY) tests/under_load.py --runs $(LOAD_RUNS) -- $(PY) -m pytest -q -rs -x $(LOAD_TESTS)
 
 bench: $(STAMP)
 	$(PY) bench/bench_checkpoint.py

@@ -351,11 +351,14 @@ class Settings:
     no_progress_limit: int | None = _key(_OPT_COUNT, 3, "launcher",
                 'hold the job after this many restarts in a row that committed no new step (0 or none disables)')
     save_timeout: float = _key(_seconds(), 300.0, "launcher",
-                'seconds the emergency save may take when Slurm gives no deadline (local mode, no time limit)')
+                'seconds the emergency save may take when Slurm gives no deadline (local mode, no time limit); '
+                "also what a local launcher's ranks give their emergency save once that launcher died")
     requeue_margin: float = _key(_seconds(zero_ok=True), 3.0, "launcher",
                 "seconds kept before the job's end (time limit or end of GraceTime) for teardown and the requeue call")
     term_grace: float = _key(_seconds(), 10.0, "launcher",
-                "seconds between SIGTERM and SIGKILL when the launcher tears the ranks' process trees down")
+                "seconds between SIGTERM and SIGKILL when the launcher tears the ranks' process trees down; also how "
+                "long a local launcher's ranks take to exit after their emergency save once that launcher died, "
+                "before they kill themselves and their child processes")
     hang_timeout: float | None = _key(_hang_timeout, None, "launcher",
                 "seconds without a step on any rank of the launcher's node after which the job is hung: its "
                 "ranks' Python stacks are written to the run directory, a hang event names the ranks and "
@@ -437,7 +440,7 @@ SETTINGS: dict[str, Setting] = {
 }
 
 # Variables in the RSLURM_ namespace that are not settings but are set for ranks by our own tools.
-RESERVED_ENV = {"RSLURM_CONFIG", "RSLURM_FAILPOINTS", "RSLURM_REHEARSE_STEPS", "RSLURM_RUN_WRITER"}
+RESERVED_ENV = {"RSLURM_CONFIG", "RSLURM_FAILPOINTS", "RSLURM_LAUNCHER_PID", "RSLURM_REHEARSE_STEPS", "RSLURM_RUN_WRITER"}
 
 
 def _suggest(key: str, valid: list[str]) -> str:

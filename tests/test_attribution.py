@@ -32,7 +32,14 @@ import pytest
 from conftest import clean_env
 from test_hang import WORKER, _assert_like, _events, _reference, _restored_steps
 
-from resilient_slurm.launcher.attribution import OomCounters, attribute_failure, exception_lines
+from resilient_slurm.launcher.attribution import (
+    HangCause,
+    OomCounters,
+    attribute_failure,
+    attribute_hang,
+    exception_lines,
+)
+from resilient_slurm.launcher.hang import Hang, Stuck
 from resilient_slurm.launcher.policy import Reason
 from resilient_slurm.launcher.processes import RankExit, parse_task_line
 
@@ -239,6 +246,33 @@ def test_attribution_of_what_the_tools_print(failed: list[RankExit], stderr: dic
     att = attribute_failure(failed, lambda e: stderr.get(e.rank or 0, ""), oom_evidence=oom, srun_text=srun)
     assert att is not None and att.reason is reason, att
     assert evidence in att.evidence, att
+
+
+GLOO_TIMEOUT = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"hang_worker.py\", line 92, in main\n"
+                "[rank0]:     dist.all_reduce(p)\n[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/"
+                "unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation to complete\n")
+
+
+def test_a_hang_after_a_failed_collective_is_that_communicator_error() -> None:
+    """The hang watch and the collective's own timeout race when a rank stops: its peer's collective fails,
+    and the peer may then stay alive past the hang timeout (its exit waits for the checkpoint writer's
+    collective with the stopped rank). Read with the ranks' output at the verdict, both orders give the
+    communicator error, with the hang as further evidence; without a failed collective it is a hang."""
+    hang = Hang((Stuck(0, 100, 7, "", 121.0, 120.0), Stuck(1, 101, 7, "", 121.0, 120.0)), 2)
+    hang = hang.with_states({100: "sleeping", 101: "stopped"}.get)
+    said = hang.describe()
+    assert said == "rank 0 after step 7, idle 121 s > 120 s; rank 1 after step 7 (process stopped), idle 121 s > 120 s"
+    assert [s.to_json()["state"] for s in hang.stuck] == ["sleeping", "stopped"]
+    cause = attribute_hang(said, [(0, GLOO_TIMEOUT), (1, "crashing with STOP\n")])
+    assert cause.reason is Reason.COMMUNICATOR_ERROR and cause.rank == 0, cause
+    assert "Timed out waiting 5000ms for recv operation" in cause.evidence and said in cause.evidence, cause
+    # srun: every task's lines in one stream; NCCL's watchdog line before its abort
+    nccl = ("[rank1]:[E ProcessGroupNCCL.cpp:1182] [Rank 1] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.\n")
+    assert attribute_hang(said, [(None, nccl)]).reason is Reason.COMMUNICATOR_ERROR
+    # nothing failed before the verdict: a hang, even beside a traceback the program printed and handled
+    assert attribute_hang(said, [(0, USER), (1, "hanging (after step 5)\n")]) == HangCause(Reason.HANG, said)
+    assert attribute_hang(said, []) == HangCause(Reason.HANG, said)
 
 
 def test_nothing_failed_is_no_attribution_and_the_counters_read_this_process() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,8 @@ from conftest import REPO, assert_same, clean_env, read_jsonl, run_ranks, wait_f
 from slurm_cluster import SlurmCluster
 from test_cloud_notice import MetadataServer, Seen
 from test_telemetry import check_records, read_docs
+
+from resilient_slurm.launcher.processes import parse_task_line
 
 PY = sys.executable
 TOY = [PY, "-m", "resilient_slurm.examples.train_toy"]
@@ -241,11 +244,17 @@ def test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them(slurm: 
     that has not trapped it yet. The launcher holds it back until a rank registers (a rank registers
     only after a collective that every rank enters with its traps installed), so the ranks start,
     restore, take the emergency checkpoint at their first step and stop; none dies by a signal. Here
-    each task sleeps 8 s in a shell before python starts, and USR1 reaches the launcher 2 s in."""
+    each task sleeps 8 s in a shell before python starts, and USR1 reaches the launcher 2 s in.
+
+    The save signal, once sent, can reach the ranks after they saved and closed their Checkpointer
+    (scancel goes through slurmctld and slurmd: seconds on a busy node); it must not kill them then either.
+    term_grace is raised to 60 s here: what is tested is that the stop is saved and that no signal ends a
+    rank, not how fast a rank exits after its commit (10 s at a load of 20 on two cores, past the default
+    term_grace, after which the launcher tears the ranks down as documented)."""
     work = slurm.work_dir / "launch-stop-while-starting"
     work.mkdir()
     program = ["bash", "-c", "'sleep 8; exec \"$@\"'", "task", *TOY, *_toy_args(work, 30, 0.05)]
-    job = _submit(slurm, work, _script(work, program))
+    job = _submit(slurm, work, _script(work, program, extra_env={"RSLURM_TERM_GRACE": "60"}))
     deadline = time.monotonic() + 60
     while not ((work / "nvme" / "n1" / "toy" / "events.jsonl").exists()
                and any(e["event"] == "start" for e in _events(work))):
@@ -268,6 +277,9 @@ def test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them(slurm: 
     exits = _exits(work)
     assert exits[0]["stopped"] is True and exits[0]["step"] >= 1, (exits, diagnosis)  # saved, not killed
     assert "killed by signal" not in _job_text(work), diagnosis
+    # srun names each task a signal ended ("srun: error: n1: task 0: User defined signal 2", "...: Killed")
+    assert not [e for line in _job_text(work).splitlines() for e in parse_task_line(line) if e.signal], diagnosis
+    assert not [e for e in first if e["event"] == "deadline_missed"], diagnosis
     assert int(info["Restarts"]) == 1 and exits[-1] == {"event": "exit", "step": 30, "stopped": False}, diagnosis
 
 
@@ -626,14 +638,28 @@ def test_an_unhealthy_node_without_a_spare_requeues_the_job_elsewhere(slurm: Slu
     """A 1-node job whose node fails the health check (the first node checked is marked bad for good):
     no rank starts, the incarnation ends as a node failure, the job is requeued with that node in its
     ExcNodeList, and the next incarnation runs on the other node and completes. The history, kept in the
-    durable tier, follows the run to the new batch host."""
+    durable tier, follows the run to the new batch host.
+
+    The requeue starts the job's teardown, which sends SIGTERM to every process of the job, the launcher's
+    `scontrol requeue` among them: on a busy node that SIGTERM ended it after the controller had requeued
+    the job, the launcher took the requeue for failed, and the node was not excluded (the job ran there
+    again, and was held after three such restarts). Here the `scontrol` on the job's PATH sends itself that
+    SIGTERM after every requeue, as the teardown did on that node."""
     steps = 12
     work = slurm.work_dir / "launch-health-requeue"
     work.mkdir()
     ref = _reference(tmp_path, steps)
     bad_file = work / "bad-node"
     check = f'[ -e {bad_file} ] || echo "$SLURMD_NODENAME" > {bad_file}; ! grep -qx "$SLURMD_NODENAME" {bad_file}'
-    env = {"RSLURM_HEALTH_CHECK_COMMAND": check, "RSLURM_DURABLE": str(work / "durable")}
+    wrapped = work / "bin"
+    wrapped.mkdir()
+    real = shutil.which("scontrol")
+    assert real is not None
+    (wrapped / "scontrol").write_text(f'#!/bin/sh\n{real} "$@"; rc=$?\n'
+                                      'case "$1" in requeue|requeuehold) kill -TERM $$ ;; esac\nexit $rc\n')
+    (wrapped / "scontrol").chmod(0o755)
+    env = {"RSLURM_HEALTH_CHECK_COMMAND": check, "RSLURM_DURABLE": str(work / "durable"),
+           "PATH": f"{wrapped}:{os.environ['PATH']}"}
     script = _script(work, [*TOY, *_toy_args(work, steps, 0.0)], extra_env=env, srun=("-N1", "-n2"))
     job = slurm.sbatch(script, "-p", "low", "--requeue", "-N1", "--exclusive", "--open-mode=append",
                        "-o", str(work / "job.out"))
@@ -647,4 +673,5 @@ def test_an_unhealthy_node_without_a_spare_requeues_the_job_elsewhere(slurm: Slu
     ends = _history(work, other, "--durable", str(work / "durable"))
     assert [(e["reason"], e["action"]) for e in ends] == [("node_failure", "requeue"), ("completed", "exit")], ends
     assert ends[0]["evidence"].startswith(f"node health check: {first}: health_check_command exited 1"), ends
+    assert "requeue of job" not in _job_text(work), _job_text(work)[-4000:]  # no "requeue of job J failed"
     _assert_identical_to(ref, work, steps)

@@ -6,14 +6,19 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import clean_env
 
+from resilient_slurm.control.orphan import LAUNCHER_PID_ENV, LauncherWatch, process_start
 from resilient_slurm.control.rank import RankLink
 from resilient_slurm.control.server import ControlServer, ControlState
 from resilient_slurm.launcher.launch import newest_committed
@@ -155,7 +160,8 @@ def test_signal_trap_notify_from_another_thread_wakes_wait_and_keeps_order(defau
 
 
 # --------------------------------------------------------------------------- RankLink: signals
-def test_rank_link_traps_term_and_the_save_signal_and_close_restores_the_default(default_handlers: None) -> None:
+def test_rank_link_traps_term_and_the_save_signal_and_close_restores_term_and_ignores_the_save_signal(
+        default_handlers: None) -> None:
     calls: list[str] = []
     link = RankLink(0, 0, on_request=lambda: calls.append("request"), socket_path=None, trap_signals=True,
                     save_signal="USR2")
@@ -170,8 +176,40 @@ def test_rank_link_traps_term_and_the_save_signal_and_close_restores_the_default
         assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL, "USR1 is not the save signal here"
     finally:
         link.close()
-    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+    # a save signal that arrives after the save (scancel is slow on a busy node) must not end the rank
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
+    os.kill(os.getpid(), signal.SIGUSR2)  # ignored: this test run goes on
+    time.sleep(0.01)
+    assert calls == ["request", "request"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    # a later Checkpointer of the same program traps it again, and leaves it ignored again
+    again = RankLink(0, 0, on_request=lambda: calls.append("again"), trap_signals=True, save_signal="USR2")
+    try:
+        kill_self(signal.SIGUSR2)
+        assert calls[-1] == "again" and again.signals_seen == ["SIGUSR2"]
+    finally:
+        again.close()
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
+
+
+def test_a_late_save_signal_does_not_end_a_rank_whose_checkpointer_closed(tmp_path: Path) -> None:
+    """In a real process, to its end: the Checkpointer's link closed, then USR2 arrives (as a scancel that
+    took longer than the save does); the program still writes its final output and exits 0, also when the
+    signal lands during the interpreter's shutdown."""
+    code = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from resilient_slurm.control.rank import RankLink
+        link = RankLink(0, 0, on_request=lambda: None, trap_signals=True, save_signal="USR2")
+        link.close()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.05)
+        open({str(tmp_path / "final")!r}, "w").write("done")
+        import atexit
+        atexit.register(lambda: (os.kill(os.getpid(), signal.SIGUSR2), time.sleep(0.05)))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert (tmp_path / "final").read_text() == "done"
 
 
 def test_rank_link_leaves_a_handler_the_program_installed(default_handlers: None) -> None:
@@ -205,7 +243,9 @@ def test_rank_link_traps_only_term_and_the_configured_save_signal(
         assert got == trapped
     finally:
         link.close()
-    assert all(signal.getsignal(s) is signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert {s for s in (signal.SIGUSR1, signal.SIGUSR2) if signal.getsignal(s) is signal.SIG_IGN} == trapped - {signal.SIGTERM}
+    assert all(signal.getsignal(s) is signal.SIG_DFL for s in (signal.SIGUSR1, signal.SIGUSR2) if s not in trapped)
 
 
 def test_rank_link_without_trap_signals_installs_nothing(default_handlers: None) -> None:
@@ -372,3 +412,52 @@ def test_newest_committed_skips_steps_without_a_readable_manifest(tmp_path: Path
     assert newest_committed(str(run)) == (8, "emergency")
     _step(run, 100, _manifest(100, "interval"))
     assert newest_committed(str(run)) == (100, "interval")
+
+
+# --------------------------------------------------------------------------- LauncherWatch (orphan.py)
+def test_launcher_watch_finds_its_launcher_gone_and_sets_the_launchers_bounds() -> None:
+    """A real process stands for the launcher; the watch gives the rank save_timeout + term_grace once it is
+    gone, term_grace once the emergency save committed; a watch stopped while the launcher runs ends."""
+    fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    seen: list[tuple[int, float]] = []
+    watch = LauncherWatch.from_env({LAUNCHER_PID_ENV: str(fake.pid)}, save_timeout=300.0, term_grace=10.0,
+                                   on_gone=lambda pid, bound: seen.append((pid, bound)),
+                                   on_timeout=lambda pid, bound: pytest.fail("no bound may pass here"),
+                                   check_every=0.05)
+    assert watch is not None and process_start(fake.pid)
+    try:
+        watch.start()
+        time.sleep(0.3)
+        assert not watch.gone and seen == []
+        fake.kill()
+        fake.wait()
+        deadline = time.monotonic() + 30
+        while not watch.gone and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.gone and seen == [(fake.pid, 310.0)]
+        assert watch.deadline is not None and 300 < watch.deadline - time.monotonic() <= 310
+        watch.saved()  # the emergency checkpoint committed: term_grace from now
+        assert 0 < watch.deadline - time.monotonic() <= 10
+        watch.stop()  # gone: the bound stays
+        assert watch._thread is not None and watch._thread.is_alive()
+    finally:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()  # the backstop would end this test run
+        watch._stop.set()
+    assert process_start(fake.pid) is None
+    # no launcher named, or a value that is no pid: no watch
+    assert LauncherWatch.from_env({}, save_timeout=1.0, term_grace=1.0, on_gone=print, on_timeout=print) is None
+    assert LauncherWatch.from_env({LAUNCHER_PID_ENV: "x1"}, save_timeout=1.0, term_grace=1.0, on_gone=print,
+                                  on_timeout=print) is None
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        w = LauncherWatch(alive.pid, save_timeout=1.0, term_grace=1.0, on_gone=print, on_timeout=print,
+                          check_every=0.05).start()
+        w.stop()  # the launcher runs: the watch ends, nothing armed
+        assert w._thread is not None
+        w._thread.join(5)
+        assert not w._thread.is_alive() and not w.gone and w.deadline is None
+    finally:
+        alive.kill()
+        alive.wait()

@@ -88,6 +88,9 @@ TAG_ONLY = {"tagged"}
 # A rank event of storage domains on several nodes (peer replicas): this module's Slurm test (two nodes)
 # checks its fields; the single-node scenario has no partner.
 PEER_ONLY = {"peer_replica"}
+# Rank events of a local launcher's ranks once it died: tests/test_launcher_orphans.py writes them (a SIGKILLed
+# launcher) and checks their fields against these docs.
+ORPHAN_ONLY = {"launcher_gone", "orphan_timeout"}
 
 # A rank that never saves: ignores SIGTERM (which the launcher forwards when no rank registered) and the
 # save signal, and says when it is ready.
@@ -392,7 +395,8 @@ def test_every_documented_event_appears_with_exactly_its_fields(scenario: Scenar
                                                                                | RESUME_ONLY
                                                                                | PROVENANCE_ONLY
                                                                                | TAG_ONLY
-                                                                               | PEER_ONLY}
+                                                                               | PEER_ONLY
+                                                                               | ORPHAN_ONLY}
     assert not missing, f"documented but never written: {sorted(missing)}"
     for p in scenario.nvme.glob("*/events.jsonl"):
         check_order(read_jsonl(p), str(p))

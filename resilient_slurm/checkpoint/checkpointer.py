@@ -36,7 +36,8 @@ from types import TracebackType
 from typing import Any
 
 from .. import config as settings_mod  # ``config`` is also Checkpointer's argument (the user's run config)
-from ..control.heartbeat import register_stack_dump, unregister_stack_dump
+from ..control.heartbeat import open_stack_file, register_stack_dump, unregister_stack_dump
+from ..control.orphan import LauncherWatch
 from ..control.rank import RankLink
 from ..errors import (
     CheckpointError,
@@ -206,6 +207,7 @@ class Checkpointer:
             self.topology.rank, job.local_rank or 0,
             on_request=self.request_emergency_save, socket_path=cfg.control_socket,
             timeout=cfg.control_timeout, trap_signals=cfg.trap_signals, save_signal=cfg.save_signal,
+            launcher_watch=self._launcher_watch(cfg),
         )
         self._hello_sent = False
         self._signals_reported = 0
@@ -221,6 +223,24 @@ class Checkpointer:
                 self._stragglers_recorded = False
                 self._stragglers = StragglerWatch(cfg.straggler_ratio, cfg.straggler_window,
                                                   self.topology.domain_of_rank)
+
+    def _launcher_watch(self, cfg: settings_mod.Settings) -> LauncherWatch | None:
+        """Under a local launcher: the watch that bounds this rank if the launcher dies (control/orphan.py),
+        with the launcher's own bounds (save_timeout for the save, term_grace after it)."""
+        run_dir = os.path.join(self.topology.root, self.run_id)
+        rank = self.topology.rank
+
+        def gone(pid: int, bound: float) -> None:
+            self.request_emergency_save()  # a wrapper shell may have taken the launcher's SIGTERM
+            self.events.emit("launcher_gone", launcher_pid=pid, bound_s=bound)
+
+        def timeout(pid: int, bound: float) -> None:
+            self.events.emit("orphan_timeout", launcher_pid=pid, bound_s=bound,
+                             saved=self._should_stop)
+
+        return LauncherWatch.from_env(os.environ, save_timeout=cfg.save_timeout, term_grace=cfg.term_grace,
+                                      on_gone=gone, on_timeout=timeout,
+                                      stack_file=lambda: open_stack_file(run_dir, rank))
 
     def _claim_run(self, job: JobEnv) -> RunClaim | None:
         """One writer per run (:func:`~resilient_slurm.layout.claim_run`): under ``rslurm launch`` the ranks

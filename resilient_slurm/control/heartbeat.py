@@ -143,15 +143,21 @@ def register_stack_dump(run_dir: str, rank: int) -> IO[str] | None:
     or the file cannot be opened."""
     if signal.getsignal(DUMP_SIGNAL) not in (signal.SIG_DFL, None):
         return None
-    path = stack_dump_path(run_dir, rank)
-    try:  # never through a link at the run directory, stacks/ or the file (paths.open_regular)
-        fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600,
+    f = open_stack_file(run_dir, rank)
+    if f is not None:
+        faulthandler.register(DUMP_SIGNAL, file=f, all_threads=True, chain=False)
+    return f
+
+
+def open_stack_file(run_dir: str, rank: int) -> IO[str] | None:
+    """:func:`stack_dump_path` opened for appending (made with its directory when missing), or None when it
+    cannot be. Never through a link at the run directory, ``stacks/`` or the file (paths.open_regular)."""
+    try:
+        fd = open_regular(stack_dump_path(run_dir, rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600,
                           root=os.path.dirname(os.path.abspath(run_dir)), make_dirs=True)
     except (OSError, ConfigError):
         return None
-    f = os.fdopen(fd, "a")
-    faulthandler.register(DUMP_SIGNAL, file=f, all_threads=True, chain=False)
-    return f
+    return os.fdopen(fd, "a")
 
 
 def unregister_stack_dump(f: IO[str] | None) -> None:
@@ -223,5 +229,6 @@ def read_heartbeats(socket_path: str) -> dict[int, Heartbeat]:
     return out
 
 
-__all__ = ["DUMP_SIGNAL", "Heartbeat", "clear_heartbeats", "HeartbeatWriter", "heartbeat_path", "read_heartbeats", "register_stack_dump",
+__all__ = ["DUMP_SIGNAL", "Heartbeat", "clear_heartbeats", "HeartbeatWriter", "heartbeat_path", "open_stack_file",
+           "read_heartbeats", "register_stack_dump",
            "stack_dump_path", "unregister_stack_dump"]

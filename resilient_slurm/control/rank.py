@@ -12,7 +12,11 @@ of it; user code never needs to):
 3. :meth:`RankLink.poll` at step boundaries where ranks agree (every ``sync_every`` steps): True when a
    trapped signal or the launcher asks for an emergency save.
 4. :meth:`RankLink.committed` after each committed step (the writer thread may call it).
-5. :meth:`RankLink.close` when the Checkpointer closes: restores the previous signal handlers.
+5. :meth:`RankLink.close` when the Checkpointer closes: restores the previous SIGTERM handler and leaves
+   the save signal ignored (see :meth:`RankLink.close`).
+
+Under a local launcher the link also holds the rank's :class:`~.orphan.LauncherWatch`: if the launcher dies,
+the rank saves and is gone within the launcher's own bounds (:mod:`~resilient_slurm.control.orphan`).
 
 Two ways in, on purpose: the control socket reaches the ranks on the launcher's node without a signal
 (a signal can kill a helper process that does not expect it), and a signal reaches ranks on nodes the
@@ -40,10 +44,14 @@ from ..errors import ControlError, ControlRejectedError
 from . import protocol as p
 from .client import ControlClient
 from .heartbeat import HeartbeatWriter, heartbeat_path
+from .orphan import LauncherWatch
 
 log = logging.getLogger(__name__)
 
 _RETRY_AFTER_S = 30.0  # after a failed socket call, how long to rely on signals alone
+# Save signals a closed link left ignored (SIG_IGN) in this process: a later link traps them again as if the
+# program had kept their default handler.
+_IGNORED_AFTER_CLOSE: set[int] = set()
 
 
 def _signal_number(name: str) -> int:
@@ -59,7 +67,8 @@ class RankLink:
 
     def __init__(self, rank: int, local_rank: int, *, on_request: Callable[[], None],
                  socket_path: str | None = None, timeout: float = 2.0, trap_signals: bool = True,
-                 save_signal: str = "USR2", clock: Callable[[], float] = time.monotonic) -> None:
+                 save_signal: str = "USR2", clock: Callable[[], float] = time.monotonic,
+                 launcher_watch: LauncherWatch | None = None) -> None:
         self.rank = rank
         self.local_rank = local_rank
         self._on_request = on_request
@@ -88,9 +97,12 @@ class RankLink:
         self._warned = False
         self._signals_seen: list[str] = []
         self._previous: dict[int, Any] = {}
+        self._save_num = _signal_number(save_signal) if save_signal not in ("none", "TERM") else None
         if trap_signals:
             names = ["TERM"] + ([save_signal] if save_signal not in ("none", "TERM") else [])
             self._install(names)
+        # A local launcher's ranks bound themselves if it dies (orphan.py); started last, like the traps.
+        self.launcher_watch = launcher_watch.start() if launcher_watch is not None else None
 
     # ------------------------------------------------------------------ signals
     def _install(self, names: list[str]) -> None:
@@ -101,6 +113,8 @@ class RankLink:
         for name in names:
             num = _signal_number(name)
             current = signal.getsignal(num)
+            if current is signal.SIG_IGN and num in _IGNORED_AFTER_CLOSE:
+                current = signal.SIG_DFL  # left ignored by an earlier Checkpointer of this program
             if current is not signal.SIG_DFL:
                 # The program (or a framework) handles it; it stays in charge of this signal.
                 log.info("rank %d: SIG%s already has a handler; leaving it in place", self.rank, name)
@@ -172,6 +186,8 @@ class RankLink:
 
     def committed(self, step: int, reason: str) -> None:
         """Tell the launcher this rank's part of ``step`` is committed."""
+        if reason == "emergency" and self.launcher_watch is not None:
+            self.launcher_watch.saved()  # without a launcher, the rank now has term_grace to exit
         if not self._usable() or not self._registered:
             return
         assert self._client is not None
@@ -181,12 +197,27 @@ class RankLink:
             self._failed("committed", exc)
 
     def close(self) -> None:
-        """Restore the signal handlers this link replaced and close the socket."""
+        """Restore the SIGTERM handler this link replaced, leave the save signal ignored, and close the
+        socket.
+
+        A save signal can arrive after the save it asked for has committed: ``scancel --signal`` goes
+        through slurmctld and slurmd, which take seconds on a busy node, while the ranks hear the same
+        request over the socket and their collective at once. Its default action (USR2: terminate) would
+        then end a rank that had finished its work, before its final output and its exit. So the signal
+        is ignored from here on (SIG_IGN, not a Python handler: the interpreter puts those back to the
+        default action at the start of its shutdown, which lasts seconds on a busy node); a later
+        Checkpointer traps it again. SIGTERM gets its previous handler back: it must still end the process."""
         if threading.current_thread() is threading.main_thread():
             for num, prev in self._previous.items():
                 if signal.getsignal(num) == self._handler:
-                    signal.signal(num, prev)
+                    if num == self._save_num and prev is signal.SIG_DFL:
+                        signal.signal(num, signal.SIG_IGN)
+                        _IGNORED_AFTER_CLOSE.add(num)
+                    else:
+                        signal.signal(num, prev)
         self._previous.clear()
+        if self.launcher_watch is not None:
+            self.launcher_watch.stop()  # kept when the launcher is gone: the bound covers the exit too
         if self.heartbeat is not None:
             self.heartbeat.close()
             self.heartbeat = None

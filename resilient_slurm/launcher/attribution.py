@@ -23,6 +23,16 @@ The classes, first match wins:
    out of memory: raised by the program, so not restarted) before ``communicator_error`` (gloo or NCCL
    errors, collective timeouts, a peer that closed its connection: the network or a peer failed, a restart
    can succeed). A rank that exited with a code and printed no traceback is a ``user_error``.
+
+A hang verdict (:func:`attribute_hang`, the launcher's hang watch found ranks of its node without progress)
+is read with what the ranks printed up to that moment, before they are torn down. A collective that had
+already failed there (a communicator error's exception line, NCCL's watchdog line) is the cause, and the
+hang is how it showed: a rank whose collective timed out can stay alive for minutes, its exit waiting for
+its checkpoint writer's collective with the peer that stopped, so whether the launcher sees it exit or
+sees it idle past the hang timeout depends only on the machine's load. Both are recorded; the class is the
+communicator error. A program's own exception line is not read as the cause of a hang: programs print
+tracebacks of errors they handled, and a user error would not be restarted, while a hang and a
+communicator error are restarted alike (only their names differ).
 """
 
 from __future__ import annotations
@@ -152,6 +162,33 @@ def attribute_failure(failed: Sequence[RankExit], stderr_of: Callable[[RankExit]
     return Attribution(Reason.COMMUNICATOR_ERROR, line, e)
 
 
+@dataclass(frozen=True)
+class HangCause:
+    """The class of a run the hang watch ended, its evidence, and the rank it is pinned on (None: no one)."""
+
+    reason: Reason
+    evidence: str
+    rank: int | None = None
+
+
+def attribute_hang(watch_said: str, outputs: Sequence[tuple[int | None, str]]) -> HangCause:
+    """The class of a run of the ranks that the hang watch ended (see the module docstring): ``watch_said``
+    is the watch's verdict in words (:meth:`~.hang.Hang.describe`); ``outputs`` are the ranks' stderr
+    tails as they were at the verdict, each with its rank (None: srun's, every rank's lines together)."""
+    for rank, text in outputs:
+        for line in exception_lines(text, rank):
+            if COMMUNICATOR_ERROR.search(line) and not OUT_OF_MEMORY.search(line):
+                who = f"rank {rank}: " if rank is not None else ""
+                return HangCause(Reason.COMMUNICATOR_ERROR,
+                                 f"{who}{line}; then no progress past the hang timeout: {watch_said}", rank)
+    for rank, text in outputs:
+        watchdog = _first_line(WATCHDOG, [text])
+        if watchdog:
+            return HangCause(Reason.COMMUNICATOR_ERROR, f"{watchdog}; then no progress past the hang timeout: "
+                             f"{watch_said}", rank)
+    return HangCause(Reason.HANG, watch_said)
+
+
 # --------------------------------------------------------------------------- the kernel's OOM kills
 CGROUP_ROOT = "/sys/fs/cgroup"
 
@@ -222,4 +259,4 @@ class OomCounters:
         return None
 
 
-__all__ = ["Attribution", "OomCounters", "attribute_failure", "exception_lines"]
+__all__ = ["Attribution", "HangCause", "OomCounters", "attribute_failure", "attribute_hang", "exception_lines"]

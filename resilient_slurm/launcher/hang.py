@@ -18,7 +18,9 @@ A rank is judged by the limit of where it is:
 
 Only ranks on the launcher's node are seen. A hung collective stops every rank, and a rank stuck on its
 own (a filesystem, a deadlock) stops its peers at their next collective, so the node's ranks stop too.
-A rank whose record is gone ended on its own (the Checkpointer removes it when it closes).
+A rank whose record is gone ended on its own (the Checkpointer removes it when it closes). The launcher
+adds each stuck rank's process state to the verdict (:meth:`Hang.with_states`), and reads the verdict
+together with the ranks' output (:func:`~.attribution.attribute_hang`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from ..control.heartbeat import Heartbeat, read_heartbeats
 
@@ -34,6 +37,9 @@ ADAPTIVE_FACTOR = 10.0
 ADAPTIVE_FLOOR_S = 120.0
 WINDOW = 50
 READ_EVERY_S = 1.0
+# Process states that say why a rank makes no progress (a SIGSTOP or a debugger, a filesystem that does not
+# answer, a process that ended and was not reaped); "sleeping" and "running" say nothing.
+TELLING_STATES = frozenset({"stopped", "tracing-stop", "disk-sleep", "zombie", "dead"})
 
 
 @dataclass(frozen=True)
@@ -46,10 +52,11 @@ class Stuck:
     section: str       # "startup", the program's section, or ""
     idle_s: float      # seconds since its last beat (or since its section began)
     limit_s: float
+    state: str | None = None  # its process's state at the verdict (psutil: "stopped", "disk-sleep", ...)
 
     def to_json(self) -> dict[str, object]:
         return {"rank": self.rank, "pid": self.pid, "last_step": self.step, "section": self.section,
-                "idle_s": round(self.idle_s, 3), "limit_s": round(self.limit_s, 3)}
+                "idle_s": round(self.idle_s, 3), "limit_s": round(self.limit_s, 3), "state": self.state}
 
 
 @dataclass(frozen=True)
@@ -59,12 +66,17 @@ class Hang:
     stuck: tuple[Stuck, ...]
     ranks_seen: int
 
+    def with_states(self, state_of: Callable[[int], str | None]) -> Hang:
+        """The same verdict with each stuck rank's process state, ``state_of(pid)`` (None: not known)."""
+        return replace(self, stuck=tuple(replace(s, state=state_of(s.pid)) for s in self.stuck))
+
     def describe(self) -> str:
         parts = []
         for s in self.stuck[:8]:
             where = f"before its first step ({s.section})" if s.step < 0 else (
                 f"after step {s.step}" + (f" in section {s.section!r}" if s.section else ""))
-            parts.append(f"rank {s.rank} {where}, idle {s.idle_s:.0f} s > {s.limit_s:.0f} s")
+            state = f" (process {s.state})" if s.state in TELLING_STATES else ""
+            parts.append(f"rank {s.rank} {where}{state}, idle {s.idle_s:.0f} s > {s.limit_s:.0f} s")
         more = f"; and {len(self.stuck) - 8} more" if len(self.stuck) > 8 else ""
         return "; ".join(parts) + more
 

@@ -57,7 +57,7 @@ from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import expand_hostlist, remaining_seconds
 from ..storage.fileio import atomic_write
 from ..telemetry import EventLog, events_path
-from .attribution import OomCounters, attribute_failure
+from .attribution import HangCause, OomCounters, attribute_failure, attribute_hang
 from .cloud import Notice, TerminationNoticeWatcher
 from .durability import DAEMON_STEP_NAME, JobDrain
 from .hang import Hang, HangWatch
@@ -196,6 +196,7 @@ class Launcher:
         self.hang_watch = HangWatch(self.socket_path, timeout=self.cfg.hang_timeout,
                                     startup_timeout=self.cfg.hang_startup_timeout)
         self.hang: Hang | None = None
+        self.hang_cause: HangCause | None = None  # the hang verdict read with the ranks' output at that moment
         self.startup: StartupWatch | None = None  # the start-up bound of the current srun step of ranks
         self.startup_failure: StartupFailure | None = None
         self._ranks_seen = False  # a rank of this node registered or wrote a heartbeat in this run of the ranks
@@ -410,7 +411,7 @@ class Launcher:
     def _start_ranks(self) -> Children:
         """Start one run of the ranks (a new srun step, or new local processes)."""
         clear_heartbeats(self.socket_path)  # records of ranks killed in an earlier run would look hung
-        self.hang = None
+        self.hang, self.hang_cause = None, None
         self._root_failures = []
         self._oom = OomCounters()
         self.hang_watch = HangWatch(self.socket_path, timeout=self.cfg.hang_timeout,
@@ -568,14 +569,27 @@ class Launcher:
         self._event("ranks_exited", torn_down=children.torn_down)
 
     def _on_hang(self, hang: Hang, children: Children) -> None:
-        """The job is hung: every rank's stacks to the run directory, a ``hang`` event, then teardown."""
-        self.hang = hang
+        """The job is hung: every rank's stacks to the run directory, a ``hang`` event, then teardown. The
+        verdict is classed with what the ranks said up to now (:func:`~.attribution.attribute_hang`), read
+        before the teardown, whose signals make the ranks print errors of their own."""
+        hang = self.hang = hang.with_states(_process_state)
+        cause = self.hang_cause = attribute_hang(hang.describe(), self._rank_outputs(children))
         log.error("hang: %s; writing every rank's Python stacks to %s, then tearing the ranks down",
                   hang.describe(), os.path.join(self.run_dir, STACKS_DIR))
+        if cause.reason is not Reason.HANG:
+            log.error("the ranks' output before the hang says why: %s", cause.evidence)
         stacks = self._dump_stacks(hang)
         self._event("hang", ranks=[s.to_json() for s in hang.stuck], ranks_seen=hang.ranks_seen,
-                    timeout_s=self.hang_watch.step_limit(), stacks=stacks)
+                    timeout_s=self.hang_watch.step_limit(), stacks=stacks, cause=cause.reason.value,
+                    evidence=cause.evidence)
         self._teardown(children, grace=self.cfg.term_grace)
+
+    @staticmethod
+    def _rank_outputs(children: Children) -> list[tuple[int | None, str]]:
+        """Each local rank's stderr tail with its rank; under srun, srun's (every task's lines, one stream)."""
+        if isinstance(children, LocalRanks):
+            return [(r, children.stderr_tail(r)) for r in range(len(children.pids))]
+        return [(None, children.stderr_tail(0))]
 
     def _dump_stacks(self, hang: Hang) -> list[str]:
         """Ask every rank for its stacks: py-spy for this node's ranks when installed, else the dump signal
@@ -762,7 +776,9 @@ class Launcher:
         exits = children.exits()
         stop = self.stop
         if self.hang is not None:
-            return replace(base, reason=Reason.HANG, detail=self.hang.describe(), evidence=self.hang.describe())
+            cause = self.hang_cause or HangCause(Reason.HANG, self.hang.describe())
+            detail = self.hang.describe() if cause.reason is Reason.HANG else cause.evidence
+            return replace(base, reason=cause.reason, rank=cause.rank, detail=detail, evidence=cause.evidence)
         if self.startup_failure is not None and stop is None:
             f = self.startup_failure
             where = f"{f.addr}:{f.port}" if f.addr and f.port else "an unknown address"
@@ -1045,6 +1061,15 @@ def job_num_nodes(env: Mapping[str, str]) -> int:
 def _ending(job: JobInfo) -> bool:
     """Slurm is killing the job or has ended it: a requeue request would be ignored."""
     return job.finished or job.state == "COMPLETING"
+
+
+def _process_state(pid: int) -> str | None:
+    """A process's state as psutil names it ("stopped", "disk-sleep", "running", ...); None when it is gone
+    or not on this node."""
+    try:
+        return str(psutil.Process(pid).status())
+    except (psutil.Error, OSError):
+        return None
 
 
 def _free_port() -> int:

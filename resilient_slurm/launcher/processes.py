@@ -29,6 +29,7 @@ from typing import IO
 
 import psutil
 
+from ..control.orphan import LAUNCHER_PID_ENV
 from .rank_env import srun_with_rank_env
 
 log = logging.getLogger(__name__)
@@ -281,6 +282,9 @@ class LocalRanks(Children):
     def start(self) -> None:
         for r in range(self.nprocs):
             env = dict(self.env)
+            # Ranks that lose this launcher bound themselves (control/orphan.py): they are its children, in
+            # sessions of their own, on its host, so its pid names it for them.
+            env[LAUNCHER_PID_ENV] = str(os.getpid())
             if self.dist_env:
                 env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(self.nprocs),
                            LOCAL_WORLD_SIZE=str(self.nprocs), MASTER_ADDR="127.0.0.1",
@@ -324,6 +328,9 @@ class SrunStep(Children):
     def __init__(self, argv: Sequence[str], env: Mapping[str, str],
                  node_addrs: Mapping[str, str | None] | None = None) -> None:
         super().__init__()
+        # A pid means nothing on the other nodes; Slurm ends the job's steps when the launcher (the batch
+        # script) ends.
+        env = {k: v for k, v in env.items() if k != LAUNCHER_PID_ENV}
         self.argv, self.env = srun_with_rank_env(argv, env, node_addrs)
 
     def start(self) -> None:

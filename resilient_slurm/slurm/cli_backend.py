@@ -65,11 +65,14 @@ def run_process(args: Sequence[str], *, input: str | None = None, capture_output
 
     ``subprocess.run`` kills only the direct child and then waits for the output pipes to close, which
     never happens while a grandchild (a site wrapper around scontrol, a stuck helper) keeps them open.
-    Output is always captured as text; ``capture_output``/``text`` exist for signature compatibility."""
+    Output is always captured as text; ``capture_output``/``text`` exist for signature compatibility.
+
+    The command ignores SIGTERM (:func:`_outlive_the_jobs_teardown`); the timeout's SIGKILL still ends it."""
     del capture_output, text
     with subprocess.Popen(list(args), stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=dict(env) if env is not None else None, start_new_session=True) as proc:
+                          env=dict(env) if env is not None else None, start_new_session=True,
+                          preexec_fn=_outlive_the_jobs_teardown) as proc:
         try:
             out, err = proc.communicate(input, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -86,6 +89,18 @@ def run_process(args: Sequence[str], *, input: str | None = None, capture_output
     if check:
         cp.check_returncode()
     return cp
+
+
+def _outlive_the_jobs_teardown() -> None:
+    """In the child, before exec: ignore SIGTERM (kept across exec; scontrol leaves it so).
+
+    When rslurm runs inside a job (the launcher is its batch script), the job's teardown sends SIGTERM to
+    every process of the job, and a requeue is what starts that teardown: `scontrol requeue` run by the
+    launcher was ended by it after the controller had requeued the job, and before it exited 0 (seen on a
+    busy node), so the launcher took the requeue for failed and did not exclude a bad node from the next
+    incarnation. A Slurm command is short and bounded by the client's timeout (SIGKILL), and Slurm's own
+    SIGKILL after KillWait ends it with the job."""
+    _signal.signal(_signal.SIGTERM, _signal.SIG_IGN)
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
