@@ -33,8 +33,12 @@ STEPS = 12
 
 def _launch(tmp: Path, out: Path, *worker_args: str, env: dict[str, str] | None = None,
             timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    # The stacks come from the dump signal (faulthandler) here, whether or not the shell that runs the tests
+    # has py-spy on its PATH (an activated venv has): test_launcher_slurm covers the py-spy dumps.
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if d and not os.path.exists(os.path.join(d, "py-spy")))
     e = clean_env({"RSLURM_LOCAL_DIR": str(tmp / "nvme"), "RSLURM_RUN_ID": "hang", "RSLURM_NODE_NAME": "n1",
-                   "RSLURM_CONTROL_DIR": str(tmp / "ctl"), "RSLURM_DAEMON": "off", **(env or {})})
+                   "RSLURM_CONTROL_DIR": str(tmp / "ctl"), "RSLURM_DAEMON": "off", "PATH": path, **(env or {})})
     return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", *WORKER,
                            "--steps", str(STEPS), "--out", str(out), *worker_args],
                           env=e, cwd=tmp, capture_output=True, text=True, timeout=timeout)
