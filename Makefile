@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test test-load lint bench clean
+.PHONY: demo test check test-load lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,14 @@ test: $(STAMP)
 	# A real Slurm (slurmctld + two slurmd + munge on loopback) for the end-to-end tests; needs root.
 	bash tests/slurm/install.sh || echo "make test: Slurm unavailable here; its end-to-end tests will be skipped (CI requires them)"
 	$(PY) -m pytest -q -rs tests
+
+# The fast tier, for every edit: lint, types and the tests that start no process of their own (no ranks,
+# launcher, interpreter, Slurm or server process), in a few minutes. RSLURMTEST_CHECK=1 makes a process
+# start in such a test fail, saying to mark it `proc` (tests/check_tier.py). `make test` still runs all.
+check: $(STAMP)
+	$(PY) -m ruff check resilient_slurm tests bench
+	$(PY) -m mypy resilient_slurm
+	RSLURMTEST_CHECK=1 $(PY) -m pytest -q -m "not proc and not slow" -p no:cacheprovider tests
 
 # The launcher, attribution, orphan and Slurm tests with a CPU and an I/O hog on every core beside them
 # (tests/under_load.py), LOAD_RUNS times in a row, stopping at the first failure: races that only a busy

@@ -15,11 +15,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import check_tier
 import psutil
 import pytest
 from slurm_cluster import SlurmCluster, missing_tools
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get(check_tier.ENV) == "1":  # `make check`: the in-process tier (tests/check_tier.py)
+        check_tier.install()
 
 
 def process_stacks(pids: Sequence[int], timeout: float = 30) -> str:

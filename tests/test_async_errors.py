@@ -109,6 +109,7 @@ def failed_saves(tmp_path_factory: pytest.TempPathFactory) -> str:
     return r.stdout
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_background_failure_surfaces_on_next_call(failed_saves: str, name: str) -> None:
     lines = {tuple(line.split(" ", 2)[:2]): line for line in failed_saves.splitlines()}

@@ -76,6 +76,7 @@ def _work(tmp_path: Path) -> tuple[Path, Path]:
 
 
 # ------------------------------------------------------------------------------------------------ real runs
+@pytest.mark.proc
 def test_a_stopped_peer_is_a_communicator_error_restarted_in_job(tmp_path: Path) -> None:
     """Rank 1 stops itself after step 7; rank 0's next all_reduce times out after 5 s (gloo): a
     communicator error on rank 0, not a user error. The stopped rank is torn down, both restart in-job from
@@ -100,6 +101,7 @@ def test_a_stopped_peer_is_a_communicator_error_restarted_in_job(tmp_path: Path)
     assert "1 communicator error" in status.stdout, status.stdout
 
 
+@pytest.mark.proc
 def test_memory_error_raised_by_the_program_is_out_of_memory_and_not_restarted(tmp_path: Path) -> None:
     work, out = _work(tmp_path)
     r = _launch(work, out, "--crash-at", "5", "--crash-rank", "1", "--crash-signal", "MEMORYERROR")
@@ -111,6 +113,7 @@ def test_memory_error_raised_by_the_program_is_out_of_memory_and_not_restarted(t
     assert end["evidence"].startswith("MemoryError: hang_worker: out of memory on purpose"), end
 
 
+@pytest.mark.proc
 def test_a_sigkilled_rank_is_killed_by_signal_in_the_history(tmp_path: Path) -> None:
     work, out = _work(tmp_path)
     r = _launch(work, out, "--crash-at", "5", "--crash-rank", "1", "--crash-signal", "KILL")
@@ -162,6 +165,7 @@ def _memory_cgroup(limit: int) -> Iterator[Path]:
                 time.sleep(0.1)
 
 
+@pytest.mark.proc
 def test_a_rank_killed_by_the_oom_killer_is_out_of_memory_restarted_in_job(tmp_path: Path) -> None:
     """The launcher and its ranks run in a cgroup limited to 2.5 GiB; rank 1 allocates after step 7 until
     the kernel kills it. The launcher reads the cgroup's oom_kill counter: out_of_memory, with the counter

@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import clean_env
 
 from resilient_slurm import Checkpointer
+
+pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
 
 
 def _rslurm(*args: str, root: Path) -> subprocess.CompletedProcess[str]:

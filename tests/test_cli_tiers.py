@@ -47,6 +47,7 @@ PREFIX = "ckpt"  # the S3 tier's key prefix in its bucket
 moto_server = s3_support.moto_server
 
 pytestmark = [
+    pytest.mark.proc,  # every test here starts processes (tests/check_tier.py)
     pytest.mark.skipif(sys.platform != "linux", reason="multi-process gloo, flock, xattrs as on Linux"),
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
 ]

@@ -136,6 +136,7 @@ def test_bad_patterns_are_refused_before_anything_is_read(tmp_path: Path) -> Non
             ck.restore({"x": torch.zeros(2)}, allow_missing="model.*")  # type: ignore[arg-type]
 
 
+@pytest.mark.proc
 def test_every_rank_raises_the_whole_list(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -141,6 +141,7 @@ def test_round_trip_of_every_message_type(server: ControlServer) -> None:
     assert server.status() == {k: v for k, v in status.items() if k not in ("v", "type", "id")}
 
 
+@pytest.mark.proc
 def test_request_save_is_seen_by_a_rank_polling_from_another_process(server: ControlServer) -> None:
     # The package root imports lazily: a rank or tool that only talks to the control socket must not
     # pay for importing torch.
@@ -336,6 +337,7 @@ def run_as_nobody(path: str) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.proc
 @needs_root
 def test_peer_with_another_uid_is_rejected_even_if_file_modes_let_it_in(
         base: Path, server: ControlServer, caplog: pytest.LogCaptureFixture) -> None:
@@ -353,6 +355,7 @@ def test_peer_with_another_uid_is_rejected_even_if_file_modes_let_it_in(
     ping(server.path)
 
 
+@pytest.mark.proc
 @needs_root
 def test_peer_with_another_uid_cannot_reach_the_socket_with_default_modes(base: Path,
                                                                           server: ControlServer) -> None:

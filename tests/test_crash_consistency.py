@@ -21,6 +21,8 @@ from conftest import REPO, checkpoint_entries, clean_env
 
 from resilient_slurm.failpoints import POINTS
 
+pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
+
 WORKER = str(REPO / "tests" / "workers" / "crash_worker.py")
 RUN = "crash"
 

@@ -45,6 +45,7 @@ s3_bucket = s3_support.s3_bucket
 fault_proxy = s3_support.fault_proxy
 
 pytestmark = [
+    pytest.mark.proc,  # every test here starts processes (tests/check_tier.py)
     pytest.mark.skipif(sys.platform != "linux", reason="flock, xattrs and signals as on Linux"),
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
 ]

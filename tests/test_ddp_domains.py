@@ -28,7 +28,7 @@ RUN = "ddp"
 STEP_DIR = "step_000000000003"
 TWO_NODES = [{"RSLURM_NODE_NAME": "n1"}, {"RSLURM_NODE_NAME": "n2"}]
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="multi-process gloo test")
+pytestmark = [pytest.mark.proc, pytest.mark.skipif(sys.platform != "linux", reason="multi-process gloo test")]
 
 
 def _job(mode: str, world: int, tmp: Path, local_dir: str, tag: str,

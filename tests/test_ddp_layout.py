@@ -26,7 +26,7 @@ from resume_matrix import assert_same_run, check_resume, train
 
 LAYOUT_WORKER = str(REPO / "tests" / "workers" / "ddp_layout_worker.py")
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="multi-process gloo test")
+pytestmark = [pytest.mark.proc, pytest.mark.skipif(sys.platform != "linux", reason="multi-process gloo test")]
 
 
 def test_predicted_layout_before_the_rebuild_is_the_layout_ddp_builds(tmp_path: Path) -> None:

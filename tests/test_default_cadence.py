@@ -152,6 +152,7 @@ def _launch(tmp: Path, env: dict[str, str] | None = None) -> str:
     return next(line for line in r.stdout.splitlines() if line.startswith("FI="))
 
 
+@pytest.mark.proc
 def test_the_launcher_passes_the_observed_failure_interval(tmp_path: Path) -> None:
     assert _launch(tmp_path) == "FI=-"  # no history: the rank's default
     h = ProgressHistory().record(Outcome(Reason.HANG), started_at=0.0, ended_at=5000.0)

@@ -30,6 +30,8 @@ from slurm_cluster import SlurmCluster
 
 from resilient_slurm.manifest import Manifest
 
+pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
+
 STEPS = 48
 EVERY = 12
 

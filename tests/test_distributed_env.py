@@ -64,6 +64,7 @@ def _fake_scontrol(tmp_path: Path, body: str) -> Path:
     return script
 
 
+@pytest.mark.proc
 def test_expand_nodelist_uses_scontrol(tmp_path: Path) -> None:
     scontrol = _fake_scontrol(tmp_path, "printf 'alpha\\nbeta\\n'")
     assert expand_nodelist("x[1-2]", scontrol=str(scontrol)) == ["alpha", "beta"]
@@ -76,6 +77,7 @@ def test_expand_nodelist_skips_scontrol_for_plain_lists(tmp_path: Path) -> None:
     assert not (tmp_path / "calls").exists()
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("body", ["echo 'slurm_load_ctl_conf error' >&2; exit 1", "exec sleep 30", "true"])
 def test_expand_nodelist_falls_back_when_scontrol_fails_hangs_or_says_nothing(
     tmp_path: Path, body: str
@@ -85,6 +87,7 @@ def test_expand_nodelist_falls_back_when_scontrol_fails_hangs_or_says_nothing(
     assert (tmp_path / "calls").exists()
 
 
+@pytest.mark.proc
 def test_expand_nodelist_falls_back_when_scontrol_is_missing(tmp_path: Path) -> None:
     assert expand_nodelist("n[1-2]", scontrol=str(tmp_path / "no-such-scontrol")) == ["n1", "n2"]
 
@@ -105,11 +108,13 @@ SLURM_ENV = {
 }
 
 
+@pytest.mark.proc
 def test_slurm_variables_are_mapped() -> None:
     resolved = resolve_distributed_env(SLURM_ENV, expand=_hosts_of)
     assert resolved == DistributedEnv(3, 8, 1, "gpu-07", 15000 + 123456 % 20000, "slurm")
 
 
+@pytest.mark.proc
 def test_step_nodelist_wins_over_job_nodelist_and_master_vars_win_over_both() -> None:
     env = {**SLURM_ENV, "SLURM_STEP_NODELIST": "gpu-[09-10]"}
     resolved = resolve_distributed_env(env, expand=_hosts_of)
@@ -158,6 +163,7 @@ def test_no_distributed_environment_resolves_to_none() -> None:
         ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "zero"}, "LOCAL_RANK"),
     ],
 )
+@pytest.mark.proc
 def test_malformed_variables_raise_config_error_naming_them(change: dict[str, str], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         resolve_distributed_env({**SLURM_ENV, **change}, expand=_hosts_of)
@@ -204,6 +210,7 @@ def test_the_rendezvous_address_is_the_first_nodes_node_addr() -> None:
      ["rank 0 of 2", "'n1-nowhere.invalid' (port 15042; from node n1-nowhere.invalid, the first of "
       "SLURM_JOB_NODELIST: Slurm gave no NodeAddr for it) does not resolve"]),
 ], ids=["set by the user", "derived"])
+@pytest.mark.proc
 def test_an_address_that_does_not_resolve_is_said_at_once(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
                                                           words: list[str]) -> None:
     """Instead of torch's retries for the whole timeout: one error that names the address, the port, where
@@ -221,6 +228,7 @@ def test_an_address_that_does_not_resolve_is_said_at_once(monkeypatch: pytest.Mo
     assert isinstance(err.value, ConfigError)  # what init_distributed raised for a bad environment before
 
 
+@pytest.mark.proc
 def test_a_rendezvous_where_nothing_answers_is_a_rendezvous_error() -> None:
     """Rank 1 of 2 and nothing listening at the port: torch's store gives up after the timeout, and the
     error says where it tried and what to set (a real process, a real socket)."""
@@ -298,6 +306,7 @@ def _run_ranks(envs: list[dict[str, str]]) -> list[dict[str, object]]:
     return results
 
 
+@pytest.mark.proc
 def test_two_slurm_tasks_form_a_gloo_group() -> None:
     port = _free_port()
     job_id = str(random.randint(1, 10**7))
@@ -324,6 +333,7 @@ def test_two_slurm_tasks_form_a_gloo_group() -> None:
         assert (r["addr"], r["port"]) == ("localhost", str(port))
 
 
+@pytest.mark.proc
 def test_torchrun_variables_win_in_a_real_group() -> None:
     port = _free_port()
     envs = []

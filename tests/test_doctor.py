@@ -75,6 +75,7 @@ def check_script(tmp: Path, text: str, *extra: str, env: Mapping[str, str] | Non
 
 
 # ------------------------------------------------------------------------------------------ directives
+@pytest.mark.proc
 def test_signal_without_b_fails_and_names_the_directive(tmp_path: Path) -> None:
     code, r = check_script(tmp_path, GOOD.replace("B:USR1@120", "USR1@60"))
     assert code == 1
@@ -84,6 +85,7 @@ def test_signal_without_b_fails_and_names_the_directive(tmp_path: Path) -> None:
     assert "B:" in sig["finding"] and "--signal=B:USR1@60" in sig["fix"]
 
 
+@pytest.mark.proc
 def test_good_script_has_no_fail_in_its_directives(tmp_path: Path) -> None:
     code, r = check_script(tmp_path, GOOD)
     script_rows = {k: v for k, v in r.items() if k.startswith("script.")}
@@ -98,6 +100,7 @@ def test_good_script_has_no_fail_in_its_directives(tmp_path: Path) -> None:
     assert r["cluster"]["status"] == "WARN" and code == 0
 
 
+@pytest.mark.proc
 def test_usr1_to_the_ranks_under_nccl_fails(tmp_path: Path) -> None:
     gpu = GOOD.replace("#SBATCH --requeue", "#SBATCH --requeue --gres=gpu:1")
     code, r = check_script(tmp_path, gpu.replace("B:USR1@120", "USR1@60"))
@@ -133,6 +136,7 @@ def test_usr1_to_the_ranks_under_nccl_fails(tmp_path: Path) -> None:
     ("exec timeout 3600 rsrun python train.py", "WARN", "timeout"),
     ("srun python train.py", "WARN", "does not run under the launcher"),
 ], ids=["exec", "exec-rsrun", "exec-env", "rsrun", "launch", "pipe", "background", "in-step", "wrapper", "none"])
+@pytest.mark.proc
 def test_how_the_launcher_is_started(tmp_path: Path, line: str, status: str, words: str) -> None:
     code, r = check_script(tmp_path, GOOD.replace("exec rslurm launch -- srun python train.py", line))
     ex = r["script.exec"]
@@ -141,6 +145,7 @@ def test_how_the_launcher_is_started(tmp_path: Path, line: str, status: str, wor
     assert code == (1 if status == "FAIL" else 0)
 
 
+@pytest.mark.proc
 def test_missing_signal_requeue_and_append(tmp_path: Path) -> None:
     code, r = check_script(tmp_path, "#!/bin/bash\n#SBATCH -N1\nexec rsrun python train.py\n")
     assert code == 1
@@ -152,6 +157,7 @@ def test_missing_signal_requeue_and_append(tmp_path: Path) -> None:
     assert r["script.requeue"]["status"] == "FAIL" and code == 1
 
 
+@pytest.mark.proc
 def test_sbatch_command_line_and_environment_count(tmp_path: Path) -> None:
     bare = "#!/bin/bash\n#SBATCH --signal=USR1@60\nexec rsrun python train.py\n"
     code, r = check_script(tmp_path, bare, "--", "--signal=B:USR1@180", "--requeue", "--open-mode", "append")
@@ -177,6 +183,7 @@ def test_directive_parsing() -> None:
     assert [(c.line, c.exec_) for c in calls] == [(2, True)]
 
 
+@pytest.mark.proc
 def test_grace_too_short_is_reported(tmp_path: Path) -> None:
     code, r = check_script(tmp_path, GOOD.replace("B:USR1@120", "B:USR1@45"))
     g = r["script.grace"]
@@ -185,6 +192,7 @@ def test_grace_too_short_is_reported(tmp_path: Path) -> None:
     assert r["script.grace"]["status"] == "FAIL" and code == 1
 
 
+@pytest.mark.proc
 def test_table_output_and_exit_codes(tmp_path: Path) -> None:
     bad = script(tmp_path, GOOD.replace("B:USR1@120", "USR1@60"))
     r = doctor("--script", str(bad), "--skip", "local,durable,signals")
@@ -223,6 +231,7 @@ def local(tmp: Path, *extra: str, env: Mapping[str, str] | None = None) -> tuple
     return r.returncode, rows(report(r))
 
 
+@pytest.mark.proc
 def test_bandwidth_is_measured_and_the_probe_file_removed(tmp_path: Path) -> None:
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -242,6 +251,7 @@ def test_bandwidth_is_measured_and_the_probe_file_removed(tmp_path: Path) -> Non
     assert r["local.filesystem"]["details"]["fstype"] == mount_of(str(nvme)).fstype  # type: ignore[union-attr]
 
 
+@pytest.mark.proc
 def test_a_missing_local_dir_is_created_then_removed(tmp_path: Path) -> None:
     code, r = local(tmp_path, "--local-dir", str(tmp_path / "a" / "b" / "%n"), "--bandwidth-size", "4M")
     assert code == 0 and r["local.dir"]["status"] == "OK" and r["local.dir"]["details"]["created"] is True
@@ -249,6 +259,7 @@ def test_a_missing_local_dir_is_created_then_removed(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.proc
 def test_a_file_where_the_local_dir_should_be_fails(tmp_path: Path) -> None:
     (tmp_path / "nvme").write_text("not a directory")
     code, r = local(tmp_path, "--local-dir", str(tmp_path / "nvme" / "%n"))
@@ -258,6 +269,7 @@ def test_a_file_where_the_local_dir_should_be_fails(tmp_path: Path) -> None:
     assert r["local.bandwidth"]["status"] == "SKIP"
 
 
+@pytest.mark.proc
 def test_a_read_only_local_dir_fails(tmp_path: Path) -> None:
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -284,6 +296,7 @@ def test_a_read_only_local_dir_fails(tmp_path: Path) -> None:
             ro.chmod(0o700)
 
 
+@pytest.mark.proc
 def test_space_and_filesystem_findings(tmp_path: Path) -> None:
     code, r = local(tmp_path, "--local-dir", str(tmp_path), "--bandwidth-size", "0", "--checkpoint-size", "100T")
     assert code == 1 and r["local.space"]["status"] == "FAIL" and "does not fit" in r["local.space"]["finding"]
@@ -304,6 +317,7 @@ def durable(*extra: str, env: Mapping[str, str]) -> tuple[int, dict[str, Any], f
     return r.returncode, rows(report(r))["durable"], time.monotonic() - t0
 
 
+@pytest.mark.proc
 def test_durable_posix_round_trip(tmp_path: Path) -> None:
     shm = Path("/dev/shm")
     if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
@@ -321,11 +335,13 @@ def test_durable_posix_round_trip(tmp_path: Path) -> None:
     assert code == 0 and d["status"] == "WARN" and "same filesystem" in d["finding"], d
 
 
+@pytest.mark.proc
 def test_no_durable_tier_warns(tmp_path: Path) -> None:
     code, d, _ = durable(env={})
     assert code == 0 and d["status"] == "WARN" and "no durable tier" in d["finding"]
 
 
+@pytest.mark.proc
 def test_durable_s3_on_moto(moto_server: MotoServer, s3_bucket: str) -> None:
     env = {**FAKE_ENV, "RSLURM_S3_ENDPOINT_URL": moto_server.endpoint}
     code, d, _ = durable("--durable", f"s3://{s3_bucket}/ckpt", env=env)
@@ -337,6 +353,7 @@ def test_durable_s3_on_moto(moto_server: MotoServer, s3_bucket: str) -> None:
         d["finding"], d
 
 
+@pytest.mark.proc
 def test_dead_s3_endpoint_fails_quickly() -> None:
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     env = {**FAKE_ENV, "RSLURM_S3_ENDPOINT_URL": endpoint, "RSLURM_S3_MAX_ATTEMPTS": "2"}
@@ -391,6 +408,7 @@ def _run_job(slurm: SlurmCluster, work: Path, text: str) -> tuple[int, int, dict
     return job, rc, doc
 
 
+@pytest.mark.proc
 def test_inside_a_job_reads_its_script_and_signals_both_nodes(slurm: SlurmCluster) -> None:
     work = slurm.work_dir / "doctor-good"
     job, rc, doc = _run_job(slurm, work, _job_script(slurm, work, "B:USR1@60"))
@@ -425,6 +443,7 @@ def assert_no_probe_left(work: Path) -> None:
     assert (work / "probes.txt").read_text().strip() == "", (work / "probes.txt").read_text()
 
 
+@pytest.mark.proc
 def test_inside_a_job_without_b_the_signal_directive_fails(slurm: SlurmCluster) -> None:
     work = slurm.work_dir / "doctor-no-b"
     job, rc, doc = _run_job(slurm, work, _job_script(slurm, work, "USR1@60", "--skip local"))
@@ -437,6 +456,7 @@ def test_inside_a_job_without_b_the_signal_directive_fails(slurm: SlurmCluster) 
     assert r["signals.delivery"]["status"] == "OK"  # the save signal itself still gets through
 
 
+@pytest.mark.proc
 def test_a_signal_that_never_arrives_fails_and_leaves_no_probe(slurm: SlurmCluster) -> None:
     """The probe driver with a Slurm client whose signal is lost on the way (the real step, real srun)."""
     work = slurm.work_dir / "doctor-lost"
@@ -467,6 +487,7 @@ def test_a_signal_that_never_arrives_fails_and_leaves_no_probe(slurm: SlurmClust
     assert_no_probe_left(work)
 
 
+@pytest.mark.proc
 def test_login_node_script_and_submitted_job(slurm: SlurmCluster, tmp_path: Path) -> None:
     env = {k: v for k, v in slurm.env().items() if k in ("SLURM_CONF", "PATH")}
     # A script without --requeue: the cluster's JobRequeue=1 makes it requeueable, doctor says it relies on that.
@@ -487,6 +508,7 @@ def test_login_node_script_and_submitted_job(slurm: SlurmCluster, tmp_path: Path
     slurm.scancel(job)
 
 
+@pytest.mark.proc
 def test_in_salloc_there_is_no_script_but_signals_are_checked(slurm: SlurmCluster, tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(REPO), "RSLURM_CONTROL_DIR": str(slurm.root / "ctl")}
     cp = slurm.run(["salloc", "-N2", PY, "-m", "resilient_slurm.cli", "doctor", "--json", "--skip", "local,durable"],

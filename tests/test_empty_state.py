@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from resilient_slurm import Checkpointer
@@ -35,6 +36,7 @@ def _rslurm(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
+@pytest.mark.proc
 def test_empty_values_are_named_shown_exported_and_restore_as_before(tmp_path: Path) -> None:
     saved = _state(1)
     root = tmp_path / "nvme"  # exports go next to it: never inside a tier (docs/cli.md)

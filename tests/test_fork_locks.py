@@ -26,6 +26,8 @@ from resilient_slurm.flocks import held_fds
 from resilient_slurm.layout import StepBusy, TempKind, delete_step
 from resilient_slurm.storage.fileio import reading_step
 
+pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
+
 RUN = "forklock"
 
 

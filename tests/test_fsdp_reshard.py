@@ -25,7 +25,7 @@ from resilient_slurm.storage.tier import Span, coalesce
 WORKER = str(REPO / "tests" / "workers" / "fsdp_worker.py")
 ENV = {"RSLURM_COLLECTIVE_TIMEOUT": "60"}
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="multi-process gloo test")
+pytestmark = [pytest.mark.proc, pytest.mark.skipif(sys.platform != "linux", reason="multi-process gloo test")]
 
 
 def _job(mode: str, world: int, tmp: Path) -> dict[str, Any]:

@@ -71,6 +71,7 @@ def _restored_steps(work: Path) -> list[int]:
     return [e["step"] for e in _events(work) if e["event"] == "restore" and e.get("rank") == 0]
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("where", ["collective", "startup"])
 def test_a_hang_is_found_its_stacks_written_and_the_ranks_restarted_in_job(tmp_path: Path, where: str) -> None:
     """Rank 1 stops after step 5 (rank 0 then waits in step 6's all_reduce), or rank 0 stops before its
@@ -116,6 +117,7 @@ def test_a_hang_is_found_its_stacks_written_and_the_ranks_restarted_in_job(tmp_p
     _assert_like(ref, out)
 
 
+@pytest.mark.proc
 def test_without_in_job_restarts_a_hang_requeues_and_the_rerun_resumes(tmp_path: Path) -> None:
     ref = _reference(tmp_path)
     work = tmp_path / "work"
@@ -133,6 +135,7 @@ def test_without_in_job_restarts_a_hang_requeues_and_the_rerun_resumes(tmp_path:
     _assert_like(ref, out)
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("sig", ["KILL", "SEGV"])
 def test_a_crashed_rank_is_restarted_in_job_and_ends_bitwise(tmp_path: Path, sig: str) -> None:
     """Rank 1 dies by SIGKILL or a real segmentation fault after step 7: the launcher
@@ -151,6 +154,7 @@ def test_a_crashed_rank_is_restarted_in_job_and_ends_bitwise(tmp_path: Path, sig
     _assert_like(ref, out)
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("limit", ["in_job_restarts", "no_progress_limit"])
 def test_repeated_crashes_fall_back_to_requeue(tmp_path: Path, limit: str) -> None:
     """A rank that dies after step 3 at every run (step 2 is the newest commit): two in-job restarts, then
@@ -171,6 +175,7 @@ def test_repeated_crashes_fall_back_to_requeue(tmp_path: Path, limit: str) -> No
     assert why in r.stderr, r.stderr[-3000:]
 
 
+@pytest.mark.proc
 def test_a_section_with_its_own_limit_is_not_a_hang_and_off_disables(tmp_path: Path) -> None:
     """Every rank spends 4 s in ``ckpt.section("eval", timeout=30)`` with a 2 s hang timeout: no hang. With
     ``hang_timeout=off``, a 4 s section without a limit is no hang either."""
@@ -205,6 +210,7 @@ def test_the_record_round_trips_and_is_removed_at_close(tmp_path: Path) -> None:
     assert read_heartbeats(sock) == {}
 
 
+@pytest.mark.proc
 def test_a_reader_never_sees_a_torn_record(tmp_path: Path) -> None:
     """A writer in another process beats as fast as it can; every record read is one it wrote whole
     (the time and the step move together: beat_t was taken after the step was set)."""

@@ -71,6 +71,7 @@ def test_no_room_for_the_next_save_is_unhealthy(tmp_path: Path) -> None:
         assert not h.ok and "the next save would not fit" in h.problems[0], h
 
 
+@pytest.mark.proc
 def test_the_users_command_and_its_timeout(tmp_path: Path) -> None:
     h = check_node(_cfg(tmp_path, health_check_command="echo 'ib0 down'; exit 4", health_check="off"))
     assert h.checked == ("command",) and h.problems == ("health_check_command exited 4: ib0 down",), h
@@ -78,6 +79,7 @@ def test_the_users_command_and_its_timeout(tmp_path: Path) -> None:
     assert "did not exit within 1 s" in h.problems[0], h
 
 
+@pytest.mark.proc
 def test_the_launcher_does_not_start_ranks_on_an_unhealthy_node(tmp_path: Path) -> None:
     """Local mode has no other node: the run ends as a node failure (exit 75, like any restartable end)
     without starting a rank, and says why; `rslurm health` reports the same."""

@@ -124,6 +124,7 @@ def test_restore_falls_back_to_the_previous_step(damaged: tuple[Path, Path], cap
     assert str(manifest) in caplog.text
 
 
+@pytest.mark.proc
 def test_inspection_commands_name_the_file(damaged: tuple[Path, Path]) -> None:
     root, manifest = damaged
     ls = _rslurm(root, "ls", "--json")
@@ -140,6 +141,7 @@ def test_inspection_commands_name_the_file(damaged: tuple[Path, Path]) -> None:
     assert gc.returncode == 0, gc.stderr
 
 
+@pytest.mark.proc
 def test_daemon_drains_what_is_sound_and_names_the_rest(damaged: tuple[Path, Path]) -> None:
     root, manifest = damaged
     lustre = root.parent / "lustre"
@@ -218,6 +220,7 @@ def foreign(clean: Path, tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.proc
 def test_a_refused_metadata_is_never_restored_drained_or_kept_over_a_valid_step(
         foreign: Path, caplog: pytest.LogCaptureFixture) -> None:
     md = str(foreign / RUN / STEP2 / ".metadata")

@@ -45,6 +45,8 @@ from conftest import REPO, clean_env, read_jsonl
 from resilient_slurm import Checkpointer
 from resilient_slurm.manifest import step_dirname
 
+pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
+
 RUN = "r1"
 WORKER = str(REPO / "tests" / "workers" / "counter_worker.py")
 ESC = "\x1b]0;pwned\x07\x1b[2J\x1b[31m"  # set the title, clear the screen, red

@@ -90,6 +90,7 @@ def drained(tmp_path: Path) -> tuple[Path, Path]:
     return local, dur
 
 
+@pytest.mark.proc
 def test_retention_and_gc_never_delete_through_a_linked_step_directory(drained: tuple[Path, Path],
                                                                          tmp_path: Path) -> None:
     local, dur = drained
@@ -108,6 +109,7 @@ def test_retention_and_gc_never_delete_through_a_linked_step_directory(drained: 
     assert committed(dur) == {3}, "retention must act on the real steps"
 
 
+@pytest.mark.proc
 def test_the_daemon_never_writes_through_a_link_and_drains_the_rest(drained: tuple[Path, Path],
                                                                      tmp_path: Path) -> None:
     local, dur = drained
@@ -122,6 +124,7 @@ def test_the_daemon_never_writes_through_a_link_and_drains_the_rest(drained: tup
     assert committed(dur) == {1, 2, 3, 5}
 
 
+@pytest.mark.proc
 def test_restore_and_listing_skip_links_and_special_files(drained: tuple[Path, Path], tmp_path: Path,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     local, dur = drained
@@ -167,6 +170,7 @@ def tiny(tmp_path: Path) -> Any:
         yield mnt
 
 
+@pytest.mark.proc
 def test_a_full_durable_tier_is_named_not_masked(tmp_path: Path, tiny: Path) -> None:
     local = tmp_path / "nvme"
     save_steps(local, [1], 16 * MiB)
@@ -177,6 +181,7 @@ def test_a_full_durable_tier_is_named_not_masked(tmp_path: Path, tiny: Path) -> 
     assert committed(tiny) == set()
 
 
+@pytest.mark.proc
 def test_a_fetch_into_a_full_local_disk_is_named_not_masked(tmp_path: Path, tiny: Path) -> None:
     local, dur = tmp_path / "nvme", tmp_path / "lustre"
     save_steps(local, [1], 16 * MiB)

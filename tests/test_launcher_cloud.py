@@ -14,8 +14,11 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
 from conftest import clean_env, read_jsonl, wait_for_step
 from test_cloud_notice import MetadataServer, Seen
+
+pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
 
 SPOT = "/latest/meta-data/spot/instance-action"
 

@@ -44,6 +44,8 @@ from conftest import REPO, assert_same, clean_env, read_jsonl
 
 from resilient_slurm.manifest import step_dirname
 
+pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
+
 TOY = [sys.executable, "-m", "resilient_slurm.examples.train_toy"]
 TOY_SOURCE = REPO / "resilient_slurm" / "examples" / "train_toy.py"
 MARK = "RSLTEST_LAUNCH_MARK"  # not RSLURM_*: unknown RSLURM_ variables are (rightly) refused

@@ -19,9 +19,12 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import clean_env, read_jsonl, wait_for_step
 from test_hang import WORKER
 from test_telemetry import check_records, read_docs
+
+pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
 
 #: Both tests wait this long for every process to be gone: the bound (10 s after a commit that takes about
 #: a second; 7 s in the second test) plus the kernel's reaping of processes whose parent died, with room

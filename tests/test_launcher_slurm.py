@@ -43,6 +43,8 @@ from test_telemetry import check_records, read_docs
 
 from resilient_slurm.launcher.processes import parse_task_line
 
+pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
+
 PY = sys.executable
 TOY = [PY, "-m", "resilient_slurm.examples.train_toy"]
 #: How long a job may take to reach its first steps: the batch script, the launcher, the node health step,

@@ -192,6 +192,7 @@ def test_rank_link_traps_term_and_the_save_signal_and_close_restores_term_and_ig
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
 
 
+@pytest.mark.proc
 def test_a_late_save_signal_does_not_end_a_rank_whose_checkpointer_closed(tmp_path: Path) -> None:
     """In a real process, to its end: the Checkpointer's link closed, then USR2 arrives (as a scancel that
     took longer than the save does); the program still writes its final output and exits 0, also when the
@@ -415,6 +416,7 @@ def test_newest_committed_skips_steps_without_a_readable_manifest(tmp_path: Path
 
 
 # --------------------------------------------------------------------------- LauncherWatch (orphan.py)
+@pytest.mark.proc
 def test_launcher_watch_finds_its_launcher_gone_and_sets_the_launchers_bounds() -> None:
     """A real process stands for the launcher; the watch gives the rank save_timeout + term_grace once it is
     gone, term_grace once the emergency save committed; a watch stopped while the launcher runs ends."""

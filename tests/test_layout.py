@@ -115,6 +115,7 @@ def test_delete_with_a_manifest_that_is_a_link_leaves_its_target(tmp_path: Path)
     assert target.read_text() == "{}" and not (run / step_dirname(4)).exists()
 
 
+@pytest.mark.proc
 def test_a_step_being_read_by_another_process_is_not_deleted(tmp_path: Path) -> None:
     """A reader in another process holds a shared flock on the manifest (as restore and the daemon's
     drain do): the deletion reports StepBusy and leaves the step committed; once it lets go, it goes."""
@@ -136,6 +137,7 @@ def test_a_step_being_read_by_another_process_is_not_deleted(tmp_path: Path) -> 
     assert delete_step(str(run), 4, TempKind.GC) is True
 
 
+@pytest.mark.proc
 def test_a_crash_after_the_uncommit_leaves_a_temp_directory_not_a_step(tmp_path: Path) -> None:
     """SIGKILL between the uncommit and the removal (failpoint ``during_retention``): what is left is a
     GC temp directory, which no reader takes for a committed step."""

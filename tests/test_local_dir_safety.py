@@ -180,6 +180,7 @@ print("STARTED", flush=True)
 """
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("kind", ["group-writable", "file"])
 def test_one_rank_refusing_its_directory_stops_every_rank_at_once(tmp_path: Path, kind: str) -> None:
     """Rank 1's default directory is unsafe (its own $TMPDIR), rank 0's is fine: both stop with a
@@ -232,6 +233,7 @@ def _assert_settings_error(r: subprocess.CompletedProcess[str], *needles: str) -
         assert n in r.stderr, (n, r.stderr)
 
 
+@pytest.mark.proc
 @needs_root
 @pytest.mark.parametrize("command", ["ls", "status", "daemon", "launch"])
 def test_cli_entry_points_refuse_another_users_default_dir(tmpdir_env: Path, tmp_path: Path,
@@ -245,6 +247,7 @@ def test_cli_entry_points_refuse_another_users_default_dir(tmpdir_env: Path, tmp
     assert not any(d.iterdir())
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("kind", ["symlink", "group-writable"])
 def test_cli_ls_refuses_a_symlinked_or_group_writable_default_dir(tmpdir_env: Path, kind: str) -> None:
     d = hostile(tmpdir_env, kind)
@@ -376,6 +379,7 @@ def _daemon(tmp_path: Path, root: Path) -> subprocess.CompletedProcess[str]:
                 str(tmp_path / "durable"), timeout=60)
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("kind", ["symlink", "fifo"])
 def test_daemon_refuses_an_unsafe_lock_file(tmp_path: Path, kind: str) -> None:
     root = tmp_path / "root"
@@ -393,6 +397,7 @@ def test_daemon_refuses_an_unsafe_lock_file(tmp_path: Path, kind: str) -> None:
     assert victim.read_text() == "precious\n"
 
 
+@pytest.mark.proc
 def test_daemon_refuses_a_symlinked_state_dir(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
@@ -404,6 +409,7 @@ def test_daemon_refuses_a_symlinked_state_dir(tmp_path: Path) -> None:
     assert not list(elsewhere.iterdir())
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("kind", ["symlink", "group-writable"])
 def test_doctor_reports_an_unsafe_default_dir_as_a_failed_check(tmpdir_env: Path, kind: str) -> None:
     """`rslurm doctor` is where users look for what is wrong: an unsafe default directory is a local.dir

@@ -189,6 +189,7 @@ def test_an_interrupted_replica_leaves_nothing_committed(tmp_path: Path) -> None
     assert (tmp_path / "nvme" / "n1" / RUN / step_dirname(EVERY) / "manifest.json").exists()
 
 
+@pytest.mark.proc
 def test_a_bad_offer_or_a_bad_copy_is_refused_and_the_next_round_still_pairs(tmp_path: Path) -> None:
     """Real gloo rounds between two processes: an offer of another run is declined before any byte moves, a
     shard changed after its manifest was written is refused on arrival (nothing committed, no temp

@@ -110,6 +110,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "events_same_commit": events_same_commit}
 
 
+@pytest.mark.proc
 def test_every_provenance_field_is_in_the_manifest(saved: dict[str, Any]) -> None:
     repo, work = saved["repo"], saved["work"]
     m = read_manifest_file(str(manifest_path(work, 3)))
@@ -130,6 +131,7 @@ def test_every_provenance_field_is_in_the_manifest(saved: dict[str, Any]) -> Non
     assert dirty is not None and dirty["code"]["git_commit"] == saved["c1"] and dirty["code"]["git_dirty"] is True
 
 
+@pytest.mark.proc
 def test_a_changed_code_version_is_a_warning_event(saved: dict[str, Any]) -> None:
     from test_telemetry import check_records, read_docs
 
@@ -142,6 +144,7 @@ def test_a_changed_code_version_is_a_warning_event(saved: dict[str, Any]) -> Non
     assert f"saved by code at git commit {saved['c1'][:12]}" in saved["resumed"]["stderr"]
 
 
+@pytest.mark.proc
 def test_show_prints_the_provenance(saved: dict[str, Any]) -> None:
     work = saved["work"]
     proc = rslurm(work, "show", "3", "--json")
@@ -155,6 +158,7 @@ def test_show_prints_the_provenance(saved: dict[str, Any]) -> None:
     assert f"config sha256 {doc['provenance']['config_sha256'][:16]}" in proc.stdout, proc.stdout
 
 
+@pytest.mark.proc
 def test_diff_names_changed_shapes_and_provenance(saved: dict[str, Any]) -> None:
     work = saved["work"]
     proc = rslurm(work, "diff", "3", "6", "--json")
@@ -176,6 +180,7 @@ def test_diff_names_changed_shapes_and_provenance(saved: dict[str, Any]) -> None
     assert missing.returncode == 2 and "step 99 not found" in missing.stderr, missing.stderr
 
 
+@pytest.mark.proc
 def test_the_durable_manifest_keeps_the_provenance(saved: dict[str, Any], tmp_path: Path) -> None:
     """``rslurm daemon --once`` drains the steps to a POSIX durable tier: the durable manifest (written from
     the parsed local one) carries the same provenance, and ``show --tier durable`` prints it."""
@@ -196,6 +201,7 @@ def test_the_durable_manifest_keeps_the_provenance(saved: dict[str, Any], tmp_pa
     assert doc["tier"] == "durable" and doc["provenance"]["code"]["git_dirty"] is True
 
 
+@pytest.mark.proc
 def test_manifests_without_or_with_malformed_provenance_still_work(saved: dict[str, Any],
                                                                     tmp_path: Path) -> None:
     work = tmp_path / "work"
@@ -234,6 +240,7 @@ def test_manifests_without_or_with_malformed_provenance_still_work(saved: dict[s
     assert state["epoch"] == 1 and len(code_events(work)) == before
 
 
+@pytest.mark.proc
 def test_a_program_outside_git_records_null_code_fields(tmp_path: Path) -> None:
     shutil.copy(WORKER, tmp_path / "train.py")
     doc = run(tmp_path / "train.py", "save", tmp_path)

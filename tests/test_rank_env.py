@@ -76,6 +76,7 @@ def test_the_prolog_is_executable_and_posix_sh() -> None:
         assert r.stdout.startswith("100755"), r.stdout
 
 
+@pytest.mark.proc
 def test_the_prolog_exports_torchrun_variables_from_slurms() -> None:
     exports, unsets, _ = _prolog(TASK)
     assert exports == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
@@ -83,6 +84,7 @@ def test_the_prolog_exports_torchrun_variables_from_slurms() -> None:
     assert unsets == []  # MASTER_PORT is the launcher's (srun's environment), not the prolog's
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize(("tasks_per_node", "node", "local_world"), [
     ("2(x2)", "0", "2"), ("2(x2)", "1", "2"), ("3,1", "0", "3"), ("3,1", "1", "1"), ("1", "0", "1"),
     ("2(x3),1", "2", "2"), ("2(x3),1", "3", "1"), ("8", "0", "8"), ("4,2(x2),1", "3", "1"),
@@ -96,6 +98,7 @@ def test_the_prolog_reads_each_tasks_per_node_form(tasks_per_node: str, node: st
     assert str(tasks_on_node(tasks_per_node, int(node))) == local_world
 
 
+@pytest.mark.proc
 def test_the_step_variables_win_over_the_jobs() -> None:
     """In a step smaller than the job, SLURM_STEP_* describe the step; the job's are the fallback."""
     env = {**TASK, "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NODELIST": "n[2-3]",
@@ -108,6 +111,7 @@ def test_the_step_variables_win_over_the_jobs() -> None:
     assert (exports["WORLD_SIZE"], exports["LOCAL_WORLD_SIZE"], exports["MASTER_ADDR"]) == ("8", "4", "n1")
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize(("nodelist", "first"), [
     ("n[1-2]", "n1"), ("gpu-[07-10],a1", "gpu-07"), ("a1,b2", "a1"), ("r[1-2]n[3,5]", "r1n3"),
     ("n[10-12,1]", "n10"), ("host", "host"), ("node[003-004]", "node003"),
@@ -117,6 +121,7 @@ def test_the_prolog_takes_the_first_host_of_the_step(nodelist: str, first: str) 
     assert exports["MASTER_ADDR"] == first
 
 
+@pytest.mark.proc
 def test_the_prolog_keeps_what_the_task_has() -> None:
     """A value set for the step (srun --export=ALL,NAME=value; MASTER_ADDR from the batch script) is the
     user's: not printed, so slurmstepd leaves it. An empty one counts as unset."""
@@ -126,6 +131,7 @@ def test_the_prolog_keeps_what_the_task_has() -> None:
     assert exports["RANK"] == "3" and exports["GROUP_RANK"] == "1"
 
 
+@pytest.mark.proc
 def test_the_prolog_takes_master_addr_from_the_launchers_node_addresses() -> None:
     """Node names need not be host names: the launcher hands the prolog each node's NodeAddr (only those that
     differ from the name), and every task gets the address of its step's first node. A node listed with no
@@ -141,11 +147,13 @@ def test_the_prolog_takes_master_addr_from_the_launchers_node_addresses() -> Non
     assert "MASTER_ADDR" not in exports
 
 
+@pytest.mark.proc
 def test_the_prolog_outside_a_slurm_task_exports_nothing() -> None:
     exports, unsets, out = _prolog({"SLURM_JOB_ID": "5"})
     assert exports == {} and unsets == [] and out == ""
 
 
+@pytest.mark.proc
 def test_the_prolog_falls_back_to_one_on_a_tasks_per_node_it_cannot_read() -> None:
     for bad in ("x", "2(x", "2(xz)", ""):
         exports, _, _ = _prolog({**TASK, "SLURM_STEP_TASKS_PER_NODE": bad, "SLURM_TASKS_PER_NODE": bad})
@@ -154,6 +162,7 @@ def test_the_prolog_falls_back_to_one_on_a_tasks_per_node_it_cannot_read() -> No
     assert exports["LOCAL_WORLD_SIZE"] == "1"
 
 
+@pytest.mark.proc
 def test_the_prolog_chains_the_users_prolog(tmp_path: Path) -> None:
     """The user's prolog runs last, sees our variables, its output follows ours (its exports win), and
     its exit status is the prolog's; our chaining variable is unset for the task."""
@@ -292,6 +301,7 @@ def _run_job(slurm: SlurmCluster, work: Path, script: str, *sbatch: str) -> None
         raise
 
 
+@pytest.mark.proc
 def test_a_torchrun_style_program_runs_unchanged_under_rslurm_launch_srun(slurm: SlurmCluster) -> None:
     """2 nodes x 2 tasks: each task defaults MASTER_ADDR/MASTER_PORT to localhost:29500 with
     ``os.environ.setdefault`` (as a program written for one machine does), reads torchrun's variables at
@@ -325,6 +335,7 @@ def test_a_torchrun_style_program_runs_unchanged_under_rslurm_launch_srun(slurm:
     assert "completed: every rank exited 0" in text
 
 
+@pytest.mark.proc
 def test_derived_master_addr_user_values_and_a_chained_prolog_on_the_cluster(slurm: SlurmCluster) -> None:
     """Through bin/rsrun: 3 tasks on 2 nodes (2 + 1) with the user's own --task-prolog, NODE_RANK set for the step with
     --export, MASTER_PORT set in the batch script, MASTER_ADDR not set: every task gets the address of the
@@ -384,6 +395,7 @@ def _init_in_two_processes(per_rank: list[dict[str, str]]) -> list[dict[str, str
     return out
 
 
+@pytest.mark.proc
 def test_init_distributed_exports_local_world_size_from_slurm() -> None:
     port = str(_free_port())
     job = str(random.randint(1, 10**6))
@@ -396,6 +408,7 @@ def test_init_distributed_exports_local_world_size_from_slurm() -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
 
 
+@pytest.mark.proc
 def test_init_distributed_keeps_a_set_local_world_size() -> None:
     port = str(_free_port())
     seen = _init_in_two_processes([
@@ -420,6 +433,7 @@ def test_local_world_size_rules(caplog: pytest.LogCaptureFixture) -> None:
     assert "has no node 5" in caplog.text
 
 
+@pytest.mark.proc
 def test_the_only_task_of_a_step_needs_no_group_even_with_the_prologs_variables() -> None:
     """A one-task srun step under the launcher has RANK=0/WORLD_SIZE=1 from the prolog: still no process
     group (and no port), as for a plain one-task step; a torchrun worker keeps its group of one."""

@@ -128,6 +128,7 @@ def _rank_events(out: Path, event: str) -> list[dict]:
     return [e for e in read_jsonl(path) if e.get("event") == event]
 
 
+@pytest.mark.proc
 def test_an_exact_program_passes_and_its_repeated_steps_are_verified(tmp_path: Path) -> None:
     code, text, out = _rehearse(tmp_path, "exact", "--kill")
     assert code == 0, text
@@ -145,6 +146,7 @@ def test_an_exact_program_passes_and_its_repeated_steps_are_verified(tmp_path: P
     assert sorted(final) == [0, 1] and all(sorted(s) == list(range(1, 25)) for s in final.values())
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("mode,cause", [("prefetch", "a batch fetched before ckpt.step() (on every rank"),
                                         ("rank", "per-rank state that is not in state (only on rank 1")])
 def test_a_program_that_loses_state_at_a_stop_fails_at_the_first_step_after_it(tmp_path: Path, mode: str,
@@ -159,6 +161,7 @@ def test_a_program_that_loses_state_at_a_stop_fails_at_the_first_step_after_it(t
     assert ranks == (["0", "1"] if mode == "prefetch" else ["1"]), text
 
 
+@pytest.mark.proc
 def test_an_unsaved_generator_is_caught_by_the_rehearsal(tmp_path: Path) -> None:
     code, text, _ = _rehearse(tmp_path, "rng")
     assert code == 1, text
@@ -168,6 +171,7 @@ def test_an_unsaved_generator_is_caught_by_the_rehearsal(tmp_path: Path) -> None
     assert "generator that is not in state" in text, text
 
 
+@pytest.mark.proc
 def test_a_crashed_run_resumed_with_an_unsaved_generator_reports_the_first_repeated_step(tmp_path: Path) -> None:
     """Without rehearse: a run that crashes after its newest checkpoint, resumed, trains the steps since that
     checkpoint again; each rank compares them with what it recorded before the crash."""
@@ -189,6 +193,7 @@ def test_a_crashed_run_resumed_with_an_unsaved_generator_reports_the_first_repea
     assert all(sorted(steps) == list(range(1, 13)) for steps in before.values())
 
 
+@pytest.mark.proc
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
     env = clean_env()
     base = [sys.executable, "-m", "resilient_slurm.cli", "rehearse"]
@@ -199,6 +204,7 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
         assert p.returncode == 2 and words in p.stderr, (args, p.stdout, p.stderr)
 
 
+@pytest.mark.proc
 def test_a_rehearsal_runs_as_a_slurm_job_without_requeueing_it(slurm: SlurmCluster) -> None:
     """Inside an allocation the ranks run as local ranks of the job's node: the SIGTERM of the stop is the
     rehearsal's, and the launcher neither requeues nor holds the job the rehearsal runs in."""

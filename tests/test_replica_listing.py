@@ -193,6 +193,7 @@ def test_no_eviction_above_the_watermark_keeps_replicas(layout: dict[str, Any],
     assert evicted_events(root, RUN) == evicted_events(root, OTHER) == []
 
 
+@pytest.mark.proc
 def test_daemon_process_evicts_replicas_before_own_steps(layout: dict[str, Any]) -> None:
     """A real ``rslurm daemon --once`` asked for more free space than the filesystem has: every replica goes
     first, then the older undrained own step; the newest undrained one stays."""
@@ -232,6 +233,7 @@ def test_eviction_never_follows_replica_links_or_files(layout: dict[str, Any], t
 
 
 # ------------------------------------------------------------------------------------ ls and status
+@pytest.mark.proc
 def test_ls_shows_replicas_apart_from_own_steps(layout: dict[str, Any], tmp_path: Path) -> None:
     root = layout["root"]
     (root / RUN / "replicas" / "n2" / (sdir(4) + ".tmp-replica-abcd1234")).mkdir()
@@ -262,6 +264,7 @@ def test_ls_shows_replicas_apart_from_own_steps(layout: dict[str, Any], tmp_path
     assert "MiB" in rows[0][4] and "being received" in " ".join(rows[2]), text
 
 
+@pytest.mark.proc
 def test_ls_without_replicas_prints_no_replica_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "nvme"
     save(root, RUN, [1], "n1", MiB, monkeypatch)
@@ -272,6 +275,7 @@ def test_ls_without_replicas_prints_no_replica_table(tmp_path: Path, monkeypatch
     assert doc["replicas"] == [] and [s["step"] for s in doc["steps"]] == [1]
 
 
+@pytest.mark.proc
 def test_status_shows_replicas_held_and_being_received(layout: dict[str, Any]) -> None:
     root = layout["root"]
     (root / RUN / "replicas" / "n2" / (sdir(4) + ".tmp-replica-abcd1234")).mkdir()
@@ -293,6 +297,7 @@ def test_status_shows_replicas_held_and_being_received(layout: dict[str, Any]) -
     assert "n3's step 9 (" in lines[OTHER] and "receiving" not in lines[OTHER], lines[OTHER]
 
 
+@pytest.mark.proc
 def test_ls_and_status_ignore_replica_links_and_files(layout: dict[str, Any], tmp_path: Path) -> None:
     root = layout["root"]
     outside = tmp_path / "outside"

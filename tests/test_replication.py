@@ -206,6 +206,7 @@ def _ranks(mode: str, world: int, tmp: Path, local_dirs: list[str], nodes: list[
     return [torch.load(out / f"{mode}.{r}.pt", weights_only=True) for r in range(world)]
 
 
+@pytest.mark.proc
 def test_domains_follow_directories_not_node_names(tmp_path: Path) -> None:
     per_gpu = _ranks("topology", 3, tmp_path, [str(tmp_path / f"nvme{r}") for r in range(3)])
     assert per_gpu[0]["domains"] == ["n1-r0", "n1-r1", "n1-r2"]  # one NVMe per GPU: a domain each
@@ -221,6 +222,7 @@ def test_domains_follow_directories_not_node_names(tmp_path: Path) -> None:
     assert [t["leader"] for t in mixed] == [True, False, True, False]
 
 
+@pytest.mark.proc
 def test_a_directory_shared_across_hosts_is_found_by_probes(tmp_path: Path) -> None:
     """Real hostnames differ per rank (a UTS namespace each), so device and inode cannot be compared
     across them: the probe files find which hosts write into one shared directory."""
@@ -238,6 +240,7 @@ def _events(root: Path, name: str) -> list[dict[str, Any]]:
     return [e for p in root.rglob("events.jsonl") for e in read_jsonl(p) if e["event"] == name]
 
 
+@pytest.mark.proc
 def test_a_desynchronised_replica_is_named_and_each_copy_restores(tmp_path: Path) -> None:
     dirs = [str(tmp_path / "nvme")] * 3
     saved = _ranks("save", 3, tmp_path, dirs, extra=["--perturb-rank", "2"])
@@ -255,6 +258,7 @@ def test_a_desynchronised_replica_is_named_and_each_copy_restores(tmp_path: Path
         assert r["cursor"] == s["cursor"]  # per-rank plain value under a shared key
 
 
+@pytest.mark.proc
 def test_state_declared_replicated_is_checked_not_digested_and_a_false_claim_is_caught(tmp_path: Path) -> None:
     """``replicated=["cursor"]`` is a lie here (each rank's cursor differs): the check names it, as it
     would a drifted DDP replica, and each rank's copy is still what it restores."""
@@ -268,6 +272,7 @@ def test_state_declared_replicated_is_checked_not_digested_and_a_false_claim_is_
     assert all(s["error"] and "ConfigError" in s["error"] and "'nope'" in s["error"] for s in bad), bad
 
 
+@pytest.mark.proc
 def test_replica_check_fail_refuses_the_save_on_every_rank(tmp_path: Path) -> None:
     dirs = [str(tmp_path / "nvme")] * 3
     saved = _ranks("save", 3, tmp_path, dirs, extra=["--perturb-rank", "1"], env={"RSLURM_REPLICA_CHECK": "fail"})
@@ -278,6 +283,7 @@ def test_replica_check_fail_refuses_the_save_on_every_rank(tmp_path: Path) -> No
     assert {e["rank"] for e in failed} == {0, 1, 2} and all(e["step"] == 3 for e in failed)
 
 
+@pytest.mark.proc
 def test_replicas_in_different_domains_are_compared_at_commit_for_free(tmp_path: Path) -> None:
     dirs = [str(tmp_path / "n1"), str(tmp_path / "n2")]
     _ranks("save", 2, tmp_path, dirs, nodes=["n1", "n2"], extra=["--perturb-rank", "1"],
@@ -287,6 +293,7 @@ def test_replicas_in_different_domains_are_compared_at_commit_for_free(tmp_path:
     assert {e["key"] for e in ev} == {"model.0.weight"}
 
 
+@pytest.mark.proc
 def test_per_rank_state_at_another_world_size_needs_a_rank_map(tmp_path: Path) -> None:
     dirs = [str(tmp_path / "nvme")] * 2
     saved = _ranks("save", 2, tmp_path, dirs)
@@ -301,6 +308,7 @@ def test_per_rank_state_at_another_world_size_needs_a_rank_map(tmp_path: Path) -
         assert torch.equal(m["rng"], saved[r % 2]["rng"])
 
 
+@pytest.mark.proc
 def test_a_shard_missing_at_commit_means_no_domain_commits(tmp_path: Path) -> None:
     """Rank 1's shard is gone after its write (as if written elsewhere): neither domain may commit."""
     dirs = [str(tmp_path / "n1"), str(tmp_path / "n1"), str(tmp_path / "n2")]
@@ -313,6 +321,7 @@ def test_a_shard_missing_at_commit_means_no_domain_commits(tmp_path: Path) -> No
         assert checkpoint_entries(tmp_path / d / "rep") == [], d  # step 2 failed too (the failpoint hits every save)
 
 
+@pytest.mark.proc
 def test_a_failed_write_on_one_rank_commits_nowhere_and_keeps_older_steps(tmp_path: Path) -> None:
     dirs = [str(tmp_path / "n1"), str(tmp_path / "n2")]
     _ranks("save", 2, tmp_path, dirs, nodes=["n1", "n2"])
@@ -339,6 +348,7 @@ def _drain(dirs: list[str], nodes: list[str], lustre: Path) -> None:
         assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("source", ["durable", "peer"])
 def test_per_rank_state_of_a_lost_node_comes_back_from_the_durable_tier(tmp_path: Path, source: str) -> None:
     """Per-rank copies live in their rank's domain: when n2's directory is gone, n2's rank fetches the step
@@ -362,6 +372,7 @@ def test_per_rank_state_of_a_lost_node_comes_back_from_the_durable_tier(tmp_path
     assert [e["tier"] for e in ev] == [source], ev
 
 
+@pytest.mark.proc
 def test_show_and_export_name_what_is_stored_per_rank(tmp_path: Path) -> None:
     saved = _ranks("save", 2, tmp_path, [str(tmp_path / "nvme")] * 2)
 
@@ -382,6 +393,7 @@ def test_show_and_export_name_what_is_stored_per_rank(tmp_path: Path) -> None:
     assert got == {"_rslurm_per_rank": {"0": {"cursor": saved[0]["cursor"]}, "1": {"cursor": saved[1]["cursor"]}}}
 
 
+@pytest.mark.proc
 def test_a_step_saved_twice_is_never_restored_as_a_mix_of_the_two_saves(tmp_path: Path) -> None:
     """One step number, two saves: n2's copy of step 3 is from another save than n1's (here: its manifest's
     save time moved, as after a run that went back to step 2 and saved step 3 again where only n1 committed

@@ -86,6 +86,7 @@ def test_local_steps_restore_even_when_the_durable_tier_is_down(tmp_path: Path,
     assert st["step"] == 2
 
 
+@pytest.mark.proc
 def test_a_fetch_that_fails_for_lack_of_space_stops_the_restore(tmp_path: Path) -> None:
     import subprocess
 
@@ -131,6 +132,7 @@ with Checkpointer() as ck:
 """
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("fallback, code", [("fail", 75), ("fresh", 0)])
 def test_rslurm_launch_runs_a_job_again_when_storage_kept_it_from_restoring(tmp_path: Path, fallback: str,
                                                                              code: int) -> None:

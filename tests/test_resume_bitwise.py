@@ -16,6 +16,8 @@ import pytest
 import torch
 from conftest import assert_same, read_jsonl, run_ranks, start_ranks, wait_for_step
 
+pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
+
 TOY = ["-m", "resilient_slurm.examples.train_toy"]
 
 

@@ -76,6 +76,7 @@ def _run(
 CONFIGS = [(1, 0, 3, False), (1, 0, 3, True), (2, 1, 3, False)]
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "replicas{}-rank{}-bs{}-droplast{}".format(*c))
 @pytest.mark.parametrize("stop_after", [0, 1, 3, "end_of_epoch_in_loop", "after_epoch_loop", "next_epoch"])
 def test_resume_matches_uninterrupted_run(config: tuple[int, int, int, bool], stop_after: int | str) -> None:

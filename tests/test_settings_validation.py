@@ -191,6 +191,7 @@ def _rslurm(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> su
     ([], {}, b"keep_last = '\xe9'\n", ["cfg.toml", "not UTF-8"]),
 ], ids=["save-timeout-negative", "save-timeout-nan", "keep-last-zero", "term-grace-inf", "collective-timeout-zero",
         "env-keep-last-zero", "env-drain-threads", "file-nan", "file-rslurm-int", "file-top-level", "file-latin-1"])
+@pytest.mark.proc
 def test_launch_refuses_bad_settings_with_exit_2_before_any_rank(tmp_path: Path, argv: list[str],
                                                                   env: dict[str, str], config: bytes | None,
                                                                   names: list[str]) -> None:
@@ -207,6 +208,7 @@ def test_launch_refuses_bad_settings_with_exit_2_before_any_rank(tmp_path: Path,
     assert not marker.exists(), "a rank started although the settings were refused"
 
 
+@pytest.mark.proc
 def test_launch_with_settings_in_range_runs_the_command(tmp_path: Path) -> None:
     marker = tmp_path / "rank-started"
     r = _rslurm(tmp_path, "launch", "--save-timeout", "0.5", "--keep-last", "1", "--requeue-margin", "0",
@@ -215,6 +217,7 @@ def test_launch_with_settings_in_range_runs_the_command(tmp_path: Path) -> None:
     assert marker.exists()
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("argv", [
     ["daemon", "--drain-poll-interval", "nan", "--durable", "/nonexistent"],
     ["gc", "--keep-last", "0", "--dry-run"],
@@ -226,6 +229,7 @@ def test_other_commands_refuse_out_of_range_flags(tmp_path: Path, argv: list[str
     assert "Traceback" not in r.stderr and f"rslurm: error: {argv[1]}=" in r.stderr, r.stderr
 
 
+@pytest.mark.proc
 def test_gc_stale_after_must_be_finite(tmp_path: Path) -> None:
     r = _rslurm(tmp_path, "gc", "--dry-run", "--stale-after", "nan")
     assert r.returncode == 2 and "--stale-after" in r.stderr and "finite" in r.stderr, r.stderr
@@ -340,6 +344,7 @@ def test_log_level_is_checked(value: str) -> None:
         cfgmod.load({}, env)
 
 
+@pytest.mark.proc
 def test_launch_with_config_gives_the_file_to_the_ranks(tmp_path: Path) -> None:
     """`rslurm --config FILE launch`: the ranks' Checkpointer reads the same file as the launcher."""
     conf = tmp_path / "c.toml"

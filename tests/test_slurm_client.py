@@ -294,6 +294,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.proc
 def test_hanging_scontrol_is_killed_retried_then_transient(fake: FakeBin):
     """A scontrol that never answers (here a wrapper whose child keeps the output pipes open) is killed
     with its whole process group at the timeout, retried, and ends in SlurmTimeoutError."""
@@ -313,6 +314,7 @@ def test_hanging_scontrol_is_killed_retried_then_transient(fake: FakeBin):
     assert all(_gone(p) for p in pids), "the hung command or its child survived the timeout"
 
 
+@pytest.mark.proc
 def test_socket_timeout_twice_then_success(fake: FakeBin):
     (fake.state / "record").write_text(RECORD_2205 + "\n")
     fake.tool("scontrol", 'if [ $n -le 2 ]; then\n'
@@ -325,6 +327,7 @@ def test_socket_timeout_twice_then_success(fake: FakeBin):
     assert fake.argv("scontrol") == ["show job -o 2"] * 3
 
 
+@pytest.mark.proc
 def test_invalid_job_id_is_not_retried(fake: FakeBin):
     fake.tool("scontrol", 'echo "slurm_load_jobs error: Invalid job id specified" >&2\nexit 1\n')
     client, slept = fake.client(retries=5)
@@ -335,6 +338,7 @@ def test_invalid_job_id_is_not_retried(fake: FakeBin):
     assert "`scontrol show job -o 99`" in msg and "exit code 1" in msg and "Invalid job id specified" in msg
 
 
+@pytest.mark.proc
 def test_permission_denied_is_not_retried(fake: FakeBin):
     fake.tool("scancel", 'echo "scancel: error: Kill job error on job id 5: Access/permission denied" >&2\n'
                          'exit 1\n')
@@ -345,6 +349,7 @@ def test_permission_denied_is_not_retried(fake: FakeBin):
     assert fake.argv("scancel") == ["--signal=USR1 --batch 5"]
 
 
+@pytest.mark.proc
 def test_retries_are_bounded_with_exponential_jittered_waits(fake: FakeBin):
     fake.tool("scontrol", 'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2\n'
                           'exit 1\n')
@@ -357,6 +362,7 @@ def test_retries_are_bounded_with_exponential_jittered_waits(fake: FakeBin):
         assert 0.5 * 2**i <= s <= 0.5 * 2**i + 0.5, slept
 
 
+@pytest.mark.proc
 def test_total_timeout_bounds_retries_of_a_hung_command(fake: FakeBin):
     fake.tool("scontrol", "exec sleep 30\n")
     client, _ = fake.client(timeout=0.3, retries=50, wait=wait_none(), total_timeout=0.5)
@@ -365,6 +371,7 @@ def test_total_timeout_bounds_retries_of_a_hung_command(fake: FakeBin):
     assert 1 <= ei.value.attempts <= 2
 
 
+@pytest.mark.proc
 def test_requeue_retry_after_timeout_accepts_that_it_took_effect(fake: FakeBin):
     """First requeue hangs (the controller acted but the reply was lost); the retry is told the job is
     already pending: that means done, not an error."""
@@ -381,6 +388,7 @@ def test_requeue_retry_after_timeout_accepts_that_it_took_effect(fake: FakeBin):
         client.requeue(5)
 
 
+@pytest.mark.proc
 def test_submit_is_retried_only_when_the_request_cannot_have_arrived(fake: FakeBin):
     fake.tool("sbatch", 'if [ $n -eq 1 ]; then echo "sbatch: error: Batch job submission failed: '
                         'Unable to contact slurm controller (connect failure)" >&2; exit 1; fi\n'
@@ -402,6 +410,7 @@ def test_submit_is_retried_only_when_the_request_cannot_have_arrived(fake: FakeB
     assert fake.argv("sbatch")[-1] == "--parsable /tmp/job.sh"
 
 
+@pytest.mark.proc
 def test_submit_timeout_says_the_job_may_exist(fake: FakeBin):
     fake.tool("sbatch", "exec sleep 30\n")
     client, _ = fake.client(timeout=0.3, retries=3)
@@ -410,12 +419,14 @@ def test_submit_timeout_says_the_job_may_exist(fake: FakeBin):
     assert fake.count("sbatch") == 1
 
 
+@pytest.mark.proc
 def test_missing_slurm_tools_is_a_clear_permanent_error(tmp_path: Path):
     client = CliSlurmClient(env={"PATH": str(tmp_path)}, sleep=lambda s: None)
     with pytest.raises(PermanentSlurmError, match="scontrol not found on PATH"):
         client.job_info(1)
 
 
+@pytest.mark.proc
 def test_requeue_hold_sets_comment_before_holding(fake: FakeBin):
     fake.tool("scontrol", "exit 0\n")
     client, _ = fake.client()
@@ -462,6 +473,7 @@ def _marks(slurm: SlurmCluster, name: str) -> Path:
     return d
 
 
+@pytest.mark.proc
 def test_job_info_signal_and_completion(slurm: SlurmCluster, client: CliSlurmClient):
     """job_info of a running 2-node job; a signal reaches the batch shell only with batch=True; the
     job then exits 0 and is reported COMPLETED."""
@@ -493,6 +505,7 @@ def test_job_info_signal_and_completion(slurm: SlurmCluster, client: CliSlurmCli
     assert info.state == "COMPLETED" and (info.exit_code, info.exit_signal) == (0, 0)
 
 
+@pytest.mark.proc
 def test_requeue_running_job_runs_again(slurm: SlurmCluster, client: CliSlurmClient):
     d = _marks(slurm, "requeue")
     job = client.submit(LOOP_SCRIPT.format(marks=d), ["--requeue", "-N1", "--time=1", "-o", str(d / "out")])
@@ -511,6 +524,7 @@ def test_requeue_running_job_runs_again(slurm: SlurmCluster, client: CliSlurmCli
     assert info.state == "CANCELLED"
 
 
+@pytest.mark.proc
 def test_requeue_hold_keeps_job_held_with_visible_reason(slurm: SlurmCluster, client: CliSlurmClient):
     d = _marks(slurm, "hold")
     job = client.submit(LOOP_SCRIPT.format(marks=d), ["--requeue", "-N1", "--time=1", "-o", str(d / "out")])
@@ -534,6 +548,7 @@ def test_requeue_hold_keeps_job_held_with_visible_reason(slurm: SlurmCluster, cl
     client.cancel(job)  # cancelling a finished job is not an error
 
 
+@pytest.mark.proc
 def test_requeue_of_a_finished_job_does_nothing(slurm: SlurmCluster, client: CliSlurmClient):
     """Slurm would requeue (run again) a COMPLETED job; only_incomplete (the default) prevents it."""
     d = _marks(slurm, "finished")
@@ -545,6 +560,7 @@ def test_requeue_of_a_finished_job_does_nothing(slurm: SlurmCluster, client: Cli
     assert info.state == "COMPLETED" and info.restarts == 0 and info.comment is None
 
 
+@pytest.mark.proc
 def test_partition_and_config(slurm: SlurmCluster, client: CliSlurmClient):
     low = client.partition_info("low")
     assert low.name == "low" and low.grace_time == slurm.grace_time and low.preempt_mode == "REQUEUE"
@@ -564,6 +580,7 @@ def test_partition_and_config(slurm: SlurmCluster, client: CliSlurmClient):
         client.config_value("KilWait")
 
 
+@pytest.mark.proc
 def test_hostnames_match_slurm(client: CliSlurmClient):
     assert client.hostnames("n[1-2]") == ["n1", "n2"]
     assert client.hostnames("") == []
@@ -575,6 +592,7 @@ def test_hostnames_match_slurm(client: CliSlurmClient):
             client.hostnames(bad)
 
 
+@pytest.mark.proc
 def test_node_addresses_are_slurms_node_addr(client: CliSlurmClient):
     """One `scontrol show node` for a node list: each node's NodeAddr (the test cluster's names n1, n2 do
     not resolve; their address is 127.0.0.1). A node Slurm does not know is a permanent error."""
@@ -584,6 +602,7 @@ def test_node_addresses_are_slurms_node_addr(client: CliSlurmClient):
         client.node_addresses("no-such-node")
 
 
+@pytest.mark.proc
 def test_real_slurm_errors(slurm: SlurmCluster, client: CliSlurmClient):
     with pytest.raises(SlurmJobNotFoundError) as ei:
         client.job_info(987654)
@@ -605,6 +624,7 @@ def test_real_slurm_errors(slurm: SlurmCluster, client: CliSlurmClient):
     client.cancel(job)
 
 
+@pytest.mark.proc
 def test_unreachable_controller_is_transient(slurm: SlurmCluster, tmp_path: Path):
     """Real client tools pointed at a port nobody listens on: retried, then SlurmUnreachableError.
     scontrol requeue reports the same condition as "Unexpected message received"."""

@@ -17,6 +17,8 @@ import pytest
 from conftest import wait_for_text
 from slurm_cluster import SlurmCluster
 
+pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
+
 # Wall times of the phases, printed at the end of the session (pytest -s, or in the captured output).
 TIMINGS: dict[str, float] = {}
 

@@ -187,6 +187,7 @@ def test_ranks_past_the_rendezvous_after_c10d_complained_are_still_a_failed_star
     assert "head-7:29500 answers (so the ranks fail elsewhere" in verdict.message()
 
 
+@pytest.mark.proc
 def test_local_tasks_are_found_by_their_marker_on_this_node(tmp_path: Path) -> None:
     """Real processes: a task (the marker, a step id, this node) started by a shell that lacks the marker,
     as slurmstepd starts them; its own child inherits the marker and is not a task; a task of another node

@@ -34,7 +34,7 @@ from resilient_slurm.manifest import MANIFEST_NAME, Manifest
 torchdata = pytest.importorskip("torchdata", reason="torchdata is in the test extra: pip install -e '.[test]'")
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")  # torchdata 0.11 on torch 2.13
+pytestmark = [pytest.mark.proc, pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")]  # torchdata 0.11 on torch 2.13
 
 WORKER = REPO / "tests" / "workers" / "stateful_loader_worker.py"
 STEPS, EVERY = 40, 6  # 56 samples, 2 ranks, batches of 4: 7 steps per epoch

@@ -48,6 +48,7 @@ def _run(tmp: Path, *args: str, steps: int = 60) -> list[dict]:
     return found
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize(("mode", "slow_rank"), [("ddp-forward", 2), ("plain-after", 1)])
 def test_the_slow_rank_is_named(tmp_path: Path, mode: str, slow_rank: int) -> None:
     ddp, where = mode.split("-")
@@ -70,6 +71,7 @@ def test_the_slow_rank_is_named(tmp_path: Path, mode: str, slow_rank: int) -> No
     assert f"rank {slow_rank} on {NODES[slow_rank]}" in r.stdout and "straggler" in r.stdout, r.stdout
 
 
+@pytest.mark.proc
 def test_a_rank_that_recovers_is_cleared_and_a_balanced_run_has_none(tmp_path: Path) -> None:
     # windows of 20 steps: slow in the first two (a straggler at step 40), the third straddles the change,
     # fast in the next two (cleared at step 100 at the latest)

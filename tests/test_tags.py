@@ -303,6 +303,7 @@ def test_deletion_protocols_refuse_tagged_steps(tmp_path: Path, n1: str) -> None
 
 
 # ------------------------------------------------------------------------------------ ckpt.tag, real ranks
+@pytest.mark.proc
 def test_ckpt_tag_in_a_real_run_survives_local_retention(tmp_path: Path) -> None:
     """Three ranks on two emulated nodes (n1: ranks 0 and 1, n2: rank 2), keep_last=1: the tagged steps stay
     in both domains, the rest goes; a tag of the step in flight waits for its commit; a bad name or a step
@@ -352,6 +353,7 @@ def test_tagging_the_step_in_flight_then_retention(tmp_path: Path, n1: str) -> N
 
 
 # ------------------------------------------------------------------------------------ durable tiers
+@pytest.mark.proc
 def test_tagged_step_survives_durable_retention_and_gc(tmp_path: Path, n1: str, durable: Durable) -> None:
     """keep_last=1 everywhere: the tagged step is drained (retention alone would not send it), kept by the
     daemon's durable retention and by gc on both tiers; untagged, the daemon and gc remove it."""
@@ -387,6 +389,7 @@ def test_tagged_step_survives_durable_retention_and_gc(tmp_path: Path, n1: str, 
     assert durable.tags() == {"latest": 4}
 
 
+@pytest.mark.proc
 def test_eviction_never_removes_a_tagged_step(tmp_path: Path, n1: str) -> None:
     root, lustre = tmp_path / "nvme", tmp_path / "lustre"
     env = {"RSLURM_LOCAL_DIR": str(root), "RSLURM_DURABLE": str(lustre), "RSLURM_KEEP_LAST": "10"}
@@ -403,6 +406,7 @@ def test_eviction_never_removes_a_tagged_step(tmp_path: Path, n1: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ STEP by tag, ls, runs
+@pytest.mark.proc
 def test_a_tag_stands_for_its_step_and_runs_lists_runs(tmp_path: Path, n1: str) -> None:
     root, lustre = tmp_path / "nvme", tmp_path / "lustre"
     env = {"RSLURM_LOCAL_DIR": str(root), "RSLURM_DURABLE": str(lustre)}
@@ -459,6 +463,7 @@ def test_a_tag_stands_for_its_step_and_runs_lists_runs(tmp_path: Path, n1: str) 
     (["untag", "1", "nosuch"], "has no tag 'nosuch'"),
     (["untag", "2", "best"], "is on step 1, not step 2"),
 ])
+@pytest.mark.proc
 def test_bad_names_and_steps_exit_2(args: list[str], why: str, tmp_path: Path, n1: str) -> None:
     root = tmp_path / "nvme"
     save(root, [1, 2], tags={1: "best"})
@@ -470,6 +475,7 @@ def test_bad_names_and_steps_exit_2(args: list[str], why: str, tmp_path: Path, n
 
 
 # ------------------------------------------------------------------------------------ corrupt tags files
+@pytest.mark.proc
 def test_a_corrupt_local_tags_file_stops_every_deletion(tmp_path: Path, n1: str,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     root, lustre = tmp_path / "nvme", tmp_path / "lustre"
@@ -502,6 +508,7 @@ def test_a_corrupt_local_tags_file_stops_every_deletion(tmp_path: Path, n1: str,
     assert local_steps(root) == {4}
 
 
+@pytest.mark.proc
 def test_a_corrupt_durable_tags_file_stops_durable_deletions(tmp_path: Path, n1: str, durable: Durable) -> None:
     root = tmp_path / "nvme"
     env = {"RSLURM_LOCAL_DIR": str(root), **durable.env}

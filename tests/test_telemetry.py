@@ -386,6 +386,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, moto_server: MotoServer) 
 
 
 # --------------------------------------------------------------------------- tests
+@pytest.mark.proc
 def test_every_documented_event_appears_with_exactly_its_fields(scenario: Scenario) -> None:
     docs = read_docs()
     records = scenario.all_events()
@@ -405,6 +406,7 @@ def test_every_documented_event_appears_with_exactly_its_fields(scenario: Scenar
                                                                              "unreach"}
 
 
+@pytest.mark.proc
 def test_save_events_match_the_manifests(scenario: Scenario) -> None:
     ev = scenario.events()
     committed = {(e["step"], e["rank"]): e for e in ev if e["event"] == "save_committed"}
@@ -436,6 +438,7 @@ def test_save_events_match_the_manifests(scenario: Scenario) -> None:
     assert [(e["step"], e["rank"]) for e in failed] == [(EVERY, 0)] and "free" in failed[0]["error"], failed
 
 
+@pytest.mark.proc
 def test_launcher_events_tell_the_stop_and_the_restore_reads_the_durable_tier(scenario: Scenario) -> None:
     e = scenario.emergency_step
     train = scenario.during("train", source="launcher")
@@ -462,6 +465,7 @@ def test_launcher_events_tell_the_stop_and_the_restore_reads_the_durable_tier(sc
     assert stuck == ["start", "signal", "save_requested", "deadline_missed", "ranks_exited"], stuck
 
 
+@pytest.mark.proc
 def test_daemon_events_and_metrics_match_the_drained_steps(scenario: Scenario) -> None:
     docs = read_docs()
     e = scenario.emergency_step
@@ -528,6 +532,7 @@ def test_daemon_events_and_metrics_match_the_drained_steps(scenario: Scenario) -
     assert nm["rslurm_durable_newest_step"] == {RUN: -1} and nm["rslurm_steps_pending_drain"] == {RUN: len(failed)}
 
 
+@pytest.mark.proc
 def test_a_replica_mismatch_is_an_event_a_manifest_entry_and_a_daemon_metric(scenario: Scenario) -> None:
     ev = [e for e in scenario.events("desync") if e["event"] == "replica_mismatch"]
     assert [(e["step"], e["key"], e["ranks"], e["majority"], e["found_by"], e["action"], e["rank"]) for e in ev] == [
@@ -538,6 +543,7 @@ def test_a_replica_mismatch_is_an_event_a_manifest_entry_and_a_daemon_metric(sce
     assert dm["rslurm_replica_mismatches_total"] == 1 and dm["rslurm_drained_steps_total"] == 2
 
 
+@pytest.mark.proc
 def test_metrics_textfile_that_node_exporter_would_not_read_is_refused(tmp_path: Path) -> None:
     base = {"RSLURM_LOCAL_DIR": str(tmp_path / "nvme"), "RSLURM_DURABLE": str(tmp_path / "lustre")}
     for path, says in ((tmp_path / "rslurm.txt", ".prom"), (tmp_path / "no-such-dir" / "rslurm.prom", "does not exist")):
@@ -564,6 +570,7 @@ def test_event_log_failure_is_one_warning_and_never_an_exception(tmp_path: Path,
     assert rec["step"] == 3 and rec["rank"] == 0 and len(rec["error"]) < 400
 
 
+@pytest.mark.proc
 def test_appends_from_many_processes_never_interleave(tmp_path: Path) -> None:
     writer = textwrap.dedent("""
         import sys
@@ -600,6 +607,7 @@ def _poll(what: str, cond: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.proc
 def test_requeue_decisions_on_slurm_and_each_node_logs_its_own(slurm: SlurmCluster) -> None:
     """USR1 to the batch shell: decision and requeue call; the requeued incarnation restores from each
     node's local tier; scancel then: cancelled, not requeued. n1's log (the batch host) has the launcher's events and

@@ -99,6 +99,7 @@ def _run_script(path: Path, tmp_path: Path, *args: str, **env: str) -> tuple[sub
 
 
 # --------------------------------------------------------------------------------------------- rendering
+@pytest.mark.proc
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_template_renders_with_options_replaced_and_the_command_quoted(name: str, tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str],
@@ -140,6 +141,7 @@ def test_template_renders_with_options_replaced_and_the_command_quoted(name: str
         assert not {"MASTER_ADDR", "MASTER_PORT", "RDZV_HOST", "RDZV_PORT"} & set(env), env
 
 
+@pytest.mark.proc
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_template_runs_by_hand_with_the_command_as_arguments(name: str, tmp_path: Path):
     """`sbatch TEMPLATE cmd args...` needs no rendering: the defaults apply, submit-time variables win."""
@@ -157,6 +159,7 @@ def test_template_runs_by_hand_with_the_command_as_arguments(name: str, tmp_path
     assert cp.returncode == 2 and "no training command" in cp.stderr and argv == []
 
 
+@pytest.mark.proc
 def test_torchrun_line_uses_stable_node_ranks_and_turns_a_slurm_sigterm_into_a_signal_exit(tmp_path: Path):
     """The per-node command of the torchrun template, run by real bash: torchrun gets the node's rank
     from SLURM_NODEID and the command after `--`; when the task is SIGTERMed (Slurm stopping the step)
