@@ -76,6 +76,22 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def sdir(step: int) -> str:
+    """A step's directory name, as the on-disk layout in design.md fixes it."""
+    return f"step_{step:012d}"
+
+
+def run_rslurm(*args: str, env: Mapping[str, str] | None = None, cwd: Path | str | None = None,
+               timeout: float = 120, traceback_ok: bool = False) -> subprocess.CompletedProcess[str]:
+    """``rslurm ARGS`` as a user runs it: its own process, :func:`clean_env` plus ``env``, no standard input,
+    output captured. No Python traceback may reach its stderr (a clear error is the contract) unless
+    ``traceback_ok`` (a command whose output carries a training program's own)."""
+    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args], env=clean_env(env), cwd=cwd,
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    assert traceback_ok or "Traceback" not in r.stderr, f"rslurm {' '.join(args)}: {r.stderr[-3000:]}"
+    return r
+
+
 @dataclass
 class RankJob:
     """N rank processes started together, like a local ``rslurm launch -n N``."""

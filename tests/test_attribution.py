@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import clean_env
+from conftest import clean_env, run_rslurm
 from test_hang import WORKER, _assert_like, _events, _reference, _restored_steps
 
 from resilient_slurm.launcher.attribution import (
@@ -56,9 +56,7 @@ def _launch(tmp: Path, out: Path, *worker_args: str, env: dict[str, str] | None 
 
 
 def _cli(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    e = clean_env({"RSLURM_LOCAL_DIR": str(tmp / "nvme"), "RSLURM_NODE_NAME": "n1"})
-    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args], env=e, capture_output=True,
-                          text=True, timeout=120)
+    return run_rslurm(*args, env={"RSLURM_LOCAL_DIR": str(tmp / "nvme"), "RSLURM_NODE_NAME": "n1"})
 
 
 def _history(tmp: Path) -> list[dict]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import clean_env
+from conftest import clean_env, run_rslurm
 
 from resilient_slurm import Checkpointer
 
@@ -17,8 +17,7 @@ pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_t
 
 
 def _rslurm(*args: str, root: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args, "--local-dir", str(root),
-                           "--run-id", "cli"], capture_output=True, text=True, env=clean_env(), timeout=120)
+    return run_rslurm(*args, "--local-dir", str(root), "--run-id", "cli")
 
 
 def _make(root: Path) -> None:

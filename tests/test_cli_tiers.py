@@ -30,7 +30,7 @@ import pytest
 import s3_support
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_same, clean_env, free_port, run_ranks
+from conftest import assert_same, clean_env, free_port, run_ranks, sdir
 from s3_support import MotoServer
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -51,10 +51,6 @@ pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="multi-process gloo, flock, xattrs as on Linux"),
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
 ]
-
-
-def sdir(step: int) -> str:
-    return f"step_{step:012d}"
 
 
 # --------------------------------------------------------------------------------------------- checkpoints

@@ -24,7 +24,16 @@ import pytest
 import s3_support
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, checkpoint_entries, clean_env, free_port, mounted_tmpfs, run_ranks
+from conftest import (
+    REPO,
+    checkpoint_entries,
+    clean_env,
+    free_port,
+    mounted_tmpfs,
+    run_ranks,
+    run_rslurm,
+    sdir,
+)
 from s3_support import FAKE_ENV, RESET_REQUEST, RESET_RESPONSE, SLOWDOWN, FaultProxy, MotoServer
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -52,10 +61,6 @@ pytestmark = [
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def sdir(step: int) -> str:
-    return f"step_{step:012d}"
-
-
 def state_of(step: int, nbytes: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1000 + step)
     return {"w": torch.randn(nbytes // 4, generator=g), "step": step}
@@ -78,9 +83,8 @@ def n1(monkeypatch: pytest.MonkeyPatch) -> str:
 
 def rslurm(*args: str, node: str = "n1", env: Mapping[str, str] | None = None,
            timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    e = clean_env({"RSLURM_NODE_NAME": node, "RSLURM_LOCAL_MIN_FREE": "1M", **(env or {})})
-    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args], env=e, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_rslurm(*args, env={"RSLURM_NODE_NAME": node, "RSLURM_LOCAL_MIN_FREE": "1M", **(env or {})},
+                      timeout=timeout)
 
 
 def drain(local: Path | str, durable: Path | str, *args: str, node: str = "n1",

@@ -8,14 +8,13 @@ Single process, real files, the real CLI in a subprocess.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import run_rslurm
 
 from resilient_slurm import Checkpointer
 from resilient_slurm.manifest import empty_keys, read_manifest_file, step_dirname
@@ -31,9 +30,7 @@ def _state(seed: int) -> dict[str, Any]:
 
 
 def _rslurm(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RSLURM_LOCAL_DIR": str(root), "RSLURM_RUN_ID": RUN}
-    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return run_rslurm(*args, env={"RSLURM_LOCAL_DIR": str(root), "RSLURM_RUN_ID": RUN})
 
 
 @pytest.mark.proc

@@ -24,14 +24,13 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import clean_env
+from conftest import run_rslurm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -106,12 +105,8 @@ def damaged(request: pytest.FixtureRequest, clean: Path, tmp_path: Path) -> tupl
 
 
 def _rslurm(root: Path, *args: str, durable: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = clean_env({"RSLURM_LOCAL_DIR": str(root), "RSLURM_RUN_ID": RUN, "RSLURM_LOG_LEVEL": "INFO",
-                     **({"RSLURM_DURABLE": str(durable)} if durable else {})})
-    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args], env=env, capture_output=True, text=True,
-                       timeout=90, stdin=subprocess.DEVNULL)
-    assert "Traceback" not in r.stderr, f"rslurm {' '.join(args)}: {r.stderr[-3000:]}"
-    return r
+    return run_rslurm(*args, env={"RSLURM_LOCAL_DIR": str(root), "RSLURM_RUN_ID": RUN, "RSLURM_LOG_LEVEL": "INFO",
+                                  **({"RSLURM_DURABLE": str(durable)} if durable else {})}, timeout=90)
 
 
 def test_restore_falls_back_to_the_previous_step(damaged: tuple[Path, Path], caplog: pytest.LogCaptureFixture) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, clean_env, read_jsonl
+from conftest import REPO, clean_env, read_jsonl, run_rslurm
 
 from resilient_slurm import Checkpointer
 from resilient_slurm.manifest import step_dirname
@@ -58,13 +58,9 @@ def rslurm_argv(*args: str) -> list[str]:
 
 def rslurm(*args: str, env: Mapping[str, str] | None = None, timeout: float = 120,
            traceback_ok: bool = False) -> subprocess.CompletedProcess[str]:
-    """``rslurm ARGS`` as a user runs it; never a Python traceback of rslurm's own (``traceback_ok``: a
-    rank's, relayed by the launcher)."""
-    e = clean_env({"RSLURM_NODE_NAME": "n1", **(env or {})})
-    r = subprocess.run(rslurm_argv(*args), env=e, capture_output=True, text=True, timeout=timeout,
-                       stdin=subprocess.DEVNULL)
-    assert traceback_ok or "Traceback" not in r.stderr, r.stderr[-4000:]
-    return r
+    """``rslurm ARGS`` on node n1 (``traceback_ok``: a rank's traceback, relayed by the launcher)."""
+    return run_rslurm(*args, env={"RSLURM_NODE_NAME": "n1", **(env or {})}, timeout=timeout,
+                      traceback_ok=traceback_ok)
 
 
 def launch_argv(root: Path, *cmd: str, n: int = 2) -> list[str]:

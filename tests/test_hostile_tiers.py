@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import clean_env, mounted_tmpfs
+from conftest import mounted_tmpfs, run_rslurm, sdir
 
 from resilient_slurm import Checkpointer
 from resilient_slurm.errors import InsufficientSpaceError, UnsafePathError
@@ -37,10 +37,6 @@ MiB = 1 << 20
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="O_NOFOLLOW, FIFOs and tmpfs as on Linux")
 
 
-def sdir(step: int) -> str:
-    return f"step_{step:012d}"
-
-
 def save_steps(root: Path, steps: list[int], nbytes: int) -> None:
     with Checkpointer(local_dir=str(root), run_id=RUN, keep_last=10) as ck:
         for s in steps:
@@ -48,10 +44,9 @@ def save_steps(root: Path, steps: list[int], nbytes: int) -> None:
 
 
 def rslurm(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    e = clean_env({"RSLURM_NODE_NAME": "n1", "RSLURM_LOCAL_MIN_FREE": "1M", "RSLURM_RUN_ID": RUN, **(env or {})})
-    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args], env=e, capture_output=True, text=True,
-                       timeout=120, stdin=subprocess.DEVNULL)
-    assert "Traceback" not in r.stderr and "BufferError" not in r.stderr, r.stderr[-3000:]
+    r = run_rslurm(*args, env={"RSLURM_NODE_NAME": "n1", "RSLURM_LOCAL_MIN_FREE": "1M", "RSLURM_RUN_ID": RUN,
+                               **(env or {})})
+    assert "BufferError" not in r.stderr, r.stderr[-3000:]
     return r
 
 

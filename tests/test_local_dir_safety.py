@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import clean_env
+from conftest import run_rslurm
 
 from resilient_slurm import Checkpointer
 from resilient_slurm.daemon.service import daemon_running, read_status
@@ -220,9 +220,7 @@ def test_explicit_local_dir_is_the_users_choice_and_skips_the_default(tmpdir_env
 
 
 def _cli(base: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = clean_env({"TMPDIR": str(base), "RSLURM_NODE_NAME": "n1"})
-    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_rslurm(*args, env={"TMPDIR": str(base), "RSLURM_NODE_NAME": "n1"}, timeout=timeout)
 
 
 def _assert_settings_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, clean_env, read_jsonl
+from conftest import REPO, clean_env, read_jsonl, run_rslurm
 
 import resilient_slurm
 from resilient_slurm import Checkpointer
@@ -74,9 +74,8 @@ def run(program: Path, mode: str, cwd: Path, *extra: str) -> dict[str, Any]:
 
 
 def rslurm(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args, "--local-dir", str(cwd / "nvme"),
-                           "--run-id", RUN], env=clean_env({"RSLURM_NODE_NAME": "n1"}), cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return run_rslurm(*args, "--local-dir", str(cwd / "nvme"), "--run-id", RUN, env={"RSLURM_NODE_NAME": "n1"},
+                      cwd=cwd, timeout=300)
 
 
 def manifest_path(cwd: Path, step: int) -> Path:

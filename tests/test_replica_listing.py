@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import clean_env, read_jsonl
+from conftest import read_jsonl, run_rslurm, sdir
 
 from resilient_slurm import Checkpointer
 from resilient_slurm.checkpoint.policy import RetentionPolicy
@@ -40,10 +40,6 @@ pytestmark = [
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def sdir(step: int) -> str:
-    return f"step_{step:012d}"
-
-
 def tree_size(path: Path) -> int:
     """Bytes of the regular files under ``path`` (links not followed, not counted)."""
     total = 0
@@ -116,9 +112,8 @@ def evicted_events(root: Path, run: str) -> list[dict[str, Any]]:
 
 
 def rslurm(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    e = clean_env({"RSLURM_NODE_NAME": "n1", "RSLURM_LOCAL_MIN_FREE": "1M", **(env or {})})
-    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args], env=e, capture_output=True,
-                          text=True, timeout=180)
+    return run_rslurm(*args, env={"RSLURM_NODE_NAME": "n1", "RSLURM_LOCAL_MIN_FREE": "1M", **(env or {})},
+                      timeout=180)
 
 
 def ok(r: subprocess.CompletedProcess[str]) -> str:

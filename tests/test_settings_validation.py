@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env
+from conftest import clean_env, run_rslurm
 
 from resilient_slurm import ConfigError
 from resilient_slurm import config as cfgmod
@@ -171,10 +171,8 @@ def test_the_configuration_reference_states_each_range() -> None:
 def _rslurm(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    run_env = clean_env({"HOME": str(home), "RSLURM_LOCAL_DIR": str(tmp_path / "nvme"),
-                         "RSLURM_CONTROL_DIR": str(tmp_path / "ctl"), **(env or {})})
-    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *argv], env=run_env, cwd=tmp_path,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    return run_rslurm(*argv, env={"HOME": str(home), "RSLURM_LOCAL_DIR": str(tmp_path / "nvme"),
+                                  "RSLURM_CONTROL_DIR": str(tmp_path / "ctl"), **(env or {})}, cwd=tmp_path)
 
 
 @pytest.mark.parametrize(("argv", "env", "config", "names"), [

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import s3_support
 import torch
-from conftest import REPO, checkpoint_entries, clean_env, read_jsonl, run_ranks
+from conftest import REPO, checkpoint_entries, read_jsonl, run_ranks, run_rslurm, sdir
 from s3_support import FAKE_ENV, MotoServer
 from test_telemetry import TAG_ONLY, check_records, read_docs
 
@@ -57,18 +57,13 @@ pytestmark = [
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def sdir(step: int) -> str:
-    return f"step_{step:012d}"
-
-
 def state_of(step: int) -> dict[str, Any]:
     return {"w": torch.full((4096,), float(step)), "step": step}
 
 
 def rslurm(*args: str, env: Mapping[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    e = clean_env({"RSLURM_NODE_NAME": "n1", "RSLURM_LOCAL_MIN_FREE": "1M", **(env or {})})
-    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", *args], env=e, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_rslurm(*args, env={"RSLURM_NODE_NAME": "n1", "RSLURM_LOCAL_MIN_FREE": "1M", **(env or {})},
+                      timeout=timeout)
 
 
 def ok(r: subprocess.CompletedProcess[str]) -> str:
