@@ -64,10 +64,10 @@ from .manifest import (
     is_tmp_dirname,
     parse_step_dirname,
     split_tmp_dirname,
-    step_dirname,
     tmp_dirname,
 )
-from .paths import STATE_DIR, check_id, id_problem, load_json, open_parent, open_state_file, valid_time
+from .paths import check_id, id_problem, load_json, open_parent, open_state_file, valid_time
+from .rundir import REPLICAS_DIR, WRITER_LOCK, RunDir
 from .storage.fileio import fsync_dir, remove_tree
 from .storage.tier import StorageTier
 from .tags import durable_tagged_steps, local_tagged_steps, tags_lock
@@ -137,7 +137,7 @@ class RunListing:
     foreign: list[str] = field(default_factory=list)  # step or temp names that are links or files: never read
 
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.run_dir, step_dirname(step))
+        return RunDir.at(self.run_dir).step(step)
 
     def temp_path(self, t: TempDir) -> str:
         return os.path.join(self.run_dir, t.name)
@@ -235,7 +235,7 @@ def delete_step(run_dir: str, step: int, kind: TempKind, tag: str | None = None)
     Returns False when the step is already gone. A failure to remove the uncommitted tree is raised
     (OSError) after the step is uncommitted. A step directory that is a symbolic link is refused
     (OSError ELOOP): it was not made by rslurm, and it is never followed."""
-    path = os.path.join(run_dir, step_dirname(step))
+    path = RunDir.at(run_dir).step(step)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -279,7 +279,7 @@ def _uncommit(run_dir: str, path: str, step: int, kind: TempKind, tag: str | Non
     return gone
 
 
-REPLICAS_DIRNAME = "replicas"
+REPLICAS_DIRNAME = REPLICAS_DIR
 def valid_domain_name(name: str) -> bool:
     """A storage domain name that can name a replica directory (a node name, or ``<node>-r<rank>``)."""
     return id_problem("node name", name) is None
@@ -289,14 +289,14 @@ def replica_run_dir(run_dir: str, domain: str) -> str:
     """The directory holding this node's replicas of ``domain``'s steps of the run in ``run_dir``."""
     if not valid_domain_name(domain):
         raise ValueError(f"{domain!r} cannot name a replica directory")
-    return os.path.join(run_dir, REPLICAS_DIRNAME, domain)
+    return RunDir.at(run_dir).replica(domain)
 
 
 def list_replicas(run_dir: str) -> dict[str, RunListing]:
     """The partner domains whose replicas ``run_dir`` holds, each with its listing (committed replica
     steps, replicas being received). Links and files are never followed; names that cannot be domains
     are left out. Empty when there are none; OSError when the replicas directory cannot be listed."""
-    top = os.path.join(run_dir, REPLICAS_DIRNAME)
+    top = RunDir.at(run_dir).replicas
     try:
         if stat.S_ISLNK(os.lstat(top).st_mode):
             return {}
@@ -318,7 +318,7 @@ def list_replicas(run_dir: str) -> dict[str, RunListing]:
 # <root>/.rslurm/run-<run_id>.lock: who writes the run on this node, under flock. In the local root's private
 # state directory (the daemon's lock and status are there too), not in the run directory, whose entries are
 # steps and the run's own files.
-WRITER_FILE = "run-{}.lock"
+WRITER_FILE = WRITER_LOCK
 WRITER_ENV = "RSLURM_RUN_WRITER"  # the launcher's token, handed to its ranks: they write for it
 _WRITER_MAX_BYTES = 4096
 
@@ -411,12 +411,12 @@ def claim_run(root: str, run_id: str, me: RunWriter, *,
     host, pid), having changed nothing. The run directory is made if missing and must be a real directory
     below ``root`` (a link there is a ConfigError naming it). The state directory is the daemon's
     (:func:`~resilient_slurm.paths.open_state_file`: private, never a link)."""
-    state_dir = os.path.join(root, STATE_DIR)
-    name = WRITER_FILE.format(check_id("run id", run_id))
+    run = RunDir(root, check_id("run id", run_id))
+    state_dir, name = run.state_dir, run.writer_lock_name
     path = os.path.join(state_dir, name)
     # The run directory itself: a real directory below the root (made if missing), never a link to elsewhere
     # (ConfigError naming it), so nothing of the run is written through one.
-    pfd, _ = open_parent(root, os.path.join(root, run_id, WRITER_FILE), make_dirs=True, where="the run directory")
+    pfd, _ = open_parent(root, run.file(name), make_dirs=True, where="the run directory")
     os.close(pfd)
     fd = open_locked_fd(lambda: open_state_file(state_dir, name, os.O_RDWR | os.O_CREAT, create=True))
     try:

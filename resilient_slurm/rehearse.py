@@ -58,7 +58,7 @@ from .checkpoint.metrics import Values, read_metrics, same
 from .errors import ConfigError
 from .jobenv import JobEnv
 from .paths import load_json, open_regular
-from .telemetry import EVENTS_FILE
+from .rundir import EVENTS_FILE
 from .terminal import printable
 
 RUN_ID = "rehearse"

@@ -18,11 +18,11 @@ from typing import Any, TypeGuard
 
 from .errors import ProgressHistoryError
 from .paths import load_json, valid_time
+from .rundir import HISTORY_FILE as HISTORY_FILE  # re-exported: the history model names its file
 
 logger = logging.getLogger(__name__)
 
 # The run's history: in the run directory of the batch host, and a copy in the durable tier.
-HISTORY_FILE = "launcher-history.json"
 # Bounds the history file; far more than any sensible no_progress_limit.
 HISTORY_MAX_ENTRIES = 64
 HISTORY_VERSION = 2  # 2 added the attribution (job, times, evidence, where, the action, in-job restarts)

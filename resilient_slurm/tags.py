@@ -45,14 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, ObjectNotFoundError, TagsFileError, UnsafePathError
 from .flocks import flocked
-from .manifest import durable_run_key
 from .paths import id_problem, load_json, open_regular, valid_time
+from .rundir import TAGS_FILE, RunDir
 from .storage.fileio import atomic_write
 
 if TYPE_CHECKING:
     from .storage.tier import StorageTier
 
-TAGS_FILE = "tags.json"
 TAGS_FORMAT = "rslurm-tags"
 TAGS_VERSION = 1
 MAX_TAGS_BYTES = 1 << 20  # 2,048 records of 100 bytes are 200 KiB
@@ -238,7 +237,7 @@ def merge(run_id: str, copies: Iterable[RunTags | None]) -> RunTags:
 # ------------------------------------------------------------------------------ the local copies
 def local_tags_path(run_dir: str) -> str:
     """Where a run directory's tags file is."""
-    return os.path.join(run_dir, TAGS_FILE)
+    return RunDir.at(run_dir).tags
 
 
 def read_local_tags(run_dir: str, run_id: str) -> RunTags | None:
@@ -297,7 +296,7 @@ def update_local_tags(run_dir: str, run_id: str, change: Callable[[RunTags], Run
 # ------------------------------------------------------------------------------ the durable copy
 def durable_tags_key(run_id: str) -> str:
     """The durable copy's key."""
-    return durable_run_key(run_id, TAGS_FILE)
+    return RunDir("", run_id).durable_key(TAGS_FILE)
 
 
 def read_durable_tags(tier: StorageTier, run_id: str) -> RunTags | None:

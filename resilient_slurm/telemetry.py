@@ -37,10 +37,10 @@ from typing import Any
 
 from .errors import ConfigError
 from .paths import open_regular
+from .rundir import EVENTS_FILE, RunDir
 
 log = logging.getLogger(__name__)
 
-EVENTS_FILE = "events.jsonl"
 SOURCES = ("rank", "launcher", "daemon")
 # Below PIPE_BUF (4096 on Linux): small enough to be one write everywhere; longer strings are cut.
 MAX_LINE = 4000
@@ -49,7 +49,7 @@ _CUT = 300  # a string field longer than this is cut when a line would exceed MA
 
 def events_path(root: str, run_id: str) -> str:
     """The event log of ``run_id`` under a node-local root."""
-    return os.path.join(root, run_id, EVENTS_FILE)
+    return RunDir(root, run_id).events
 
 
 class ExactFloat(float):

@@ -53,8 +53,8 @@ from ..manifest import (
     durable_step_key,
     parse_step_dirname,
     read_manifest_file,
-    step_dirname,
 )
+from ..rundir import RunDir
 from ..storage.fileio import remove_tree
 from ..storage.tier import StorageTier
 from .inventory import Catalog, StepView
@@ -113,7 +113,7 @@ def _local_plan(catalog: Catalog, run: str, durable: set[int] | None, policy: Re
             if pending:
                 protect.add(max(pending))
         for s in policy.deletable(committed, invalid, protected=tagged):
-            path = os.path.join(run_dir, step_dirname(s))
+            path = RunDir.at(run_dir).step(s)
             if s in protect:
                 continue
             _, size = _tree_newest(path)
@@ -141,7 +141,7 @@ def _local_plan(catalog: Catalog, run: str, durable: set[int] | None, policy: Re
 def _local_step_problem(run_dir: str, run: str, step: int) -> str | None:
     """Why a committed local step is invalid (its manifest or ``.metadata`` fails the checks restore
     makes), or None when it is valid. Shards are not read: ``rslurm verify`` does that."""
-    d = os.path.join(run_dir, step_dirname(step))
+    d = RunDir.at(run_dir).step(step)
     try:
         m = read_manifest_file(os.path.join(d, MANIFEST_NAME))
         if m.run_id != run or m.step != step:

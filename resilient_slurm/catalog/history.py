@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, ObjectNotFoundError, ProgressHistoryError, ResilientSlurmError
-from ..manifest import durable_run_key
 from ..paths import open_regular
-from ..run_history import HISTORY_FILE, REASON_LABELS, Incarnation, ProgressHistory, Reason
+from ..run_history import REASON_LABELS, Incarnation, ProgressHistory, Reason
+from ..rundir import HISTORY_FILE, RunDir
 from ..terminal import printable
 
 HISTORY_MAX_BYTES = 4 << 20  # 64 entries with long evidence are well under 1 MiB
@@ -32,7 +32,7 @@ HISTORY_MAX_BYTES = 4 << 20  # 64 entries with long evidence are well under 1 Mi
 def read_local_text(run_dir: str) -> str | None:
     """The history file of ``run_dir`` as text; None when there is none. A link, FIFO or device there, or
     a file over :data:`HISTORY_MAX_BYTES`, raises ProgressHistoryError naming it."""
-    path = os.path.join(run_dir, HISTORY_FILE)
+    path = RunDir.at(run_dir).history
     try:
         fd = open_regular(path, os.O_RDONLY, where="the run directory",
                           root=os.path.dirname(os.path.abspath(run_dir)))
@@ -68,9 +68,10 @@ def read_history(root: str, run_id: str, tier: Any = None) -> RunHistory:
     the file and what to do) and the other one is used."""
     found: list[tuple[ProgressHistory, str]] = []
     errors: list[str] = []
-    path = os.path.join(root, run_id, HISTORY_FILE)
+    run = RunDir(root, run_id)
+    path = run.history
     try:
-        text = read_local_text(os.path.join(root, run_id))
+        text = read_local_text(run.path)
         if text is not None:
             found.append((ProgressHistory.from_json(text, source=path), path))
     except ProgressHistoryError as exc:
@@ -78,7 +79,7 @@ def read_history(root: str, run_id: str, tier: Any = None) -> RunHistory:
     except OSError as exc:
         errors.append(f"progress history {path}: cannot read it: {exc.strerror or exc}")
     if tier is not None:
-        key = durable_run_key(run_id, HISTORY_FILE)
+        key = run.durable_key(HISTORY_FILE)
         url = f"{tier.url.rstrip('/')}/{key}"
         try:
             data = tier.get_bytes(key, limit=HISTORY_MAX_BYTES)

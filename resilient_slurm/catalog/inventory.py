@@ -61,6 +61,7 @@ from ..manifest import (
     read_manifest_file,
 )
 from ..paths import default_run_id, expand_local_dir, id_problem
+from ..rundir import RunDir
 from ..storage.tier import StorageTier
 from ..tags import RunTags, merge, read_durable_tags, read_local_tags, tag_name_problem
 
@@ -305,7 +306,7 @@ class Catalog:
         """``(root, run directory, listing)`` of ``run`` in each local root that has it; a directory that
         cannot be listed (a link, no permission) is recorded in :attr:`errors` and skipped."""
         for root in self.roots:
-            run_dir = os.path.join(root, run)
+            run_dir = RunDir(root, run).path
             try:
                 listing = list_run_dir(run_dir)
             except OSError as exc:
@@ -369,7 +370,7 @@ class Catalog:
         StorageError when the durable tier cannot be."""
         out: list[tuple[str, RunTags | None]] = []
         for root in self.roots:
-            run_dir = os.path.join(root, run)
+            run_dir = RunDir(root, run).path
             out.append((run_dir, read_local_tags(run_dir, run)))
         if self.durable is not None:
             out.append((self.durable_url or self.durable.url, read_durable_tags(self.durable, run)))
@@ -575,7 +576,7 @@ def scan_replicas(root: str, run: str, errors: list[str] | None = None) -> list[
     directories). A domain with neither is left out. Links and files where a ``replicas`` directory, a
     domain directory or a replica step goes are never followed (:func:`~resilient_slurm.layout.list_replicas`).
     A directory that cannot be listed is named in ``errors`` (when given) and skipped."""
-    run_dir = os.path.join(root, run)
+    run_dir = RunDir(root, run).path
     try:
         by_domain = list_replicas(run_dir)
     except OSError as exc:

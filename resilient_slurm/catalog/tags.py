@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..manifest import MANIFEST_NAME, durable_step_key, step_dirname
+from ..rundir import RunDir
 from ..tags import check_tag_name, durable_tags_key, local_tags_path, sync_durable_tags, update_local_tags
 from .inventory import Catalog
 
@@ -44,7 +45,7 @@ def _local_run_dirs(catalog: Catalog, run: str) -> list[str]:
     """The run's directory in each local domain root that has one (a real directory, never a link)."""
     out = []
     for root in catalog.roots:
-        d = os.path.join(root, run)
+        d = RunDir(root, run).path
         try:
             if stat.S_ISDIR(os.lstat(d).st_mode):
                 out.append(d)

@@ -70,8 +70,8 @@ from ..manifest import (
     Manifest,
     ShardEntry,
     split_per_rank_fqn,
-    step_dirname,
 )
+from ..rundir import RunDir
 from ..storage.fileio import (
     BLOCK,
     aligned_buffer,
@@ -193,7 +193,7 @@ class Engine:
         self.free_space_margin = free_space_margin
         self.capture_rng = capture_rng
         self.durable = durable
-        self.run_dir = os.path.join(topo.root, run_id)
+        self.run_dir = RunDir(topo.root, run_id).path
         self._seq = 0
         self._cached_local_plan: SavePlan | None = None
         self._base_plans: list[SavePlan] = []  # every rank's plan, items under their own keys
@@ -600,7 +600,7 @@ class Engine:
         An existing copy of the step (a re-save right after a restore, or a corrupt copy replaced by a
         fetch from the durable tier) is swapped atomically enough that no other step is ever affected,
         then removed."""
-        final = os.path.join(self.run_dir, step_dirname(step))
+        final = RunDir.at(self.run_dir).step(step)
         if os.path.exists(final):
             aside = os.path.join(self.run_dir, temp_dirname(step, TempKind.REPLACED, token))
             os.rename(final, aside)

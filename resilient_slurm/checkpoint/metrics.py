@@ -35,10 +35,10 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..paths import load_json, open_regular
+from ..rundir import METRICS_DIR, RunDir
 
 log = logging.getLogger(__name__)
 
-METRICS_DIR = "metrics"
 _MAX_LINE = 64 << 10
 MAX_METRICS = 32  # values per step: "small" metrics (a loss, a grad norm, a learning rate), not a histogram
 MAX_NAME = 64
@@ -51,7 +51,7 @@ Values = dict[str, Number]
 
 def metrics_path(run_dir: str, rank: int) -> str:
     """The metrics file of ``rank`` in a node-local run directory."""
-    return os.path.join(run_dir, METRICS_DIR, f"rank{rank}.jsonl")
+    return RunDir.at(run_dir).metrics_file(rank)
 
 
 def check_metrics(step: int, metrics: Mapping[str, Any]) -> Values:
@@ -205,7 +205,7 @@ def read_metrics(run_dir: str) -> dict[int, dict[int, Values]]:
     """Every rank's recorded values in a run directory: rank -> step -> values (the last line of a step
     wins). Torn lines are skipped; files that are not regular files are left out."""
     out: dict[int, dict[int, Values]] = {}
-    d = os.path.join(run_dir, METRICS_DIR)
+    d = RunDir.at(run_dir).metrics
     try:
         names = os.listdir(d)
     except OSError:

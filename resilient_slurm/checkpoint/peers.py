@@ -69,6 +69,7 @@ from ..layout import (
     valid_domain_name,
 )
 from ..manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest, read_manifest_file, step_dirname
+from ..rundir import RunDir
 from ..storage.fileio import (
     _O_DIRECT,
     BLOCK,
@@ -576,7 +577,7 @@ class PeerReplicas:
         previous leader's newest step. Never raises: a failure stops replication and is returned."""
         if not self.active:
             return None
-        step_dir = os.path.join(self.run_dir, step_dirname(step))
+        step_dir = RunDir.at(self.run_dir).step(step)
         problem: str | None = None
         with contextlib.ExitStack() as stack:
             offer = None

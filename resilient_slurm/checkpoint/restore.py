@@ -74,6 +74,7 @@ from ..manifest import (
     split_per_rank_fqn,
     step_dirname,
 )
+from ..rundir import RunDir
 from ..storage.fileio import BLOCK, aligned_buffer, as_memoryview, read_spans, reading_step, round_up
 from . import compat as compat_mod
 from . import state as state_mod
@@ -320,7 +321,7 @@ class Restorer:
         out: dict[int, float] = {}
         for s in steps or []:
             try:
-                out[s] = read_manifest_file(os.path.join(self.run_dir, step_dirname(s), MANIFEST_NAME)).created_at
+                out[s] = read_manifest_file(RunDir.at(self.run_dir).manifest(s)).created_at
             except Exception:  # unreadable here: the read that follows skips the step with the reason
                 continue
         return out

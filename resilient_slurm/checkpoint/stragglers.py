@@ -49,12 +49,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..rundir import STRAGGLERS_FILE, RunDir
+
 #: Below this difference from its peers a rank is not called a straggler whatever the ratio (sub-millisecond
 #: steps are noise, not a slow node).
 MIN_GAP_S = 0.001
 #: Windows in a row that must agree before a rank becomes a straggler, or stops being one.
 PATIENCE = 2
-STATUS_FILE = "stragglers.json"
+STATUS_FILE = STRAGGLERS_FILE  # the name rundir.py gives it
 STATUS_MAX_BYTES = 1 << 20
 
 
@@ -181,7 +183,7 @@ def write_status(run_dir: str, *, step: int, window: int, ratio: float, straggle
 
     doc = {"version": 1, "at": time.time(), "step": step, "window": window, "ratio": ratio,
            "job_id": job_id, "restart_count": restart_count, "stragglers": [s.to_json() for s in stragglers]}
-    atomic_write(os.path.join(run_dir, STATUS_FILE), json.dumps(doc, sort_keys=True).encode(), root=os.path.dirname(os.path.abspath(run_dir)))
+    atomic_write(RunDir.at(run_dir).stragglers, json.dumps(doc, sort_keys=True).encode(), root=os.path.dirname(os.path.abspath(run_dir)))
 
 
 def read_status(run_dir: str) -> dict[str, Any] | None:
@@ -190,7 +192,7 @@ def read_status(run_dir: str) -> dict[str, Any] | None:
     from ..errors import ConfigError
     from ..paths import load_json, open_regular, valid_time
 
-    path = os.path.join(run_dir, STATUS_FILE)
+    path = RunDir.at(run_dir).stragglers
     try:
         fd = open_regular(path, os.O_RDONLY, where="the run directory", root=os.path.dirname(os.path.abspath(run_dir)))
     except Exception:  # missing, a link, a FIFO: nothing to show

@@ -31,6 +31,8 @@ from typing import IO
 
 from ..errors import ConfigError
 from ..paths import open_regular
+from ..rundir import STACKS_DIR as STACKS_DIR  # re-exported: the launcher reads the stacks
+from ..rundir import RunDir
 
 RECORD = struct.Struct("<qqqdddd16s")  # seq, pid, step, beat_t, section_t, section_timeout, spare, name
 SIZE = 128
@@ -129,12 +131,11 @@ class HeartbeatWriter:
 #: real-time signal no library here uses; its default action ends a process that did not register it,
 #: which only happens when the launcher is about to tear the ranks down anyway.
 DUMP_SIGNAL = signal.SIGRTMIN + 4
-STACKS_DIR = "stacks"
 
 
 def stack_dump_path(run_dir: str, rank: int) -> str:
     """Where rank ``rank`` writes its stacks when asked (``<run dir>/stacks/rank<r>.txt``)."""
-    return os.path.join(run_dir, STACKS_DIR, f"rank{rank}.txt")
+    return RunDir.at(run_dir).stack_file(rank)
 
 
 def register_stack_dump(run_dir: str, rank: int) -> IO[str] | None:

@@ -43,6 +43,7 @@ from ..manifest import (
     read_durable_manifest,
     read_manifest_file,
 )
+from ..rundir import RunDir
 from ..storage.fileio import checksum, reading_step
 from ..storage.tier import StorageTier
 
@@ -82,10 +83,10 @@ def scan_local(root: str, run_ids: Iterable[str] | None = None,
     runs = sorted(run_ids) if run_ids is not None else list_runs(root)
     for run in runs:
         try:
-            listing = list_run_dir(os.path.join(root, run))
+            listing = list_run_dir(RunDir(root, run).path)
         except OSError as exc:
             if invalid:
-                invalid(os.path.join(root, run), f"cannot list it: {exc.strerror}")
+                invalid(RunDir(root, run).path, f"cannot list it: {exc.strerror}")
             continue
         for step in listing.committed:
             path = listing.step_dir(step)

@@ -62,6 +62,7 @@ from ..flocks import close_locked_fd, open_locked_fd
 from ..layout import StepBusy, StepTagged, TempKind, delete_durable_step, delete_step, list_runs
 from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname
 from ..paths import STATE_DIR, load_json, open_state_file
+from ..rundir import RunDir
 from ..storage.fileio import atomic_write
 from ..storage.tier import StorageTier
 from ..tags import (
@@ -419,7 +420,7 @@ class Daemon:
         read (TagsFileError) leaves the run's tags unknown: neither durable retention nor eviction touch
         the run. A durable tier that cannot be reached stops durable retention only (eviction goes on
         with this node's copy). Nothing is overwritten that could not be read."""
-        run_dir = os.path.join(self.root, run)
+        run_dir = RunDir(self.root, run).path
         self._tags.pop(run, None)
         self._local_tags.pop(run, None)
         problem: str | None = None

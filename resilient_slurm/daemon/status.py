@@ -22,7 +22,6 @@ and their size, and the steps being received.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -34,13 +33,14 @@ from ..config import Settings
 from ..errors import ResilientSlurmError
 from ..layout import list_run_dir, list_runs
 from ..manifest import durable_partial_steps
+from ..rundir import RunDir
 from .drain import drain_lag, durable_steps, scan_local
 from .service import daemon_running, read_status
 
 
 def _tmp_steps(root: str, run: str) -> list[int]:
     try:
-        return [t.step for t in list_run_dir(os.path.join(root, run)).in_progress()]
+        return [t.step for t in list_run_dir(RunDir(root, run).path).in_progress()]
     except OSError:
         return []
 
@@ -79,7 +79,7 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
             if held:
                 replicas[run] = [{"domain": rs.domain, "steps": [r.step for r in rs.steps], "bytes": rs.bytes,
                                   "receiving": [st for st, _ in rs.receiving]} for rs in held]
-            strag = read_stragglers(os.path.join(root, run))
+            strag = read_stragglers(RunDir(root, run).path)
             if strag is not None and strag["stragglers"]:
                 stragglers[run] = strag
             h = read_history(root, run, tier)

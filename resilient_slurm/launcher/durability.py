@@ -29,7 +29,8 @@ from collections.abc import Callable, Mapping
 from ..config import Settings
 from ..daemon.service import daemon_running, read_status
 from ..errors import ResilientSlurmError
-from ..manifest import MANIFEST_NAME, durable_run_key, durable_step_key, read_manifest_file, step_dirname
+from ..manifest import MANIFEST_NAME, durable_run_key, durable_step_key, read_manifest_file
+from ..rundir import RunDir
 from ..slurm.client import per_node_step
 from ..storage.registry import open_durable
 from ..storage.tier import StorageTier
@@ -128,7 +129,7 @@ class JobDrain:
         the data cannot be drained; a step it retries is ``retrying``); None otherwise."""
         status = read_status(self.root)
         try:  # the daemon's record must be of this save of the step, not of one it replaced
-            created = read_manifest_file(os.path.join(self.root, self.run_id, step_dirname(step), MANIFEST_NAME)).created_at
+            created = read_manifest_file(RunDir(self.root, self.run_id).manifest(step)).created_at
         except (OSError, ResilientSlurmError):
             return None
         for st in (status or {}).get("steps") or []:

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 
 from ..config import Settings
 from ..layout import list_run_dir
-from ..manifest import MANIFEST_NAME, read_manifest_file, step_dirname
+from ..manifest import MANIFEST_NAME, read_manifest_file
 from ..paths import default_local_dir, expand_local_dir, node_name
+from ..rundir import RunDir
 from ..slurm.client import per_node_step
 from ..terminal import printable
 from .rank_env import srun_options
@@ -81,7 +82,7 @@ def _newest_step_bytes(run_dir: str) -> int:
     except OSError:
         return 0
     for step in reversed(committed):
-        d = os.path.join(run_dir, step_dirname(step))
+        d = RunDir.at(run_dir).step(step)
         try:
             read_manifest_file(os.path.join(d, MANIFEST_NAME))
             total = 0
@@ -138,7 +139,7 @@ def check_node(cfg: Settings, env: Mapping[str, str] | None = None, *, run_id: s
     checked: list[str] = []
     if cfg.health_check == "on":
         root = expand_local_dir(cfg.local_dir or default_local_dir(), node)
-        run_dir = os.path.join(root, run_id or cfg.run_id or "")
+        run_dir = RunDir(root, run_id or cfg.run_id or "").path
         checked.append("local_dir")
         probe = os.path.join(root, f".health-{uuid.uuid4().hex}")
         try:
