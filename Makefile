@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m mypy resilient_slurm
 	# A real Slurm (slurmctld + two slurmd + munge on loopback) for the end-to-end tests; needs root.
 	bash tests/slurm/install.sh || echo "make test: Slurm unavailable here; its end-to-end tests will be skipped (CI requires them)"
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs --durations=30 tests
 
 # The fast tier, for every edit: lint, types and the tests that start no process of their own (no ranks,
 # launcher, interpreter, Slurm or server process), in a few minutes. RSLURMTEST_CHECK=1 makes a process
