@@ -41,6 +41,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
@@ -63,6 +64,7 @@ from ..layout import StepBusy, StepTagged, TempKind, delete_durable_step, delete
 from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname
 from ..paths import STATE_DIR, load_json, open_state_file
 from ..rundir import RunDir
+from ..sigsafe import WakeFlag
 from ..storage.fileio import atomic_write
 from ..storage.tier import StorageTier
 from ..tags import (
@@ -182,8 +184,12 @@ class Daemon:
         self.min_free = min_free
         self.poll_interval = poll_interval
         self.clock = clock
-        self.stop_requested = threading.Event()
-        self._wake = threading.Event()
+        # Set from signal handlers: lock-free flags (sigsafe.py); the handlers log nothing themselves (a
+        # handler writing to stderr while the main thread was writing there raises "reentrant call"), the
+        # loop logs what they recorded (_log_signals).
+        self.stop_requested = WakeFlag()
+        self._wake = WakeFlag()
+        self._signals: deque[tuple[str, bool]] = deque()  # (signal name, whether it stops the daemon)
         self._status: dict[tuple[str, int], StepStatus] = {}
         self._durable: dict[str, list[int]] = {}  # run -> durable steps, refreshed each pass
         self._current: dict[str, Any] | None = None
@@ -265,6 +271,7 @@ class Daemon:
             self._cleanup_incomplete()
             failed = False
             while not self.stop_requested.is_set():
+                self._log_signals()
                 self._wake.clear()
                 busy, failed = self.run_pass()
                 if once and not busy:
@@ -274,6 +281,7 @@ class Daemon:
                     time.sleep(MIN_PASS_INTERVAL)  # let a burst of events (a commit, a fetch) settle
             return 1 if failed else 0
         finally:
+            self._log_signals()
             if observer is not None:
                 # Events racing the observer's shutdown are logged by watchdog as errors; they mean nothing.
                 logging.getLogger("watchdog.observers.inotify").setLevel(logging.CRITICAL)
@@ -290,13 +298,22 @@ class Daemon:
         return max(MIN_PASS_INTERVAL, min([self.poll_interval, *due]))
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        log.warning("rslurm daemon: %s received; stopping after the current file", signal.Signals(signum).name)
+        self._signals.append((signal.Signals(signum).name, True))
         self.request_stop()
 
     def _on_term_in_job_step(self, signum: int, frame: FrameType | None) -> None:
-        log.warning("rslurm daemon (job step): %s received; draining on until the launcher stops this step "
-                    "(SIGINT) or Slurm ends the job", signal.Signals(signum).name)
+        self._signals.append((signal.Signals(signum).name, False))
         self._wake.set()
+
+    def _log_signals(self) -> None:
+        """Log the signals the handlers recorded, on the daemon's own thread."""
+        while self._signals:
+            name, stops = self._signals.popleft()
+            if stops:
+                log.warning("rslurm daemon: %s received; stopping after the current file", name)
+            else:
+                log.warning("rslurm daemon (job step): %s received; draining on until the launcher stops this step "
+                            "(SIGINT) or Slurm ends the job", name)
 
     def _watch(self) -> Any:
         try:

@@ -9,12 +9,13 @@ timeout) and :meth:`SignalTrap.pop` to take the events, and :meth:`SignalTrap.re
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
+
+from ..sigsafe import WakeFlag
 
 # What the launcher traps (design.md): preemption and time-limit signals, and Ctrl-C; plus SIGHUP (the
 # terminal of a local run went away), which would otherwise end the launcher and orphan its ranks.
@@ -33,12 +34,12 @@ class TrapEvent:
 
 class SignalTrap:
     """Records trapped signals and notifications; thread-safe, async-signal-safe enough for CPython
-    (a handler appends to a deque and sets an Event, both of which are safe to call from a handler)."""
+    (a handler appends to a deque and sets a :class:`~resilient_slurm.sigsafe.WakeFlag`; never a lock)."""
 
     def __init__(self, signals: tuple[signal.Signals, ...] = TRAPPED) -> None:
         self._signals = signals
         self._events: deque[TrapEvent] = deque()
-        self._wake = threading.Event()
+        self._wake = WakeFlag()
         self._previous: dict[int, Any] = {}
 
     def install(self) -> SignalTrap:
