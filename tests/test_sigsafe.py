@@ -1,9 +1,10 @@
 """Signal handlers take no lock (resilient_slurm/sigsafe.py): a flood of signals, each handled while the
 main thread is inside the same flag's set / wait / clear, never hangs a process.
 
-With threading.Event in place of WakeFlag the first program below hangs within a second (the handler's
-set() waits for the Condition lock that the interrupted set() of its own thread holds): that is how a rank
-whose launcher died hung in its handlers. Each program runs in a process of its own, with a timeout, so a
+With threading.Event in place of WakeFlag the first program below never finishes (the handler's set()
+waits for the Condition lock that the interrupted set() of its own thread holds; each later signal nests
+another handler in that wait until the recursion limit ends the process): that is how a rank whose
+launcher died hung in its handlers. Each program runs in a process of its own, with a timeout, so a
 regression fails the test instead of hanging the suite.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import clean_env
@@ -21,10 +23,12 @@ pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_t
 
 
 def _flood(sig: str) -> str:
-    """Program lines that start a shell sending signal ``sig`` to the program, as fast as it can, until it is
-    killed (pending signals coalesce: the program counts the ones its handler ran for)."""
+    """Program lines that start a shell sending signal ``sig`` to the program every few milliseconds until it is
+    killed (pending signals coalesce: the program counts the ones its handler ran for). Not as fast as a
+    shell can: a handler is itself interrupted by the next signal, and a flood without pause nests handlers
+    until Python's recursion limit, whatever they do."""
     return ("import os, subprocess\n"
-            f"killer = subprocess.Popen(['bash', '-c', 'while kill -{sig} %d; do :; done' % os.getpid()])\n")
+            f"killer = subprocess.Popen(['bash', '-c', 'while kill -{sig} %d; do sleep 0.002; done' % os.getpid()])\n")
 
 
 def _run(*parts: str, timeout: float = 120) -> str:
@@ -103,3 +107,25 @@ def test_a_wake_flag_wakes_a_waiting_thread_and_survives_close() -> None:
         flag.clear()
         assert flag.wait(0.01) is False
     """)
+
+
+def test_a_ranks_save_signal_flood_while_it_asks_for_a_save_itself_never_hangs(tmp_path: Path) -> None:
+    """The rank's side: SIGTERM after SIGTERM (Slurm's, the launcher's, PR_SET_PDEATHSIG's) while the training
+    thread itself asks for an emergency save (as the launcher watch and the control socket do): every
+    handler sets the Checkpointer's request without a lock, and the step after it saves."""
+    out = _run(f"""
+        import torch
+        from resilient_slurm import Checkpointer
+        ckpt = Checkpointer(local_dir={str(tmp_path / "nvme")!r}, run_id="flood")
+        seen = ckpt._link.signals_seen
+    """, _flood("TERM"), """
+        while len(ckpt._link.signals_seen) < 300:
+            ckpt.request_emergency_save()
+        killer.kill()
+        killer.wait()
+        ckpt.step(1, {"w": torch.ones(2)})
+        print(len(ckpt._link.signals_seen), ckpt.should_stop)
+        ckpt.close()
+    """)
+    handled, stop = out.split()
+    assert int(handled) >= 300 and stop == "True", out

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +51,7 @@ from ..errors import (
 from ..jobenv import JobEnv
 from ..layout import WRITER_ENV, RunClaim, RunWriter, claim_run, list_run_dir
 from ..paths import check_id, default_local_dir, default_run_id, node_name
+from ..sigsafe import WakeFlag
 from ..storage.registry import open_durable
 from ..tags import check_tag_name, read_local_tags, sync_durable_tags
 from ..telemetry import EventLog, ExactFloat
@@ -187,7 +187,7 @@ class Checkpointer:
         self._replication: Future[Any] | None = None  # domain leaders: the peer replica round of the last save
         self._prepared: Future[Any] | None = None
         self._staging_planned = False  # the same on every rank: _prepare is collective
-        self._emergency = threading.Event()
+        self._emergency = WakeFlag()  # set by signal handlers and the launcher watch: never a lock (sigsafe.py)
         self._should_stop = False
         self._closed = False
         # Newest step restored or handed to the writer. The same on every rank (saves are collective),
