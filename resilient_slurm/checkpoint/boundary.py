@@ -38,12 +38,12 @@ class Decision:
 class StepBoundary:
     """One rank's side of the per-step agreement (see the module docstring)."""
 
-    def __init__(self, coord: Coordinator, link: RankLink, cadence: Cadence, sync_every: int,
+    def __init__(self, coord: Coordinator, link: RankLink, cadence: Callable[[], Cadence], sync_every: int,
                  emergency: threading.Event, ddp: DDPTracker, stragglers: RankStragglers | None,
                  report: CheckpointReporter) -> None:
         self._coord = coord
         self._link = link
-        self._cadence = cadence
+        self._cadence = cadence  # the Checkpointer's public ``cadence``, read at each step (it may be replaced)
         self._sync_every = sync_every
         self._emergency = emergency
         self._ddp = ddp
@@ -73,7 +73,8 @@ class StepBoundary:
 
     def decide(self, step: int, save_failed: Callable[[], bool]) -> Decision:
         """This step's decision; ``save_failed``: whether this rank's save in flight has failed."""
-        due = self._cadence.due(step)
+        cadence = self._cadence()
+        due = cadence.due(step)
         heard_socket = False
         sync = step % self._sync_every == 0
         if sync and self.hello_sent:  # a poll registers: not before the hello
@@ -100,6 +101,6 @@ class StepBoundary:
                     # in place. The launcher takes a hello as "the save signal no longer kills a rank".
                     self.hello(0)
             else:  # between sync points only the deterministic step cadence applies
-                due = self._cadence.every_steps is not None and step % self._cadence.every_steps == 0
+                due = cadence.every_steps is not None and step % cadence.every_steps == 0
                 emergency = failed = False
         return Decision(due, emergency, failed, heard_here, heard_socket)

@@ -125,8 +125,8 @@ class Checkpointer:
                                   self.run_id)
         stragglers = wiring.stragglers(p, self.run_dir)  # every rank times its steps; rank 0 judges
         self._clock = stragglers.clock if stragglers is not None else None
-        self._boundary = StepBoundary(self._coord, self._link, self.cadence, p.config.sync_every, self._emergency,
-                                      self._engine.ddp, stragglers, self._report)
+        self._boundary = StepBoundary(self._coord, self._link, lambda: self.cadence, p.config.sync_every,
+                                      self._emergency, self._engine.ddp, stragglers, self._report)
 
     # ------------------------------------------------------------------ properties
     @property
