@@ -15,8 +15,8 @@ Why this is enough to catch a resume that is not exact: when a run stops after i
 steps ``restored + 1 .. last recorded`` again. A deterministic program must record the same values for
 them. :func:`MetricsLog.resume` cuts those lines off the file (so the file always holds one value per
 step: the run as it finally went) and returns them; :class:`ResumeCheck` compares them, step by step,
-with what the resumed run records. The Checkpointer turns its verdict into a ``resume_verified`` or a
-``resume_diverged`` event (docs/telemetry.md). ``rslurm rehearse`` reads the same files of two runs
+with what the resumed run records. The Checkpointer keeps both in a :class:`RankMetrics` and its reporter
+(reporting.py) turns the verdict into a ``resume_verified`` or a ``resume_diverged`` event (docs/telemetry.md). ``rslurm rehearse`` reads the same files of two runs
 (:func:`read_metrics`) to compare an interrupted run with one that never stopped.
 
 Standard library only: ``rslurm rehearse`` reads these files without importing torch.
@@ -294,5 +294,62 @@ class ResumeCheck:
         return step >= self.last_step
 
 
-__all__ = ["MAX_METRICS", "MAX_NAME", "METRICS_DIR", "Divergence", "MetricsLog", "Record", "ResumeCheck",
-           "check_metrics", "first_difference", "metrics_path", "read_metrics", "same"]
+@dataclass(frozen=True)
+class ResumeOutcome:
+    """How a resume check ended: ``divergence`` None when every compared step agreed (``resume_verified``)."""
+
+    check: ResumeCheck
+    divergence: Divergence | None = None
+
+
+class RankMetrics:
+    """One rank's metrics as its Checkpointer keeps them: the :class:`MetricsLog` and, after a restore, the
+    :class:`ResumeCheck` of the steps trained again. Its outcomes go to the caller's reporter
+    (reporting.py): this class writes no event."""
+
+    def __init__(self, run_dir: str, rank: int, world: int, tolerance: float) -> None:
+        self.log = MetricsLog(run_dir, rank, world)
+        self.world = world
+        self.tolerance = tolerance
+        self.opened = False
+        self.check: ResumeCheck | None = None
+
+    def restored(self, restored: int) -> None:
+        """After a restore: take the steps recorded after ``restored`` off this rank's metrics file; the
+        resumed run must record the same values for them (a run that stopped after its newest checkpoint:
+        a crash, a hang, a lost node)."""
+        self.opened = True
+        check = ResumeCheck(restored, self.log.resume(restored), self.world, self.tolerance)
+        self.check = check if check.pending else None
+
+    def record(self, step: int, values: Values | None) -> ResumeOutcome | None:
+        """Record ``step``'s values (None: none given); the resume check's outcome when this step ended it."""
+        if not self.opened and values is not None:
+            self.opened = True
+            self.log.resume(step - 1)  # no restore() in this program: its record starts over here
+        if values is not None:
+            self.log.record(step, values)
+        check = self.check
+        if check is None:
+            return None
+        found = check.observe(step, values or {})
+        if found is not None:
+            self.check = None
+            return ResumeOutcome(check, found)
+        if check.finished(step):
+            self.check = None
+            if check.compared:
+                return ResumeOutcome(check)
+        return None
+
+    def close(self) -> ResumeOutcome | None:
+        """Close the file; the resume check's outcome when the program stopped before every repeated step
+        was trained (and some were compared)."""
+        check, self.check = self.check, None
+        outcome = ResumeOutcome(check) if check is not None and check.compared else None
+        self.log.close()
+        return outcome
+
+
+__all__ = ["MAX_METRICS", "MAX_NAME", "METRICS_DIR", "Divergence", "MetricsLog", "RankMetrics", "Record", "ResumeCheck",
+           "ResumeOutcome", "check_metrics", "first_difference", "metrics_path", "read_metrics", "same"]

@@ -27,7 +27,8 @@ it, on every rank, when ``straggler_ratio`` is set and the job has more than one
 3. Then ``clock.take(wait_s)`` gives this rank's median own step time over the window in microseconds; it
    goes into this rank's slot of the agreement's element-wise max, so every rank learns all of them.
 4. Rank 0 passes them to :meth:`StragglerWatch.update`, which returns the ranks that became stragglers and
-   those that stopped being ones; the Checkpointer writes the events and the run's ``stragglers.json``
+   those that stopped being ones; the Checkpointer writes the events (reporting.py) and
+   :meth:`RankStragglers.record` the run's ``stragglers.json``
    (``rslurm status`` shows it).
 
 A rank is slow in a window when its own step time is at least ``ratio`` times the median of its peers'
@@ -41,6 +42,7 @@ count.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
@@ -50,6 +52,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..rundir import STRAGGLERS_FILE, RunDir
+
+# The Checkpointer's logger, as before this check left its module: a program's log filters keep working.
+log = logging.getLogger("resilient_slurm.checkpoint.checkpointer")
 
 #: Below this difference from its peers a rank is not called a straggler whatever the ratio (sub-millisecond
 #: steps are noise, not a slow node).
@@ -176,6 +181,48 @@ class StragglerWatch:
         return new, [self.current[r] for r in sorted(self.current)], cleared
 
 
+class RankStragglers:
+    """One rank's part in straggler detection, as its Checkpointer runs it (steps 1 to 4 of the module
+    docstring): the rank's :class:`StepClock`, its slot in the agreement, and on rank 0 the
+    :class:`StragglerWatch` and the run's ``stragglers.json``. Events are the caller's (reporting.py)."""
+
+    def __init__(self, ratio: float, window: int, rank: int, world: int, nodes: Sequence[str], run_dir: str,
+                 job_id: str | None, restart_count: int) -> None:
+        self.clock = StepClock(window)
+        self.rank = rank
+        self.world = world
+        self.watch = StragglerWatch(ratio, window, nodes) if rank == 0 else None
+        self._run_dir = run_dir
+        self._job_id = job_id
+        self._restart_count = restart_count
+        self._recorded = False
+
+    def slots(self, wait_s: float | None) -> list[int]:
+        """This rank's own step time over the window (microseconds) in its slot, 0 in the others'; ``wait_s``:
+        DDP's gradient wait over the window, None without a new DDP sample (the same on every rank: DDP's
+        iterations are in step), and then the window is not judged."""
+        slots = [0] * self.world
+        slots[self.rank] = self.clock.take(wait_s) if wait_s is not None else self.clock.take_none()
+        return slots
+
+    def judge(self, times_us: Sequence[int]) -> tuple[list[Straggler], list[Straggler], list[int]]:
+        """Rank 0, after a window: :meth:`StragglerWatch.update` of every rank's time."""
+        assert self.watch is not None
+        return self.watch.update(times_us)
+
+    def record(self, step: int, current: Sequence[Straggler], changed: bool) -> None:
+        """Rank 0, after :meth:`judge` and its events: the run's stragglers.json, when the stragglers changed
+        or at the first window (which replaces an old run's record). Never raises."""
+        assert self.watch is not None
+        if changed or not self._recorded:
+            self._recorded = True
+            try:
+                write_status(self._run_dir, step=step, window=self.watch.window, ratio=self.watch.ratio,
+                             stragglers=current, job_id=self._job_id, restart_count=self._restart_count)
+            except Exception as exc:  # a status line is not worth a training step
+                log.warning("could not record stragglers in %s: %s", self._run_dir, exc)
+
+
 def write_status(run_dir: str, *, step: int, window: int, ratio: float, stragglers: Sequence[Straggler],
                  job_id: str | None, restart_count: int) -> None:
     """Record the current stragglers for ``rslurm status`` (``<run dir>/stragglers.json``, atomically)."""
@@ -217,5 +264,5 @@ def read_status(run_dir: str) -> dict[str, Any] | None:
             "stragglers": [dict(s, node=str(s.get("node", "?"))) for s in rows]}
 
 
-__all__ = ["MIN_GAP_S", "PATIENCE", "STATUS_FILE", "StepClock", "Straggler", "StragglerWatch", "judge", "read_status",
+__all__ = ["MIN_GAP_S", "PATIENCE", "STATUS_FILE", "RankStragglers", "StepClock", "Straggler", "StragglerWatch", "judge", "read_status",
            "write_status"]
