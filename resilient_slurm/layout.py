@@ -140,7 +140,7 @@ class RunListing:
         return RunDir.at(self.run_dir).step(step)
 
     def temp_path(self, t: TempDir) -> str:
-        return os.path.join(self.run_dir, t.name)
+        return RunDir.at(self.run_dir).file(t.name)
 
     def in_progress(self) -> list[TempDir]:
         """Saves and fetches being written (or abandoned): every temp directory but deletions."""
@@ -270,7 +270,7 @@ def _uncommit(run_dir: str, path: str, step: int, kind: TempKind, tag: str | Non
     try:
         if fd is not None and not flock_within(fd, fcntl.LOCK_EX, 0):
             raise StepBusy(path, "a reader holds it (a restore or a drain)")
-        gone = os.path.join(run_dir, temp_dirname(step, kind, tag or secrets.token_hex(4)))
+        gone = RunDir.at(run_dir).file(temp_dirname(step, kind, tag or secrets.token_hex(4)))
         os.rename(path, gone)
     finally:
         if fd is not None:

@@ -232,3 +232,31 @@ def test_no_module_builds_durable_keys_by_hand(path: Path) -> None:
 def test_the_key_check_sees_a_hand_built_key() -> None:
     bad = ast.parse('tier.get_bytes(f"{prefix}/manifest.json")\ntier.delete([run + "/x"])\nos.stat(f"{a}/b")\n')
     assert len(_hand_built_keys(bad)) == 2
+
+
+def _hand_built_run_paths(tree: ast.AST) -> list[str]:
+    """``os.path.join`` calls that build a path in a run directory by hand: the first argument a run
+    directory (``run_dir``), or a root followed by a run id (``root, run``). rundir.RunDir builds them."""
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "os.path.join" and node.args):
+            continue
+        first = ast.unparse(node.args[0]).split(".")[-1]
+        second = ast.unparse(node.args[1]).split(".")[-1] if len(node.args) > 1 else ""
+        if "run_dir" in first or ("root" in first and second.startswith("run")):
+            out.append(f"line {node.lineno}: {ast.unparse(node)[:100]}")
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PKG.rglob("*.py") if p.name != "rundir.py"),
+                         ids=lambda p: str(p.relative_to(PKG)))
+def test_no_module_builds_run_paths_by_hand(path: Path) -> None:
+    """A run's names have one owner, rundir.RunDir (seventeen joins of a root and a run id, and the file
+    names of seven modules, before it): so the writer of a file and each of its readers agree on it."""
+    assert not _hand_built_run_paths(ast.parse(path.read_text())), path.name
+
+
+def test_the_run_path_check_sees_a_hand_built_path() -> None:
+    bad = ast.parse('os.path.join(root, run_id, "events.jsonl")\nos.path.join(self.run_dir, name)\n'
+                    'os.path.join(root, STATE_DIR)\nos.path.join(d, name)\n')
+    assert len(_hand_built_run_paths(bad)) == 2

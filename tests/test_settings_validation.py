@@ -266,8 +266,8 @@ def test_num_nodes_and_multi_node_agree(home: Path, tmp_path: Path, env: dict[st
     launcher = Launcher(["true"], env={"HOME": str(home), "RSLURM_LOCAL_DIR": str(tmp_path / "nvme"),
                                        "RSLURM_CONTROL_DIR": str(tmp_path / "ctl")})
     launcher.env.update(env)
-    assert launcher._multi_node() is multi
-    assert (launcher._num_nodes() > 1) is multi
+    assert launcher.multi_node() is multi
+    assert (launcher.num_nodes() > 1) is multi
 
 
 # ------------------------------------------------------------------------------------ typed settings

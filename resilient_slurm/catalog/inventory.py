@@ -50,7 +50,7 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
-from ..layout import REPLICAS_DIRNAME, RunListing, TempKind, list_replicas, list_run_dir, list_runs
+from ..layout import RunListing, TempKind, list_replicas, list_run_dir, list_runs
 from ..manifest import (
     DOMAINS_DIR,
     MANIFEST_NAME,
@@ -323,8 +323,8 @@ class Catalog:
             for name in listing.foreign:
                 if (n := parse_step_dirname(name)) is not None:
                     views.setdefault(n, StepView(run, n)).local.append(LocalCopy(
-                        root, os.path.join(run_dir, name), None,
-                        f"{os.path.join(run_dir, name)}: a symbolic link or a file, not a step directory rslurm "
+                        root, RunDir.at(run_dir).file(name), None,
+                        f"{RunDir.at(run_dir).file(name)}: a symbolic link or a file, not a step directory rslurm "
                         "wrote; it is never read"))
             for t in listing.in_progress():
                 views.setdefault(t.step, StepView(run, t.step)).in_progress.append(listing.temp_path(t))
@@ -581,7 +581,7 @@ def scan_replicas(root: str, run: str, errors: list[str] | None = None) -> list[
         by_domain = list_replicas(run_dir)
     except OSError as exc:
         if errors is not None:
-            errors.append(f"local tier {os.path.join(run_dir, REPLICAS_DIRNAME)}: cannot list it: {exc.strerror}")
+            errors.append(f"local tier {RunDir.at(run_dir).replicas}: cannot list it: {exc.strerror}")
         return []
     out = []
     for domain, listing in by_domain.items():

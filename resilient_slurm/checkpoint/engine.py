@@ -413,7 +413,7 @@ class Engine:
         rank raises :class:`SaveError` naming the rank and the path.
         """
         topo = self.topo
-        tmp = os.path.join(self.run_dir, temp_dirname(p.step, TempKind.SAVE, p.token))
+        tmp = RunDir.at(self.run_dir).file(temp_dirname(p.step, TempKind.SAVE, p.token))
         fname = shard_filename(topo.rank)
         t0 = time.perf_counter()
 
@@ -602,7 +602,7 @@ class Engine:
         then removed."""
         final = RunDir.at(self.run_dir).step(step)
         if os.path.exists(final):
-            aside = os.path.join(self.run_dir, temp_dirname(step, TempKind.REPLACED, token))
+            aside = RunDir.at(self.run_dir).file(temp_dirname(step, TempKind.REPLACED, token))
             os.rename(final, aside)
             os.rename(tmp, final)
             fsync_dir(self.run_dir)

@@ -64,6 +64,7 @@ from ..manifest import (
     durable_steps,
     read_durable_manifest,
 )
+from ..rundir import RunDir
 from ..storage.fileio import atomic_write, check_free_space, fsync_dir, remove_tree_quietly
 from ..storage.tier import Span, StorageTier
 from .coordination import Coordinator, Topology
@@ -223,7 +224,7 @@ class DurableFetcher:
         os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
         total = sum(by_path[p].size for p in wanted) + sum(sp.length for spans in ranged.values() for sp in spans)
         check_free_space(self.run_dir, total + self.free_space_margin, what=f"fetching step {step}")
-        tmp = os.path.join(self.run_dir, temp_dirname(step, TempKind.FETCH, topo.nonce))
+        tmp = RunDir.at(self.run_dir).file(temp_dirname(step, TempKind.FETCH, topo.nonce))
         remove_tree_quietly(tmp)
         os.makedirs(tmp, mode=0o700)
         try:

@@ -675,7 +675,7 @@ class PeerReplicas:
             """This rank's side of each of its transfers (an offer it cannot make is offered as nothing)."""
             for needer, (holder, domain) in sorted(sources.items()):
                 if topo.rank == holder:
-                    sdir = os.path.join(replica_run_dir(self.run_dir, domain), step_dirname(step))
+                    sdir = RunDir.at(replica_run_dir(self.run_dir, domain)).step(step)
                     offers[needer] = None
                     try:
                         if held_open.enter_context(reading_step(sdir)):

@@ -72,7 +72,6 @@ from ..manifest import (
     partial_items,
     read_manifest_file,
     split_per_rank_fqn,
-    step_dirname,
 )
 from ..rundir import RunDir
 from ..storage.fileio import BLOCK, aligned_buffer, as_memoryview, read_spans, reading_step, round_up
@@ -405,7 +404,7 @@ class Restorer:
         read that follows says what is wrong."""
         try:
             if local:
-                step_dir = os.path.join(self.run_dir, step_dirname(step))
+                step_dir = RunDir.at(self.run_dir).step(step)
                 manifest = read_manifest_file(os.path.join(step_dir, MANIFEST_NAME))
                 md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
                 where = step_dir
@@ -443,7 +442,7 @@ class Restorer:
 
     def _read_here(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
         """This rank's part of :meth:`_read_round` (two phases inside): its verdict and what it read."""
-        step_dir = os.path.join(self.run_dir, step_dirname(step))
+        step_dir = RunDir.at(self.run_dir).step(step)
         with contextlib.ExitStack() as held_open:
             prep: _Prepared | None = None
             status, message = "ok", ""

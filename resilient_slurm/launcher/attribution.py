@@ -2,9 +2,9 @@
 
 Pure functions over what the launcher collected (how each rank ended, the stderr tails, srun's own lines,
 the kernel's OOM-kill counters), plus :class:`OomCounters`, the one reader of those counters. The
-launcher (``Launcher._outcome``) calls :func:`attribute_failure` once its ranks are gone and nothing
-asked them to stop; stops (preemption, time limit, cloud notice) and hangs are classified by the
-launcher itself, which saw them happen.
+launcher's :func:`~.outcome.classify_outcome` calls :func:`attribute_failure` once the ranks are gone and
+nothing asked them to stop; stops (preemption, time limit, cloud notice) and hangs are classified from
+what the launcher saw happen.
 
 The classes, first match wins:
 
@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .policy import Reason
-from .processes import RankExit
+from .processes import Children, LocalRanks, RankExit
 
 # A traceback's last line: "ValueError: bad", "torch.OutOfMemoryError: CUDA out of memory. ...", with the
 # optional per-rank prefixes of torch ("[rank1]: ") and srun --label ("1: ").
@@ -259,4 +259,13 @@ class OomCounters:
         return None
 
 
-__all__ = ["Attribution", "HangCause", "OomCounters", "attribute_failure", "attribute_hang", "exception_lines"]
+def rank_outputs(children: Children) -> list[tuple[int | None, str]]:
+    """Each local rank's stderr tail with its rank; under srun, srun's (every task's lines, one stream): what
+    :func:`attribute_hang` reads."""
+    if isinstance(children, LocalRanks):
+        return [(r, children.stderr_tail(r)) for r in range(len(children.pids))]
+    return [(None, children.stderr_tail(0))]
+
+
+__all__ = ["Attribution", "HangCause", "OomCounters", "attribute_failure", "attribute_hang", "exception_lines",
+           "rank_outputs"]

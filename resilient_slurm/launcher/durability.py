@@ -2,8 +2,9 @@
 wait (bounded) for a step to become durable before the job is requeued or ends.
 
 Who calls what: the :class:`~.launch.Launcher` builds one :class:`JobDrain` when a durable tier is set,
-calls :meth:`JobDrain.start` before starting the ranks, :meth:`JobDrain.wait_durable` once the ranks
-are gone (with the time left before the job's deadline), and :meth:`JobDrain.stop` last.
+calls :meth:`JobDrain.start` before starting the ranks, :func:`await_durable` (which calls
+:meth:`JobDrain.wait_durable` with the time left before the job's deadline) once the ranks are gone, and
+:meth:`JobDrain.stop` last.
 
 * Inside a Slurm allocation the daemon runs as one job step with a task per node
   (``srun --overlap --ntasks-per-node=1``; ``--overlap`` so it never takes CPUs the ranks' step
@@ -19,6 +20,7 @@ are gone (with the time left before the job's deadline), and :meth:`JobDrain.sto
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -31,9 +33,11 @@ from ..daemon.service import daemon_running, read_status
 from ..errors import ResilientSlurmError
 from ..manifest import MANIFEST_NAME, durable_run_key, durable_step_key, read_manifest_file
 from ..rundir import RunDir
-from ..slurm.client import per_node_step
+from ..slurm.client import per_node_step, remaining_seconds
 from ..storage.registry import open_durable
 from ..storage.tier import StorageTier
+from .context import LaunchContext, launch_log
+from .policy import Outcome, Reason
 from .processes import die_with_parent_by_sigint
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,11 @@ log = logging.getLogger(__name__)
 DAEMON_STEP_NAME = "rslurm-daemon"  # the drain daemon's srun step: the launcher's teardown spares it
 
 POLL_S = 0.2
+# Ends after which waiting for the newest step to become durable is not worth it (the ranks failed: that
+# step, if any, was an interval save the daemon drains anyway).
+NO_DURABLE_WAIT = frozenset({Reason.USER_ERROR, Reason.NODE_FAILURE, Reason.HANG, Reason.STORAGE_UNAVAILABLE,
+                             Reason.KILLED_BY_SIGNAL, Reason.OUT_OF_MEMORY, Reason.COMMUNICATOR_ERROR,
+                             Reason.STARTUP})
 
 
 class JobDrain:
@@ -175,4 +184,35 @@ class JobDrain:
             proc.wait(timeout=10)
 
 
-__all__ = ["JobDrain"]
+def await_durable(ctx: LaunchContext, drain: JobDrain | None, outcome: Outcome, *, signal_at: float | None,
+                  deadline: float | None) -> None:
+    """Give the newest committed step a bounded chance to become durable before the requeue (or the end of
+    a completed job): within the stop's ``deadline`` when the ranks were asked to stop (``signal_at``),
+    ``durable_wait`` at most. Logged through the launcher's logger, with a ``durable`` or ``not_durable``
+    event."""
+    step = outcome.committed_step
+    if drain is None or step is None or outcome.reason in NO_DURABLE_WAIT:
+        return
+    now = time.time()
+    timeout = ctx.cfg.durable_wait
+    if deadline is not None:
+        timeout = min(timeout, deadline - now)
+    elif outcome.reason is not Reason.COMPLETED:
+        job = ctx.job_info()
+        if job is not None and not math.isinf(rem := remaining_seconds(job, now)):
+            timeout = min(timeout, rem - ctx.cfg.requeue_margin)
+    t0 = time.time()
+    ok = timeout > 0 and drain.wait_durable(step, timeout)
+    waited = time.time() - t0
+    ctx.timings["durable" if ok else "not_durable"] = time.time()
+    ctx.event("durable" if ok else "not_durable", step=step, waited_s=waited,
+              after_signal_s=(time.time() - signal_at) if signal_at is not None else None)
+    if ok:
+        launch_log.info("step %d is durable in %s (waited %.2f s)", step, ctx.cfg.durable, waited)
+    else:
+        launch_log.warning("step %d is not durable yet after %.1f s; going ahead with the local commit (the "
+                           "daemon drains it later; a resume on other nodes uses the newest durable step)", step,
+                           waited)
+
+
+__all__ = ["DAEMON_STEP_NAME", "NO_DURABLE_WAIT", "JobDrain", "await_durable"]

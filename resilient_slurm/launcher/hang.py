@@ -18,9 +18,12 @@ A rank is judged by the limit of where it is:
 
 Only ranks on the launcher's node are seen. A hung collective stops every rank, and a rank stuck on its
 own (a filesystem, a deadlock) stops its peers at their next collective, so the node's ranks stop too.
-A rank whose record is gone ended on its own (the Checkpointer removes it when it closes). The launcher
-adds each stuck rank's process state to the verdict (:meth:`Hang.with_states`), and reads the verdict
-together with the ranks' output (:func:`~.attribution.attribute_hang`).
+A rank whose record is gone ended on its own (the Checkpointer removes it when it closes).
+
+3. On a verdict the launcher calls :func:`respond_to_hang`: it adds each stuck rank's process state to the
+   verdict (:meth:`Hang.with_states`), reads the verdict together with the ranks' output
+   (:func:`~.attribution.attribute_hang`), has every rank's stacks written (:func:`~.stacks.dump_rank_stacks`),
+   records a ``hang`` event and tears the ranks down.
 """
 
 from __future__ import annotations
@@ -31,7 +34,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import psutil
+
 from ..control.heartbeat import Heartbeat, read_heartbeats
+from ..rundir import RunDir
+from .attribution import HangCause, attribute_hang, rank_outputs
+from .context import LaunchContext, launch_log
+from .policy import Reason
+from .processes import Children
+from .stacks import dump_rank_stacks
+from .stopping import teardown
 
 ADAPTIVE_FACTOR = 10.0
 ADAPTIVE_FLOOR_S = 120.0
@@ -157,4 +169,31 @@ class HangWatch:
         return self.judge(now)
 
 
-__all__ = ["ADAPTIVE_FACTOR", "ADAPTIVE_FLOOR_S", "Hang", "HangWatch", "Stuck"]
+def respond_to_hang(ctx: LaunchContext, watch: HangWatch, hang: Hang, children: Children) -> tuple[Hang, HangCause]:
+    """The job is hung: every rank's stacks to the run directory, a ``hang`` event, then teardown. The
+    verdict is classed with what the ranks said up to now (:func:`~.attribution.attribute_hang`), read
+    before the teardown, whose signals make the ranks print errors of their own. Returns the verdict with
+    the stuck ranks' process states, and its cause."""
+    hang = hang.with_states(_process_state)
+    cause = attribute_hang(hang.describe(), rank_outputs(children))
+    launch_log.error("hang: %s; writing every rank's Python stacks to %s, then tearing the ranks down",
+                     hang.describe(), RunDir.at(ctx.run_dir).stacks)
+    if cause.reason is not Reason.HANG:
+        launch_log.error("the ranks' output before the hang says why: %s", cause.evidence)
+    stacks = dump_rank_stacks(ctx, {r: t.last.pid for r, t in watch.tracks().items()})
+    ctx.event("hang", ranks=[s.to_json() for s in hang.stuck], ranks_seen=hang.ranks_seen,
+              timeout_s=watch.step_limit(), stacks=stacks, cause=cause.reason.value, evidence=cause.evidence)
+    teardown(ctx, children, grace=ctx.cfg.term_grace)
+    return hang, cause
+
+
+def _process_state(pid: int) -> str | None:
+    """A process's state as psutil names it ("stopped", "disk-sleep", "running", ...); None when it is gone
+    or not on this node."""
+    try:
+        return str(psutil.Process(pid).status())
+    except (psutil.Error, OSError):
+        return None
+
+
+__all__ = ["ADAPTIVE_FACTOR", "ADAPTIVE_FLOOR_S", "Hang", "HangWatch", "Stuck", "respond_to_hang"]

@@ -8,7 +8,8 @@ Who calls what, and when:
   :func:`check_allocation`: inside Slurm one job step with a task per node of the allocation
   (``srun --overlap``, named ``rslurm-health``, bounded by ``health_timeout``); locally
   :func:`check_node` in-process. A node that answers unhealthy, or not at all, is unhealthy.
-* With unhealthy nodes the launcher calls :func:`exclude` on the srun command when the allocation
+* The launcher does both through :class:`HealthGate`, whose :meth:`HealthGate.check` runs the checks and,
+  with unhealthy nodes, calls :func:`exclude` on the srun command when the allocation
   still has the nodes the command asks for (``srun -N``): the ranks start without them. Otherwise the
   incarnation ends as ``node_failure`` and, after the requeue call, :func:`~resilient_slurm.slurm.
   SlurmClient.exclude_nodes` adds them to the job's excluded nodes, so the requeued job runs elsewhere.
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..config import Settings
@@ -41,7 +42,8 @@ from ..paths import default_local_dir, expand_local_dir, node_name
 from ..rundir import RunDir
 from ..slurm.client import per_node_step
 from ..terminal import printable
-from .rank_env import srun_options
+from .context import LaunchContext, launch_log
+from .rank_env import allocation_nodes, srun_options
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +265,49 @@ def summary(bad: Sequence[NodeHealth]) -> str:
     return "; ".join(f"{h.node}: {', '.join(h.problems)}" for h in bad)
 
 
-__all__ = ["HEALTH_STEP_NAME", "NodeHealth", "check_allocation", "check_node", "cli_main", "exclude",
+class HealthGate:
+    """The check before each start of the ranks, and the nodes it took out of the srun command."""
+
+    def __init__(self, ctx: LaunchContext) -> None:
+        self.ctx = ctx
+        self.user_command = list(ctx.command)
+        self.excluded: list[str] = []  # nodes taken out of the srun command (the allocation had spares)
+
+    def check(self, rank_env: Callable[[], Mapping[str, str]]) -> list[NodeHealth]:
+        """Check every node before a launch of the ranks. Unhealthy nodes are taken out of the srun command
+        (``ctx.command``) when the allocation still has the nodes it asks for (``srun -N``); returns those
+        that could not be (then the incarnation ends as a node failure). A check that no node answered is
+        logged and ignored: the check itself failed, not the nodes. ``rank_env``: the ranks' environment,
+        which the check's step runs with."""
+        ctx = self.ctx
+        nodes = allocation_nodes(ctx) if ctx.srun else None
+        if ctx.srun and not nodes:
+            return []
+        results = check_allocation(ctx.cfg, rank_env(), nodes=nodes, run_id=ctx.run_id, exclude=self.excluded)
+        bad = [h for h in results if not h.ok]
+        if not bad:
+            return []
+        if len(bad) == len(results) and all(h.problems[0].startswith("no answer") for h in bad) and len(results) > 1:
+            launch_log.warning("the node health check step failed on every node (%s); going on without it",
+                               summary(bad))
+            return []
+        action = "requeue" if ctx.job_id else "exit"
+        if ctx.srun and nodes is not None:
+            need = requested_nodes(self.user_command)
+            healthy = len(nodes) - len(self.excluded) - len(bad)
+            if need is not None and healthy >= need:
+                self.excluded += [h.node for h in bad]
+                ctx.command = exclude(self.user_command, self.excluded)
+                action = "excluded"
+        (launch_log.warning if action == "excluded" else launch_log.error)(
+            "unhealthy node(s): %s; %s", summary(bad),
+            f"starting the ranks without them ({' '.join(ctx.command[:2])})" if action == "excluded"
+            else "the allocation has no spare node for them")
+        ctx.event("node_unhealthy", nodes=[{"node": h.node, "problems": list(h.problems)} for h in bad],
+                  action=action, excluded=list(self.excluded))
+        return [] if action == "excluded" else bad
+
+
+__all__ = ["HEALTH_STEP_NAME", "HealthGate", "NodeHealth", "check_allocation", "check_node", "cli_main", "exclude",
            "health_step_command", "requested_nodes", "summary"]
 

@@ -12,8 +12,9 @@ to their addresses (:data:`~resilient_slurm.rendezvous.NODE_ADDRS_VAR`), from wh
 ``MASTER_ADDR``: the address of the step's first node, as Slurm knows it (``NodeAddr``), since node
 names need not resolve (:mod:`resilient_slurm.rendezvous`).
 
-Who calls what: the launcher asks Slurm for the node addresses (``SlurmClient.node_addresses``, one query)
-and applies the rendezvous rule (:func:`node_address_map`) before each start of the ranks;
+Who calls what: the launcher calls :func:`rendezvous_addresses` before each start of the ranks under srun,
+which asks Slurm for the allocation's nodes (:func:`allocation_nodes`) and their addresses
+(``SlurmClient.node_addresses``, one query) and applies the rendezvous rule (:func:`node_address_map`);
 :class:`~.processes.SrunStep` calls :func:`srun_with_rank_env` on the command, environment and map the
 launcher gives it.
 
@@ -41,6 +42,8 @@ from pathlib import Path
 from ..errors import SlurmError
 from ..jobenv import JobEnv, job_master_port
 from ..rendezvous import NODE_ADDRS_VAR, encode_node_addresses, rendezvous_address, resolve_error
+from ..slurm.client import expand_hostlist
+from .context import LaunchContext, launch_log
 
 log = logging.getLogger(__name__)
 
@@ -215,4 +218,34 @@ def srun_with_rank_env(argv: Sequence[str], env: Mapping[str, str],
     return [command[0], f"{_TASK_PROLOG_OPT}={script}", *command[1:]], out_env
 
 
-__all__ = ["CHAIN_VAR", "PER_TASK_VARS", "TASK_PROLOG", "node_address_map", "split_task_prolog", "srun_with_rank_env"]
+def allocation_nodes(ctx: LaunchContext) -> list[str]:
+    """The hosts of the job's allocation (SLURM_JOB_NODELIST), as Slurm names them."""
+    nodelist = JobEnv.from_env(ctx.env).job_nodelist or ""
+    try:
+        return ctx.slurm.hostnames(nodelist) if nodelist else []
+    except SlurmError:
+        return expand_hostlist(nodelist)
+
+
+def rendezvous_addresses(ctx: LaunchContext, env: Mapping[str, str],
+                         excluded: Sequence[str]) -> dict[str, str | None] | None:
+    """The rendezvous address of each node of the allocation (:func:`node_address_map`: one
+    ``scontrol show node``), for the task prolog's MASTER_ADDR; None when the user set MASTER_ADDR (in
+    ``env``, the ranks' environment). ``excluded``: nodes the ranks start without."""
+    job = JobEnv.from_env(env, warn=False)
+    if job.master_addr:
+        return None
+    nodes = allocation_nodes(ctx)
+    nodelist = JobEnv.from_env(ctx.env).job_nodelist or ""
+    if not nodes or not nodelist:
+        return None
+    addrs = node_address_map(nodes, lambda: ctx.slurm.node_addresses(nodelist))
+    first = next((n for n in nodes if n not in excluded), nodes[0])
+    launch_log.info("rendezvous: each task's MASTER_ADDR is the address of its step's first node as Slurm knows "
+                    "it (NodeAddr; %s -> %s), MASTER_PORT %s", first, addrs.get(first) or "none",
+                    job.master_port or "derived from the job id")
+    return addrs
+
+
+__all__ = ["CHAIN_VAR", "PER_TASK_VARS", "TASK_PROLOG", "allocation_nodes", "node_address_map", "rendezvous_addresses",
+           "split_task_prolog", "srun_with_rank_env"]

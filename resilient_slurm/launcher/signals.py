@@ -3,11 +3,14 @@
 Who calls what, and when: the launcher builds one ``SignalTrap`` before it starts the ranks,
 :meth:`SignalTrap.install` s it on the main thread, calls :meth:`SignalTrap.wait` in its loop (which
 wakes on a signal, a :meth:`SignalTrap.notify` from another thread such as the cloud watcher, or the
-timeout) and :meth:`SignalTrap.pop` to take the events, and :meth:`SignalTrap.restore` at the end.
+timeout) and :meth:`SignalTrap.pop` to take the events, and :meth:`SignalTrap.restore` at the end. At its
+start it calls :func:`warn_if_not_exec`: a launcher the batch script did not ``exec`` never hears a
+``--signal=B:...`` signal.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections import deque
@@ -15,7 +18,10 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+import psutil
+
 from ..sigsafe import WakeFlag
+from .context import launch_log
 
 # What the launcher traps (design.md): preemption and time-limit signals, and Ctrl-C; plus SIGHUP (the
 # terminal of a local run went away), which would otherwise end the launcher and orphan its ranks.
@@ -77,3 +83,16 @@ class SignalTrap:
         while self._events:
             out.append(self._events.popleft())
         return out
+
+
+def warn_if_not_exec(job_id: str | None) -> None:
+    """``--signal=B:...`` reaches the batch shell only: a launcher under it never hears the signal."""
+    if not job_id:
+        return
+    try:
+        parent = psutil.Process(os.getppid()).cmdline()
+    except (psutil.Error, OSError):
+        return
+    if any(os.path.basename(a) == "slurm_script" for a in parent):
+        launch_log.warning("rslurm launch runs as a child of the batch script: a `--signal=B:...` signal reaches "
+                           "the shell, not rslurm. Start it with `exec rslurm launch ...` (or `exec rsrun ...`)")

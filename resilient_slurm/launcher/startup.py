@@ -18,7 +18,8 @@ Who calls what, and when (the launcher, for each srun step of ranks it starts):
    (``cannot be retrieved``, ``failed to connect``) and probes the address they tried. Returns a
    :class:`StartupFailure` (the launcher tears the ranks down and ends the incarnation as ``startup``),
    or a :class:`NotJudged` saying why the start cannot be judged from this node; then the launcher logs
-   it and stops watching this run.
+   it and stops watching this run. The launcher does this step through :func:`judge_start`, which also
+   logs the verdict, records it as an event and tears a failed start down.
 
 The verdict: the start failed, unless this node runs no task of the step (nothing to judge here), the
 step has one task (no rendezvous), or the stacks show every task here past the rendezvous with no
@@ -39,7 +40,10 @@ import psutil
 
 from ..jobenv import JobEnv
 from ..rendezvous import probe, rendezvous_failure_line
+from .context import LaunchContext, launch_log
+from .processes import Children
 from .stacks import pyspy, pyspy_dump
+from .stopping import teardown
 
 log = logging.getLogger(__name__)
 
@@ -236,5 +240,20 @@ class StartupWatch:
                               tuple(written), note)
 
 
+def judge_start(ctx: LaunchContext, watch: StartupWatch, children: Children) -> StartupFailure | None:
+    """The start-up bound passed with no rank of this node started: judge it (:meth:`StartupWatch.examine`);
+    a failed start is said in one message, recorded as a ``startup_failed`` event, and the ranks torn down
+    (returns it); one that cannot be judged is logged and recorded as ``startup_not_judged`` (None)."""
+    verdict = watch.examine(children.stderr_tail(0), ctx.run_dir)
+    if isinstance(verdict, NotJudged):
+        launch_log.warning("%s", verdict.why)
+        ctx.event("startup_not_judged", why=verdict.why)
+        return None
+    launch_log.error("%s", verdict.message())
+    ctx.event("startup_failed", message=verdict.message(), **verdict.to_json())
+    teardown(ctx, children, grace=ctx.cfg.term_grace)
+    return verdict
+
+
 __all__ = ["AUTO_BASE_S", "LocalTask", "NotJudged", "RANKS_MARKER_VAR", "StartupFailure",
-           "StartupWatch", "local_tasks", "startup_bound"]
+           "StartupWatch", "judge_start", "local_tasks", "startup_bound"]
