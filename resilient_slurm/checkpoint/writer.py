@@ -12,9 +12,9 @@ the tags' copy are best effort: their failures are logged, never raised.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from ..control.rank import RankLink
 from ..errors import ReplicaMismatchError
@@ -23,6 +23,8 @@ from .coordination import Topology
 from .engine import Engine, PendingSave, SaveOutcome
 from .reporting import CheckpointReporter
 from .tagging import copy_to_durable
+
+_Found = TypeVar("_Found", PendingSave, SaveOutcome)  # what a save step returns, with its replica mismatches
 
 # The Checkpointer's logger, as before the writer left its module: a program's log filters keep working.
 log = logging.getLogger("resilient_slurm.checkpoint.checkpointer")
@@ -99,15 +101,19 @@ class SaveWriter:
     def stage(self, step: int, state: Mapping[str, Any], reason: str) -> PendingSave:
         """Training thread: the engine's staging copy of ``state`` (collective), with its replica mismatches
         and failure reported."""
+        return self._reported(step, reason, "digest", lambda: self._engine.stage(step, state, reason))
+
+    def _reported(self, step: int, reason: str, found_by: str, run: Callable[[], _Found]) -> _Found:
+        """``run()`` (staging, or writing and committing) with its replica mismatches and failure reported."""
         try:
-            pending = self._engine.stage(step, state, reason)
+            result = run()
         except Exception as exc:
             if isinstance(exc, ReplicaMismatchError):
-                self._report.mismatches(step, exc.mismatches, "digest")
+                self._report.mismatches(step, exc.mismatches, found_by)
             self._report.save_failed(step, reason, exc)
             raise
-        self._report.mismatches(step, pending.mismatches, "digest")
-        return pending
+        self._report.mismatches(step, result.mismatches, found_by)
+        return result
 
     def close(self) -> None:
         """After the last save was waited for: the best-effort tasks, then the thread."""
@@ -122,14 +128,7 @@ class SaveWriter:
     # ------------------------------------------------------------------ on the writer thread
     def _write_and_report(self, pending: PendingSave, step: int, reason: str, t0: float) -> SaveOutcome:
         """Write and commit, then tell the launcher (if any) the step is committed."""
-        try:
-            outcome = self._engine.write_and_commit(pending)
-        except Exception as exc:
-            if isinstance(exc, ReplicaMismatchError):
-                self._report.mismatches(step, exc.mismatches, "commit")
-            self._report.save_failed(step, reason, exc)
-            raise
-        self._report.mismatches(step, outcome.mismatches, "commit")
+        outcome = self._reported(step, reason, "commit", lambda: self._engine.write_and_commit(pending))
         self._link.committed(step, reason)
         self._report.save_committed(step, reason, outcome, t0)
         return outcome
