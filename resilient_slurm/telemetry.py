@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from .errors import ConfigError
@@ -50,6 +51,59 @@ _CUT = 300  # a string field longer than this is cut when a line would exceed MA
 def events_path(root: str, run_id: str) -> str:
     """The event log of ``run_id`` under a node-local root."""
     return RunDir(root, run_id).events
+
+
+class Event(StrEnum):
+    """Every event name the product writes to a run's ``events.jsonl``, in one place (docs/telemetry.md
+    documents each with its fields, and tests/test_telemetry.py checks the two agree). A member is the
+    string it names, so records are unchanged."""
+
+    CADENCE = "cadence"
+    CODE_VERSION_CHANGED = "code_version_changed"
+    COMMITTED = "committed"
+    DEADLINE_MISSED = "deadline_missed"
+    DECISION = "decision"
+    DRAIN_FAILED = "drain_failed"
+    DRAIN_LAG = "drain_lag"
+    DRAIN_PROGRESS = "drain_progress"
+    DRAIN_RETRY = "drain_retry"
+    DRAIN_STARTED = "drain_started"
+    DRAINED = "drained"
+    DURABLE = "durable"
+    DURABLE_COMMIT = "durable_commit"
+    EMERGENCY_REQUESTED = "emergency_requested"
+    EVICTED = "evicted"
+    HANG = "hang"
+    IN_JOB_RESTART = "in_job_restart"
+    LAUNCHER_GONE = "launcher_gone"
+    NODE_UNHEALTHY = "node_unhealthy"
+    NOT_DURABLE = "not_durable"
+    NOT_REQUEUED = "not_requeued"
+    ORPHAN_TIMEOUT = "orphan_timeout"
+    PEER_REPLICA = "peer_replica"
+    RANKS_EXITED = "ranks_exited"
+    REPLICA_MISMATCH = "replica_mismatch"
+    REQUEUE_CALL = "requeue_call"
+    RESTORE = "restore"
+    RESTORE_FAILED = "restore_failed"
+    RESTORE_NONE = "restore_none"
+    RESUME_DIVERGED = "resume_diverged"
+    RESUME_VERIFIED = "resume_verified"
+    RETENTION_DELETED = "retention_deleted"
+    SAVE_COMMITTED = "save_committed"
+    SAVE_FAILED = "save_failed"
+    SAVE_REQUESTED = "save_requested"
+    SAVE_SIGNAL_DEFERRED = "save_signal_deferred"
+    SAVE_SIGNAL_SENT = "save_signal_sent"
+    SAVE_STAGED = "save_staged"
+    SAVE_STARTED = "save_started"
+    SIGNAL = "signal"
+    START = "start"
+    STARTUP_FAILED = "startup_failed"
+    STARTUP_NOT_JUDGED = "startup_not_judged"
+    STRAGGLER = "straggler"
+    STRAGGLER_CLEARED = "straggler_cleared"
+    TAGGED = "tagged"
 
 
 class ExactFloat(float):
@@ -88,7 +142,7 @@ class EventLog:
         self._warned = False
         self.failures = 0
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: Event, **fields: Any) -> None:
         """Append one record; never raises (a failure is logged once per log, then counted)."""
         try:
             with self._lock:
@@ -312,5 +366,5 @@ def check_metrics_path(path: str, *, key: str = "metrics_textfile") -> str:
     return p
 
 
-__all__ = ["EVENTS_FILE", "METRICS", "DaemonMetrics", "EventLog", "ExactFloat", "MetricSpec", "RunGauges", "check_metrics_path",
+__all__ = ["EVENTS_FILE", "Event", "METRICS", "DaemonMetrics", "EventLog", "ExactFloat", "MetricSpec", "RunGauges", "check_metrics_path",
            "events_path", "write_metrics_textfile"]

@@ -658,3 +658,17 @@ def test_requeue_decisions_on_slurm_and_each_node_logs_its_own(slurm: SlurmClust
         assert len(emergency) == 1 and restores[0]["step"] == emergency[0]["step"], (emergency, restores)
     # Rank 1 is on n2, away from the launcher's socket: it hears scancel's USR2, or its peer first.
     assert [e["how"] for e in events("n2") if e["event"] == "emergency_requested"][0] in ("SIGUSR2", "peer")
+
+
+def test_event_names_have_one_owner_and_every_one_is_documented() -> None:
+    """telemetry.Event lists every event name the product writes, docs/telemetry.md documents each of them
+    and no other, and no module writes an event by a string of its own (mypy types emit() and the
+    launcher's event() with Event; this catches a literal that slipped past a cast)."""
+    from resilient_slurm.telemetry import Event
+
+    documented = {name for _, name in read_docs().events}
+    assert {e.value for e in Event} == documented
+    pkg = Path(__file__).resolve().parents[1] / "resilient_slurm"
+    literal = re.compile(r"""\.(emit|event)\(\s*["']""")
+    assert not [f"{p.relative_to(pkg)}:{n}" for p in pkg.rglob("*.py")
+                for n, line in enumerate(p.read_text().splitlines(), 1) if literal.search(line)]

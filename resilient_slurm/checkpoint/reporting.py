@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..telemetry import EventLog, ExactFloat
+from ..telemetry import Event, EventLog, ExactFloat
 from . import provenance as provenance_mod
 from .coordination import Topology
 from .engine import PendingSave, SaveOutcome
@@ -50,29 +50,29 @@ class CheckpointReporter:
     # ------------------------------------------------------------------ saves
     def save_started(self, step: int, reason: str) -> None:
         if self.topology.is_leader:
-            self.events.emit("save_started", step=step, reason=reason)
+            self.events.emit(Event.SAVE_STARTED, step=step, reason=reason)
 
     def save_failed(self, step: int, reason: str, exc: BaseException) -> None:
-        self.events.emit("save_failed", step=step, reason=reason, error=str(exc))
+        self.events.emit(Event.SAVE_FAILED, step=step, reason=reason, error=str(exc))
 
     def save_staged(self, step: int, reason: str, pending: PendingSave, stall_s: float, wait_s: float) -> None:
-        self.events.emit("save_staged", step=step, reason=reason, bytes=pending.shard_bytes,
+        self.events.emit(Event.SAVE_STAGED, step=step, reason=reason, bytes=pending.shard_bytes,
                          stall_s=stall_s, wait_s=wait_s, digest_s=pending.stats["digest_s"],
                          reduce_s=pending.stats["reduce_s"])
 
     def save_committed(self, step: int, reason: str, outcome: SaveOutcome, t0: float) -> None:
-        self.events.emit("save_committed", step=step, reason=reason, bytes=outcome.bytes_written,
+        self.events.emit(Event.SAVE_COMMITTED, step=step, reason=reason, bytes=outcome.bytes_written,
                          step_bytes=outcome.step_bytes, write_s=outcome.write_s, commit_s=outcome.commit_s,
                          throughput_bytes_s=outcome.bytes_written / outcome.write_s if outcome.write_s > 0 else 0.0,
                          total_s=time.perf_counter() - t0)
 
     def retention_deleted(self, deleted: list[int]) -> None:
         if deleted:
-            self.events.emit("retention_deleted", tier="local", steps=deleted)
+            self.events.emit(Event.RETENTION_DELETED, tier="local", steps=deleted)
 
     def peer_replica(self, step: int, out: ReplicaOutcome | None) -> None:
         if out is not None:
-            self.events.emit("peer_replica", step=step, sent_bytes=out.sent, received_bytes=out.received,
+            self.events.emit(Event.PEER_REPLICA, step=step, sent_bytes=out.sent, received_bytes=out.received,
                              received_step=out.received_step, of=out.from_domain, seconds=out.seconds,
                              problem=out.problem)
 
@@ -82,7 +82,7 @@ class CheckpointReporter:
             return
         if self.topology.is_leader:
             for m in mismatches:
-                self.events.emit("replica_mismatch", step=step, key=m.key, ranks=list(m.ranks),
+                self.events.emit(Event.REPLICA_MISMATCH, step=step, key=m.key, ranks=list(m.ranks),
                                  majority=list(m.majority), found_by=found_by, action=self.replica_check)
         if self.topology.rank == 0:
             if self.replica_check == "fail":
@@ -100,16 +100,16 @@ class CheckpointReporter:
         if r is None:
             return
         if r.step:
-            self.events.emit("restore", step=r.step, tier=r.tier, seconds=r.seconds, bytes=r.bytes_read,
+            self.events.emit(Event.RESTORE, step=r.step, tier=r.tier, seconds=r.seconds, bytes=r.bytes_read,
                              fetched_bytes=r.fetched_bytes, skipped=list(r.skipped), adopted_bytes=r.adopted_bytes,
                              peer_bytes=r.peer_bytes)
             self.code_version(r.step, r.provenance)
         else:
-            self.events.emit("restore_none", seconds=r.seconds, skipped=list(r.skipped))
+            self.events.emit(Event.RESTORE_NONE, seconds=r.seconds, skipped=list(r.skipped))
 
     def restore_failed(self, exc: BaseException, retry: bool, last: RestoreOutcome | None) -> None:
         if self.topology.rank == 0:
-            self.events.emit("restore_failed", error=str(exc), retry=retry, skipped=list(last.skipped) if last else [])
+            self.events.emit(Event.RESTORE_FAILED, error=str(exc), retry=retry, skipped=list(last.skipped) if last else [])
 
     def code_version(self, step: int, saved: Mapping[str, Any] | None) -> None:
         """Rank 0: a ``code_version_changed`` event and a warning when the restored step was written by
@@ -119,7 +119,7 @@ class CheckpointReporter:
         before, now = provenance_mod.git_commit(saved), provenance_mod.git_commit(self.provenance)
         if before is None or now is None or before == now:
             return
-        self.events.emit("code_version_changed", step=step, saved_commit=before, commit=now)
+        self.events.emit(Event.CODE_VERSION_CHANGED, step=step, saved_commit=before, commit=now)
         log.warning("step %d was saved by code at git commit %s; this program runs %s. Resuming with changed "
                     "code may change the results (`rslurm show %d` shows the step's provenance)",
                     step, before[:12], now[:12], step)
@@ -135,13 +135,13 @@ class CheckpointReporter:
             self.divergence(outcome.check, outcome.divergence)
 
     def verified(self, check: ResumeCheck) -> None:
-        self.events.emit("resume_verified", restored_step=check.restored_step, first_step=check.compared[0],
+        self.events.emit(Event.RESUME_VERIFIED, restored_step=check.restored_step, first_step=check.compared[0],
                          last_step=check.compared[-1], steps=len(check.compared), values=check.values)
         log.info("rank %d: the resume from step %d is exact: steps %d-%d recorded the same metrics as before the "
                  "stop", self.topology.rank, check.restored_step, check.compared[0], check.compared[-1])
 
     def divergence(self, check: ResumeCheck, d: Divergence) -> None:
-        self.events.emit("resume_diverged", restored_step=check.restored_step, step=d.step, metric=d.metric,
+        self.events.emit(Event.RESUME_DIVERGED, restored_step=check.restored_step, step=d.step, metric=d.metric,
                          before=_exact(d.before), after=_exact(d.after), tolerance=check.tolerance)
         first = d.step == check.restored_step + 1
         log.warning(
@@ -172,7 +172,7 @@ class CheckpointReporter:
             how = "api"  # request_emergency_save() called by the program
         else:
             how = "peer"  # another rank heard it; this one learnt it at the step agreement
-        self.events.emit("emergency_requested", step=step, how=how)
+        self.events.emit(Event.EMERGENCY_REQUESTED, step=step, how=how)
 
     def emergency_saved(self, step: int) -> None:
         """The emergency save committed: the next request is a new one."""
@@ -182,7 +182,7 @@ class CheckpointReporter:
 
     def tagged(self, run_id: str, step: int, name: str, moved: int | None) -> None:
         if self.topology.is_leader:
-            self.events.emit("tagged", step=step, tag=name, moved_from=moved)
+            self.events.emit(Event.TAGGED, step=step, tag=name, moved_from=moved)
         if self.topology.rank == 0:
             log.info("run %s: step %d tagged %r%s", run_id, step, name,
                      f" (moved from step {moved})" if moved is not None else "")
@@ -197,7 +197,7 @@ class CheckpointReporter:
         self._cadence_reported = interval
         stall, write = cadence.costs()
         mtbf = cadence.planned_failure_interval
-        self.events.emit("cadence", basis=basis, interval_s=round(interval, 3), stall_s=round(stall, 6),
+        self.events.emit(Event.CADENCE, basis=basis, interval_s=round(interval, 3), stall_s=round(stall, 6),
                          write_s=round(write, 6), failure_interval_s=mtbf)
         if basis == "start":
             log.info("no every_steps or every_seconds: saving every %.0f s at first, then on Daly's interval "
@@ -212,20 +212,20 @@ class CheckpointReporter:
         """Rank 0, after a window: an event and a warning for each new straggler, an event for each cleared."""
         window = watch.window
         for s in new:
-            self.events.emit("straggler", step=step, window=window, threshold=watch.ratio,
+            self.events.emit(Event.STRAGGLER, step=step, window=window, threshold=watch.ratio,
                              straggler_rank=s.rank, straggler_node=s.node, step_time_s=round(s.step_time_s, 6),
                              peer_median_s=round(s.peer_median_s, 6), ratio=round(s.ratio, 3))
             log.warning("straggler at step %d: %s, the median over the last %d steps", step, s.describe(),
                         window)
         for r in cleared:
-            self.events.emit("straggler_cleared", step=step, window=window, straggler_rank=r,
+            self.events.emit(Event.STRAGGLER_CLEARED, step=step, window=window, straggler_rank=r,
                              straggler_node=watch.nodes[r])
 
     def launcher_gone(self, pid: int, bound: float) -> None:
-        self.events.emit("launcher_gone", launcher_pid=pid, bound_s=bound)
+        self.events.emit(Event.LAUNCHER_GONE, launcher_pid=pid, bound_s=bound)
 
     def orphan_timeout(self, pid: int, bound: float, saved: bool) -> None:
-        self.events.emit("orphan_timeout", launcher_pid=pid, bound_s=bound, saved=saved)
+        self.events.emit(Event.ORPHAN_TIMEOUT, launcher_pid=pid, bound_s=bound, saved=saved)
 
 
 def _exact(v: float | int | None) -> float | int | None:

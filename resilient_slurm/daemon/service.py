@@ -76,7 +76,7 @@ from ..tags import (
     update_local_tags,
     write_durable_tags,
 )
-from ..telemetry import DaemonMetrics, EventLog, RunGauges, check_metrics_path, write_metrics_textfile
+from ..telemetry import DaemonMetrics, Event, EventLog, RunGauges, check_metrics_path, write_metrics_textfile
 from .drain import DrainResult, LocalStep, StepDrainer, drain_lag, drain_order, durable_steps, scan_local
 
 log = logging.getLogger(__name__)
@@ -489,7 +489,7 @@ class Daemon:
                          "started_at": self.clock()}
         events = self._events(ls.run_id)
         if not recheck:
-            events.emit("drain_started", step=ls.step, reason=ls.manifest.reason, bytes=ls.local_bytes)
+            events.emit(Event.DRAIN_STARTED, step=ls.step, reason=ls.manifest.reason, bytes=ls.local_bytes)
         self._write_status(force=True)
         last_report = [time.monotonic()]
 
@@ -500,7 +500,7 @@ class Daemon:
                 now = time.monotonic()
                 if now - last_report[0] >= self.poll_interval:
                     last_report[0] = now
-                    events.emit("drain_progress", step=ls.step, bytes_done=cur["bytes_done"],
+                    events.emit(Event.DRAIN_PROGRESS, step=ls.step, bytes_done=cur["bytes_done"],
                                 bytes_total=cur["bytes_total"])
             self._write_status()
 
@@ -543,7 +543,7 @@ class Daemon:
             self._retry_at[ls.manifest.save_id] = st.next_retry_at
             self._failed(ls, str(exc), n, retry=True)
             self.counters["rslurm_drain_step_retries_total"] += 1
-            events.emit("drain_retry", step=ls.step, attempt=n, retry_in_s=delay, error=str(exc))
+            events.emit(Event.DRAIN_RETRY, step=ls.step, attempt=n, retry_in_s=delay, error=str(exc))
             return None
         finally:
             self._current = None
@@ -560,12 +560,12 @@ class Daemon:
             self.counters["rslurm_drained_steps_total"] += 1
             mismatches = ls.manifest.extra.get("replica_mismatch")
             self.counters["rslurm_replica_mismatches_total"] += len(mismatches) if isinstance(mismatches, list) else 0
-            events.emit("drained", step=ls.step, state=result.state, bytes=result.bytes_sent,
+            events.emit(Event.DRAINED, step=ls.step, state=result.state, bytes=result.bytes_sent,
                         reused_bytes=result.bytes_reused, seconds=result.seconds,
                         throughput_bytes_s=result.throughput, retries=result.retries)
         if result.committed:
             self.counters["rslurm_durable_commits_total"] += 1
-            events.emit("durable_commit", step=ls.step, since_created_s=self.clock() - ls.manifest.created_at)
+            events.emit(Event.DURABLE_COMMIT, step=ls.step, since_created_s=self.clock() - ls.manifest.created_at)
         if result.state == "preempted":
             st.state = "local"
             log.info("run %s step %d: paused for a more urgent step", ls.run_id, ls.step)
@@ -594,7 +594,7 @@ class Daemon:
 
     def _failed(self, ls: LocalStep, error: str, attempt: int, *, retry: bool) -> None:
         self.counters["rslurm_drain_failures_total"] += 1
-        self._events(ls.run_id).emit("drain_failed", step=ls.step, error=error, attempt=attempt, will_retry=retry)
+        self._events(ls.run_id).emit(Event.DRAIN_FAILED, step=ls.step, error=error, attempt=attempt, will_retry=retry)
 
     # ------------------------------------------------------------------ cleanup, retention, eviction
     def _cleanup_incomplete(self) -> None:
@@ -632,7 +632,7 @@ class Daemon:
             self._durable[run] = [x for x in self._durable[run] if x != s]
             deleted.append(s)
         if deleted:
-            self._events(run).emit("retention_deleted", tier="durable", steps=deleted)
+            self._events(run).emit(Event.RETENTION_DELETED, tier="durable", steps=deleted)
 
     def _evict_if_needed(self, steps: list[LocalStep]) -> None:
         try:
@@ -719,7 +719,7 @@ class Daemon:
                     s.step, "durable" if durable else "older than the newest step, not durable")
         self._status.pop((s.run_id, s.step), None)
         self.counters["rslurm_local_evicted_steps_total"] += 1
-        self._events(s.run_id).emit("evicted", step=s.step, durable=durable, bytes=s.local_bytes,
+        self._events(s.run_id).emit(Event.EVICTED, step=s.step, durable=durable, bytes=s.local_bytes,
                                     free_bytes=self._free_bytes(), replica_of=None)
         return True
 
@@ -744,7 +744,7 @@ class Daemon:
         log.warning("local tier below local_min_free=%s: evicted run %s step %d (replica of domain %s: a spare "
                     "copy of another node's step)", self.min_free, r.run_id, r.step, r.domain)
         self.counters["rslurm_local_evicted_steps_total"] += 1
-        self._events(r.run_id).emit("evicted", step=r.step, durable=durable, bytes=r.bytes,
+        self._events(r.run_id).emit(Event.EVICTED, step=r.step, durable=durable, bytes=r.bytes,
                                     free_bytes=self._free_bytes(), replica_of=r.domain)
         return True
 
@@ -777,7 +777,7 @@ class Daemon:
             self._lag_reported[run] = (oldest, now)
             newest = max(self._durable.get(run, ()), default=-1)
             behind = sum(1 for (r, step) in self._status if r == run and step > newest)
-            self._events(run).emit("drain_lag", seconds=seconds, oldest_step=oldest, steps_behind=behind)
+            self._events(run).emit(Event.DRAIN_LAG, seconds=seconds, oldest_step=oldest, steps_behind=behind)
 
     def _free_bytes(self) -> int | None:
         try:

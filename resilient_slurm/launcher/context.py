@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from ..config import Settings
 from ..slurm import JobInfo, SlurmClient
-from ..telemetry import EventLog
+from ..telemetry import Event, EventLog
 
 # Every line of ``rslurm launch``, whichever module of the launcher writes it.
 launch_log = logging.getLogger("resilient_slurm.launcher.launch")
@@ -45,7 +45,7 @@ class LaunchContext(Protocol):
     def multi_node(self) -> bool:
         """True when ranks may run on other nodes."""
 
-    def event(self, kind: str, **fields: Any) -> None:
+    def event(self, kind: Event, **fields: Any) -> None:
         """Append an event with ``source: launcher`` to the run's event log."""
 
 

@@ -36,6 +36,7 @@ from ..rundir import RunDir
 from ..slurm.client import per_node_step, remaining_seconds
 from ..storage.registry import open_durable
 from ..storage.tier import StorageTier
+from ..telemetry import Event
 from .context import LaunchContext, launch_log
 from .policy import Outcome, Reason
 from .processes import die_with_parent_by_sigint
@@ -205,7 +206,7 @@ def await_durable(ctx: LaunchContext, drain: JobDrain | None, outcome: Outcome, 
     ok = timeout > 0 and drain.wait_durable(step, timeout)
     waited = time.time() - t0
     ctx.timings["durable" if ok else "not_durable"] = time.time()
-    ctx.event("durable" if ok else "not_durable", step=step, waited_s=waited,
+    ctx.event(Event.DURABLE if ok else Event.NOT_DURABLE, step=step, waited_s=waited,
               after_signal_s=(time.time() - signal_at) if signal_at is not None else None)
     if ok:
         launch_log.info("step %d is durable in %s (waited %.2f s)", step, ctx.cfg.durable, waited)

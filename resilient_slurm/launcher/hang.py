@@ -38,6 +38,7 @@ import psutil
 
 from ..control.heartbeat import Heartbeat, read_heartbeats
 from ..rundir import RunDir
+from ..telemetry import Event
 from .attribution import HangCause, attribute_hang, rank_outputs
 from .context import LaunchContext, launch_log
 from .policy import Reason
@@ -181,7 +182,7 @@ def respond_to_hang(ctx: LaunchContext, watch: HangWatch, hang: Hang, children: 
     if cause.reason is not Reason.HANG:
         launch_log.error("the ranks' output before the hang says why: %s", cause.evidence)
     stacks = dump_rank_stacks(ctx, {r: t.last.pid for r, t in watch.tracks().items()})
-    ctx.event("hang", ranks=[s.to_json() for s in hang.stuck], ranks_seen=hang.ranks_seen,
+    ctx.event(Event.HANG, ranks=[s.to_json() for s in hang.stuck], ranks_seen=hang.ranks_seen,
               timeout_s=watch.step_limit(), stacks=stacks, cause=cause.reason.value, evidence=cause.evidence)
     teardown(ctx, children, grace=ctx.cfg.term_grace)
     return hang, cause

@@ -41,6 +41,7 @@ from ..manifest import MANIFEST_NAME, read_manifest_file
 from ..paths import default_local_dir, expand_local_dir, node_name
 from ..rundir import RunDir
 from ..slurm.client import per_node_step
+from ..telemetry import Event
 from ..terminal import printable
 from .context import LaunchContext, launch_log
 from .rank_env import allocation_nodes, srun_options
@@ -303,7 +304,7 @@ class HealthGate:
             "unhealthy node(s): %s; %s", summary(bad),
             f"starting the ranks without them ({' '.join(ctx.command[:2])})" if action == "excluded"
             else "the allocation has no spare node for them")
-        ctx.event("node_unhealthy", nodes=[{"node": h.node, "problems": list(h.problems)} for h in bad],
+        ctx.event(Event.NODE_UNHEALTHY, nodes=[{"node": h.node, "problems": list(h.problems)} for h in bad],
                   action=action, excluded=list(self.excluded))
         return [] if action == "excluded" else bad
 

@@ -54,7 +54,7 @@ from ..paths import default_local_dir, default_run_id, expand_local_dir, node_na
 from ..rundir import RunDir
 from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import expand_hostlist
-from ..telemetry import EventLog
+from ..telemetry import Event, EventLog
 from .attribution import HangCause, OomCounters
 from .cloud import Notice, TerminationNoticeWatcher
 from .context import launch_log as log
@@ -156,7 +156,7 @@ class Launcher:
             self._slurm = slurm_client(self.cfg.slurm_backend)
         return self._slurm
 
-    def event(self, kind: str, **fields: Any) -> None:
+    def event(self, kind: Event, **fields: Any) -> None:
         self.events.emit(kind, **fields)
 
     def job_info(self) -> JobInfo | None:
@@ -214,7 +214,7 @@ class Launcher:
     def _run(self) -> LaunchResult:
         baseline, _ = newest_committed(self.run_dir)
         self.timings["start"] = time.time()
-        self.event("start", command=self.command, baseline_step=baseline, socket=self.socket_path)
+        self.event(Event.START, command=self.command, baseline_step=baseline, socket=self.socket_path)
         warn_if_not_exec(self.job_id)
         trap = SignalTrap().install()
         server = ControlServer(self.socket_path)
@@ -329,11 +329,11 @@ class Launcher:
                 self.emergency_seen = True
                 log.info("emergency checkpoint of step %s committed %.2f s after %s", last.get("step"),
                          now - stop.at, stop.source)
-                self.event("committed", step=last.get("step"), after_signal_s=now - stop.at)
+                self.event(Event.COMMITTED, step=last.get("step"), after_signal_s=now - stop.at)
             if stop is not None and now >= stop.deadline:
                 log.error("ranks missed the deadline (%s + %.1f s): tearing their process trees down",
                           stop.source, stop.deadline - stop.at)
-                self.event("deadline_missed", committed=committed_at is not None)
+                self.event(Event.DEADLINE_MISSED, committed=committed_at is not None)
                 teardown(self, children, grace=0)
                 break
             if committed_at is not None and now >= committed_at + self.cfg.term_grace:
@@ -361,7 +361,7 @@ class Launcher:
                 teardown(self, children, grace=self.cfg.term_grace)
                 break
         self.timings["ranks_exited"] = time.time()
-        self.event("ranks_exited", torn_down=children.torn_down)
+        self.event(Event.RANKS_EXITED, torn_down=children.torn_down)
 
 
 def job_num_nodes(env: Mapping[str, str]) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from ..errors import SlurmError
+from ..telemetry import Event
 from .context import LaunchContext
 from .context import launch_log as log
 from .durability import JobDrain
@@ -92,7 +93,7 @@ def act_on_outcome(run: Incarnation, outcome: Outcome) -> LaunchResult:
             f"not requeued: job {run.job_id} is already ending ({job.state}) after "
             f"{describe_outcome(outcome)}; {hint}. The last committed step is {outcome.committed_step}"))
     _record(run, history, outcome, decision)  # before the requeue: it kills this process
-    run.event("decision", action=decision.action.value, rule=decision.rule, message=decision.message,
+    run.event(Event.DECISION, action=decision.action.value, rule=decision.rule, message=decision.message,
               outcome=outcome.reason.value, committed_step=outcome.committed_step,
               restored_step=outcome.restored_step, evidence=outcome.evidence)
     quiet = cancelled or is_ending  # what the user or Slurm asked for
@@ -102,7 +103,7 @@ def act_on_outcome(run: Incarnation, outcome: Outcome) -> LaunchResult:
     result = LaunchResult(decision.exit_code, outcome, decision, run.timings)
     if is_ending:
         assert job is not None
-        run.event("not_requeued", state=job.state)
+        run.event(Event.NOT_REQUEUED, state=job.state)
         return result
     if decision.action is Action.EXIT:
         return result
@@ -111,7 +112,7 @@ def act_on_outcome(run: Incarnation, outcome: Outcome) -> LaunchResult:
                   "resubmit it to resume from step %s", run.job_id, outcome.committed_step)
         return result
     run.timings["requeue"] = time.time()
-    run.event("requeue_call", action=decision.action.value,
+    run.event(Event.REQUEUE_CALL, action=decision.action.value,
               after_signal_s=(run.timings["requeue"] - stop.at) if stop else None)
     sys.stderr.flush()
     try:

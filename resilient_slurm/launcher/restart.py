@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ..telemetry import Event
 from .context import LaunchContext
 from .context import launch_log as log
 from .policy import Outcome, RankRun, Reason, describe_outcome, restartable
@@ -73,7 +74,7 @@ class InJobRestarts:
         backoff = min(IN_JOB_BACKOFF_MAX_S, IN_JOB_BACKOFF_S * 2 ** restarts)
         log.warning("%s; restarting the ranks in this allocation from step %s in %.0f s (in-job restart %d of %d)",
                     what, outcome.committed_step, backoff, restarts + 1, cfg.in_job_restarts)
-        self.ctx.event("in_job_restart", attempt=restarts + 1, limit=cfg.in_job_restarts,
+        self.ctx.event(Event.IN_JOB_RESTART, attempt=restarts + 1, limit=cfg.in_job_restarts,
                        outcome=outcome.reason.value, detail=what, evidence=outcome.evidence,
                        committed_step=outcome.committed_step, backoff_s=backoff)
         end = time.time() + backoff

@@ -40,6 +40,7 @@ import psutil
 
 from ..jobenv import JobEnv
 from ..rendezvous import probe, rendezvous_failure_line
+from ..telemetry import Event
 from .context import LaunchContext, launch_log
 from .processes import Children
 from .stacks import pyspy, pyspy_dump
@@ -247,10 +248,10 @@ def judge_start(ctx: LaunchContext, watch: StartupWatch, children: Children) -> 
     verdict = watch.examine(children.stderr_tail(0), ctx.run_dir)
     if isinstance(verdict, NotJudged):
         launch_log.warning("%s", verdict.why)
-        ctx.event("startup_not_judged", why=verdict.why)
+        ctx.event(Event.STARTUP_NOT_JUDGED, why=verdict.why)
         return None
     launch_log.error("%s", verdict.message())
-    ctx.event("startup_failed", message=verdict.message(), **verdict.to_json())
+    ctx.event(Event.STARTUP_FAILED, message=verdict.message(), **verdict.to_json())
     teardown(ctx, children, grace=ctx.cfg.term_grace)
     return verdict
 

@@ -23,6 +23,7 @@ from ..control import ControlServer
 from ..errors import SlurmError
 from ..slurm import JobInfo
 from ..slurm.client import remaining_seconds
+from ..telemetry import Event
 from .context import LaunchContext
 from .context import launch_log as log
 from .durability import DAEMON_STEP_NAME
@@ -102,7 +103,7 @@ class StopControl:
         """A trapped signal (or cloud notice): the stop request, or an earlier deadline for the one made."""
         ctx = self.ctx
         log.warning("received %s", ev.source)
-        ctx.event("signal", signal=ev.source, at=ev.at)
+        ctx.event(Event.SIGNAL, signal=ev.source, at=ev.at)
         if ev.source == "SIGINT" or (ev.source in ("SIGTERM", "SIGHUP") and not ctx.job_id):
             self.interrupts += 1
         if self.stop is not None:
@@ -119,7 +120,7 @@ class StopControl:
         ctx.timings["signal"] = ev.at
         server.request_save("emergency", deadline)
         ctx.timings["save_requested"] = time.time()
-        ctx.event("save_requested", signal=ev.source, reason=reason.value, deadline=deadline,
+        ctx.event(Event.SAVE_REQUESTED, signal=ev.source, reason=reason.value, deadline=deadline,
                   deadline_in_s=deadline - time.time())
         log.warning("%s: emergency checkpoint requested (%s); deadline in %.1f s", ev.source, reason.value,
                     deadline - time.time())
@@ -139,7 +140,7 @@ class StopControl:
                     self._deferred_signal = sig
                     log.info("no rank registered yet (still starting): SIG%s goes to the job's tasks once one "
                              "does", sig_name)
-                    ctx.event("save_signal_deferred", signal=f"SIG{sig_name}")
+                    ctx.event(Event.SAVE_SIGNAL_DEFERRED, signal=f"SIG{sig_name}")
                 else:
                     self.send_save_signal(sig)
             elif not ctx.srun and not registered:
@@ -183,7 +184,7 @@ class StopControl:
         ctx = self.ctx
         assert ctx.job_id is not None
         name = signal.Signals(sig).name
-        ctx.event("save_signal_sent", signal=name)
+        ctx.event(Event.SAVE_SIGNAL_SENT, signal=name)
         try:
             ctx.slurm.signal(ctx.job_id, sig)
         except SlurmError as exc:
