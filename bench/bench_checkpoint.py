@@ -51,8 +51,9 @@ from common import (  # noqa: E402
 )
 
 from resilient_slurm import Checkpointer  # noqa: E402
+from resilient_slurm.checkpoint import apply as apply_mod  # noqa: E402
 from resilient_slurm.checkpoint import engine as engine_mod  # noqa: E402
-from resilient_slurm.checkpoint import restore as restore_mod  # noqa: E402
+from resilient_slurm.checkpoint import restore_round as round_mod  # noqa: E402
 from resilient_slurm.checkpoint import state as state_mod  # noqa: E402
 from resilient_slurm.storage import fileio  # noqa: E402
 
@@ -358,13 +359,13 @@ class Bench(BenchBase):
         wrap(E, "_install", "  install (the commit rename, fsync)", S)
         wrap(E, "apply_retention", "  apply_retention (delete old steps)", S)
         wrap(E, "restore", "restore (engine)", R)
-        wrap(restore_mod.Restorer, "_read_step", "  _read_step", R)
+        wrap(round_mod.StepReader, "read_round", "  read_round (open, compare, read, verify)", R)
         wrap(state_mod, "prepare_load_target", "    prepare_load_target", R)
-        wrap(restore_mod, "aligned_buffer", "    aligned_buffer (mmap + zero_ prefault)", R)
-        wrap(restore_mod, "read_spans", "    read_spans (O_DIRECT pread x io_threads)", R)
+        wrap(round_mod, "aligned_buffer", "    aligned_buffer (mmap + zero_ prefault)", R)
+        wrap(round_mod, "read_spans", "    read_spans (O_DIRECT pread x io_threads)", R)
         wrap(engine_mod, "checksum", "    checksum (xxh3 per item, after the read)", R)
-        wrap(restore_mod._Loaded, "apply", "  _Loaded.apply (copy into live tensors)", R)
-        wrap(restore_mod._Loaded, "_stored_tensor", "    _stored_tensor (framing check, view)", R)
+        wrap(apply_mod._Loaded, "apply", "  _Loaded.apply (copy into live tensors)", R)
+        wrap(apply_mod._Loaded, "_stored_tensor", "    _stored_tensor (framing check, view)", R)
         wrap(planning_mod.SafeLoadPlanner, "load_bytes", "    load_bytes (plain values, torch.load inside)", R)
         wrap(engine_mod.torch, "load", "    torch.load (all calls: byte items + tensor fallbacks)", R)
         wrap(state_mod, "apply_loaded", "  apply_loaded (load_state_dict)", R)

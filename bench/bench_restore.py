@@ -65,7 +65,7 @@ from common import (  # noqa: E402
 )
 
 MODES = ("raw_prefaulted", "raw_fresh", "ours", "ours_copying", "torch_load", "dcp_load")
-EXTRA_MODES = ("ours_pinned",)  # --device cuda: read buffers pinned (restore.PIN_FOR_CUDA), not the default
+EXTRA_MODES = ("ours_pinned",)  # --device cuda: read buffers pinned (restore_round.PIN_FOR_CUDA), not the default
 LABELS = {
     "raw_prefaulted": "raw O_DIRECT read, prefaulted buffer",
     "raw_fresh": "raw O_DIRECT read, fresh buffer",
@@ -131,11 +131,12 @@ def child(args: argparse.Namespace) -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if mode in ("ours", "ours_copying", "ours_pinned"):
         from resilient_slurm import Checkpointer
-        from resilient_slurm.checkpoint import restore as restore_mod
+        from resilient_slurm.checkpoint import apply as apply_mod
+        from resilient_slurm.checkpoint import restore_round as round_mod
 
         if mode == "ours_copying":
-            restore_mod.ADOPT_MIN_BYTES = 1 << 62
-        restore_mod.PIN_FOR_CUDA = mode == "ours_pinned"
+            apply_mod.ADOPT_MIN_BYTES = 1 << 62
+        round_mod.PIN_FOR_CUDA = mode == "ours_pinned"
         cache.drop(os.path.join(root, "ours"))
         ck = Checkpointer(local_dir=os.path.join(root, "ours"), run_id="bench", keep_last=1,
                           io_threads=args.io_threads)

@@ -129,18 +129,18 @@ def test_restore_copies_on_a_side_stream_after_queued_work(tmp_path: Path, monke
     it on a side stream that first waits for the program's stream: a model still being written by queued work
     on the current stream when restore is called ends up with the checkpoint's values, not the queued ones,
     bitwise."""
-    from resilient_slurm.checkpoint import restore as restore_mod
+    from resilient_slurm.checkpoint import restore_round as round_mod
 
-    monkeypatch.setattr(restore_mod, "PIN_FOR_CUDA", pin)
+    monkeypatch.setattr(round_mod, "PIN_FOR_CUDA", pin)
     pinned: list[bool] = []
-    real = restore_mod.aligned_buffer
+    real = round_mod.aligned_buffer
 
     def spy(nbytes: int, **kw: object) -> torch.Tensor:
         t = real(nbytes, **kw)  # type: ignore[arg-type]
         pinned.append(t.is_pinned())
         return t
 
-    monkeypatch.setattr(restore_mod, "aligned_buffer", spy)
+    monkeypatch.setattr(round_mod, "aligned_buffer", spy)
     model, opt = _build(0)
     _train(model, opt, 3)
     with Checkpointer(local_dir=str(tmp_path), run_id="pin") as ck:

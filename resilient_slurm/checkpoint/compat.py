@@ -1,7 +1,7 @@
 """The compatibility check of a restore: the state being restored against a step's DCP metadata, every
 difference in one error, before anything is read or loaded.
 
-Who calls what: :meth:`Restorer._read_round <.restore.Restorer._read_round>` runs it on every rank in two
+Who calls what: :meth:`StepReader.read_round <.restore_round.StepReader.read_round>` runs it on every rank in two
 parts around one exchange between the ranks. :func:`compare` (this rank, with the load planner set up:
 ``SafeLoadPlanner.set_up_planner`` on the target that :func:`~.state.prepare_load_target` built, this
 rank's per-rank copies under their own keys) finds this rank's differences; the ranks then learn which

@@ -1,0 +1,387 @@
+"""One restore round: open a step on every rank, compare its keys with the state, read it and verify it.
+
+Who calls what: the :class:`~.restore.Restorer` (restore.py) holds one :class:`StepReader` per rank and,
+for each candidate step of its plan (restore_plan.py), calls :meth:`StepReader.planned_reads` before a
+domain fetches the step (fetch.py) and :meth:`StepReader.read_round` to read it (collective, foreground
+group: the phases "opening step N", "comparing the keys of step N" and "verifying step N" through the
+:class:`~.coordination.Coordinator`). :meth:`StepReader._open_step` reads the manifest and ``.metadata``,
+makes the per-rank check and compares the state with the step (compat.py); :meth:`StepReader._load_step`
+decides, plans against the live state and reads the byte ranges it needs into fresh buffers, checking
+each item against the manifest's xxh3 before any live tensor is touched. What it read comes back as an
+:class:`~.apply._Loaded` (apply.py), which the Restorer applies once every rank verified.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import io
+import logging
+import os
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+
+from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from ..manifest import (
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    PARTIAL_SUFFIX,
+    Manifest,
+    partial_items,
+    read_manifest_file,
+    split_per_rank_fqn,
+)
+from ..rundir import RunDir
+from ..storage.fileio import BLOCK, aligned_buffer, as_memoryview, read_spans, reading_step, round_up
+from . import compat as compat_mod
+from . import state as state_mod
+from .apply import _Loaded, _merged, _on_cuda, _Owners
+from .compat import CompatReport
+from .coordination import Coordinator, Topology
+from .ddp import DDP_KEY
+from .fetch import DurableFetcher, Planned
+from .planning import SafeLoadPlanner, read_metadata_file
+
+log = logging.getLogger(__name__)
+
+# Read buffers for state on a GPU are pageable by default: a fresh pinned buffer costs more to allocate
+# (page-locking every page) than the faster copies save. Measured on an H200, cold restore of 1 GiB of
+# model + Adam on the GPU (bench_restore.py --device cuda, docs/benchmarks.md).
+PIN_FOR_CUDA = False
+
+
+class StepReader:
+    """Reads and verifies one step at a time on this rank, for the :class:`~.restore.Restorer` of the same
+    rank. The Restorer sets :attr:`allow_missing`, :attr:`allow_unexpected`, :attr:`source_rank` and
+    :attr:`rank_mapped` at the start of each restore; :attr:`compat` and :attr:`provenance` describe the
+    step last read."""
+
+    def __init__(self, topo: Topology, coord: Coordinator, run_id: str, run_dir: str, *, fetcher: DurableFetcher,
+                 io_threads: int = 4, capture_rng: bool = True) -> None:
+        self.topo = topo
+        self.coord = coord
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.fetcher = fetcher
+        self.io_threads = io_threads
+        self.capture_rng = capture_rng
+        self.source_rank = topo.rank  # whose per-rank state this rank restores (rank_map)
+        self.rank_mapped = False
+        self.allow_missing: tuple[str, ...] = ()  # compat.py: fnmatch patterns of keys allowed to differ
+        self.allow_unexpected: tuple[str, ...] = ()
+        self.compat: CompatReport | None = None  # of the step last read on this rank
+        self.provenance: Mapping[str, Any] | None = None
+
+    def _check_per_rank(self, step: int, step_dir: str, manifest: Manifest, md: Metadata,
+                        state: Mapping[str, Any]) -> None:
+        """Per-rank state is loaded from the rank that saved it: refuse a world-size change that leaves
+        ranks without their state (or drops some), unless ``rank_map`` says which saved rank each resumes."""
+        keys = sorted({split[1] for fqn in md.state_dict_metadata
+                       if (split := split_per_rank_fqn(fqn)) is not None and split[1].split(".")[0] in state})
+        if not keys:
+            return
+        saved, now = manifest.world_size, self.topo.world_size
+        shown = ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+        if saved != now and not self.rank_mapped:
+            raise IncompatibleCheckpointError(
+                f"step {step} in {step_dir} holds per-rank state ({shown}: values that differed between ranks) "
+                f"saved by {saved} ranks; this job has {now}. Pass rank_map= to restore() to say which saved rank "
+                "each rank resumes (docs/integration.md), keep that state equal on every rank or in a DTensor so "
+                "it reshards, or resume with the same number of ranks")
+        if not 0 <= self.source_rank < saved:
+            raise IncompatibleCheckpointError(
+                f"rank_map maps rank {self.topo.rank} to rank {self.source_rank}, but step {step} in {step_dir} "
+                f"was saved by ranks 0..{saved - 1} (per-rank state: {shown})")
+
+    def _setup(self, step: int, where: str, manifest: Manifest, md: Metadata,
+               state: MutableMapping[str, Any]) -> _Prepared:
+        """This rank's load target and planner for ``step`` (``where``: the step's place, for messages), after
+        the per-rank check, and its differences from the step (compat.py: :func:`~.compat.compare`)."""
+        self._check_per_rank(step, where, manifest, md, state)
+        target = state_mod.prepare_load_target(state, md, rank=self.topo.rank, capture_rng=self.capture_rng,
+                                               source_rank=self.source_rank, extra_keys=(DDP_KEY,))
+        planner = SafeLoadPlanner(self.source_rank)
+        planner.set_up_planner(target, md, is_coordinator=self.topo.rank == 0)
+        found = compat_mod.compare(planner, md, source_rank=self.source_rank)
+        return _Prepared(step, where, manifest, md, target, planner, found)
+
+    def _finish_plan(self, prep: _Prepared, state: MutableMapping[str, Any], unheld: frozenset[str]) -> LoadPlan:
+        """The compatibility decision (``unheld``: saved keys no rank holds now; every difference in one error,
+        before anything is read), then the DCP load plan. IncompatibleCheckpointError when the step does not
+        fit the state."""
+        self.compat = compat_mod.decide(
+            prep.planner, prep.md, state, prep.found, unheld, allow_missing=self.allow_missing,
+            allow_unexpected=self.allow_unexpected, where=f"step {prep.step} in {prep.where}",
+            rank=self.topo.rank if self.topo.world_size > 1 else None)
+        try:
+            plan = prep.planner.create_local_plan()
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise IncompatibleCheckpointError(
+                f"step {prep.step} in {prep.where} does not fit the state being restored: {exc}. Restore with the "
+                "same model/optimizer structure, or move the run directory aside to start afresh."
+            ) from exc
+        return prep.planner.finish_plan(plan)
+
+    def planned_reads(self, step: int, state: MutableMapping[str, Any], *, local: bool) -> Planned | None:
+        """The items (file -> offsets and lengths) this rank's load plan for ``step`` reads, so that a domain
+        fetching the step takes only those (a run resharded to another world size, or moved onto nodes that
+        hold other ranks). Planned against the local copy's metadata when this domain has the step
+        (``local``), else the durable tier's (:meth:`DurableFetcher.source`). Every rank plans, so every rank calls its state's
+        ``state_dict()`` alike. None when it cannot be planned: the fetch then takes every file, and the
+        read that follows says what is wrong."""
+        try:
+            if local:
+                step_dir = RunDir.at(self.run_dir).step(step)
+                manifest = read_manifest_file(os.path.join(step_dir, MANIFEST_NAME))
+                md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
+                where = step_dir
+            else:
+                source = self.fetcher.source(step)
+                manifest, md = source.marker, source.md
+                where = f"{self.fetcher.tier.url if self.fetcher.tier else 'the durable tier'}"
+            # Planned on this rank alone: a saved key it does not hold is taken to be another rank's.
+            plan = self._finish_plan(self._setup(step, where, manifest, md, state), state, frozenset())
+        except Exception as exc:  # the fetch takes every file; the read reports the problem
+            log.debug("step %d: no load plan before the fetch (%s); the fetch takes every file", step, exc)
+            return None
+        finally:
+            self.compat = None
+        reads: dict[str, set[tuple[int, int]]] = {}
+        for ri in plan.items:
+            info = md.storage_data[ri.storage_index]
+            reads.setdefault(info.relative_path, set()).add((info.offset, info.length))
+        return {path: frozenset(items) for path, items in reads.items()}
+
+    def read_round(self, step: int, state: MutableMapping[str, Any]
+                    ) -> tuple[list[tuple[str, str]], _Loaded | None]:
+        """Read and verify ``step`` on every rank; every rank's verdict ``(status, message)`` and what this rank
+        read: status "ok", "corrupt" (skip the step) or "incompatible" (refuse it everywhere). Collective
+        (foreground group): three phases, the last one sharing the verdicts.
+
+        Two parts around one exchange: every rank opens the step and compares it with its state
+        (:meth:`_open_step`); the ranks share whether that worked and, where every rank has saved keys that
+        it does not hold (pipeline stages, per-rank names), which of those no rank holds
+        (compat.py: :meth:`~.compat.Findings.mask`, one all_reduce); then each decides and reads
+        (:meth:`_load_step`). A rank reads nothing when another could not open the step."""
+        status, message, loaded = self._read_here(step, state)
+        verdicts = self.coord.phase(f"verifying step {step}", lambda: (status, message))
+        return verdicts, loaded
+
+    def _read_here(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
+        """This rank's part of :meth:`read_round` (two phases inside): its verdict and what it read."""
+        step_dir = RunDir.at(self.run_dir).step(step)
+        with contextlib.ExitStack() as held_open:
+            prep: _Prepared | None = None
+            status, message = "ok", ""
+            try:
+                held_open.enter_context(reading_step(step_dir))
+                prep = self._open_step(step, step_dir, state)
+            except Exception as exc:
+                status, message = self._verdict(step, step_dir, exc)
+            mine = (status, prep.found.digest if prep else None, bool(prep and prep.found.candidates))
+            opened = self.coord.phase(f"opening step {step}", lambda: mine)
+            if prep is None:
+                return status, message, None
+            if any(o[0] != "ok" for o in opened):
+                return "ok", "", None  # another rank could not open the step: its verdict decides
+            if opened[0][1] != prep.found.digest:
+                return ("corrupt", f"rank {self.topo.rank}: {step_dir}: its DCP metadata lists other keys than "
+                        f"the copy rank 0 read (a damaged or foreign .metadata)", None)
+            unheld: frozenset[str] = frozenset()
+            if len({o[1] for o in opened}) == 1 and all(o[2] for o in opened):
+                # Every rank has saved keys it does not hold: those no rank holds are unexpected.
+                found = prep.found
+                unheld = found.unheld(self.coord.phase_flags(f"comparing the keys of step {step}", found.mask,
+                                                             len(found.keyspace)))
+            try:
+                return "ok", "", self._load_step(prep, state, unheld)
+            except Exception as exc:
+                status, message = self._verdict(step, step_dir, exc)
+                return status, message, None
+
+    def _check_optimizer_params(self, prep: _Prepared, state: Mapping[str, Any], needed: dict[str, list[Any]],
+                                decoded: dict[tuple[str, int], Any]) -> None:
+        """An optimizer keyed by parameter index whose parameters moved since the step was saved (a model
+        split differently) would load moments into other parameters: refused, or started afresh where
+        ``allow_missing`` covers all of it (its items are then dropped from ``needed``)."""
+        saved = next((decoded[(rel, info.offset)] for rel, reqs in needed.items() for ri, info in reqs
+                      if _plain_key(ri.dest_index.fqn) == state_mod.OPTIM_PARAMS_KEY), None)
+        report = self.compat
+        if saved is None or report is None:
+            return
+        moved = state_mod.moved_parameters(state, saved, skip=report.fresh)
+        refused = []
+        for top, why in moved.items():
+            mine = [k for k in prep.found.live if k.split(".", 1)[0] == top]
+            if mine and all(compat_mod.matches(k, self.allow_missing) for k in mine):
+                for rel in list(needed):
+                    needed[rel] = [(ri, info) for ri, info in needed[rel]
+                                   if _plain_key(ri.dest_index.fqn).split(".", 1)[0] != top]
+                prep.target.pop(top, None)
+                report = dataclasses.replace(report, fresh=(*report.fresh, top),
+                                             kept=tuple(k for k in report.kept if k.split(".", 1)[0] != top))
+            else:
+                refused.append(
+                    f"  optimizer {top!r} keys its state by parameter index, and its parameters moved since the step "
+                    f"was saved ({why}): its moments would load into other parameters")
+        self.compat = report
+        if refused:
+            raise IncompatibleCheckpointError("\n".join([
+                f"step {prep.step} in {prep.where} does not fit the state being restored"
+                f"{f' on rank {self.topo.rank}' if self.topo.world_size > 1 else ''}; nothing was loaded:", *refused,
+                "A model split differently (another pipeline split, interleaved stages) needs the optimizer's state "
+                "keyed by parameter name: put an object in the state whose state_dict()/load_state_dict() call "
+                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict/set_optimizer_state_dict "
+                "(docs/integration.md, Model parallelism). Else restore with the layout that saved the step, or "
+                f"pass allow_missing=['{next(iter(moved))}.*'] to start the optimizer afresh."]))
+
+    def _verdict(self, step: int, step_dir: str, exc: Exception) -> tuple[str, str]:
+        if isinstance(exc, IncompatibleCheckpointError):
+            return "incompatible", str(exc)
+        if isinstance(exc, (CorruptCheckpointError, OSError, CheckpointError)):
+            return "corrupt", f"rank {self.topo.rank}: {exc}"
+        # unexpected: every rank must still learn of it, or the others hang
+        log.error("step %d: unexpected error while reading %s", step, step_dir, exc_info=exc)
+        return "incompatible", f"rank {self.topo.rank}: reading step {step} failed: {exc!r}"
+
+    def _open_step(self, step: int, step_dir: str, state: MutableMapping[str, Any]) -> _Prepared:
+        """Manifest and DCP metadata of ``step`` in this rank's domain, and this rank's differences from it."""
+        mpath = os.path.join(step_dir, MANIFEST_NAME)
+        try:
+            manifest = read_manifest_file(mpath)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"{mpath}: missing") from exc
+        if manifest.step != step or manifest.run_id != self.run_id:
+            raise CorruptCheckpointError(
+                f"{mpath}: says run {manifest.run_id!r} step {manifest.step}, expected {self.run_id!r} step {step}"
+            )
+        self.provenance, self.compat = manifest.provenance, None
+        md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
+        return self._setup(step, step_dir, manifest, md, state)
+
+    def _load_step(self, prep: _Prepared, state: MutableMapping[str, Any], unheld: frozenset[str]) -> _Loaded:
+        """Decide, plan and read every item this rank loads into fresh buffers, checked against the manifest."""
+        plan = self._finish_plan(prep, state, unheld)
+        step_dir, manifest, md, target, planner = prep.where, prep.manifest, prep.md, prep.target, prep.planner
+        shards = {s.path: s for s in manifest.shards_of_node(manifest.node)}
+        # Files of other domains of which a resharded fetch took only the items this domain reads.
+        partial = partial_items(manifest)
+        entries = {s.path: s for s in manifest.shards if s.path in shards or s.path in partial}
+        chunk_sums = {(s.path, c.offset): c for s in entries.values() for c in s.chunks}
+        # Group what we need by file, then read each file's needed span once.
+        needed: dict[str, list[Any]] = {}
+        for ri in plan.items:
+            info = md.storage_data[ri.storage_index]
+            rel = info.relative_path
+            if rel not in shards and (info.offset, info.length) not in partial.get(rel, ()):
+                raise CorruptCheckpointError(
+                    f"{step_dir}: {ri.storage_index.fqn} lives in {rel}, which is not stored on "
+                    f"this node ({self.topo.domain}); it must come from another node or the durable tier"
+                )
+            needed.setdefault(rel, []).append((ri, info))
+        owners = _Owners(state, planner)
+        # State on a GPU: the bytes are read into pinned memory, so that the copies to the device are DMA
+        # transfers queued on a side stream (_Loaded.apply), not synchronous copies from pageable memory.
+        cuda = torch.cuda.is_available() and _on_cuda(target)
+        where: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}  # item -> (buffer, offset of its bytes)
+        adopt: dict[tuple[str, int], torch.Tensor] = {}  # item -> the live tensor its buffer may become
+        decoded: dict[tuple[str, int], Any] = {}
+        for rel, reqs in needed.items():
+            path = os.path.join(step_dir, rel if rel in shards else rel + PARTIAL_SUFFIX)
+            entry = entries[rel]
+            try:
+                st = os.stat(path)
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"{path}: shard file missing") from exc
+            if st.st_size != entry.size:
+                raise CorruptCheckpointError(
+                    f"{path}: size {st.st_size} bytes, manifest says {entry.size} (truncated or overwritten)"
+                )
+            for _, info in reqs:
+                c = chunk_sums.get((rel, info.offset))
+                if c is None or c.length != info.length:
+                    raise CorruptCheckpointError(f"{path}: no checksum recorded for bytes {info.offset}+{info.length}")
+            # A large tensor that its owner can take over is read into a buffer of its own; the rest shares
+            # one buffer at the file's own offsets (pages it never reads cost nothing).
+            spans: list[tuple[int, memoryview]] = []
+            ranges: dict[int, tuple[int, int, int]] = {}  # item offset -> (span, offset in span, length)
+            shared: list[tuple[int, int]] = []
+            for ri, info in reqs:
+                live = owners.adoptable(planner, md, ri, info.length)
+                lo = info.offset // BLOCK * BLOCK
+                if live is None:
+                    shared.append((lo, round_up(info.offset + info.length)))
+                    continue
+                own = aligned_buffer(round_up(info.offset + info.length) - lo, prefault=False)
+                where[(rel, info.offset)] = (own, info.offset - lo)
+                adopt[(rel, info.offset)] = live
+                ranges[info.offset] = (len(spans), info.offset - lo, info.length)
+                spans.append((lo, as_memoryview(own)))
+            if shared:
+                regions = _merged(shared)
+                # Pages it never reads cost nothing (pinned memory is all allocated and locked: only for CUDA).
+                buf = aligned_buffer(regions[-1][1], prefault=False, pin=cuda and PIN_FOR_CUDA)
+                mv = as_memoryview(buf)
+                first = len(spans)
+                spans.extend((a, mv[a:b]) for a, b in regions)
+                for _, info in reqs:
+                    if (rel, info.offset) in where:
+                        continue
+                    where[(rel, info.offset)] = (buf, info.offset)
+                    k = bisect.bisect_right(regions, (info.offset, 1 << 62)) - 1
+                    ranges[info.offset] = (first + k, info.offset - regions[k][0], info.length)
+            sums = read_spans(path, spans, entry.size, threads=self.io_threads,
+                              ranges=[ranges[info.offset] for _, info in reqs])
+            for (ri, info), got in zip(reqs, sums):
+                if got != chunk_sums[(rel, info.offset)].checksum:
+                    raise CorruptCheckpointError(
+                        f"{path}: checksum mismatch in {ri.storage_index.fqn} (bytes {info.offset}+{info.length}): "
+                        "the file is corrupt"
+                    )
+                if ri.type == LoadItemType.BYTE_IO:
+                    # Decode plain values now, before anything live is touched: a value the safe loader
+                    # refuses makes the step unusable; it must not half-restore the state.
+                    b, at = where[(rel, info.offset)]
+                    try:
+                        decoded[(rel, info.offset)] = torch.load(
+                            io.BytesIO(bytes(as_memoryview(b)[at : at + info.length])),
+                            map_location="cpu",
+                            weights_only=True,
+                        )
+                    except Exception as exc:
+                        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+                        raise CorruptCheckpointError(
+                            f"{path}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
+                        ) from exc
+        self._check_optimizer_params(prep, state, needed, decoded)
+        read = sum(info.length for reqs in needed.values() for _, info in reqs)
+        return _Loaded(planner=planner, target=target, md=md, needed=needed, where=where, adopt=adopt, cuda=cuda,
+                       decoded=decoded, bytes_read=read)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A step opened on this rank: its manifest and metadata, the load target and planner, its differences."""
+
+    step: int
+    where: str  # the step's directory (or the durable tier), for messages
+    manifest: Manifest
+    md: Metadata
+    target: dict[str, Any]
+    planner: SafeLoadPlanner
+    found: compat_mod.Findings
+
+
+def _plain_key(fqn: str) -> str:
+    """A key as the state names it (a per-rank copy's key without its prefix)."""
+    split = split_per_rank_fqn(fqn)
+    return split[1] if split is not None else fqn
+
+
+__all__ = ["PIN_FOR_CUDA", "StepReader"]
