@@ -185,13 +185,21 @@ def test_a_partial_durable_step_is_never_restored(
     assert (tmp_path / "lustre" / RUN / step_dirname(step) / "domains" / "n1" / "manifest.json").exists()
     # The newest step both daemons drained: step 5, or 10 when training reached it before the daemons ran
     # (a loaded machine; seen in CI).
-    durable_steps = sorted(int(m.parent.name.removeprefix("step_"))
-                           for m in (tmp_path / "lustre" / RUN).glob("step_*/manifest.json"))
+    def steps(d: Path) -> set[int]:
+        return {int(m.parent.name.removeprefix("step_")) for m in d.glob("step_*/manifest.json")}
+
+    durable_steps = sorted(steps(tmp_path / "lustre" / RUN))
     assert durable_steps and durable_steps[-1] < step and durable_steps[-1] % EVERY == 0, (durable_steps, step)
+    # n1 also keeps a replica of n2's committed steps (the peer replica round after each save, when it
+    # finished before the stop): a step that n1 holds itself and as n2's replica is whole without n2.
+    whole = steps(tmp_path / "nvme" / "n1" / RUN) & steps(tmp_path / "nvme" / "n1" / RUN / "replicas" / "n2")
+    expected = max([*durable_steps, *whole])
     shutil.rmtree(tmp_path / "nvme" / "n2")
     job = run_ranks(_argv(tmp_path, 0.0), 2, tmp_path, env=_env(tmp_path, durable),
                     per_rank_env=_nodes("n1", "n2"), timeout=240)
     starts = [e for e in read_jsonl(tmp_path / "log.0.jsonl") if e.get("event") == "start"]
-    assert starts[-1]["step"] == durable_steps[-1], (
-        f"resumed from {starts[-1]['step']}, expected the newest durable step {durable_steps[-1]}")
+    # Never the partial durable step (n2's shards of it are nowhere), unless n1 holds n2's part as a replica.
+    assert starts[-1]["step"] == expected, (
+        f"resumed from {starts[-1]['step']}, expected {expected}: the newest step that is durable "
+        f"({durable_steps[-1]}) or whole on n1 with n2's replica ({sorted(whole)})")
     _assert_identical(tmp_path, reference)
