@@ -36,16 +36,22 @@ Restore from the durable tier (``resilient_slurm/checkpoint/fetch.py``):
   the restore waits for the slowest node.
 
 The durable commit (``resilient_slurm/daemon/drain.py`` ``StepDrainer``, ``daemon/service.py`` ``Daemon``):
-- Each node drains its own shards, then PUTs ``domains/<node>/.metadata`` and ``domains/<node>/manifest.json``
-  (its marker).
-- ``StepDrainer.try_commit`` then GETs the marker of *every* domain of the step, one after another (no LIST:
-  it must compare each marker's save id), and the node that finds all N writes the root ``.metadata`` and
-  ``manifest.json``. Every node runs it after writing its own marker: N GETs per node, N^2 per step.
-- A node whose markers are written but whose step is not durable yet is "waiting". Every pass of
-  ``Daemon.run_pass`` (every ``drain_poll_interval``, 5 s, when idle) re-runs ``drain`` for it: GET of the
-  root manifest (absent), GET of its own marker, then ``try_commit`` again: N + 2 GETs per node per pass.
+- Each node drains its own shards, then PUTs ``domains/<node>/.metadata``, ``domains/<node>/manifest.json``
+  and its commit marker ``commits/<save token>/<node>`` (an empty object). Before that: GET of the root
+  manifest (absent), HEAD of its own marker (absent), one LIST of ``commits/`` (its markers of other saves
+  of the step are deleted: one LIST page, the saves of this step).
+- ``StepDrainer.try_commit``: one paginated LIST of ``commits/<save token>/`` (1,000 names a page); the node
+  that finds all N GETs the first domain's manifest and ``.metadata`` and PUTs the root ``.metadata`` and
+  ``manifest.json``. Per check: 3 + ceil(N / 1000) requests (GET root manifest, HEAD own marker, the LIST
+  pages) after the first, which also has the LIST of ``commits/``.
+- The last node to write its marker sees every marker and commits: nobody needs to re-check. A node left
+  ``waiting`` re-checks all the same (a node may die between its marker and the commit), after the poll
+  interval, then doubling up to 60 s (``drain.recheck_delay``).
 - Every pass of every node's daemon, idle or not, also calls ``durable_steps`` (one LIST of ``<run>/`` plus one
   HEAD per step directory) and ``read_durable_tags`` (one GET of ``<run>/tags.json``) for each run it holds.
+- The commit before (the "previous" columns): ``try_commit`` GET the marker manifest of *every* domain, one
+  after another; every node ran it after its marker and again on every pass while waiting: N + 2 GETs per
+  node per check, N^2 per step.
 
 Ranged fetch (issue 14 item 2) and peer replicas (item 3) are built (fetch.py, checkpoint/peers.py). In the
 model's cases every file a node touches is read whole, so the code fetches whole files ("today"); the
@@ -74,10 +80,13 @@ Restore time = listing ((1 + D) L, D = step directories listed) + T_fetch + loca
 The state is assumed fully sharded: each node's domain holds size / N (with DDP every domain holds a full
 copy of the replicated state; the durable tier then holds N copies and is not the case modelled here).
 
-Commit check per step: every node N + 2 GETs once (sequential, N L seconds), plus rechecks while waiting for
-the last node: nodes finish their drain spread over W seconds (``--finish-spread-s``), so a node waits W/2 on
-average and rechecks every (poll + N L) seconds. The store serves at most ``rate`` requests/s on one prefix:
-if the requests of a step do not fit in (W + N L) at that rate, the check takes requests / rate instead.
+Commit check per step, today: every node 4 + pages requests once (pages = ceil(N / 1000) LIST pages of the
+markers; plus the LIST of ``commits/``), then re-checks of 3 + pages while waiting: nodes finish their drain
+spread over W seconds (``--finish-spread-s``), so a node waits W/2 on average, re-checking after poll, 2 poll,
+4 poll... (at most 60 s apart). The last node commits after its own check (4 + pages requests, 2 GETs and 2
+PUTs more). The store serves at most ``rate`` requests/s on one prefix: if the requests of a step do not fit
+in the window at that rate, the check takes requests / rate instead. Previous: the same with N + 2 GETs per
+check and a re-check every (poll + N L) seconds.
 Background: every node, every pass: (1 LIST + D HEAD + 1 GET) per run.
 """
 
@@ -336,39 +345,50 @@ def restore(p: Params, t: Tier, n: int, scenario: str) -> dict[str, Any]:
     return out
 
 
+def rechecks_within(wait_s: float, poll_s: float, cap_s: float = 60.0) -> int:
+    """Re-checks a waiting node makes in ``wait_s`` (``drain.recheck_delay``: poll, doubling, capped)."""
+    k, t = 0, 0.0
+    while True:
+        t += min(poll_s * 2 ** k, max(poll_s, cap_s))
+        if t > wait_s:
+            return k
+        k += 1
+
+
 def commit(p: Params, t: Tier, n: int) -> dict[str, Any]:
     """The durable commit's small requests per step at ``n`` nodes (see the module docstring)."""
-    check_s = (n + 2) * t.latency  # GET root manifest, GET own marker, then try_commit: N marker GETs
-    check_reqs = n + 2
-    rechecks = (p.finish_spread_s / 2) / (p.poll_s + check_s)  # per node, on average, while waiting
-    per_step = n * check_reqs * (1 + rechecks)
+    pages = math.ceil(n / 1000)
+    check_reqs = 3 + pages  # GET root manifest, HEAD own marker, LIST pages of commits/<save>/
+    check_s = 2 * t.latency + pages * t.list_latency
+    rechecks = rechecks_within(p.finish_spread_s / 2, p.poll_s)  # per node, on average, while waiting
+    per_step = n * (check_reqs + 1 + rechecks * check_reqs) + 4  # + LIST of commits/; the committer's 2 GET 2 PUT
     window = p.finish_spread_s + check_s
     rate_s = per_step / t.rate
-    # After the last node's marker: its own sweep of N markers; longer when the store throttles the burst.
-    commit_s = max(check_s, rate_s - p.finish_spread_s)
+    commit_s = max(check_s + 4 * t.latency, rate_s - p.finish_spread_s)
     per_pass = 1 + p.step_dirs + 1  # durable_steps: LIST + HEAD per step dir; read_durable_tags: GET
     bg_rate = n * per_pass / p.poll_s
     steps_day = 86400 / p.interval_s
     per_day = per_step * steps_day + bg_rate * 86400
-    list_day = n / p.poll_s * 86400  # background LISTs
+    list_day = n / p.poll_s * 86400 + n * (1 + pages * (1 + rechecks)) * steps_day  # LISTs
     dollars = (per_day - list_day) / 1000 * p.price_get + list_day / 1000 * p.price_list if t.name == "S3" else None
-    # Alternatives. (1) one LIST of step/domains/ (2 keys per domain) instead of N GETs, save id in the key.
-    pages = math.ceil(2 * n / 1000)
-    alt_check_s = 2 * t.latency + pages * t.list_latency
-    alt_rechecks = (p.finish_spread_s / 2) / (p.poll_s + alt_check_s)
-    alt_per_step = n * (pages + 2) * (1 + alt_rechecks)
+    # The previous commit: N + 2 GETs per check, every node, again on every pass while waiting.
+    prev_check_s = (n + 2) * t.latency
+    prev_rechecks = (p.finish_spread_s / 2) / (p.poll_s + prev_check_s)
+    prev_per_step = n * (n + 2) * (1 + prev_rechecks)
+    prev_commit_s = max(prev_check_s, prev_per_step / t.rate - p.finish_spread_s)
     # (2) a per-step counter object with conditional writes (GET + PUT If-Match per node): serialized,
     # one success per 2 L at best, N of them.
     counter_s = n * 2 * t.latency
     return {
-        "nodes": n, "gets_per_check": check_reqs, "check_s": check_s,
-        "check_s_measured_latency": (n + 2) * p.measured_latency if t.name == "S3" else None,
+        "nodes": n, "requests_per_check": check_reqs, "list_pages_per_check": pages, "check_s": check_s,
+        "check_s_measured_latency": (2 * p.measured_latency + pages * p.measured_list_latency
+                                     if t.name == "S3" else None),
         "rechecks_per_node": rechecks, "requests_per_step": per_step, "window_s": window,
         "rate_bound_s": rate_s, "commit_after_last_marker_s": commit_s,
         "background_req_per_s": bg_rate, "requests_per_day": per_day, "dollars_per_day": dollars,
-        "list_pages_per_check": pages, "list_check_s": alt_check_s, "list_requests_per_step": alt_per_step,
-        "list_check_s_measured_latency": (2 * p.measured_latency + pages * p.measured_list_latency
-                                          if t.name == "S3" else None),
+        "previous_gets_per_check": n + 2, "previous_check_s": prev_check_s,
+        "previous_rechecks_per_node": prev_rechecks, "previous_requests_per_step": prev_per_step,
+        "previous_commit_after_last_marker_s": prev_commit_s,
         "counter_serialized_s": counter_s,
     }
 
@@ -460,19 +480,20 @@ def print_tables(res: dict[str, Any], p: Params) -> None:
         print(f"### {t.name}: the durable commit's small requests per step")
         print()
         get = "GETs" if t.name == "S3" else "reads"
-        print(f"| nodes | marker {get} per check | one check | one check at moto's latency | rechecks per node | "
+        print(f"| nodes | requests per check | LIST pages | one check | at moto's latency | rechecks per node | "
               "requests per step | commit after the last marker | background requests/s | requests per day | "
-              "$ per day | LIST-based: pages per check | one check | requests per step | "
+              f"$ per day | previous: marker {get} per check | requests per step | commit after the last marker | "
               "counter object: serialized |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for c in res["commit"][t.name]:
             print("| " + " | ".join([
-                str(c["nodes"]), human_n(c["gets_per_check"]), human_s(c["check_s"]),
-                _opt(c["check_s_measured_latency"], human_s), f"{c['rechecks_per_node']:.1f}",
+                str(c["nodes"]), str(c["requests_per_check"]), str(c["list_pages_per_check"]), human_s(c["check_s"]),
+                _opt(c["check_s_measured_latency"], human_s), str(c["rechecks_per_node"]),
                 human_n(c["requests_per_step"]), human_s(c["commit_after_last_marker_s"]),
-                human_n(c["background_req_per_s"]), human_n(c["requests_per_day"]), _opt(c["dollars_per_day"], lambda d: f"{d:,.0f}"),
-                str(c["list_pages_per_check"]), human_s(c["list_check_s"]), human_n(c["list_requests_per_step"]),
-                human_s(c["counter_serialized_s"]),
+                human_n(c["background_req_per_s"]), human_n(c["requests_per_day"]),
+                _opt(c["dollars_per_day"], lambda d: f"{d:,.0f}"),
+                human_n(c["previous_gets_per_check"]), human_n(c["previous_requests_per_step"]),
+                human_s(c["previous_commit_after_last_marker_s"]), human_s(c["counter_serialized_s"]),
             ]) + " |")
         print()
 

@@ -51,6 +51,10 @@ _TMP_RE = re.compile(r"^step_(\d{12})\.tmp-([A-Za-z0-9_.-]+)$")  # the one patte
 
 
 DOMAINS_DIR = "domains"
+# Commit markers of the durable commit (daemon/drain.py): ``<step>/commits/<save token>/<domain>``, one empty
+# object per domain whose shards, ``.metadata`` and marker manifest of that save are in place. One LIST of
+# ``commits/<save token>/`` tells a node whether every domain of that save is done.
+COMMITS_DIR = "commits"
 
 
 # Values that differed between ranks are stored under each rank's own key (checkpoint/replication.py).
@@ -91,6 +95,19 @@ def durable_run_key(run_id: str, name: str) -> str:
 def domain_key(run_id: str, step: int, domain: str, name: str) -> str:
     """Key of a domain's own ``manifest.json`` or ``.metadata`` in a durable step."""
     return durable_step_key(run_id, step, DOMAINS_DIR, domain, name)
+
+
+def save_token(m: Manifest) -> str:
+    """One save of a step as a key component: its ``created_at`` written exactly (``repr`` round-trips a
+    float), so markers of another save of the same step are under another prefix and never count."""
+    return repr(float(m.created_at))
+
+
+def commit_marker_key(run_id: str, step: int, token: str | None = None, domain: str | None = None) -> str:
+    """Key of the commit markers of ``step``: all saves' (no ``token``), one save's (a prefix to LIST), or
+    one domain's marker of that save."""
+    names = [n for n in (token, domain) if n is not None]
+    return durable_step_key(run_id, step, COMMITS_DIR, *names)
 
 
 def step_dirname(step: int) -> str:

@@ -94,15 +94,24 @@ def test_a_replaced_node_fetches_its_share_and_files_in_parallel_beat_one_after_
 
 def test_commit_requests_grow_with_nodes(result: dict) -> None:
     for tier, rows in result["commit"].items():
-        for key in ("gets_per_check", "requests_per_step", "background_req_per_s", "requests_per_day",
-                    "list_pages_per_check"):
+        for key in ("requests_per_check", "requests_per_step", "background_req_per_s", "requests_per_day",
+                    "list_pages_per_check", "previous_requests_per_step"):
             got = [r[key] for r in rows]
             assert got == sorted(got), (tier, key, got)
-        n = rows[-1]["nodes"]
-        assert rows[-1]["gets_per_check"] == n + 2  # try_commit: one GET per domain marker
-        assert rows[-1]["requests_per_step"] >= n * n  # every node checks every marker at least once
-        # A LIST of step/domains/ (1,000 keys a page) instead of N GETs.
-        assert rows[-1]["list_requests_per_step"] < rows[-1]["requests_per_step"] / 50
+        for r in rows:
+            n = r["nodes"]
+            # Today (drain.py): a LIST of commits/<save>/, 1,000 names a page, plus a GET and a HEAD per check.
+            assert r["requests_per_check"] == 3 + math.ceil(n / 1000)
+            assert r["requests_per_step"] <= n * (4 + r["requests_per_check"] * (1 + r["rechecks_per_node"])) + 4
+            assert r["previous_gets_per_check"] == n + 2  # every node GET every domain's marker
+        last = rows[-1]
+        assert last["previous_requests_per_step"] >= last["nodes"] ** 2
+        assert last["requests_per_step"] < last["previous_requests_per_step"] / 50
+
+
+def test_rechecks_back_off(sm: ModuleType) -> None:
+    # drain.recheck_delay with a 5 s poll: 5, 10, 20, 40, 60...; re-checks by 15 s: at 5 and 15.
+    assert [sm.rechecks_within(w, 5.0) for w in (4, 5, 14.9, 15, 35, 75, 135, 195)] == [0, 1, 1, 2, 3, 4, 5, 6]
 
 
 def test_cli_prints_tables_and_json(sm: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,14 +9,26 @@ pieces on the tier's threads):
    local manifest so retention and eviction cannot delete the step underneath:
 
    a. the durable manifest already there for this save -> nothing to do (``durable``);
-   b. this domain's marker already there for this save -> skip to (e);
-   c. every shard of this domain: skipped if the tier already holds it with the same size and
-      recorded checksum (a restarted daemon does not re-send verified data), else ``put_file``
-      (verified against the manifest's xxh3 as it is read);
-   d. this domain's ``.metadata`` then its ``manifest.json`` (the marker: "my shards are there");
-   e. :meth:`StepDrainer.try_commit`: if every domain's marker is there *for the same save*, write the
-      root ``.metadata`` and then the durable ``manifest.json``: the commit. Every node that finishes
-      runs it, so whichever finishes last commits; the bytes are the same from any node.
+   b. this domain's commit marker for this save (``commits/<save token>/<domain>``) already there -> skip
+      to (e);
+   c. this domain's commit markers of *other* saves of the step are deleted first (a re-save of the step
+      overwrites this domain's files, so an older save's marker must stop counting), then every shard of
+      this domain: skipped if the tier already holds it with the same size and recorded checksum (a
+      restarted daemon does not re-send verified data), else ``put_file`` (verified against the
+      manifest's xxh3 as it is read);
+   d. this domain's ``.metadata``, its ``manifest.json`` (what fetch and ``rslurm ls`` read), then its
+      commit marker (an empty object: "my shards of this save are there");
+   e. :meth:`StepDrainer.try_commit`: one paginated LIST of ``commits/<save token>/``; if every domain of
+      the save is there, GET the first domain's manifest and ``.metadata`` and write the root ``.metadata``
+      and then the durable ``manifest.json``: the commit. The bytes are the same from any node.
+
+The commit is linear in nodes: each node makes a constant number of requests plus one LIST (1,000 names
+a page) per check, instead of one GET per domain. Whichever node's LIST comes last sees every marker:
+a node LISTs only after its own marker is written, and on a store where a LIST reflects every completed
+PUT (S3 since 2020, POSIX), of two nodes that both LIST before the other's marker is visible, one would
+have to list before the other's PUT completed and after it, which cannot be. So the last node to finish
+commits, and a node left ``waiting`` only re-checks, less and less often (:func:`recheck_delay`), for
+the case where that node died between its marker and the commit.
 
 A step is never durable unless every domain's shards were verified and their markers written before
 the manifest. A partial step (markers missing) has no root manifest and is never restored from.
@@ -37,11 +49,13 @@ from ..manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
     Manifest,
+    commit_marker_key,
     domain_key,
     durable_step_key,
     durable_steps,
     read_durable_manifest,
     read_manifest_file,
+    save_token,
 )
 from ..rundir import RunDir
 from ..storage.fileio import checksum, reading_step
@@ -164,7 +178,9 @@ class StepDrainer:
                              "re-save is not drained again", ls.run_id, ls.step)
                 res.state = "durable"
                 return res
-            if not self._marker_matches(ls, ls.domain):
+            marker = commit_marker_key(ls.run_id, ls.step, save_token(m), ls.domain)
+            if self.tier.stat(marker) is None:
+                self._forget_other_saves(ls.run_id, ls.step, m, ls.domain)
                 progress = self._progress(ls)
                 for s in m.shards_of_node(ls.domain):
                     if self.should_yield is not None and self.should_yield(ls):
@@ -189,6 +205,7 @@ class StepDrainer:
                 md = read_checked_metadata(os.path.join(ls.path, DCP_METADATA_NAME), m.dcp_metadata)
                 self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, DCP_METADATA_NAME), md)
                 self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, MANIFEST_NAME), m.to_json().encode())
+                self.tier.put_bytes(marker, b"")
         res.missing_domains = self.try_commit(ls.run_id, ls.step, m)
         res.committed = not res.missing_domains
         res.state = "durable" if not res.missing_domains else "waiting"
@@ -222,37 +239,48 @@ class StepDrainer:
                         ls.run_id, ls.step, exc)
             return None
 
-    def _marker_matches(self, ls: LocalStep, domain: str) -> bool:
-        try:
-            return read_durable_manifest(self.tier, ls.run_id, ls.step, domain).save_id == ls.manifest.save_id
-        except (ObjectNotFoundError, CorruptCheckpointError):
-            return False
+    def _forget_other_saves(self, run_id: str, step: int, m: Manifest, domain: str) -> None:
+        """Delete ``domain``'s commit markers of other saves of ``step`` before its files are overwritten
+        with save ``m``'s: one LIST of the saves' prefixes (almost always just this one)."""
+        mine = save_token(m)
+        stale = [commit_marker_key(run_id, step, t, domain) for t in self.tier.list_dirs(commit_marker_key(run_id, step))
+                 if t != mine]
+        if stale:
+            log.info("run %s step %d: another save of this step was drained before; its commit marker of domain "
+                     "%s no longer counts", run_id, step, domain)
+            self.tier.delete(stale)
 
     def try_commit(self, run_id: str, step: int, m: Manifest) -> list[str]:
-        """Commit the durable step if every domain's marker is there for save ``m``; return the domains
-        still missing (empty: the step is durable)."""
-        missing = []
-        markers: dict[str, Manifest] = {}
-        for d in sorted(m.nodes):
-            try:
-                mk = read_durable_manifest(self.tier, run_id, step, d)
-            except (ObjectNotFoundError, CorruptCheckpointError):
-                missing.append(d)  # not there yet, or a torn marker that its node will write again
-                continue
-            if mk.save_id != m.save_id:
-                missing.append(d)  # that node drained another save of this step; it will drain this one
-                continue
-            markers[d] = mk
+        """Commit the durable step if every domain's commit marker is there for save ``m``; return the
+        domains still missing (empty: the step is durable). One LIST, and 2 GETs + 2 PUTs when it commits."""
+        done = set(self.tier.list_names(commit_marker_key(run_id, step, save_token(m))))
+        missing = sorted(set(m.nodes) - done)
         if missing:
             return missing
         first = m.first_domain
+        try:
+            head = read_durable_manifest(self.tier, run_id, step, first)
+        except (ObjectNotFoundError, CorruptCheckpointError):
+            return [first]  # a marker without its manifest: that node is re-draining; it commits or re-checks
+        if head.save_id != m.save_id:
+            return [first]  # that domain drained another save of this step meanwhile; it will drain this one
         md = self.tier.get_bytes(domain_key(run_id, step, first, DCP_METADATA_NAME))
-        if checksum(md) != markers[first].dcp_metadata.checksum:
+        if checksum(md) != head.dcp_metadata.checksum:
             raise CorruptCheckpointError(f"{self.tier.url}/{domain_key(run_id, step, first, DCP_METADATA_NAME)}: "
                                          "does not match its domain manifest; the step is not committed")
         self.tier.put_bytes(durable_step_key(run_id, step, DCP_METADATA_NAME), md)
-        self.tier.put_bytes(durable_step_key(run_id, step, MANIFEST_NAME), markers[first].as_durable().to_json().encode())
+        self.tier.put_bytes(durable_step_key(run_id, step, MANIFEST_NAME), head.as_durable().to_json().encode())
         return []
+
+
+def recheck_delay(checks: int, poll_interval: float) -> float:
+    """How long a node whose step is ``waiting`` waits before its ``checks``-th re-check of the commit:
+    the poll interval, doubling up to ``RECHECK_MAX_S``. The last node to finish commits without anyone
+    re-checking; re-checks are for a node that died between its marker and the commit."""
+    return min(poll_interval * 2 ** max(0, checks - 1), max(poll_interval, RECHECK_MAX_S))
+
+
+RECHECK_MAX_S = 60.0
 
 
 def drain_lag(local: Iterable[tuple[int, float]], durable: Iterable[int], now: float) -> tuple[float, int | None]:

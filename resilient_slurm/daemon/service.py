@@ -77,7 +77,16 @@ from ..tags import (
     write_durable_tags,
 )
 from ..telemetry import DaemonMetrics, Event, EventLog, RunGauges, check_metrics_path, write_metrics_textfile
-from .drain import DrainResult, LocalStep, StepDrainer, drain_lag, drain_order, durable_steps, scan_local
+from .drain import (
+    DrainResult,
+    LocalStep,
+    StepDrainer,
+    drain_lag,
+    drain_order,
+    durable_steps,
+    recheck_delay,
+    scan_local,
+)
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +172,8 @@ class StepStatus:
     waiting_for: list[str] = field(default_factory=list)
     error: str | None = None
     next_retry_at: float | None = None  # retrying: when the step is drained again
+    next_check_at: float | None = None  # waiting: when the durable commit is checked again
+    checks: int = 0  # waiting: commit checks made so far (drain.recheck_delay)
 
 
 class Daemon:
@@ -373,6 +384,8 @@ class Daemon:
             if self._retry_at.get(s.manifest.save_id, 0.0) > self.clock():
                 st.state = "retrying"
                 continue
+            if st.state == "waiting" and st.next_check_at is not None and st.next_check_at > self.clock():
+                continue  # the last node to finish commits; re-checks only cover one that died before it
             pending.append(s)
         present = {(x.run_id, x.step) for x in steps}
         for key in [k for k in self._status if k not in present]:
@@ -585,7 +598,9 @@ class Daemon:
             except StorageError as exc:
                 log.warning("could not clean incomplete uploads of run %s step %d: %s", ls.run_id, ls.step, exc)
         elif result.state == "waiting":
-            changed = st.state != "waiting" or st.waiting_for != result.missing_domains
+            changed = not recheck or st.waiting_for != result.missing_domains
+            st.checks = st.checks + 1 if recheck else 1
+            st.next_check_at = self.clock() + recheck_delay(st.checks, self.poll_interval)
             st.state, st.waiting_for = "waiting", result.missing_domains
             (log.info if changed else log.debug)("run %s step %d: this node's shards are durable; waiting for %s", ls.run_id, ls.step,
                      ", ".join(result.missing_domains))

@@ -1006,6 +1006,16 @@ class S3Tier(StorageTier):
             names.extend(cp["Prefix"][len(base):].rstrip("/") for cp in page.get("CommonPrefixes", []))
         return sorted(n for n in names if n)
 
+    def list_names(self, prefix: str) -> builtins.list[str]:
+        """See :meth:`StorageTier.list_names` (delimiter ``/``: the objects one level below ``prefix``)."""
+        base = self._base(prefix)
+        names: builtins.list[str] = []
+        for page in self._pages("list", base, self._client.list_objects_v2,
+                                {"Bucket": self.bucket, "Prefix": base, "Delimiter": "/"},
+                                {"ContinuationToken": "NextContinuationToken"}):
+            names.extend(obj["Key"][len(base):] for obj in page.get("Contents", []))
+        return sorted(n for n in names if n and "/" not in n)
+
     # ------------------------------------------------------------------ deletion
     def delete(self, keys: Sequence[str]) -> None:
         """See :meth:`StorageTier.delete`. Keys go in batches of at most 1000, one batch after the other, in

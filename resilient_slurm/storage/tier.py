@@ -315,6 +315,11 @@ class StorageTier(abc.ABC):
         """Names of the immediate sub-"directories" of ``prefix`` (``""`` is the root), sorted."""
 
     @abc.abstractmethod
+    def list_names(self, prefix: str) -> builtins.list[str]:
+        """Names of the complete objects directly below ``prefix/`` (not recursive), sorted: one
+        paginated LIST on S3, one directory read on POSIX (no per-object stat)."""
+
+    @abc.abstractmethod
     def delete(self, keys: Sequence[str]) -> None:
         """Delete these keys; keys that do not exist are ignored. In the order given."""
 
