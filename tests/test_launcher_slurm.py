@@ -13,7 +13,8 @@ Every job runs two ranks, one per node (n1, n2), each with its own node-local di
 * a hung collective: found past hang_timeout, every rank's stacks written, restarted in the allocation;
 * an exception in the program: FAILED with the rank's exit code, not requeued;
 * a checkpoint that kills the program right after every restore: held after K restarts;
-* ``scancel``: saved, CANCELLED, never requeued, history ``cancelled``;
+* ``scancel``: saved, CANCELLED, never requeued, history ``cancelled``; with ranks that outlast KillWait,
+  the end recorded all the same, before the launcher waits for them;
 * a cloud termination notice (an AWS-style metadata server on loopback): save, requeue, resume;
 * a rendezvous that cannot work (a MASTER_ADDR that does not resolve): ended within the start-up bound,
   with one message naming the address, classed ``startup``, held by the no-progress rule.
@@ -479,6 +480,38 @@ def test_scancel_is_cancelled_saved_and_not_requeued(slurm: SlurmCluster):
     text = _job_text(work)
     assert f"not requeued: job {job} was cancelled (scancel); step {exits[0]['step']} is committed" in text, diagnosis
     assert "time_limit" not in text and "requeued after" not in text, diagnosis
+
+
+def test_a_cancelled_job_whose_ranks_outlast_killwait_has_its_end_recorded_before_they_exit(slurm: SlurmCluster):
+    """`scancel` of ranks that save at once but are not gone before Slurm's SIGKILL (each sleeps 60 s after
+    its loop; KillWait is 5 s): the launcher, SIGKILLed with them at the latest, has recorded the end all
+    the same. It did so once the emergency step committed, before it waited for the ranks: `decision` and
+    `not_requeued` come after `committed` and before any `ranks_exited`, and the history says cancelled at
+    the step the ranks saved. An order of records, not a time: it holds however slow the node is, as long
+    as the launcher runs at all between the commit and the SIGKILL."""
+    work = slurm.work_dir / "launch-scancel-slow-exit"
+    work.mkdir()
+    worker = [PY, str(REPO / "tests" / "workers" / "slow_exit_worker.py"), "60"]
+    job = _submit(slurm, work, _script(work, [*worker, *_toy_args(work, 400, 0.1)]))
+    _wait_started(slurm, job, work, work / "log.0.jsonl", 6)
+    slurm.scancel(job)
+    slurm.wait_state(job, "CANCELLED", timeout=60)  # the ranks' processes are gone: so is the launcher
+    events = _events(work)
+    names = [e["event"] for e in events]
+    diagnosis = "\n".join(map(str, events)) + _job_text(work)[-4000:]
+    decisions = [e for e in events if e["event"] == "decision"]
+    assert len(decisions) == 1, diagnosis
+    decision = decisions[0]
+    assert (decision["action"], decision["outcome"], decision["rule"]) == ("exit", "cancelled", "cancelled"), diagnosis
+    assert [e["state"] for e in events if e["event"] == "not_requeued"] == ["COMPLETING"], diagnosis
+    assert names.index("committed") < names.index("decision") < names.index("not_requeued"), diagnosis
+    assert "ranks_exited" not in names[:names.index("decision")], diagnosis
+    exits = _exits(work)
+    assert exits and exits[0]["stopped"] is True, (exits, diagnosis)
+    assert decision["committed_step"] == exits[0]["step"], diagnosis
+    ends = _history(work)
+    assert [(e["reason"], e["action"], e["committed_step"]) for e in ends] == [("cancelled", "exit", exits[0]["step"])], ends
+    assert f"not requeued: job {job} was cancelled (scancel); step {exits[0]['step']} is committed" in _job_text(work), diagnosis
 
 
 SPOT = "/latest/meta-data/spot/instance-action"

@@ -16,6 +16,9 @@ Call order (one ``Launcher`` per job incarnation, on the batch host; or one per 
      ``scancel --signal=<save_signal>``;
    * once every registered rank reported the emergency commit, ranks get ``term_grace`` seconds to
      exit on their own; after that, or at the deadline, their process trees are torn down;
+   * when Slurm is already ending the job (a cancel, the end of a preemption's grace), the end is
+     decided and recorded (:func:`~.requeue.record_ending`) at the commit, or at the deadline, before
+     the ranks are waited for: Slurm's SIGKILL follows KillWait after its SIGTERM;
    * a rank that failed on its own bounds how long the others may linger (``PEER_EXIT_WAIT``);
    * a hang (:mod:`.hang`) or a start that never got past the rendezvous (:mod:`.startup`) ends the run
      of the ranks, which may be restarted inside the allocation (:mod:`.restart`).
@@ -66,7 +69,7 @@ from .outcome import classify_outcome, newest_committed
 from .policy import HISTORY_FILE, HOLD_EXIT_CODE, RequeuePolicy
 from .processes import Children, LocalRanks, RankExit, SrunStep
 from .rank_env import rendezvous_addresses
-from .requeue import LaunchResult, act_on_outcome
+from .requeue import LaunchResult, RecordedEnd, act_on_outcome, record_ending
 from .restart import InJobRestarts
 from .signals import SignalTrap, warn_if_not_exec
 from .startup import RANKS_MARKER_VAR, StartupFailure, StartupWatch, judge_start, startup_bound
@@ -126,6 +129,8 @@ class Launcher:
         self.gate = HealthGate(self)
         self.emergency_seen = False
         self.unhealthy: list[NodeHealth] = []  # nodes the last health check found bad and could not exclude
+        self.restored: int | None = None  # the step the incarnation restored (its baseline), once it ran
+        self.recorded_end: RecordedEnd | None = None  # a job Slurm is ending: its end, recorded early
         self.failures = ObservedFailures(self.run_dir, self.run_id)  # for the default cadence
         self._runs = 0  # runs of the ranks started by this launcher (each srun step gets its own marker)
         self._new_run_of_ranks()
@@ -235,7 +240,7 @@ class Launcher:
                                                    on_notice=on_notice).start()
             if self.drain is not None:
                 self.drain.start()
-            first_baseline = baseline  # what the incarnation restored: its progress is measured from there
+            self.restored = baseline  # what the incarnation restored: its progress is measured from there
             children: Children | None = None
             while True:
                 self.unhealthy = self.gate.check(self._rank_env)
@@ -249,7 +254,8 @@ class Launcher:
                 if not self.in_job.restart(outcome, baseline, trap, on_event):
                     break
                 baseline = outcome.committed_step
-            baseline = first_baseline
+            self._record_if_ending(children)  # a stop during an in-job restart's backoff
+            baseline = self.restored
         finally:
             if watcher is not None:
                 watcher.stop()
@@ -267,6 +273,15 @@ class Launcher:
             if self.drain is not None:
                 self.drain.stop()
             trap.restore()
+
+    def _record_if_ending(self, children: Children | None) -> None:
+        """Once, when Slurm is ending the job (:attr:`~.stopping.StopRequest.ending`): decide and record the
+        incarnation's end now (:func:`~.requeue.record_ending`), as :meth:`run` would at the end, since
+        Slurm's SIGKILL may come before the ranks have exited."""
+        stop = self.stopping.stop
+        if stop is None or stop.ending is None or self.recorded_end is not None or not self.job_id:
+            return
+        self.recorded_end = record_ending(self, stop, classify_outcome(self, children, self.restored))
 
     def _start_ranks(self) -> Children:
         """Start one run of the ranks (a new srun step, or new local processes)."""
@@ -330,10 +345,13 @@ class Launcher:
                 log.info("emergency checkpoint of step %s committed %.2f s after %s", last.get("step"),
                          now - stop.at, stop.source)
                 self.event(Event.COMMITTED, step=last.get("step"), after_signal_s=now - stop.at)
+            if committed_at is not None:
+                self._record_if_ending(children)  # before waiting for the ranks to exit
             if stop is not None and now >= stop.deadline:
                 log.error("ranks missed the deadline (%s + %.1f s): tearing their process trees down",
                           stop.source, stop.deadline - stop.at)
                 self.event(Event.DEADLINE_MISSED, committed=committed_at is not None)
+                self._record_if_ending(children)  # before the teardown
                 teardown(self, children, grace=0)
                 break
             if committed_at is not None and now >= committed_at + self.cfg.term_grace:
@@ -360,6 +378,7 @@ class Launcher:
                 log.error("ranks still running %.0f s after a rank failed: tearing them down", PEER_EXIT_WAIT)
                 teardown(self, children, grace=self.cfg.term_grace)
                 break
+        self._record_if_ending(children)  # the ranks left before the launcher saw a commit
         self.timings["ranks_exited"] = time.time()
         self.event(Event.RANKS_EXITED, torn_down=children.torn_down)
 

@@ -4,10 +4,16 @@ run's history, the history record, then the requeue call and keeping a failed no
 Who calls what: the launcher calls :func:`act_on_outcome` last, once the ranks are gone and the newest step
 had its chance to become durable. Inside Slurm it reads the run's history, asks
 :class:`~.policy.RequeuePolicy`, turns a requeue of a job Slurm is already ending into an exit (a requeue
-would be ignored), records the end in the history (before the requeue call, which kills the launcher),
-then calls ``scontrol requeue`` (or requeue-hold) and, after a node failure, excludes the node from the job.
-A local run (no Slurm) exits: 0 completed, 75 (130 after Ctrl-C) when the same command resumes it, the
-policy's code for a user error; its end is recorded in the history too.
+would be ignored), writes the ``decision`` event and records the end in the history (before the requeue
+call, which kills the launcher), then calls ``scontrol requeue`` (or requeue-hold) and, after a node
+failure, excludes the node from the job. A local run (no Slurm) exits: 0 completed, 75 (130 after Ctrl-C)
+when the same command resumes it, the policy's code for a user error; its end is recorded in the history
+too.
+
+A job Slurm is already ending (:attr:`~.stopping.StopRequest.ending`) cannot be requeued, and Slurm's
+SIGKILL follows KillWait after its SIGTERM, whoever is still running: the launcher calls
+:func:`record_ending` as soon as the emergency step committed (or the ranks' deadline passed, or they
+exited), before it waits for the ranks to exit, and :func:`act_on_outcome` then returns what was recorded.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from ..errors import SlurmError
+from ..slurm import JobInfo
 from ..telemetry import Event
 from .context import LaunchContext
 from .context import launch_log as log
@@ -35,7 +42,7 @@ from .policy import (
     restartable,
 )
 from .restart import InJobRestarts
-from .stopping import StopControl, ending
+from .stopping import StopControl, StopRequest, ending
 
 INTERRUPT_EXIT_CODE = 130  # local mode, Ctrl-C: the shell convention
 
@@ -50,6 +57,14 @@ class LaunchResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RecordedEnd:
+    """What :func:`record_ending` recorded: the result, and the history as it was before this end."""
+
+    result: LaunchResult
+    history: ProgressHistory
+
+
 class Incarnation(LaunchContext, Protocol):
     """What acting on an end reads of the launcher (implemented by :class:`~.launch.Launcher`)."""
 
@@ -57,6 +72,7 @@ class Incarnation(LaunchContext, Protocol):
     stopping: StopControl
     drain: JobDrain | None
     in_job: InJobRestarts
+    recorded_end: RecordedEnd | None  # the end of a job Slurm is ending, recorded before the ranks exited
 
 
 def _record(run: Incarnation, history: ProgressHistory, outcome: Outcome, decision: Decision | None) -> None:
@@ -72,39 +88,17 @@ def act_on_outcome(run: Incarnation, outcome: Outcome) -> LaunchResult:
         result = decide_local(run, outcome)
         _record(run, read_run_history(run.run_dir, run.run_id, run.drain), outcome, result.decision)
         return result
+    if run.recorded_end is not None:
+        return _recorded(run, run.recorded_end, outcome)
     stop = run.stopping.stop
     history = read_run_history(run.run_dir, run.run_id, run.drain)
     # The requeue rules count the earlier incarnations of this job only (a new submission starts afresh).
     decision = run.policy.decide(outcome, history.of_job(run.job_id, run.restart_count))
     cancelled = outcome.reason is Reason.CANCELLED
     job = run.job_info() if decision.action is not Action.EXIT or cancelled else None
-    is_ending = job is not None and ending(job)
-    if is_ending and not cancelled:
-        # A time limit that struck before rslurm heard of it, or the end of a preemption's grace: Slurm is
-        # ending the job and `requeue Incomplete` would not touch it. Decided before anything is said
-        # or recorded, so that neither claims a requeue that does not happen.
-        assert job is not None
-        if job.preempt_time is not None:
-            hint = "Slurm requeues a preempted job itself when the partition's PreemptMode is REQUEUE"
-        else:
-            hint = ("if this was the time limit, ask for a warning signal so rslurm can requeue in time: "
-                    "#SBATCH --signal=B:USR1@300")
-        decision = replace(decision, action=Action.EXIT, rule="already_ending", message=(
-            f"not requeued: job {run.job_id} is already ending ({job.state}) after "
-            f"{describe_outcome(outcome)}; {hint}. The last committed step is {outcome.committed_step}"))
-    _record(run, history, outcome, decision)  # before the requeue: it kills this process
-    run.event(Event.DECISION, action=decision.action.value, rule=decision.rule, message=decision.message,
-              outcome=outcome.reason.value, committed_step=outcome.committed_step,
-              restored_step=outcome.restored_step, evidence=outcome.evidence)
-    quiet = cancelled or is_ending  # what the user or Slurm asked for
-    (log.error if not quiet and (decision.action is Action.HOLD
-                                 or decision.exit_code not in (0, REQUEUE_EXIT_CODE))
-     else log.warning if decision.action is Action.REQUEUE or quiet else log.info)("%s", decision.message)
-    result = LaunchResult(decision.exit_code, outcome, decision, run.timings)
-    if is_ending:
-        assert job is not None
-        run.event(Event.NOT_REQUEUED, state=job.state)
-        return result
+    if job is not None and ending(job):
+        return _conclude(run, history, outcome, decision, job)
+    result = _conclude(run, history, outcome, decision, None)
     if decision.action is Action.EXIT:
         return result
     if job is not None and not job.requeue:
@@ -127,6 +121,62 @@ def act_on_outcome(run: Incarnation, outcome: Outcome) -> LaunchResult:
         if outcome.reason is Reason.NODE_FAILURE and outcome.node:
             exclude_from_job(run, outcome.node.split(","))
     return result
+
+
+def record_ending(run: Incarnation, stop: StopRequest, outcome: Outcome) -> RecordedEnd:
+    """The decision, ``not_requeued`` and the history of an incarnation Slurm is ending (``stop.ending``),
+    written at once: the launcher calls it before it waits for the ranks to exit, since Slurm's SIGKILL
+    comes KillWait after its SIGTERM whether they did or not. Slurm's record from the stop decides (a job
+    Slurm is ending stays so), so no Slurm command is waited for."""
+    assert run.job_id and stop.ending is not None
+    log.info("Slurm is ending job %s (%s): recording the incarnation's end before the ranks exit", run.job_id,
+             stop.ending.state)
+    history = read_run_history(run.run_dir, run.run_id, run.drain)
+    decision = run.policy.decide(outcome, history.of_job(run.job_id, run.restart_count))
+    return RecordedEnd(_conclude(run, history, outcome, decision, stop.ending), history)
+
+
+def _conclude(run: Incarnation, history: ProgressHistory, outcome: Outcome, decision: Decision,
+              ending_job: JobInfo | None) -> LaunchResult:
+    """Say and record ``decision``; with ``ending_job`` (Slurm is ending the job: `requeue Incomplete` would
+    not touch it) it becomes an exit, followed by ``not_requeued``. The events come first (an append each),
+    then the history (fsynced, and copied to the durable tier), all before any requeue call: it kills this
+    process."""
+    cancelled = outcome.reason is Reason.CANCELLED
+    if ending_job is not None and not cancelled:
+        # A time limit that struck before rslurm heard of it, or the end of a preemption's grace: Slurm is
+        # ending the job and `requeue Incomplete` would not touch it. Decided before anything is said
+        # or recorded, so that neither claims a requeue that does not happen.
+        if ending_job.preempt_time is not None:
+            hint = "Slurm requeues a preempted job itself when the partition's PreemptMode is REQUEUE"
+        else:
+            hint = ("if this was the time limit, ask for a warning signal so rslurm can requeue in time: "
+                    "#SBATCH --signal=B:USR1@300")
+        decision = replace(decision, action=Action.EXIT, rule="already_ending", message=(
+            f"not requeued: job {run.job_id} is already ending ({ending_job.state}) after "
+            f"{describe_outcome(outcome)}; {hint}. The last committed step is {outcome.committed_step}"))
+    run.event(Event.DECISION, action=decision.action.value, rule=decision.rule, message=decision.message,
+              outcome=outcome.reason.value, committed_step=outcome.committed_step,
+              restored_step=outcome.restored_step, evidence=outcome.evidence)
+    if ending_job is not None:
+        run.event(Event.NOT_REQUEUED, state=ending_job.state)
+    quiet = cancelled or ending_job is not None  # what the user or Slurm asked for
+    (log.error if not quiet and (decision.action is Action.HOLD
+                                 or decision.exit_code not in (0, REQUEUE_EXIT_CODE))
+     else log.warning if decision.action is Action.REQUEUE or quiet else log.info)("%s", decision.message)
+    _record(run, history, outcome, decision)
+    return LaunchResult(decision.exit_code, outcome, decision, run.timings)
+
+
+def _recorded(run: Incarnation, early: RecordedEnd, outcome: Outcome) -> LaunchResult:
+    """The end :func:`record_ending` recorded; its history entry is written again when a step committed
+    after it (the ranks saved between the records and their teardown). The events stay as they were said."""
+    said = early.result.outcome.committed_step
+    if outcome.committed_step != said:
+        log.info("step %s committed after the incarnation's end was recorded (step %s then): the history says "
+                 "step %s", outcome.committed_step, said, outcome.committed_step)
+        _record(run, early.history, outcome, early.result.decision)
+    return replace(early.result, outcome=outcome)
 
 
 def exclude_from_job(ctx: LaunchContext, nodes: list[str], wait_s: float = 10.0) -> None:
@@ -169,5 +219,5 @@ def decide_local(run: Incarnation, outcome: Outcome) -> LaunchResult:
     return LaunchResult(code, outcome, Decision(Action.EXIT, code, msg, outcome.reason.value), run.timings)
 
 
-__all__ = ["INTERRUPT_EXIT_CODE", "Incarnation", "LaunchResult", "act_on_outcome", "decide_local",
-           "exclude_from_job"]
+__all__ = ["INTERRUPT_EXIT_CODE", "Incarnation", "LaunchResult", "RecordedEnd", "act_on_outcome", "decide_local",
+           "exclude_from_job", "record_ending"]

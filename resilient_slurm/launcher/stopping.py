@@ -3,7 +3,8 @@ the save request reaches them, and tearing their process trees down.
 
 Who calls what: the launcher's loop hands every trapped signal to :meth:`StopControl.on_event`. The first
 one becomes the :class:`StopRequest` (its class read from what Slurm says about the job, its deadline the
-job's end less ``requeue_margin``, ``save_timeout`` when Slurm gives none); the request goes to this node's
+job's end less ``requeue_margin``, ``save_timeout`` when Slurm gives none; KillWait less
+:func:`records_reserve` after the signal when Slurm is already ending the job); the request goes to this node's
 ranks over the control socket and, when ranks may run elsewhere (or none registered yet), as the save
 signal to every task through Slurm, held back (:meth:`StopControl.send_deferred_signal`, called on every
 turn of the loop) while no rank registered. Later signals may only bring the deadline closer. SIGINT (and
@@ -34,6 +35,10 @@ from .signals import TrapEvent
 # A stop signal with the job's end this close is the time limit (USR1 from --signal, or SIGTERM at the
 # end); further away it is a preemption or an operator's request.
 TIME_LIMIT_WINDOW = 15 * 60.0
+# Of the KillWait between the SIGTERM of a job Slurm is ending and its SIGKILL, what the ranks' save may
+# not use: the launcher's own records of the end (decision, not_requeued, history) and the teardown. At
+# most half of KillWait.
+RECORDS_RESERVE_S = 2.0
 
 
 @dataclass
@@ -45,11 +50,20 @@ class StopRequest:
     deadline: float
     reason: Reason
     job: JobInfo | None = None
+    # Slurm's record of the job when a signal found Slurm already ending it (a cancel, a time limit without
+    # a warning signal, the end of a preemption's grace): no requeue is possible, and the SIGKILL follows
+    # KillWait after that signal, so the launcher records the end before it waits for the ranks to exit.
+    ending: JobInfo | None = None
 
 
 def ending(job: JobInfo) -> bool:
     """Slurm is killing the job or has ended it: a requeue request would be ignored."""
     return job.finished or job.state == "COMPLETING"
+
+
+def records_reserve(kill_wait: float) -> float:
+    """What a job Slurm is ending keeps of ``kill_wait`` for the launcher's records and teardown."""
+    return min(RECORDS_RESERVE_S, kill_wait / 2)
 
 
 def stop_reason(ev: TrapEvent, job: JobInfo | None) -> Reason:
@@ -108,7 +122,10 @@ class StopControl:
             self.interrupts += 1
         if self.stop is not None:
             if ev.deadline is not None or ev.source == "SIGTERM":
-                new = self.deadline(ev, ctx.job_info())
+                job = ctx.job_info()
+                new = self.deadline(ev, job)
+                if job is not None and ending(job) and self.stop.ending is None:
+                    self.stop.ending = job  # e.g. the end of a preemption's grace, after its USR1
                 if new < self.stop.deadline:
                     self.stop.deadline = new
                     server.request_save("emergency", new)
@@ -116,7 +133,8 @@ class StopControl:
         job = ctx.job_info()
         deadline = self.deadline(ev, job)
         reason = stop_reason(ev, job)
-        self.stop = StopRequest(ev.source, ev.at, deadline, reason, job)
+        self.stop = StopRequest(ev.source, ev.at, deadline, reason, job,
+                                ending=job if job is not None and ending(job) else None)
         ctx.timings["signal"] = ev.at
         server.request_save("emergency", deadline)
         ctx.timings["save_requested"] = time.time()
@@ -152,7 +170,8 @@ class StopControl:
 
     def deadline(self, ev: TrapEvent, job: JobInfo | None) -> float:
         """By when the ranks must have saved: ``save_timeout`` from now, or the notice's or the job's end
-        less ``requeue_margin`` when sooner; within KillWait of the signal when Slurm is already ending it."""
+        less ``requeue_margin`` when sooner; KillWait after the signal less :func:`records_reserve` when
+        Slurm is already ending the job."""
         cfg = self.ctx.cfg
         now = time.time()
         deadline = now + cfg.save_timeout
@@ -161,9 +180,11 @@ class StopControl:
             deadline = min(deadline, ev.deadline - margin)
         if job is not None and ending(job):
             # Slurm is already killing the job (scancel, the time limit without --signal, the end of a
-            # preemption's grace): its SIGKILL follows the SIGTERM after KillWait. Save within that;
-            # no requeue is possible any more, so no margin is kept for one.
-            return max(now, ev.at + self._kill_wait() - 1.0)
+            # preemption's grace): its SIGKILL follows the SIGTERM after KillWait. Save within that, less
+            # what the launcher's records of the end and the teardown need; no requeue is possible any
+            # more, so no margin is kept for one.
+            kill_wait = self._kill_wait()
+            return max(now, ev.at + kill_wait - records_reserve(kill_wait))
         if job is not None:
             rem = remaining_seconds(job, now)
             if not math.isinf(rem):
@@ -231,5 +252,5 @@ def kill_rank_steps(ctx: LaunchContext) -> None:
     log.info("SIGKILL to the ranks' job steps %s", ", ".join(steps) or "(none left)")
 
 
-__all__ = ["TIME_LIMIT_WINDOW", "StopControl", "StopRequest", "ending", "kill_rank_steps", "stop_evidence",
-           "stop_reason", "teardown"]
+__all__ = ["RECORDS_RESERVE_S", "TIME_LIMIT_WINDOW", "StopControl", "StopRequest", "ending", "kill_rank_steps",
+           "records_reserve", "stop_evidence", "stop_reason", "teardown"]
