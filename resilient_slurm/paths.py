@@ -324,56 +324,6 @@ def open_parent(root: str, path: str, *, error: Callable[[str], Exception] = Con
     return dfd, parts[-1]
 
 
-# openat2(2) (Linux 5.6+): the syscall number is 437 on every architecture (the generic table); with
-# RESOLVE_NO_SYMLINKS the kernel refuses a symbolic link at any component, the last included (ELOOP).
-_SYS_OPENAT2 = 437
-_RESOLVE_NO_SYMLINKS = 0x04
-_openat2_state: list[Any] = []  # [callable or None], filled on first use
-
-
-def _openat2() -> Callable[[str], int] | None:
-    """``openat2(path, O_PATH, RESOLVE_NO_SYMLINKS)`` as ``path -> 0 or errno`` (the descriptor closed at
-    once), or None where the kernel has no usable openat2."""
-    if not _openat2_state:
-        _openat2_state.append(_make_openat2())
-    return _openat2_state[0]  # type: ignore[no-any-return]
-
-
-def _make_openat2() -> Callable[[str], int] | None:
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-
-        class OpenHow(ctypes.Structure):
-            _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-        how = OpenHow(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS)
-        size = ctypes.sizeof(how)
-
-        def call(path: str) -> int:
-            fd = libc.syscall(_SYS_OPENAT2, -100, os.fsencode(path), ctypes.byref(how), size)  # AT_FDCWD
-            if fd < 0:
-                return ctypes.get_errno() or errno.EIO
-            os.close(fd)
-            return 0
-
-        # ENOSYS (an older kernel), EPERM (a seccomp filter): not usable here.
-        return call if call("/") == 0 else None
-    except (OSError, AttributeError, ImportError):
-        return None
-
-
-def link_free(path: str) -> int | None:
-    """Whether ``path`` (absolute) exists with no symbolic link at any component, in one syscall
-    (``openat2`` with ``RESOLVE_NO_SYMLINKS``, ``O_PATH``: nothing is opened for reading). 0: it exists
-    and no component is a link. An errno otherwise: ``ENOENT`` (some component is missing), ``ELOOP``
-    (some component is a link), anything else (the caller walks the components to tell which). None:
-    this kernel cannot answer (before Linux 5.6, or a seccomp filter); the caller walks."""
-    fn = _openat2()
-    return None if fn is None else int(fn(path))
-
-
 def _open_dir(name: str, dir_fd: int) -> int:
     """``name`` in ``dir_fd`` opened as a directory, never through a link (NotADirectoryError for a
     link or anything else that is not a directory)."""

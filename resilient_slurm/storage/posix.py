@@ -38,7 +38,6 @@ from ..errors import (
     TransientStorageError,
     UnsafePathError,
 )
-from ..paths import link_free
 from .fileio import (
     BLOCK,
     atomic_write,
@@ -96,9 +95,6 @@ class PosixTier(StorageTier):
         self._wait = wait_random_exponential(multiplier=backoff, max=max_backoff)
         self._sleep = sleep
         self.root = os.path.abspath(os.path.expanduser(root))
-        # The root with its own links resolved (the root may be a link: the user's choice), so that one
-        # openat2 over the whole path can prove that nothing below it is a link (:meth:`_path`).
-        self._real_root = os.path.realpath(self.root)
         self.url = self.root
         self.threads = max(1, threads)
         self.limiter = limiter or RateLimiter(None)
@@ -137,17 +133,6 @@ class PosixTier(StorageTier):
         directory linked elsewhere would make writes land, and retention delete, outside the tier). The
         root itself may be a link. Components that do not exist yet are created later as directories."""
         rel = _safe_key(key)
-        # One syscall where the kernel allows: the object (reads, stats, deletes), else its directory (a
-        # new object in an existing directory). Anything else (a link, a missing directory, an older
-        # kernel) is decided by the walk below, which also names the component.
-        found = link_free(os.path.join(self._real_root, rel))
-        if found == 0 or (found == errno.ENOENT and "/" in rel
-                          and link_free(os.path.join(self._real_root, os.path.dirname(rel))) == 0):
-            return os.path.join(self.root, rel)
-        return self._walk(rel)
-
-    def _walk(self, rel: str) -> str:
-        """:meth:`_path` one component at a time (``lstat`` each)."""
         cur = self.root
         for part in rel.split("/"):
             cur = os.path.join(cur, part)
