@@ -324,6 +324,74 @@ def open_parent(root: str, path: str, *, error: Callable[[str], Exception] = Con
     return dfd, parts[-1]
 
 
+# openat2(2) (Linux 5.6+): the syscall number is 437 on every architecture (the generic table).
+# RESOLVE_NO_SYMLINKS: a symbolic link at any component of the path, the last one included, is refused
+# (ELOOP); RESOLVE_BENEATH: the path may not leave the directory it is resolved from.
+_SYS_OPENAT2 = 437
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+_openat2_state: list[Any] = []  # [callable or None], filled on first use
+
+
+def _openat2() -> Callable[[int, str], int] | None:
+    """``openat2(dir_fd, rel, O_PATH, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` as ``(dir_fd, rel) -> 0 or
+    errno`` (the descriptor closed at once), or None where the kernel has no usable openat2."""
+    if not _openat2_state:
+        _openat2_state.append(_make_openat2())
+    return _openat2_state[0]  # type: ignore[no-any-return]
+
+
+def _make_openat2() -> Callable[[int, str], int] | None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        class OpenHow(ctypes.Structure):
+            _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+        how = OpenHow(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS)
+        size = ctypes.sizeof(how)
+
+        def call(dir_fd: int, rel: str) -> int:
+            fd = libc.syscall(_SYS_OPENAT2, dir_fd, os.fsencode(rel), ctypes.byref(how), size)
+            if fd < 0:
+                return ctypes.get_errno() or errno.EIO
+            os.close(fd)
+            return 0
+
+        # ENOSYS (an older kernel), EPERM (a seccomp filter): not usable here.
+        return call if call(-100, ".") == 0 else None  # AT_FDCWD
+    except (OSError, AttributeError, ImportError):
+        return None
+
+
+def link_free_below(root: str, rel: str) -> int | None:
+    """Whether ``rel`` exists below the directory ``root`` with no symbolic link at any of its components,
+    in one ``openat2`` where the kernel allows. ``root`` itself may be a link: it is opened (``O_PATH``) at
+    this call, as it is now, and ``rel`` is resolved beneath that descriptor (``RESOLVE_BENEATH |
+    RESOLVE_NO_SYMLINKS``), so a root pointed elsewhere since the last call is checked where it points now.
+
+    0: ``rel`` exists and none of its components is a link. ``errno.ENOENT`` when ``rel`` is missing but its
+    directory exists link-free (a new object in an existing directory). Any other errno (a link: ELOOP or
+    EXDEV; a missing directory): the caller walks the components to tell which. None: this kernel cannot
+    answer (before Linux 5.6, or a seccomp filter), or the root cannot be opened; the caller walks."""
+    fn = _openat2()
+    if fn is None:
+        return None
+    try:
+        rfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None  # the root missing or not a directory: the walk says what the caller needs
+    try:
+        found = fn(rfd, rel)
+        if found == errno.ENOENT and "/" in rel and fn(rfd, os.path.dirname(rel)) != 0:
+            return errno.ENOTDIR  # not only the object is missing: the walk finds what is
+        return found
+    finally:
+        os.close(rfd)
+
+
 def _open_dir(name: str, dir_fd: int) -> int:
     """``name`` in ``dir_fd`` opened as a directory, never through a link (NotADirectoryError for a
     link or anything else that is not a directory)."""

@@ -38,6 +38,7 @@ from ..errors import (
     TransientStorageError,
     UnsafePathError,
 )
+from ..paths import link_free_below
 from .fileio import (
     BLOCK,
     atomic_write,
@@ -133,6 +134,15 @@ class PosixTier(StorageTier):
         directory linked elsewhere would make writes land, and retention delete, outside the tier). The
         root itself may be a link. Components that do not exist yet are created later as directories."""
         rel = _safe_key(key)
+        # One syscall where the kernel allows: the object is there (reads, stats, deletes), or its directory is
+        # (a new object in an existing directory), with no link below the root as it is now. Anything else (a
+        # link, a missing directory, an older kernel) is decided by the walk, which also names the component.
+        if link_free_below(self.root, rel) in (0, errno.ENOENT):
+            return os.path.join(self.root, rel)
+        return self._walk(rel)
+
+    def _walk(self, rel: str) -> str:
+        """:meth:`_path` one component at a time (``lstat`` each)."""
         cur = self.root
         for part in rel.split("/"):
             cur = os.path.join(cur, part)
@@ -325,26 +335,21 @@ class PosixTier(StorageTier):
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
         """See :meth:`StorageTier.list_dirs`."""
-        def listing() -> builtins.list[str]:
-            base = self._path(prefix) if prefix.strip("/") else self.root
-            try:
-                return sorted(e.name for e in os.scandir(base)
-                              if e.is_dir(follow_symlinks=False) and TMP_MARK not in e.name)
-            except FileNotFoundError:
-                return []
-            except OSError as exc:
-                raise storage_error(f"{base}: cannot list it: {exc}", exc) from exc
-
-        return self._retrying("list", prefix, listing)
+        return self._scan(prefix, dirs=True)
 
     def list_names(self, prefix: str) -> builtins.list[str]:
         """See :meth:`StorageTier.list_names`: one ``scandir``, the entries' types from the directory itself
         (links and special files are not objects, as in :meth:`list`)."""
+        return self._scan(prefix, dirs=False)
+
+    def _scan(self, prefix: str, *, dirs: bool) -> builtins.list[str]:
+        """The names of the directories (``dirs``) or of the regular files directly under ``prefix``, sorted;
+        links and temporaries left out; [] for a prefix that does not exist."""
         def listing() -> builtins.list[str]:
             base = self._path(prefix) if prefix.strip("/") else self.root
             try:
-                return sorted(e.name for e in os.scandir(base)
-                              if e.is_file(follow_symlinks=False) and TMP_MARK not in e.name)
+                return sorted(e.name for e in os.scandir(base) if TMP_MARK not in e.name
+                              and (e.is_dir(follow_symlinks=False) if dirs else e.is_file(follow_symlinks=False)))
             except FileNotFoundError:
                 return []
             except OSError as exc:
