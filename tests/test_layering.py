@@ -235,3 +235,29 @@ def test_upper_layers_import_only_downwards() -> None:
 def test_the_cycle_check_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert not _cycles({"a": {"b"}, "b": set()})
+
+
+# The three hubs stay facades over the modules that do the work (issue 28): each class under 300 lines.
+HUBS = [("checkpoint/checkpointer.py", "Checkpointer"), ("launcher/launch.py", "Launcher"),
+        ("checkpoint/restore.py", "Restorer")]
+HUB_LINES = 300
+
+
+def _class_lines(path: Path, name: str) -> int:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return (node.end_lineno or node.lineno) - node.lineno + 1
+    raise AssertionError(f"class {name} not found in {path}")
+
+
+@pytest.mark.parametrize("rel,name", HUBS)
+def test_the_hubs_stay_under_300_lines(rel: str, name: str) -> None:
+    lines = _class_lines(PKG / rel, name)
+    assert lines < HUB_LINES, (f"{name} ({rel}) is {lines} lines: move what it does into the module that owns "
+                               f"it and keep {name} a facade (docs/architecture.md)")
+
+
+def test_the_size_check_counts_a_class_whole(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("x = 1\n\nclass A:\n    def f(self):\n        return 1\n\n    def g(self):\n        pass\n")
+    assert _class_lines(src, "A") == 6

@@ -80,6 +80,23 @@ from .stopping import StopControl, StopRequest, teardown
 PEER_EXIT_WAIT = 30.0
 
 
+def _check_command(command: Sequence[str], nprocs: int | None, job_id: str | None) -> bool:
+    """Refuse a command line the launcher cannot run (ConfigError, before anything starts); True when the
+    command is an ``srun``."""
+    if not command:
+        raise ConfigError("rslurm launch: no command given; usage: rslurm launch [options] -- srun ... "
+                          "| -n N -- cmd ...")
+    if nprocs is not None and nprocs < 1:
+        raise ConfigError(f"rslurm launch: -n must be >= 1, got {nprocs}")
+    srun = os.path.basename(command[0]) == "srun"
+    if srun and nprocs is not None:
+        raise ConfigError("rslurm launch: -n starts local ranks; with srun, give the task count to srun")
+    if srun and not job_id:
+        raise ConfigError("rslurm launch -- srun ...: not inside a Slurm allocation (SLURM_JOB_ID is not "
+                          "set); submit it with sbatch, or run locally with `rslurm launch -n N -- cmd`")
+    return srun
+
+
 class Launcher:
     """Runs one incarnation of a job (see the module docstring for the call order): the orchestrator of
     :mod:`.health` (the gate before each start), :mod:`.stopping` (signals, deadlines, teardown),
@@ -89,26 +106,16 @@ class Launcher:
     def __init__(self, command: Sequence[str], *, nprocs: int | None = None,
                  settings: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                  slurm: SlurmClient | None = None, config_path: str | None = None) -> None:
-        if not command:
-            raise ConfigError("rslurm launch: no command given; usage: rslurm launch [options] -- srun ... "
-                              "| -n N -- cmd ...")
         self.env = dict(os.environ if env is None else env)
+        job = JobEnv.from_env(self.env)
+        self.srun = _check_command(command, nprocs, job.job_id)
         if config_path:  # `rslurm --config FILE launch`: the ranks and the daemon read the same file
             self.env["RSLURM_CONFIG"] = os.path.abspath(config_path)
         # Every setting, including those only the ranks and the daemon read: a bad value fails here,
         # before any rank starts.
         self.cfg = config.load(settings, self.env, config_path=config_path)
-        if nprocs is not None and nprocs < 1:
-            raise ConfigError(f"rslurm launch: -n must be >= 1, got {nprocs}")
         self.command = list(command)
-        self.srun = os.path.basename(self.command[0]) == "srun"
-        if self.srun and nprocs is not None:
-            raise ConfigError("rslurm launch: -n starts local ranks; with srun, give the task count to srun")
-        job = JobEnv.from_env(self.env)
         self.job_id: str | None = job.job_id
-        if self.srun and not self.job_id:
-            raise ConfigError("rslurm launch -- srun ...: not inside a Slurm allocation (SLURM_JOB_ID is not "
-                              "set); submit it with sbatch, or run locally with `rslurm launch -n N -- cmd`")
         self.nprocs = nprocs
         self.node = node_name(self.cfg.node_name)
         self.run_id: str = self.cfg.run_id or default_run_id(self.env)
