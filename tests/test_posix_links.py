@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import errno
 import itertools
+import os
 from pathlib import Path
 
 import pytest
 
 from resilient_slurm import paths
-from resilient_slurm.errors import UnsafePathError
+from resilient_slurm.errors import StorageError, UnsafePathError
 from resilient_slurm.storage.posix import PosixTier
 
 HAVE_OPENAT2 = paths._openat2() is not None
@@ -145,3 +146,121 @@ def test_the_one_syscall_check_and_the_walk_agree_on_every_link_placement(tmp_pa
                 tier._path(key)
         checked += 1
     assert checked == 8
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A directory swapped for a link between the check and the operation (the interleavings forced here; an
+# attacker who can write in the tier wins them with inotify): the operation works below descriptors reached
+# without links, so it refuses, and nothing outside the tier is touched.
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    (victim / "step_5").mkdir(parents=True)
+    for i in range(3):
+        (victim / "step_5" / f"f{i}").write_bytes(b"VICTIM")
+    return victim
+
+
+def _swap_for_link(d: Path, target: Path) -> None:
+    d.rename(d.with_name(d.name + ".moved"))
+    d.symlink_to(target)
+
+
+def _untouched(victim: Path) -> bool:
+    return sorted(p.name for p in (victim / "step_5").iterdir()) == ["f0", "f1", "f2"]
+
+
+def test_a_run_directory_swapped_after_the_check_is_not_deleted_through(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    victim = _victim(tmp_path)
+    tier = PosixTier(str(tmp_path / "root"))
+    for i in range(3):
+        tier.put_bytes(f"run/step_5/f{i}", b"mine")
+    checked = PosixTier._path
+
+    def check_then_swap(self: PosixTier, key: str) -> str:
+        path = checked(self, key)
+        if key in ("run/step_5", "run/step_5/f2"):  # after the last check of each call below
+            _swap_for_link(tmp_path / "root" / "run", victim)
+        return path
+
+    monkeypatch.setattr(PosixTier, "_path", check_then_swap)
+    with pytest.raises(UnsafePathError, match="is a symlink"):
+        tier.delete_prefix("run/step_5")
+    assert _untouched(victim)
+    (tmp_path / "root" / "run").unlink()
+    (tmp_path / "root" / "run.moved").rename(tmp_path / "root" / "run")
+    with pytest.raises(UnsafePathError, match="is a symlink"):
+        tier.delete([f"run/step_5/f{i}" for i in range(3)])
+    assert _untouched(victim)
+
+
+def test_a_directory_swapped_while_a_tree_is_removed_is_refused(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``delete_prefix`` lists a directory, then a subdirectory it listed is a link to the victim when it is
+    opened: refused, and the victim keeps every file."""
+    from resilient_slurm.storage import posix
+
+    victim = _victim(tmp_path)
+    tier = PosixTier(str(tmp_path / "root"))
+    tier.put_bytes("run/step_9/a", b"x")
+    tier.put_bytes("run/step_9/sub/b", b"y")
+    real_scandir = posix.os.scandir
+
+    class SwappingScandir:
+        def __init__(self, fd: int) -> None:
+            self.it = real_scandir(fd)
+
+        def __enter__(self) -> SwappingScandir:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.it.close()
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            entries = list(self.it)
+            sub = tmp_path / "root" / "run" / "step_9" / "sub"
+            if any(e.name == "sub" for e in entries) and not sub.is_symlink():
+                _swap_for_link(sub, victim / "step_5")
+            return iter(entries)
+
+    monkeypatch.setattr(posix.os, "scandir", SwappingScandir)
+    with pytest.raises(UnsafePathError, match="not a real directory"):
+        tier.delete_prefix("run/step_9")
+    assert _untouched(victim)
+
+
+def test_a_link_in_a_temp_files_place_is_not_written_through(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient_slurm.storage import posix
+    from resilient_slurm.storage.fileio import checksum
+
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"OUTSIDE")
+    src = tmp_path / "shard"
+    src.write_bytes(b"s" * 10_000)
+    tier = PosixTier(str(tmp_path / "root"))
+    real_write = posix.write_file
+
+    def write_then_swap(tmp: str, *args: object, **kw: object) -> object:
+        out = real_write(tmp, *args, **kw)
+        os.unlink(tmp)
+        os.symlink(outside, tmp)
+        return out
+
+    monkeypatch.setattr(posix, "write_file", write_then_swap)
+    with pytest.raises(UnsafePathError, match="temp file"):
+        tier.put_file(str(src), "run/step_1/shard", size=10_000, checksum=checksum(src.read_bytes()))
+    assert outside.read_bytes() == b"OUTSIDE" and not os.listxattr(outside)
+
+
+def test_temp_names_that_are_links_are_not_transfers_and_keys_with_nul_are_refused(tmp_path: Path) -> None:
+    tier = PosixTier(str(tmp_path / "root"))
+    tier.put_bytes("run/step_1/f", b"x")
+    (tmp_path / "big").write_bytes(b"b" * 4096)
+    (tmp_path / "root" / "run" / "step_1" / "g.tmp-rslurm-0").symlink_to(tmp_path / "big")
+    assert list(tier.list_incomplete("run")) == []
+    assert [o.key for o in tier.list("run")] == ["run/step_1/f"]
+    for bad in ("run/step_1/f\0/../../x", "run\0"):
+        with pytest.raises(StorageError, match="NUL"):
+            tier.get_bytes(bad)

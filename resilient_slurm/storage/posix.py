@@ -22,7 +22,6 @@ import logging
 import mmap
 import os
 import secrets
-import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,7 +37,7 @@ from ..errors import (
     TransientStorageError,
     UnsafePathError,
 )
-from ..paths import link_free_below
+from ..paths import link_free_below, open_parent
 from .fileio import (
     BLOCK,
     atomic_write,
@@ -75,10 +74,66 @@ def _unmap(views: list[memoryview], mm: mmap.mmap | None) -> None:
 
 
 def _safe_key(key: str) -> str:
+    if "\0" in key:  # the kernel would read the path only up to it: a check of a shorter path than the one used
+        raise StorageError(f"invalid key {key!r}: it holds a NUL byte, which no file name may contain")
     parts = [p for p in key.split("/") if p]
     if not parts or any(p in (".", "..") for p in parts):
         raise StorageError(f"invalid key {key!r}: empty or escapes the tier root")
     return "/".join(parts)
+
+
+def _is_regular(path: str) -> bool:
+    """``path`` is a regular file itself (``lstat``: a link to one is not)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _set_checksum_xattr(tmp: str, checksum: str) -> None:
+    """Record ``checksum`` on the temp file ``tmp`` through a descriptor opened with ``O_NOFOLLOW`` (a link
+    put in its place is refused, never written through)."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UnsafePathError(f"{tmp}: the temp file of a transfer is no longer a regular file of ours ({exc}); "
+                              "nothing was written through it") from exc
+    try:
+        os.setxattr(fd, XATTR, checksum.encode())
+    except OSError:  # no user xattrs here: a restarted daemon re-sends instead of trusting
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(dfd: int, name: str, path: str) -> int:
+    """Remove the directory ``name`` in ``dfd`` and everything below it, each directory opened with
+    ``O_NOFOLLOW`` relative to its parent: the number of non-directories removed (links among them, removed
+    as links). UnsafePathError when an entry that was a directory is a link when opened."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError(f"{path}: not a real directory when it was to be removed (a symbolic link "
+                                  "or a file put in its place); nothing through it was deleted") from exc
+        raise
+    n = 0
+    try:
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        for child, is_dir in entries:
+            if is_dir:
+                n += _remove_tree(fd, child, os.path.join(path, child))
+            else:
+                try:
+                    os.unlink(child, dir_fd=fd)
+                    n += 1
+                except FileNotFoundError:
+                    pass
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dfd)
+    return n
 
 
 class PosixTier(StorageTier):
@@ -212,10 +267,7 @@ class PosixTier(StorageTier):
                     raise CorruptCheckpointError(
                         f"{src}: {what} does not match its checksum in the manifest (xxh3 {written.checksum} != "
                         f"{checksum}); it was not copied")
-                try:
-                    os.setxattr(tmp, XATTR, checksum.encode())
-                except OSError:  # no user xattrs here: a restarted daemon re-sends instead of trusting
-                    pass
+                _set_checksum_xattr(tmp, checksum)
                 os.replace(tmp, dst)
                 fsync_dir(os.path.dirname(dst))
         finally:
@@ -327,7 +379,7 @@ class PosixTier(StorageTier):
         for dirpath, _, files in os.walk(base):
             for name in files:
                 path = os.path.join(dirpath, name)
-                if TMP_MARK in name or not os.path.isfile(path) or os.path.islink(path):
+                if TMP_MARK in name or not _is_regular(path):
                     continue  # links and special files are not objects (os.walk does not enter linked dirs)
                 info = self.stat(os.path.relpath(path, self.root))
                 if info is not None:
@@ -359,32 +411,59 @@ class PosixTier(StorageTier):
 
     # ------------------------------------------------------------------ deletion
     def delete(self, keys: Sequence[str]) -> None:
-        """See :meth:`StorageTier.delete`."""
-        dirs = set()
-        for path in [self._path(k) for k in keys]:  # every key checked before anything is deleted
+        """See :meth:`StorageTier.delete`. Each object is unlinked by name in a descriptor of its directory
+        reached from the root without following a link (``paths.open_parent``), so a directory swapped for a
+        link after the check cannot send an unlink outside the tier."""
+        by_dir: dict[str, builtins.list[str]] = {}
+        for rel in [_safe_key(k) for k in keys]:
+            self._path(rel)  # every key checked before anything is deleted
+            by_dir.setdefault(os.path.dirname(rel), []).append(os.path.basename(rel))
+        for d, names in by_dir.items():
+            where = os.path.join(self.root, d)
             try:
-                os.unlink(path)
-                dirs.add(os.path.dirname(path))
+                dfd, _ = open_parent(self.root, os.path.join(where, names[0]), error=UnsafePathError,
+                                       where="the durable tier")
             except FileNotFoundError:
-                pass
+                continue  # the directory is gone, and every object in it
             except OSError as exc:
-                raise storage_error(f"{path}: cannot delete it: {exc}", exc) from exc
-        for d in dirs:  # the unlink of a manifest is an uncommit: it must be durable before the rest goes
+                raise storage_error(f"{where}: cannot open the directory to delete from it: {exc}", exc) from exc
             try:
-                fsync_dir(d)
-            except OSError as exc:
-                if exc.errno == errno.EINVAL:  # a filesystem that cannot fsync a directory: nothing to wait for
-                    continue
-                raise storage_error(f"{d}: cannot fsync the directory after deleting from it: {exc}", exc) from exc
+                for name in names:
+                    try:
+                        os.unlink(name, dir_fd=dfd)
+                    except FileNotFoundError:
+                        pass
+                    except OSError as exc:
+                        raise storage_error(f"{os.path.join(where, name)}: cannot delete it: {exc}", exc) from exc
+                try:  # the unlink of a manifest is an uncommit: it must be durable before the rest goes
+                    os.fsync(dfd)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:  # EINVAL: a filesystem that cannot fsync a directory
+                        raise storage_error(f"{where}: cannot fsync the directory after deleting from it: {exc}",
+                                            exc) from exc
+            finally:
+                os.close(dfd)
 
     def delete_prefix(self, prefix: str) -> int:
-        """See :meth:`StorageTier.delete_prefix`."""
-        base = self._path(prefix)  # refuses a linked directory; rmtree itself never follows links below it
-        n = sum(len(files) for _, _, files in os.walk(base))
-        shutil.rmtree(base, ignore_errors=True)
-        if os.path.exists(base):
-            raise StorageError(f"{base}: could not delete all of it; check permissions")
-        return n
+        """See :meth:`StorageTier.delete_prefix`: the tree removed below a descriptor of its parent, one
+        directory descriptor at a time, never through a link (a link inside is removed, not followed; a
+        directory swapped for a link while the tree is removed is refused). The number of objects removed."""
+        rel = _safe_key(prefix)
+        base = self._path(rel)
+        try:
+            pfd, name = open_parent(self.root, base, error=UnsafePathError, where="the durable tier")
+        except FileNotFoundError:
+            return 0
+        try:
+            return _remove_tree(pfd, name, base)
+        except FileNotFoundError:
+            return 0
+        except UnsafePathError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"{base}: could not delete all of it ({exc}); check permissions") from exc
+        finally:
+            os.close(pfd)
 
     def list_incomplete(self, prefix: str = "") -> Iterator[IncompleteTransfer]:
         """See :meth:`StorageTier.list_incomplete`: the ``*.tmp-rslurm-*`` files."""
@@ -395,8 +474,10 @@ class PosixTier(StorageTier):
                     continue
                 path = os.path.join(dirpath, name)
                 try:
-                    st = os.stat(path)
+                    st = os.lstat(path)
                 except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):  # a link or a special file is not a transfer of ours
                     continue
                 yield IncompleteTransfer(os.path.relpath(path, self.root).split(TMP_MARK)[0], st.st_mtime,
                                          st.st_size, path)
