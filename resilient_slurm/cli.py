@@ -405,19 +405,31 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """``rslurm export STEP --format torch|safetensors|dcp OUT``."""
-    from .catalog.export import check_out, check_out_of_trees, export_dcp, export_safetensors, export_torch
+    """``rslurm export STEP --format torch|safetensors|dcp|hf OUT``."""
+    from .catalog.export import (
+        check_out,
+        check_out_of_trees,
+        export_dcp,
+        export_hf,
+        export_safetensors,
+        export_torch,
+        output_paths,
+    )
     from .catalog.source import open_source
     from .storage import parse_url
 
     if args.only and args.format == "dcp":
-        raise ConfigError("--only works with --format torch or safetensors (a DCP export copies the whole step)")
+        raise ConfigError("--only works with --format torch, safetensors or hf (a DCP export copies the whole step)")
+    if args.format == "hf" and len(args.only or []) != 1:
+        raise ConfigError("--format hf needs exactly one --only KEY: the top-level key holding the model's "
+                          "state_dict (e.g. --only model), whose tensors go to model.safetensors")
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
     trees = [("local tier", r) for r in catalog.roots]
     if cfg.durable and parse_url(cfg.durable)[0] == "file":
         trees.append(("durable tier", os.path.expanduser(parse_url(cfg.durable)[1])))
     with catalog:
-        check_out_of_trees(os.path.abspath(args.out), trees)  # before anything is read or written
+        for path in output_paths(args.out, args.format):  # OUT and its config: before anything is read or written
+            check_out_of_trees(path, trees)
         out = check_out(args.out, force=args.force, fmt=args.format)
         run = catalog.resolve_run(cfg.run_id)
         view = catalog.step(run, args.step)
@@ -429,14 +441,22 @@ def cmd_export(args: argparse.Namespace) -> int:
                 res = export_torch(src, out, keys=args.only, progress=adv)
             elif args.format == "safetensors":
                 res = export_safetensors(src, out, keys=args.only, progress=adv)
+            elif args.format == "hf":
+                res = export_hf(src, out, key=args.only[0], progress=adv)
             else:
                 res = export_dcp(src, out, progress=adv)
     if args.json:
         print(json.dumps(res.to_json(), indent=1))
     else:
         keys = f"{len(res.keys)} key" + ("s" if len(res.keys) != 1 else "")
+        config = (f"config to {res.config}" if res.config else
+                  "no config (the step was saved without Checkpointer(config=...)), none written")
+        if res.config_removed:
+            config += f"; removed {res.config_removed}, an earlier export's config"
         _say(f"exported run {res.run_id} step {res.step} from the {res.tier} tier to {res.out} ({res.format}): "
-              f"{keys}, {_size(res.bytes_read)} read from {len(res.files)} files, checksums verified")
+              f"{keys}, {_size(res.bytes_read)} read from {len(res.files)} files, checksums verified; {config}")
+    for note in res.notes:
+        _say(f"rslurm export: note: {note}", file=sys.stderr)
     return 0
 
 
@@ -686,19 +706,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"seconds without change after which a leftover has no writer (default {STALE_AFTER_S:.0f}, "
                     "the daemon's; 0 removes every leftover: only when nothing saves or drains)")
     sp.set_defaults(func=cmd_gc)
-    sp = inspect("export", "write a step as a plain torch.save file or a self-contained DCP directory",
+    sp = inspect("export", "write a step as a torch.save file, safetensors weights, a DCP or a Hugging Face directory",
                  "Export a step for other tools: --format torch writes the complete state as one file that "
-                 "torch.load(OUT, weights_only=True) reads; --format dcp writes a DCP checkpoint directory "
-                 "(.metadata and every rank's shard) that torch.distributed.checkpoint.load reads. Every byte is "
-                 "checked against the manifest; nothing is left at OUT on failure. auto reads the local tier when "
+                 "torch.load(OUT, weights_only=True) reads; --format safetensors the model weights; --format dcp "
+                 "a DCP checkpoint directory (.metadata and every rank's shard) that "
+                 "torch.distributed.checkpoint.load reads; --format hf a directory with model.safetensors (the "
+                 "key named by --only) and config.json that transformers' from_pretrained reads. The step's "
+                 "config (Checkpointer(config=...)) goes with it: OUT/config.json for a directory, "
+                 "<OUT without suffix>.config.json beside a file. Every byte is checked against the manifest, the "
+                 "config against its sha256; nothing is left at OUT on failure. auto reads the local tier when "
                  "the step is complete there, else the durable tier.", ("auto", "local", "durable"), "auto")
     sp.add_argument("step", type=_step_arg, help="step number or tag to export")
-    sp.add_argument("out", help="output file (torch) or directory (dcp); its parent must exist")
-    sp.add_argument("--format", choices=("torch", "safetensors", "dcp"), required=True,
-                    help="torch file (the whole state), safetensors file (model weights) or DCP directory")
-    sp.add_argument("--force", action="store_true", help="replace an existing OUT (once the export is complete)")
+    sp.add_argument("out", help="output file (torch, safetensors) or directory (dcp, hf); its parent must exist")
+    sp.add_argument("--format", choices=("torch", "safetensors", "dcp", "hf"), required=True,
+                    help="torch file (the whole state), safetensors file (model weights), DCP directory, or "
+                    "Hugging Face directory (model.safetensors + config.json; needs --only KEY)")
+    sp.add_argument("--force", action="store_true", help="replace an existing OUT and its config file (once the "
+                    "export is complete)")
     sp.add_argument("--only", action="append", metavar="KEY", help="torch, safetensors: export only this top-level "
-                    "key (repeatable), e.g. --only model")
+                    "key (repeatable), e.g. --only model; hf: the one key holding the model's state_dict")
     sp.set_defaults(func=cmd_export)
     tag_tiers = ("all", "local", "durable")
     tag_help = ("tag a step: retention, eviction and gc never remove a tagged step",

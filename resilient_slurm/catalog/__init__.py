@@ -6,7 +6,8 @@ Who calls what: ``cli.py`` parses arguments and resolves settings, opens a
 :func:`~.source.open_source` then :func:`~.describe.describe` (show),
 :func:`~.checks.verify_view` (verify: which copies, then
 :mod:`resilient_slurm.checkpoint.verify`), :func:`~.gc.plan_gc` then :func:`~.gc.run_gc` (gc),
-:func:`~.export.export_torch` / :func:`~.export.export_dcp` (export); it prints what they return.
+:func:`~.export.export_torch` / ``export_safetensors`` / ``export_dcp`` / ``export_hf`` (export, each with the
+step's config); it prints what they return.
 Nothing in this package imports torch at import time, and nothing but ``gc`` and ``export`` writes.
 """
 

@@ -1,8 +1,9 @@
-"""``rslurm export``: one step as a plain ``torch.save`` file, model weights as a safetensors file, or a
-self-contained DCP directory.
+"""``rslurm export``: one step as a plain ``torch.save`` file, model weights as a safetensors file, a
+self-contained DCP directory, or a Hugging Face model directory; each with the step's user config.
 
 Who calls what: ``cli.py`` picks the tier (:meth:`~.inventory.Catalog.choose_tier`), opens a
-:class:`~.source.StepSource` and calls :func:`export_torch` or :func:`export_dcp`. Both check every byte
+:class:`~.source.StepSource` and calls :func:`export_torch`, :func:`export_safetensors`,
+:func:`export_dcp` or :func:`export_hf`. Each checks every byte
 they export (size, whole-file xxh3, each item's xxh3) against the manifest and write to a temp name next
 to ``out`` that is renamed into place only when everything was written and fsynced: a failure (a
 corrupt shard, a full disk, Ctrl-C) leaves no ``out`` and no temp file. An existing ``out`` is replaced
@@ -27,11 +28,27 @@ only with ``force`` (after the new one is complete).
 * ``dcp``: ``.metadata`` (the first domain's, which maps every item to a file of the step), every
   rank's shard from every domain, and the step's durable-style ``manifest.json`` (checksums, for
   ``rslurm``-free tools to check), so plain ``torch.distributed.checkpoint.load`` reads it.
+* ``hf``: a directory with ``model.safetensors`` (the tensors of the one key named, under the module's own
+  names, as ``safetensors`` writes them) and ``config.json`` (the step's user config, which must be a JSON
+  object), so ``transformers``' ``from_pretrained(out)`` loads it when the config is the model's
+  ``json.loads(model.config.to_json_string())`` (what ``save_pretrained`` writes; ``to_dict()`` has integer
+  ``id2label`` keys, which a config refuses).
+
+The user config (``Checkpointer(config=...)``, kept in every manifest's provenance with its sha256) goes
+with every export: ``config.json`` inside a directory ``out`` (dcp, hf), ``<out without suffix>.config.json``
+beside a file ``out`` (torch, safetensors; :func:`config_path`). Its bytes are the canonical JSON whose
+sha256 the manifest records, checked against it before anything is read or written
+(:func:`~..checkpoint.provenance.stored_config`: a mismatch is CorruptCheckpointError). The sibling file is
+part of the export: refused when it exists unless ``force``, never written through a link (new temp file,
+renamed), installed before ``out`` and rolled back if ``out`` cannot be; with ``force`` and a step
+without config, a sibling left by an earlier export is removed, so the file beside ``out`` is always the
+config of the step in ``out``, or absent.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import mmap
 import os
 import secrets
@@ -47,6 +64,14 @@ from .source import StepSource
 
 Progress = Callable[[int], None]
 TMP_MARK = ".tmp-rslurm-export-"
+#: Formats that write a directory at OUT (the config goes inside it).
+DIR_FORMATS = ("dcp", "hf")
+#: The config's name inside a directory export (what ``transformers`` reads).
+CONFIG_NAME = "config.json"
+#: The weights' name in a ``--format hf`` directory (what ``transformers`` reads for one file).
+HF_WEIGHTS_NAME = "model.safetensors"
+#: The config a transformers model's ``from_pretrained`` needs, as a user passes it to the Checkpointer.
+HF_CONFIG_HINT = "json.loads(model.config.to_json_string())"
 
 
 @dataclass
@@ -61,11 +86,32 @@ class ExportResult:
     bytes_read: int = 0
     files: list[str] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
+    config: str | None = None  # where the step's user config was written; None: the step has none
+    config_sha256: str | None = None
+    config_removed: str | None = None  # a config beside OUT from an earlier export, removed (--force)
+    notes: list[str] = field(default_factory=list)  # what the user should know (not errors)
 
     def to_json(self) -> dict[str, Any]:
         """The result as a JSON-able dict."""
         return {"out": self.out, "format": self.format, "run_id": self.run_id, "step": self.step, "tier": self.tier,
-                "bytes_read": self.bytes_read, "files": list(self.files), "keys": list(self.keys)}
+                "bytes_read": self.bytes_read, "files": list(self.files), "keys": list(self.keys),
+                "config": self.config, "config_sha256": self.config_sha256, "config_removed": self.config_removed,
+                "notes": list(self.notes)}
+
+
+def config_path(out: str, fmt: str) -> str:
+    """Where an export to ``out`` in format ``fmt`` puts the step's config: ``out/config.json`` for a
+    directory (dcp, hf), else the sibling ``<out without suffix>.config.json`` (model.pt -> model.config.json)."""
+    if fmt in DIR_FORMATS:
+        return os.path.join(out, CONFIG_NAME)
+    return os.path.splitext(out)[0] + ".config.json"
+
+
+def output_paths(out: str, fmt: str) -> list[str]:
+    """The paths an export writes or replaces outside ``out`` itself included: ``out`` and, for a file
+    format, its config sibling (each must pass :func:`check_out_of_trees`)."""
+    out = os.path.abspath(out)
+    return [out] if fmt in DIR_FORMATS else [out, config_path(out, fmt)]
 
 
 def check_out(out: str, *, force: bool, fmt: str) -> str:
@@ -77,8 +123,18 @@ def check_out(out: str, *, force: bool, fmt: str) -> str:
     if os.path.lexists(out):
         if not force:
             raise ConfigError(f"{out} exists; pass --force to replace it (only once the export is complete)")
-        if fmt != "dcp" and os.path.isdir(out):
+        if fmt not in DIR_FORMATS and os.path.isdir(out):
             raise ConfigError(f"{out} is a directory; --format {fmt} writes a file (remove it, or choose another OUT)")
+    if fmt not in DIR_FORMATS:
+        cfg = config_path(out, fmt)
+        if os.path.lexists(cfg):
+            if not force:
+                raise ConfigError(f"{cfg} exists: an export to {out} writes the step's config there; pass --force "
+                                  "to replace it (only once the export is complete; removed when the step has no "
+                                  "config), or choose another OUT")
+            if os.path.isdir(cfg):
+                raise ConfigError(f"{cfg} is a directory: an export to {out} writes the step's config file there "
+                                  "(remove it, or choose another OUT)")
     return out
 
 
@@ -129,6 +185,22 @@ def _faults(fs: Sequence[Any]) -> str:
     return "; ".join(str(f) for f in fs)
 
 
+def _step_config(src: StepSource, out: str) -> tuple[str | None, str | None]:
+    """The step's user config as the canonical JSON its manifest's sha256 covers (checked) and that sha256,
+    or (None, None) when it has none; CorruptCheckpointError naming the step and the manifest when it does
+    not match."""
+    from ..checkpoint.provenance import stored_config
+
+    where = (os.path.join(src.where, MANIFEST_NAME) if src.tier == "local" else f"{src.where}/{MANIFEST_NAME}")
+    try:
+        text = stored_config(src.manifest.provenance, where=where)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"run {src.run_id} step {src.step}: {exc}; nothing was written to {out}") from None
+    if text is None:
+        return None, None
+    return text, (src.manifest.provenance or {}).get("config_sha256")
+
+
 #: The step an export was taken from, in a ``--format torch`` file.
 STEP_KEY = "_rslurm_step"
 
@@ -153,26 +225,26 @@ def export_torch(src: StepSource, out: str, *, keys: Sequence[str] | None = None
     """Write the step's state as one ``torch.save`` file at ``out`` (see the module docstring)."""
     import torch
 
+    config, sha = _step_config(src, out)  # before anything is read
     sd, res = _assemble(src, out, "torch", keys, progress)
+    res.config_sha256 = sha
     if not keys and STEP_KEY not in sd:  # --only KEY: what was asked for, nothing more
         sd[STEP_KEY] = src.step
 
     def write(w: Any) -> None:
         torch.save(sd, w)
 
-    _write_file(out, write)
+    _write_file(out, write, config, res)
     return res
 
 
 def export_safetensors(src: StepSource, out: str, *, keys: Sequence[str] | None = None,
                        progress: Progress | None = None) -> ExportResult:
     """Write the model weights of the step as one safetensors file at ``out`` (see the module docstring)."""
-    try:
-        from safetensors.torch import save as st_save
-    except ImportError:
-        raise ConfigError("--format safetensors needs the safetensors package: pip install 'resilient-slurm[export]' "
-                          "(or pip install safetensors)") from None
+    st_save = _safetensors_save("safetensors")
+    config, sha = _step_config(src, out)  # before anything is read
     sd, res = _assemble(src, out, "safetensors", keys, progress)
+    res.config_sha256 = sha
     chosen = list(keys) if keys else [k for k, v in sd.items() if _weights(k, v)]
     if not chosen:
         raise ConfigError(f"run {src.run_id} step {src.step} holds no module weights (a top-level key whose values "
@@ -186,7 +258,90 @@ def export_safetensors(src: StepSource, out: str, *, keys: Sequence[str] | None 
     res.keys = sorted(chosen)
     meta = {"format": "pt", "rslurm_run_id": src.run_id, "rslurm_step": str(src.step), "rslurm_keys": ",".join(chosen)}
     data = st_save(tensors, metadata=meta)
-    _write_file(out, lambda w: w.write(data))
+    _write_file(out, lambda w: w.write(data), config, res)
+    return res
+
+
+def _safetensors_save(fmt: str) -> Callable[..., bytes]:
+    try:
+        from safetensors.torch import save as st_save
+    except ImportError:
+        raise ConfigError(f"--format {fmt} needs the safetensors package: pip install 'resilient-slurm[export]' "
+                          "(or pip install safetensors)") from None
+    return st_save  # type: ignore[no-any-return]
+
+
+def _not_weights(key: str, v: Any) -> str:
+    """Why ``v`` (top-level key ``key``) is not a module's state_dict, for an error message."""
+    if key.startswith("_rslurm"):
+        return "it is resilient_slurm's own key"
+    if _is_tensor(v):
+        return "it is a single tensor, not a module's state_dict"
+    if not isinstance(v, dict):
+        return f"it holds a {type(v).__name__}, not a module's state_dict"
+    if "state" in v and "param_groups" in v:
+        return "it is an optimizer's state"
+    if not v:
+        return "it is empty"
+
+    def first_other(x: Any, path: str) -> str | None:
+        if isinstance(x, dict) and x:
+            for k, y in x.items():
+                found = first_other(y, f"{path}.{k}" if path else str(k))
+                if found:
+                    return found
+            return None
+        return None if _is_tensor(x) else f"{path or key} is {'an empty dict' if isinstance(x, dict) else type(x).__name__}"
+
+    return f"it holds more than tensors ({first_other(v, '')})"
+
+
+def export_hf(src: StepSource, out: str, *, key: str, progress: Progress | None = None) -> ExportResult:
+    """Write a Hugging Face model directory at ``out``: ``model.safetensors`` with the tensors of top-level
+    key ``key`` under the module's own names, and ``config.json``, the step's user config (see the module
+    docstring). Refused (ConfigError, nothing read) when the step has no config or it is not a JSON object."""
+    st_save = _safetensors_save("hf")
+    config, sha = _step_config(src, out)
+    if config is None:
+        raise ConfigError(f"run {src.run_id} step {src.step} was saved without a config: --format hf writes the "
+                          "config as config.json, which transformers needs (save with "
+                          f"Checkpointer(..., config={HF_CONFIG_HINT})); for the weights alone use --format "
+                          f"safetensors --only {key}")
+    value = json.loads(config)
+    if not isinstance(value, dict):
+        kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
+            type(value), "null")
+        raise ConfigError(f"run {src.run_id} step {src.step}: its config is {kind} in JSON, not an "
+                          "object: transformers reads config.json as an object holding the model's settings and its "
+                          f"model_type (save with Checkpointer(..., config={HF_CONFIG_HINT})); --format torch "
+                          "or safetensors write this config as it is")
+    sd, res = _assemble(src, out, "hf", [key], progress)
+    res.config_sha256 = sha
+    if not _weights(key, sd[key]):
+        raise ConfigError(f"--only {key}: {_not_weights(key, sd[key])}; --format hf writes one module's weights "
+                          "(a state_dict of tensors only), e.g. --only model; use --format torch for the rest")
+    tensors: dict[str, Any] = {}
+    _flatten(sd[key], "", tensors, key)
+    meta = {"format": "pt", "rslurm_run_id": src.run_id, "rslurm_step": str(src.step), "rslurm_keys": key}
+    data = st_save(tensors, metadata=meta)
+    del sd, tensors
+    if not isinstance(value.get("model_type"), str):
+        res.notes.append("the config has no model_type: transformers' Auto classes (AutoModelForCausalLM, ...) "
+                         "cannot tell the model from it; load it with the model's own class "
+                         f"(e.g. GPT2LMHeadModel.from_pretrained), or save config={HF_CONFIG_HINT}")
+    tmp = f"{out}{TMP_MARK}{secrets.token_hex(4)}"
+    try:
+        os.makedirs(tmp, mode=0o755)
+        _write_new(os.path.join(tmp, HF_WEIGHTS_NAME), data)
+        _write_new(os.path.join(tmp, CONFIG_NAME), config.encode())
+        fsync_dir(tmp)
+        _install(tmp, out)
+    except BaseException as exc:
+        _remove(tmp)
+        if isinstance(exc, OSError):
+            raise StorageError(f"writing {out} failed: {exc}; nothing was written") from exc
+        raise
+    res.config = os.path.join(out, CONFIG_NAME)
     return res
 
 
@@ -221,20 +376,72 @@ def _flatten(v: Any, prefix: str, out: dict[str, Any], name: str) -> None:
     out[key] = t
 
 
-def _write_file(out: str, write: Callable[[Any], Any]) -> None:
-    """Write ``out`` through ``write(file)`` at a temp name, fsync, rename into place; nothing on failure."""
-    tmp = f"{out}{TMP_MARK}{secrets.token_hex(4)}"
+def _new_file(path: str) -> Any:
+    """A new file at ``path`` for writing, never an existing one nor through a link (O_EXCL, O_NOFOLLOW)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+    return os.fdopen(fd, "wb")
+
+
+def _write_new(path: str, data: bytes) -> None:
+    with _new_file(path) as w:
+        w.write(data)
+        w.flush()
+        os.fsync(w.fileno())
+
+
+def _temp_beside(path: str, write: Callable[[Any], Any]) -> str:
+    """A new temp file next to ``path`` written through ``write(file)`` and fsynced; its name."""
+    tmp = f"{path}{TMP_MARK}{secrets.token_hex(4)}"
     try:
-        with open(tmp, "wb") as w:
+        with _new_file(tmp) as w:
             write(w)
             w.flush()
             os.fsync(w.fileno())
-        _install(tmp, out)
-    except BaseException as exc:
+    except BaseException:
         _remove(tmp)
+        raise
+    return tmp
+
+
+def _write_file(out: str, write: Callable[[Any], Any], config: str | None, res: ExportResult) -> None:
+    """Write ``out`` through ``write(file)`` and the step's ``config`` (canonical JSON, or None) to its
+    sibling (:func:`config_path`), each at a temp name, fsynced, then renamed into place: the config first,
+    ``out`` last (atomically replacing an old one). On failure nothing new is left and an old config is put
+    back. With no config, a sibling from an earlier export (check_out allowed it: ``--force``) is removed."""
+    cfg = config_path(out, res.format)
+    tmps: list[str] = []
+    aside: str | None = None
+    placed = False
+    try:
+        if config is not None:
+            tmps.append(_temp_beside(cfg, lambda w: w.write(config.encode())))
+        tmps.append(_temp_beside(out, write))
+        if os.path.lexists(cfg):
+            aside = f"{cfg}{TMP_MARK}old-{secrets.token_hex(4)}"
+            os.rename(cfg, aside)
+        if config is not None:
+            os.rename(tmps[0], cfg)
+            placed = True
+        os.replace(tmps[-1], out)
+    except BaseException as exc:
+        if placed:
+            _remove(cfg)
+        if aside is not None:
+            try:
+                os.rename(aside, cfg)
+            except OSError:
+                pass
+        for t in tmps:
+            _remove(t)
         if isinstance(exc, OSError):
             raise StorageError(f"writing {out} failed: {exc}; nothing was written") from exc
         raise
+    fsync_dir(os.path.dirname(out))
+    if aside is not None:
+        _remove(aside)
+        if config is None:
+            res.config_removed = cfg
+    res.config = cfg if config is not None else None
 
 
 def _assemble(src: StepSource, out: str, fmt: str, keys: Sequence[str] | None,
@@ -330,6 +537,10 @@ def export_dcp(src: StepSource, out: str, *, progress: Progress | None = None) -
     """Write the step as a self-contained DCP checkpoint directory at ``out`` (see the module docstring)."""
     from ..checkpoint.verify import check_file, item_names_by_file
 
+    config, sha = _step_config(src, out)  # before anything is read
+    if config is not None and CONFIG_NAME in src.shards:
+        raise CorruptCheckpointError(f"run {src.run_id} step {src.step}: the manifest names a shard {CONFIG_NAME}, "
+                                     f"the name of the config in a DCP export; nothing was written to {out}")
     md = src.metadata()
     names = item_names_by_file(md)
     tmp = f"{out}{TMP_MARK}{secrets.token_hex(4)}"
@@ -349,6 +560,9 @@ def export_dcp(src: StepSource, out: str, *, progress: Progress | None = None) -
         atomic_write(os.path.join(tmp, DCP_METADATA_NAME), src.metadata_bytes)
         atomic_write(os.path.join(tmp, MANIFEST_NAME), src.manifest.as_durable().to_json().encode())
         res.files += [DCP_METADATA_NAME, MANIFEST_NAME]
+        if config is not None:
+            atomic_write(os.path.join(tmp, CONFIG_NAME), config.encode())
+            res.files.append(CONFIG_NAME)
         fsync_dir(tmp)
         _install(tmp, out)
     except BaseException as exc:
@@ -358,7 +572,10 @@ def export_dcp(src: StepSource, out: str, *, progress: Progress | None = None) -
         if isinstance(exc, OSError):
             raise StorageError(f"writing {out} failed: {exc}; nothing was written") from exc
         raise
+    res.config_sha256 = sha
+    res.config = os.path.join(out, CONFIG_NAME) if config is not None else None
     return res
 
 
-__all__ = ["ExportResult", "check_out", "export_dcp", "export_torch"]
+__all__ = ["CONFIG_NAME", "DIR_FORMATS", "ExportResult", "check_out", "check_out_of_trees", "config_path",
+           "export_dcp", "export_hf", "export_safetensors", "export_torch", "output_paths"]

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .. import __version__
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptCheckpointError
 from ..jobenv import JobEnv
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,9 @@ def check_user_config(value: Any) -> Any:
                           "not data")
     if not all(isinstance(k, str) for k in _keys(value)):
         raise ConfigError("Checkpointer(config=...): every dict key must be a string (JSON would turn "
-                          "others into strings, and the stored config would differ from yours)")
+                          "others into strings, and the stored config would differ from yours); a transformers "
+                          "config's to_dict() has integer id2label keys: pass "
+                          "json.loads(model.config.to_json_string()), what save_pretrained writes")
     return json.loads(text)
 
 
@@ -169,6 +171,33 @@ def gather(*, world_size: int, nodes: Sequence[str], job: JobEnv, user_config: A
     }
 
 
+def stored_config(prov: Mapping[str, Any] | None, *, where: str) -> str | None:
+    """The user config a manifest's provenance records, as the canonical JSON its ``config_sha256`` was
+    computed over (so the text's sha256 is that field), after checking it against that field; None when the
+    step was saved without one (or before provenance existed). ``prov`` went through
+    ``manifest.parse_provenance``. CorruptCheckpointError naming ``where`` (the manifest) when the config
+    does not match its sha256, is not JSON a save could have written (NaN), or has no sha256 to check."""
+    if not isinstance(prov, Mapping):
+        return None
+    value, sha = prov.get("config"), prov.get("config_sha256")
+    if sha is None:
+        if value is None:
+            return None
+        raise CorruptCheckpointError(f"{where}: provenance records a config but no config_sha256 (a hex string) "
+                                     "to check it against; the manifest was altered after the save")
+    try:
+        text = canonical_json(value)
+    except (TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{where}: the config recorded in provenance is not JSON a save writes "
+                                     f"({exc}); the manifest was altered after the save") from None
+    got = hashlib.sha256(text.encode()).hexdigest()
+    if got != sha:
+        raise CorruptCheckpointError(f"{where}: the config recorded in provenance does not match its config_sha256 "
+                                     f"(its sha256 is {got[:16]}..., the manifest records {str(sha)[:16]}...); the "
+                                     "config or its sha256 was altered after the save")
+    return text
+
+
 def git_commit(prov: Mapping[str, Any] | None) -> str | None:
     """The git commit a provenance document records, or None (no provenance, not a repository)."""
     code = (prov or {}).get("code")
@@ -177,4 +206,4 @@ def git_commit(prov: Mapping[str, Any] | None) -> str | None:
 
 
 __all__ = ["MAX_USER_CONFIG_BYTES", "check_user_config", "code_version", "config_sha256", "gather", "git_commit",
-           "program_dir"]
+           "program_dir", "stored_config"]
