@@ -618,6 +618,63 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 1 if any(h.errors for h in found) else 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """``rslurm report [RUN]``: the run's timeline and goodput from its events and history."""
+    from .catalog.history import read_history
+    from .catalog.report import format_report, report_run, write_png
+    from .layout import list_runs
+    from .paths import default_run_id, id_problem
+    from .rundir import RunDir
+    from .storage import open_durable
+
+    if args.run and args.run_id and args.run != args.run_id:
+        raise ConfigError(f"two runs given: RUN {args.run!r} and --run-id {args.run_id!r}; give one")
+    cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run or args.run_id},
+                      config_path=args.config)
+    root = expand_local_dir(cfg.local_dir or default_local_dir(), node_name(cfg.node_name))
+    run = cfg.run_id
+    if not run:
+        runs = list_runs(root)
+        job = default_run_id()
+        if job in runs:
+            run = job
+        elif len(runs) == 1:
+            run = runs[0]
+        elif not runs:
+            raise ConfigError(f"no runs in {root} (set --local-dir/RSLURM_LOCAL_DIR to where the run saves)")
+        else:
+            raise ConfigError(f"several runs in {root}: {', '.join(runs)}; pick one: rslurm report RUN")
+    if (problem := id_problem("run id", run)) is not None:
+        raise ConfigError(problem)
+    run_dir = RunDir(root, run)
+    if not os.path.isdir(run_dir.path):
+        raise ConfigError(f"run {run}: no run directory {run_dir.path} (set --local-dir/RSLURM_LOCAL_DIR to the "
+                          "node-local root the run saves in; the report reads the batch host's event log)")
+    tier = open_durable(cfg, upload_cap=False) if cfg.durable else None
+    try:
+        history = read_history(root, run, tier)
+    finally:
+        if tier is not None:
+            tier.close()
+    report = report_run(root, run, history)
+    doc = report.to_json()
+    if args.out:
+        try:
+            write_png(report, args.out)
+        except ImportError:
+            raise ConfigError("rslurm report --out needs matplotlib: pip install 'resilient_slurm[demo]'") from None
+        except OSError as exc:
+            raise ConfigError(f"rslurm report: cannot write {args.out}: {exc.strerror or exc}") from None
+        doc["picture"] = os.path.abspath(args.out)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        _say(format_report(doc))
+        if args.out:
+            _say(f"  picture: {doc['picture']}")
+    return 0
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     from .launcher.health import cli_main
 
@@ -789,6 +846,18 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--durable", default=None, help="durable tier URL (RSLURM_DURABLE)")
     sp.set_defaults(func=cmd_history)
+    sp = sub.add_parser("report", help="a picture of a run: its incarnations, saves, restores, drains and goodput",
+                        description="The run's timeline from its event log and history: every incarnation and run "
+                        "of its ranks with why it ended, the saves (stall), restores (time, tier), drains, the steps "
+                        "recomputed, and the goodput (training time kept / wall time) with its losses by cause. "
+                        "--out writes it as a PNG (matplotlib). Exit codes: 0 ok, 2 bad usage or settings (a run "
+                        "that does not exist).")
+    sp.add_argument("run", nargs="?", default=None, help="the run (default: --run-id, RSLURM_RUN_ID, this job's "
+                    "run, else the only run)")
+    common(sp)
+    sp.add_argument("--durable", default=None, help="durable tier URL, for the history's copy there (RSLURM_DURABLE)")
+    sp.add_argument("--out", default=None, metavar="PNG", help="also draw the report to this PNG file")
+    sp.set_defaults(func=cmd_report)
     sp = sub.add_parser("health", help="this node's health checks, as the launcher runs them on every node before "
                         "each launch", description="The checks `rslurm launch` runs on every node before it starts "
                         "the ranks: the local directory is writable with room for the run's newest checkpoint, the "
