@@ -1,6 +1,6 @@
 """``rslurm``: the command-line entry point. The only place that configures logging.
 
-Commands: ``launch``, ``daemon``, ``status``, ``history``, ``health``, ``submit``, ``doctor``, the demo, and the inspection
+Commands: ``launch``, ``daemon``, ``status``, ``history``, ``report``, ``health``, ``submit``, ``doctor``, the demo, and the inspection
 commands over the on-disk contract on both tiers (``ls``, ``runs``, ``show``, ``verify``, ``gc``, ``export``, ``tag``,
 ``untag``),
 whose logic lives in :mod:`resilient_slurm.catalog` (this module parses, resolves settings and prints;

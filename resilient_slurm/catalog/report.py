@@ -111,7 +111,8 @@ def _step(v: Any) -> int | None:
 # ---------------------------------------------------------------------------------------------- the model
 @dataclass
 class Save:
-    """One save as the training loop felt it: the slowest rank's stall, ending at ``t``."""
+    """One save as the training loop felt it: the largest ``stall_s`` of its ranks, ending at ``t``, when
+    the last rank wrote ``save_staged`` (went on training)."""
 
     step: int
     reason: str
@@ -383,7 +384,7 @@ def _fill(seg: Segment, recs: Sequence[dict[str, Any]], nxt: Bound | None, entry
         seg.notes.append("no restore event of its ranks: startup and restore are counted as training")
     else:
         seg.notes.append("no event of its ranks: all of it is counted as startup")
-    # Saves: per step, the slowest rank's stall, ending when that rank went on training.
+    # Saves: per step, the largest stall of its ranks, ending when the last rank went on training.
     saves: dict[tuple[int, str], Save] = {}
     for r in _by(ranks, "save_staged"):
         step = _step(r.get("step"))
@@ -392,8 +393,10 @@ def _fill(seg: Segment, recs: Sequence[dict[str, Any]], nxt: Bound | None, entry
         key = (step, str(r.get("reason")))
         stall = max(0.0, _f(r.get("stall_s")))
         cur = saves.get(key)
-        if cur is None or stall > cur.stall_s:
+        if cur is None:
             saves[key] = Save(step, str(r.get("reason")), float(r["t"]), stall)
+        else:  # the largest stall, ending when the last rank went on (records are in time order)
+            cur.t, cur.stall_s = float(r["t"]), max(cur.stall_s, stall)
     for r in _by(ranks, "save_committed"):
         step = _step(r.get("step"))
         if step is not None and (cur := saves.get((step, str(r.get("reason"))))) is not None:
