@@ -656,8 +656,6 @@ def plot_report(doc: Mapping[str, Any], out: str) -> None:
                          + (f".{s['attempt']}" if s["attempt"] else ""))
     axs.set_ylabel("step (events that name one)")
     axs.set_xlim(0, max(doc["wall_s"], 1e-6))
-    if doc["drains"] and any(True for _ in doc["drains"]):
-        pass
     axs.grid(alpha=0.3)
     if axs.get_legend_handles_labels()[0]:
         axs.legend(fontsize=8, title="run of the ranks", title_fontsize=8, loc="upper left")
