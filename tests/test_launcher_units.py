@@ -463,3 +463,16 @@ def test_launcher_watch_finds_its_launcher_gone_and_sets_the_launchers_bounds() 
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_task_on_another_slurm_node_than_the_launchers_uses_signals_only() -> None:
+    """Under srun the launcher names its node (RSLURM_CONTROL_NODE): a task elsewhere, even on a host it
+    shares with the launcher's node or with a shared runtime directory, does not use that node's socket."""
+    from resilient_slurm.control.rank import socket_for_this_node
+
+    sock = "/run/user/0/rslurm/123.n1.sock"
+    assert socket_for_this_node(sock, {"RSLURM_CONTROL_NODE": "n1", "SLURMD_NODENAME": "n2"}) is None
+    assert socket_for_this_node(sock, {"RSLURM_CONTROL_NODE": "n1", "SLURMD_NODENAME": "n1"}) == sock
+    assert socket_for_this_node(sock, {"SLURMD_NODENAME": "n2"}) == sock  # a local launcher names no node
+    assert socket_for_this_node(sock, {"RSLURM_CONTROL_NODE": "n1"}) == sock  # not a Slurm task
+    assert socket_for_this_node(None, {"RSLURM_CONTROL_NODE": "n1", "SLURMD_NODENAME": "n2"}) is None

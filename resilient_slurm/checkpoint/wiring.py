@@ -18,7 +18,7 @@ from typing import IO, Any
 from .. import config as settings_mod
 from ..control.heartbeat import open_stack_file, register_stack_dump
 from ..control.orphan import LauncherWatch
-from ..control.rank import RankLink
+from ..control.rank import RankLink, socket_for_this_node
 from ..errors import ConfigError, ResilientSlurmError
 from ..jobenv import JobEnv
 from ..layout import WRITER_ENV, RunClaim, RunWriter, claim_run
@@ -177,7 +177,7 @@ def rank_link(p: Parts, on_request: Callable[[], None], report: CheckpointReport
                                    stack_file=lambda: open_stack_file(run_dir, rank))
     return RankLink(
         rank, p.job.local_rank or 0,
-        on_request=on_request, socket_path=cfg.control_socket,
+        on_request=on_request, socket_path=socket_for_this_node(cfg.control_socket, os.environ),
         timeout=cfg.control_timeout, trap_signals=cfg.trap_signals, save_signal=cfg.save_signal,
         launcher_watch=watch,
     )

@@ -36,7 +36,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
@@ -56,6 +56,21 @@ _IGNORED_AFTER_CLOSE: set[int] = set()
 
 def _signal_number(name: str) -> int:
     return int(getattr(signal, "SIG" + name))
+
+
+CONTROL_NODE_ENV = "RSLURM_CONTROL_NODE"  # set by a launcher under srun: the Slurm node its socket is on
+
+
+def socket_for_this_node(socket_path: str | None, env: Mapping[str, str]) -> str | None:
+    """``socket_path``, or None for a task on another Slurm node than the launcher's (the launcher sets
+    ``RSLURM_CONTROL_NODE`` under srun; ``SLURMD_NODENAME`` is this task's node). The socket is node-local:
+    elsewhere its path names nothing, or, where the runtime directory is shared or two Slurm nodes share a
+    host, a socket this task must not use; such a task hears a save request by signal or from its peers."""
+    there, here = env.get(CONTROL_NODE_ENV, "").strip(), env.get("SLURMD_NODENAME", "").strip()
+    if socket_path and there and here and there != here:
+        log.debug("the control socket is on node %s and this task on %s: signals only", there, here)
+        return None
+    return socket_path
 
 
 class RankLink:

@@ -50,6 +50,7 @@ from typing import Any
 from .. import config
 from ..control import ControlServer, default_socket_path
 from ..control.heartbeat import clear_heartbeats, read_heartbeats
+from ..control.rank import CONTROL_NODE_ENV
 from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError, SlurmJobNotFoundError
 from ..jobenv import JobEnv
 from ..layout import WRITER_ENV, RunWriter, claim_run
@@ -192,6 +193,9 @@ class Launcher:
         env = dict(self.env)
         if env.get("RSLURM_CONTROL_SOCKET", "").strip().lower() != "off":  # off: signals only (tests, policy)
             env["RSLURM_CONTROL_SOCKET"] = self.socket_path
+            slurm_node = JobEnv.from_env(self.env).node_name
+            if self.srun and slurm_node:  # the socket is this node's: tasks on other nodes use signals
+                env[CONTROL_NODE_ENV] = slurm_node
         env["RSLURM_RUN_ID"] = self.run_id  # ranks and launcher must name the same run
         env["RSLURM_SAVE_SIGNAL"] = self.cfg.save_signal
         if self.cfg.failure_interval is None:  # the default cadence plans for what this run has seen
