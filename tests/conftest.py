@@ -26,6 +26,41 @@ REPO = Path(__file__).resolve().parent.parent
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get(check_tier.ENV) == "1":  # `make check`: the in-process tier (tests/check_tier.py)
         check_tier.install()
+    if hasattr(config, "workerinput"):
+        # An xdist worker's environment has COLUMNS=80 and LINES=24, which a user's does not (the shell does
+        # not export them): the CLI's tables would wrap at 80 columns in the commands the tests run.
+        for name in ("COLUMNS", "LINES"):
+            os.environ.pop(name, None)
+
+
+SLURM_FIXTURES = frozenset({"slurm", "slurm_cluster"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order for two workers (`make test` runs `pytest -n 2 --dist loadgroup`, docs/testing.md): the tests
+    on the session's Slurm cluster first (one worker runs them all, one after another: tests/xdist_groups.py),
+    then those marked ``slow``, then the others that start processes (``proc``), then the in-process ones,
+    so that no long test starts last and runs alone. The sort is stable (a file's tests keep their order);
+    without xdist only the order changes."""
+    def rank(item: pytest.Item) -> int:
+        if SLURM_FIXTURES & set(getattr(item, "fixturenames", ())):
+            return 0
+        return next((r for r, mark in ((1, "slow"), (2, "proc")) if item.get_closest_marker(mark)), 3)
+
+    items.sort(key=rank)
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and config.getvalue("loadgroup"):  # a worker of `--dist loadgroup`
+        import xdist_groups
+        xdist_groups.record(workerinput, [i.nodeid for i in items if rank(i) == 0])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadgroup``: the Slurm tests as one group (tests/xdist_groups.py)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    import xdist_groups
+    return xdist_groups.SlurmGroupScheduling(config, log)
 
 
 def process_stacks(pids: Sequence[int], timeout: float = 30) -> str:
