@@ -41,6 +41,7 @@ from types import FrameType
 from typing import Any
 
 from ..errors import ControlError, ControlRejectedError
+from ..jobenv import JobEnv
 from . import protocol as p
 from .client import ControlClient
 from .heartbeat import HeartbeatWriter, heartbeat_path
@@ -66,7 +67,7 @@ def socket_for_this_node(socket_path: str | None, env: Mapping[str, str]) -> str
     ``RSLURM_CONTROL_NODE`` under srun; ``SLURMD_NODENAME`` is this task's node). The socket is node-local:
     elsewhere its path names nothing, or, where the runtime directory is shared or two Slurm nodes share a
     host, a socket this task must not use; such a task hears a save request by signal or from its peers."""
-    there, here = env.get(CONTROL_NODE_ENV, "").strip(), env.get("SLURMD_NODENAME", "").strip()
+    there, here = env.get(CONTROL_NODE_ENV, "").strip(), JobEnv.from_env(env).node_name or ""
     if socket_path and there and here and there != here:
         log.debug("the control socket is on node %s and this task on %s: signals only", there, here)
         return None
