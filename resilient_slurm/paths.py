@@ -360,8 +360,14 @@ def _make_openat2() -> Callable[[int, str], int] | None:
             os.close(fd)
             return 0
 
-        # ENOSYS (an older kernel), EPERM (a seccomp filter): not usable here.
-        return call if call(-100, ".") == 0 else None  # AT_FDCWD
+        # ENOSYS (an older kernel), EPERM (a seccomp filter): not usable here. Probed beneath "/", which
+        # every process can open (its working directory may have been deleted).
+        rfd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            usable = call(rfd, ".") == 0
+        finally:
+            os.close(rfd)
+        return call if usable else None
     except (OSError, AttributeError, ImportError):
         return None
 
