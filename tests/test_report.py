@@ -234,3 +234,15 @@ def test_report_of_a_real_run_with_an_in_job_restart_and_a_preemption(tmp_path: 
     assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
     text = run_rslurm("report", "toy", env={"RSLURM_LOCAL_DIR": str(nvme)})
     assert text.returncode == 0 and "goodput" in text.stdout and "killed by signal" in text.stdout
+
+
+def test_an_event_log_that_is_a_fifo_or_a_link_is_named_and_not_read(tmp_path: Path) -> None:
+    """A FIFO planted as events.jsonl would block a plain open; a link would be read through: both are
+    reported as unreadable at once."""
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    (tmp_path / "real.jsonl").write_text('{"t": 1.0, "event": "start"}\n')
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "real.jsonl")
+    for path in (fifo, tmp_path / "link.jsonl"):
+        log = read_events(str(path))
+        assert not log.found and log.records == [] and any(str(path) in p for p in log.problems), log.problems

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..paths import open_regular
 from ..run_history import Incarnation, ProgressHistory
 from ..rundir import RunDir
 from .history import RunHistory, label
@@ -55,8 +56,8 @@ def read_events(path: str) -> EventLogRead:
     ``event``), in time order. A torn last line (its writer was killed), a line that is not a record, a
     missing or unreadable file: said in ``problems``, never raised."""
     out = EventLogRead(path)
-    try:
-        with open(path, "rb") as f:
+    try:  # a regular file only, never through a final link, never blocking on a FIFO planted there
+        with os.fdopen(open_regular(path, os.O_RDONLY, error=OSError, where="its run directory"), "rb") as f:
             data = f.read(EVENTS_MAX_BYTES + 1)
     except FileNotFoundError:
         out.problems.append(f"no event log at {path}")
