@@ -21,7 +21,8 @@ LOWER = ["checkpoint", "storage", "manifest.py", "layout.py", "tags.py", "paths.
 # "resilient_slurm.examples" the README demo (examples/demo.py) and the example training programs.
 UPPER = ["resilient_slurm.daemon", "resilient_slurm.launcher", "resilient_slurm.cli", "resilient_slurm.catalog",
          "resilient_slurm.doctor", "resilient_slurm.submit", "resilient_slurm.examples", "resilient_slurm.slurm",
-         "resilient_slurm.rehearse", "resilient_slurm.diff", "resilient_slurm.cliargs"]
+         "resilient_slurm.rehearse", "resilient_slurm.diff", "resilient_slurm.cliargs",
+         "resilient_slurm.integrations"]
 
 
 def _modules() -> list[Path]:
@@ -155,7 +156,7 @@ TIERS = [["resilient_slurm.cli"],
          ["resilient_slurm.cliargs"],
          ["resilient_slurm.launcher"],
          ["resilient_slurm.daemon"],
-         ["resilient_slurm.catalog", "resilient_slurm.slurm"]]
+         ["resilient_slurm.catalog", "resilient_slurm.slurm", "resilient_slurm.integrations"]]
 
 
 def _module_names() -> dict[str, Path]:
