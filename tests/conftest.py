@@ -51,7 +51,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and config.getvalue("loadgroup"):  # a worker of `--dist loadgroup`
         import xdist_groups
-        xdist_groups.record(workerinput, [i.nodeid for i in items if rank(i) == 0])
+        xdist_groups.record(workerinput, {i.nodeid: xdist_groups.GROUP if rank(i) == 0 else xdist_groups.shared_scope(i)
+                                          for i in items})
 
 
 @pytest.hookimpl(optionalhook=True)
