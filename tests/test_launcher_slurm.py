@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_same, clean_env, read_jsonl, run_ranks, wait_for_step
+from conftest import REPO, assert_same, clean_env, read_jsonl, run_ranks, run_rslurm, wait_for_step
 from slurm_cluster import SlurmCluster
 from test_cloud_notice import MetadataServer, Seen
 from test_telemetry import check_records, read_docs
@@ -612,7 +612,8 @@ def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: Slurm
     task per node). A `high` job preempts the training job; the ranks commit an emergency checkpoint,
     both nodes' daemons drain it (they ignore the SIGTERM Slurm sends every step) and the launcher
     requeues only once the step is durable. The requeued incarnation finds n2's NVMe wiped: n2's rank
-    restores from the durable tier, n1's from its local tier, and the run ends bitwise identical."""
+    restores from the durable tier, n1's from its local tier, and the run ends bitwise identical.
+    ``rslurm report`` tells that story on each node, its goodput matching the events."""
     steps = 60
     work = slurm.work_dir / "launch-durable-node-loss"
     work.mkdir()
@@ -645,6 +646,38 @@ def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: Slurm
     assert "SIGTERM received; draining on" in text, text[-4000:]
     assert "fetched from the durable tier" in text, text[-4000:]
     _assert_identical_to(ref, work, steps)
+    _check_report_of_the_node_loss(work, step, steps)
+
+
+def _check_report_of_the_node_loss(work: Path, step: int, steps: int) -> None:
+    """``rslurm report`` of that run: on the batch host (n1), the preemption and the requeued incarnation that
+    restored ``step`` from n1's own tier, goodput from the events and the history; on n2, whose NVMe was
+    wiped, the run of its rank that restored ``step`` from the durable tier."""
+    docs = {}
+    for node in ("n1", "n2"):
+        r = run_rslurm("report", "--json", "toy", env={"RSLURM_LOCAL_DIR": str(work / "nvme" / node)})
+        assert r.returncode == 0, r.stderr
+        docs[node] = json.loads(r.stdout)
+    doc = docs["n1"]
+    incs = doc["incarnations"]
+    assert [i["end_reason"] for i in incs] == ["preempted", "completed"], incs
+    assert [i["restored_step"] for i in incs] == [None, step] and incs[1]["committed_step"] == steps, incs
+    assert incs[1]["runs_of_ranks"][0]["restore_tiers"] == ["local"], incs
+    hist = json.loads((work / "nvme" / "n1" / "toy" / "launcher-history.json").read_text())["incarnations"]
+    records = read_jsonl(work / "nvme" / "n1" / "toy" / "events.jsonl")
+    starts = [e["t"] for e in records if e["source"] == "launcher" and e["event"] == "start"]
+    assert doc["wall_start"] == starts[0]
+    assert doc["wall_end"] == max([e["t"] for e in records if e["source"] in ("rank", "launcher")]
+                                  + [h["ended_at"] for h in hist])
+    assert doc["kept_s"] + sum(doc["losses_s"].values()) == pytest.approx(doc["wall_s"], abs=1e-6)
+    assert doc["goodput"] == pytest.approx(doc["kept_s"] / doc["wall_s"]) and 0 < doc["goodput"] < 1
+    # The requeue: from the first incarnation's end (its last record, or its history entry's end) to the second start.
+    first_end = max([e["t"] for e in records if e["source"] in ("rank", "launcher") and e["t"] < starts[1]]
+                    + [hist[0]["ended_at"]])
+    assert doc["losses_s"]["waiting"] == pytest.approx(starts[1] - first_end, abs=1e-6)
+    assert doc["losses_s"]["recomputed"] == 0  # the emergency save kept every step trained
+    [lost] = [s for i in docs["n2"]["incarnations"] for s in i["runs_of_ranks"]]
+    assert lost["restored_step"] == step and lost["restore_tiers"] == ["durable"], docs["n2"]
 
 
 def test_an_unhealthy_node_is_excluded_when_the_allocation_has_a_spare(slurm: SlurmCluster, tmp_path: Path):
