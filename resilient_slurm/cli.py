@@ -152,7 +152,7 @@ def _local_cell(row: dict[str, Any]) -> str:
 def _durable_cell(row: dict[str, Any]) -> str:
     d = row["durable"]
     if d["state"] == "partial":
-        return f"partial {len(d['markers'])}/{d['domains'] or '?'}"
+        return f"partial {len(d['markers'])}/{d['domains'] or '?'} ({len(d.get('committed', []))} committed)"
     return {"invalid": "INVALID", "absent": "-", "unknown": "?"}.get(d["state"], d["state"])
 
 
@@ -738,7 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "newest committed)")
     sp.set_defaults(func=cmd_show)
     sp = inspect("verify", "verify every checksum of one step or of all steps; exit 1 on any fault",
-                 "Verify manifests, DCP metadata, domain markers, and every shard's size, whole-file and "
+                 "Verify manifests, DCP metadata, domain manifests, and every shard's size, whole-file and "
                  "per-item xxh3, naming each bad file, its rank and what is wrong. auto: the local copies when "
                  "the step is complete locally, else the durable step, else the local copies there are; all: "
                  "both tiers. Exit 1 on any fault, or when nothing was verified.",

@@ -499,6 +499,12 @@ def test_both_tiers_partial_steps_and_the_undrained_step(trained: Path, posix_pr
     # Step 9 is committed locally but not durable (its durable manifest is gone): gc keeps it, the newest
     # such step, although keep_last=1 would not; the durable tier keeps its uncommitted step 9 (recent).
     (t.lustre / RUN / sdir(9) / "manifest.json").unlink()  # type: ignore[operator]
+    # Both domains' manifests and commit markers are there, the step manifest is not: the last node stopped
+    # between its marker and the commit. `ls` says so, not "2/2 markers" as if the drain were done.
+    d9 = {r["step"]: r for r in ok_json(t.rslurm("ls", "--json"))["steps"]}[9]["durable"]
+    assert (d9["state"], d9["markers"], d9["committed"]) == ("partial", list(NODES), list(NODES)), d9
+    assert "2/2 domain manifests (n1, n2), 2/2 commit markers of save" in d9["why"], d9
+    assert "partial 2/2 (2 committed)" in t.rslurm("ls").stdout
     plan = ok_json(t.rslurm("gc", "--keep-last", "1", "--dry-run", "--json"))
     acts = {(a["tier"], a["kind"], a["step"], a["where"]) for a in plan["actions"]}
     assert acts == {("local", "step", s, str(t.nvme / n / RUN / sdir(s))) for s in (3, 6) for n in NODES} | {

@@ -38,8 +38,10 @@ from s3_support import FAKE_ENV, RESET_REQUEST, RESET_RESPONSE, SLOWDOWN, FaultP
 from torch.distributed.checkpoint import FileSystemReader
 
 from resilient_slurm import Checkpointer
+from resilient_slurm.catalog.inventory import read_durable_copy
 from resilient_slurm.daemon import daemon_running
 from resilient_slurm.manifest import Manifest
+from resilient_slurm.storage.posix import PosixTier
 from resilient_slurm.telemetry import EVENTS_FILE
 
 RUN = "drain"
@@ -269,6 +271,9 @@ def test_two_nodes_commit_only_when_both_drained_and_rerun_changes_nothing(tmp_p
     assert (sd / "__0_0.distcp").exists() and not (sd / "__1_0.distcp").exists()
     row = status(nodes, dur, node="n1", run=run)[3]
     assert row["durable"] == "partial 1/2" and row["drain"] == "waiting", row
+    copy = read_durable_copy(PosixTier(str(dur)), run, 3)
+    assert (copy.state, copy.markers, copy.committed, copy.domains) == ("partial", ["n1"], ["n1"], 2), copy
+    assert copy.problem is not None and "1/2 domain manifests (n1), 1/2 commit markers of save" in copy.problem
     assert row["waiting_for"] == ["n2"], row
     assert "waiting for n2" in err
 

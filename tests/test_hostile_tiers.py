@@ -120,6 +120,28 @@ def test_the_daemon_never_writes_through_a_link_and_drains_the_rest(drained: tup
 
 
 @pytest.mark.proc
+def test_a_file_where_the_commit_markers_go_is_named_with_what_to_do(drained: tuple[Path, Path]) -> None:
+    """A file planted at ``step_N/commits``, where the drain makes the directory of the step's commit markers:
+    the drain of that step fails naming the file and what to do (not a bare "Not a directory"), leaves the
+    file as it was, and drains the other steps; once the file is moved away, the next pass commits the step."""
+    local, dur = drained
+    save_steps(local, [4, 5], 64 * KiB)
+    (dur / RUN / sdir(4)).mkdir()
+    planted = dur / RUN / sdir(4) / "commits"
+    planted.write_text("not rslurm's")
+    r = drain(local, dur, RSLURM_KEEP_LAST="10")
+    assert r.returncode == 1, r.stderr
+    assert f"{planted} is a file where the layout has a directory" in r.stderr, r.stderr[-3000:]
+    assert "move it away" in r.stderr and "Not a directory" not in r.stderr, r.stderr[-3000:]
+    assert planted.read_text() == "not rslurm's"
+    assert committed(dur) == {1, 2, 3, 5}
+    planted.rename(dur / "moved-away")
+    r = drain(local, dur, RSLURM_KEEP_LAST="10")
+    assert r.returncode == 0, r.stderr
+    assert committed(dur) == {1, 2, 3, 4, 5}
+
+
+@pytest.mark.proc
 def test_restore_and_listing_skip_links_and_special_files(drained: tuple[Path, Path], tmp_path: Path,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     local, dur = drained

@@ -20,7 +20,7 @@ The deletion protocols check the tags again, under the local tags lock, just bef
   the collective timeout, so such a directory has no writer left.
 * durable steps the policy does not keep (never the newest committed one): the manifest is deleted
   first (the step is no longer durable), then the rest of the step.
-* durable steps that never committed (shards, domain markers, no manifest) that retention would not
+* durable steps that never committed (shards, domain manifests, commit markers, no step manifest) that retention would not
   keep next to the committed ones (so no daemon will finish them) and in which nothing changed for
   ``stale_after`` seconds.
 * incomplete transfers into the durable tier started more than ``stale_after`` seconds ago: POSIX

@@ -18,8 +18,9 @@ States of a step (``StepView.local_state`` / ``StepView.durable_state``):
   are here, the others are on other nodes or gone), ``invalid`` (a copy here has no readable manifest,
   names another run or step, or domains hold different saves), ``in_progress`` (only a
   ``step_X.tmp-*`` directory: a save being written, or abandoned), ``absent``;
-* durable: ``durable`` (its manifest is there: committed), ``partial`` (shards or domain markers but no
-  manifest: a drain in progress or abandoned), ``invalid`` (the manifest is unreadable or names another
+* durable: ``durable`` (its manifest is there: committed), ``partial`` (domain manifests and shards but no
+  step manifest: a drain in progress or abandoned; ``markers`` lists the domains whose manifest is there,
+  ``committed`` those whose commit marker for that save is), ``invalid`` (the manifest is unreadable or names another
   step), ``absent``, ``unknown`` (the tier could not be listed: ``ls`` reports the error); ``None`` when
   no durable tier is configured.
 
@@ -55,10 +56,12 @@ from ..manifest import (
     DOMAINS_DIR,
     MANIFEST_NAME,
     Manifest,
+    commit_marker_key,
     durable_step_key,
     parse_step_dirname,
     read_durable_manifest,
     read_manifest_file,
+    save_token,
 )
 from ..paths import default_run_id, expand_local_dir, id_problem
 from ..rundir import RunDir
@@ -111,7 +114,8 @@ class DurableCopy:
     state: str  # durable | partial | invalid
     where: str  # tier URL and step prefix
     manifest: Manifest | None = None
-    markers: list[str] = field(default_factory=list)  # domains whose marker is there (partial steps)
+    markers: list[str] = field(default_factory=list)  # domains whose domain manifest is there (partial steps)
+    committed: list[str] = field(default_factory=list)  # of those, domains whose commit marker for the save is there
     domains: int | None = None  # how many domains the step has, when known
     problem: str | None = None
 
@@ -214,7 +218,8 @@ class StepView:
         if dstate is not None:
             d = self.durable
             doc["durable"] = {"state": dstate, "why": dwhy, "where": d.where if d else None,
-                              "markers": list(d.markers) if d else [], "domains": d.domains if d else None}
+                              "markers": list(d.markers) if d else [], "committed": list(d.committed) if d else [],
+                              "domains": d.domains if d else None}
         return doc
 
 
@@ -477,15 +482,22 @@ def read_durable_copy(tier: StorageTier, run: str, step: int) -> DurableCopy:
     except ObjectNotFoundError:
         markers = tier.list_dirs(durable_step_key(run, step, DOMAINS_DIR))
         domains = None
+        token = None
         for d in markers:
             try:
-                domains = len(read_durable_manifest(tier, run, step, d).nodes)
-                break
+                dm = read_durable_manifest(tier, run, step, d)
             except (ObjectNotFoundError, UnsafePathError, CorruptCheckpointError, IncompatibleCheckpointError):
                 continue
+            domains, token = len(dm.nodes), save_token(dm)
+            break
+        # The commit markers of the save that domain manifest belongs to: all n there and still no step
+        # manifest means the last node died between its marker and the commit (the next drain pass commits).
+        done = sorted(set(tier.list_names(commit_marker_key(run, step, token))) & set(markers)) if token else []
         n = "?" if domains is None else str(domains)
-        return DurableCopy("partial", where, markers=markers, domains=domains,
-                           problem=f"not committed: {len(markers)}/{n} domain markers ({', '.join(markers) or 'none'}); "
+        return DurableCopy("partial", where, markers=markers, domains=domains, committed=done,
+                           problem=f"not committed: {len(markers)}/{n} domain manifests "
+                                   f"({', '.join(markers) or 'none'}), {len(done)}/{n} commit markers"
+                                   f"{f' of save {token}' if token else ''}, no step manifest; "
                                    "a drain in progress or abandoned")
     if m.run_id != run or m.step != step:
         return DurableCopy("invalid", where, problem=f"{where}/{MANIFEST_NAME} says run {m.run_id!r} step {m.step}")

@@ -12,7 +12,7 @@ What is checked:
   domain's ``.metadata`` (size and checksum from the manifest; it loads with the restricted unpickler;
   every item it maps into one of the domain's files is a byte range the manifest has a checksum for),
   then every shard of the domain: size, xxh3 of the whole file, xxh3 of each item.
-* a durable step: the root manifest (the commit), its list of domains, every domain's marker (a
+* a durable step: the root manifest (the commit), its list of domains, every domain's manifest (a
   manifest of the same save) and ``.metadata``, the root ``.metadata`` (as above, against every
   rank's shard), then every rank's shard, one at a time. A POSIX tier is read in place; other tiers
   (S3) are downloaded by ``get_file`` (which checks the size and the whole-file xxh3 as the bytes
@@ -344,7 +344,7 @@ def verify_durable_step(tier: StorageTier, run_id: str, step: int, *, scratch: s
         except StorageError:
             markers = []
         rep.faults.append(Fault(f"{tier.url}/{mkey}", "missing: the step is not committed in the durable tier "
-                                f"(domain markers there: {', '.join(markers) or 'none'})", kind=MISSING))
+                                f"(domain manifests there: {', '.join(markers) or 'none'})", kind=MISSING))
         return rep
     except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
         rep.faults.append(Fault(f"{tier.url}/{mkey}", str(exc).removeprefix(f"{tier.url}/{mkey}: ")))

@@ -82,6 +82,24 @@ def _safe_key(key: str) -> str:
     return "/".join(parts)
 
 
+def _in_the_way(path: str, root: str) -> str:
+    """Why a directory of the layout cannot be made or listed: the first component from ``root`` down to
+    ``path`` that exists and is not a directory (a file, a link, a special file: nothing rslurm made)."""
+    rel = os.path.relpath(path, root)
+    cur = root
+    for part in [] if rel == "." else rel.split(os.sep):
+        cur = os.path.join(cur, part)
+        try:
+            mode = os.lstat(cur).st_mode
+        except OSError:
+            break
+        if not stat.S_ISDIR(mode):
+            return (f"{cur} is a {'link' if stat.S_ISLNK(mode) else 'file'} where the layout has a "
+                    "directory; rslurm never writes over what it did not make: move it away (after checking what "
+                    "it is) and the next pass goes on")
+    return "a component of it is not a directory"
+
+
 def _is_regular(path: str) -> bool:
     """``path`` is a regular file itself (``lstat``: a link to one is not)."""
     try:
@@ -205,6 +223,8 @@ class PosixTier(StorageTier):
                 mode = os.lstat(cur).st_mode
             except FileNotFoundError:
                 break
+            except NotADirectoryError as exc:
+                raise storage_error(f"{cur}: cannot reach it: {_in_the_way(cur, self.root)}", exc) from exc
             except OSError as exc:
                 raise storage_error(f"{cur}: cannot stat it: {exc}", exc) from exc
             if stat.S_ISLNK(mode):
@@ -332,6 +352,9 @@ class PosixTier(StorageTier):
             path = self._path(key)
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
+            except (FileExistsError, NotADirectoryError) as exc:
+                raise storage_error(f"{os.path.dirname(path)}: cannot create it: {_in_the_way(path, self.root)}",
+                                    exc) from exc
             except OSError as exc:
                 raise storage_error(f"{os.path.dirname(path)}: cannot create it: {exc}", exc) from exc
             atomic_write(path, data, tmp=f"{path}{TMP_MARK}{secrets.token_hex(4)}")
@@ -404,6 +427,8 @@ class PosixTier(StorageTier):
                               and (e.is_dir(follow_symlinks=False) if dirs else e.is_file(follow_symlinks=False)))
             except FileNotFoundError:
                 return []
+            except NotADirectoryError as exc:
+                raise storage_error(f"{base}: cannot list it: {_in_the_way(base, self.root)}", exc) from exc
             except OSError as exc:
                 raise storage_error(f"{base}: cannot list it: {exc}", exc) from exc
 
