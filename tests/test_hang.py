@@ -262,6 +262,9 @@ def test_sections_restarts_and_closed_ranks() -> None:
     assert w.judge(110) is None and w.judge(161) is not None
     w.observe({0: _hb(0, -1, 200.0, "startup", 200.0, pid=101)})  # a new process for rank 0
     assert w.judge(240) is None
+    # How far the run got (the `ranks_exited` event's last_step): kept after the records are gone.
+    assert w.furthest == (3, 100.0)
     off = HangWatch("/nonexistent", timeout=float("inf"), startup_timeout=1)
     off.observe({0: _hb(0, 1, 0.0)})
     assert not off.enabled and off.check(1e9) is None
+    assert off.furthest == (1, 0.0)  # progress is read with hang detection off too

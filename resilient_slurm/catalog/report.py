@@ -152,6 +152,7 @@ class Segment:
     kept_until: float | None = None
     committed_step: int | None = None
     last_step_seen: int | None = None
+    launcher_last_step: int | None = None  # the launcher's `ranks_exited` reading of the heartbeats, if any
     saves: list[Save] = field(default_factory=list)
     waiting_before: float = 0.0  # an in-job restart's backoff, or the requeue gap before an incarnation
     step_marks: list[tuple[float, int]] = field(default_factory=list)  # (t, step) this run reached
@@ -407,6 +408,11 @@ def _fill(seg: Segment, recs: Sequence[dict[str, Any]], nxt: Bound | None, entry
     seg.step_marks += [(v.t, v.step) for v in seg.saves]
     seg.step_marks += [(float(r["t"]), st) for r in _by(ranks, "emergency_requested")
                        if (st := _step(r.get("step"))) is not None]
+    # The launcher's last reading of the ranks' heartbeats: the furthest step begun, when (exact for killed ranks).
+    reached = [(_f(r.get("last_step_t")), st) for r in _by(launcher, "ranks_exited")
+               if (st := _step(r.get("last_step"))) is not None and _num(r.get("last_step_t"))]
+    seg.step_marks += reached
+    seg.launcher_last_step = max((st for _, st in reached), default=None)
     seg.step_marks.sort()
     seg.last_step_seen = max((st for _, st in seg.step_marks), default=None)
     # The end, and why.
@@ -506,7 +512,9 @@ def _account(seg: Segment, nxt: Segment | None, per: float | None) -> None:
     seg.losses = losses
     # Steps trained again: from the step the next run restored to the last this one reached. The events
     # mark only some steps (saves, emergency requests): past the last mark, estimated from the step time.
-    if nxt is not None and nxt.restored_step is not None and losses["recomputed"] > 0:
+    if nxt is not None and nxt.restored_step is not None and seg.launcher_last_step is not None:
+        seg.steps_recomputed = max(0, max(seg.launcher_last_step, seg.last_step_seen or 0) - nxt.restored_step)
+    elif nxt is not None and nxt.restored_step is not None and losses["recomputed"] > 0:
         seen = seg.last_step_seen if seg.last_step_seen is not None else nxt.restored_step
         after = [t for t, s in seg.step_marks if s == seen]
         extra = int((seg.train_end - max(after)) / per) if after and per else 0

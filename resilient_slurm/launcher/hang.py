@@ -109,6 +109,9 @@ class HangWatch:
         self.startup_timeout = startup_timeout
         self._tracks: dict[int, _Track] = {}
         self._next_read = 0.0
+        # (step, beat time) of the furthest step any rank of this node began in this run of the ranks: kept
+        # after the rank's record is gone, for the `ranks_exited` event (how far the run got).
+        self.furthest: tuple[int, float] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -116,6 +119,9 @@ class HangWatch:
 
     def observe(self, beats: dict[int, Heartbeat]) -> None:
         """Take in a reading (``check`` reads for itself; tests feed this directly)."""
+        for hb in beats.values():
+            if hb.step >= 0 and (self.furthest is None or hb.step > self.furthest[0]):
+                self.furthest = (hb.step, hb.beat_t)
         for rank, hb in beats.items():
             t = self._tracks.get(rank)
             if t is None or t.last.pid != hb.pid:
@@ -159,9 +165,8 @@ class HangWatch:
         return Hang(tuple(stuck), len(self._tracks)) if stuck else None
 
     def check(self, now: float | None = None) -> Hang | None:
-        """Read the heartbeats (at most once a second) and judge them."""
-        if not self.enabled:
-            return None
+        """Read the heartbeats (at most once a second) and judge them (with hang detection off, only read
+        them: :attr:`furthest` is the run's progress either way)."""
         now = time.time() if now is None else now
         if now < self._next_read:
             return None

@@ -391,7 +391,11 @@ class Launcher:
                 break
         self._record_if_ending(children)  # the ranks left before the launcher saw a commit
         self.timings["ranks_exited"] = time.time()
-        self.event(Event.RANKS_EXITED, torn_down=children.torn_down)
+        # A last reading: a killed rank's record stays, so its last step is exact (rslurm report's recomputed steps).
+        self.hang_watch.observe(read_heartbeats(self.socket_path))
+        furthest = self.hang_watch.furthest
+        self.event(Event.RANKS_EXITED, torn_down=children.torn_down, last_step=furthest[0] if furthest else None,
+                   last_step_t=furthest[1] if furthest else None)
 
 
 def job_num_nodes(env: Mapping[str, str]) -> int:
