@@ -55,6 +55,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                           for i in items})
 
 
+# Where the suite's minutes go (`make test` prints it at the end): each worker's test time (setup, call and
+# teardown, as --durations counts them) and the files that take the most, to balance the workers and find
+# redundant process runs (issue 28's time budget).
+_TIME_BY_WORKER: dict[str, float] = {}
+_TIME_BY_FILE: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "main")
+    _TIME_BY_WORKER[worker] = _TIME_BY_WORKER.get(worker, 0.0) + report.duration
+    path = report.nodeid.split("::", 1)[0]
+    _TIME_BY_FILE[path] = _TIME_BY_FILE.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if hasattr(terminalreporter.config, "workerinput") or sum(_TIME_BY_WORKER.values()) < 60:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", "test time by worker and by file")
+    tr.write_line("workers: " + ", ".join(f"{w} {t:.0f} s" for w, t in sorted(_TIME_BY_WORKER.items())))
+    top = sorted(_TIME_BY_FILE.items(), key=lambda kv: -kv[1])[:20]
+    tr.write_line("files: " + ", ".join(f"{p.removeprefix('tests/')} {t:.0f} s" for p, t in top))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """``--dist loadgroup``: the Slurm tests as one group (tests/xdist_groups.py)."""
