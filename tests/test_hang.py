@@ -157,21 +157,23 @@ def test_a_crashed_rank_is_restarted_in_job_and_ends_bitwise(tmp_path: Path, sig
 @pytest.mark.proc
 @pytest.mark.parametrize("limit", ["in_job_restarts", "no_progress_limit"])
 def test_repeated_crashes_fall_back_to_requeue(tmp_path: Path, limit: str) -> None:
-    """A rank that dies after step 3 at every run (step 2 is the newest commit): two in-job restarts, then
-    the launcher falls back to the requeue path (exit 75 in local mode) instead of looping; either because
-    in_job_restarts=2 are used up, or because two restarts in a row committed nothing new
-    (no_progress_limit=2, with in_job_restarts=5)."""
+    """A rank that dies after step 3 at every run (step 2 is the newest commit: the rank waits for its
+    asynchronous save to commit first, which on a busy node it may not have done by step 3): two in-job
+    restarts, then the launcher falls back to the requeue path (exit 75 in local mode) instead of looping;
+    either because in_job_restarts=2 are used up, or because the two runs since the commit committed nothing
+    new (no_progress_limit=2, with in_job_restarts=5)."""
     work = tmp_path / "work"
     out = work / "out"
     out.mkdir(parents=True)
     env = ({"RSLURM_IN_JOB_RESTARTS": "2"} if limit == "in_job_restarts"
            else {"RSLURM_IN_JOB_RESTARTS": "5", "RSLURM_NO_PROGRESS_LIMIT": "2"})
-    r = _launch(work, out, "--crash-at", "3", "--crash-rank", "0", "--always", env=env)
+    r = _launch(work, out, "--crash-at", "3", "--crash-rank", "0", "--always", "--crash-after-commit", env=env)
     assert r.returncode == REQUEUE, r.stderr[-4000:]
     restarts = [e for e in _events(work) if e["event"] == "in_job_restart"]
     assert [e["attempt"] for e in restarts] == [1, 2], restarts
+    assert [e["committed_step"] for e in restarts] == [2, 2], restarts
     assert restarts[1]["backoff_s"] > restarts[0]["backoff_s"], restarts
-    why = "in-job restarts used up" if limit == "in_job_restarts" else "committed nothing new"
+    why = "in-job restarts used up" if limit == "in_job_restarts" else "the last 2 runs of the ranks committed nothing new"
     assert why in r.stderr, r.stderr[-3000:]
 
 

@@ -68,7 +68,7 @@ class InJobRestarts:
             return False
         no_progress = self.stalled + 1 if outcome.committed_step == baseline else 0
         if cfg.no_progress_limit and restarts and no_progress >= cfg.no_progress_limit:
-            log.error("%d in-job restarts in a row committed nothing new (no_progress_limit=%d); falling back "
+            log.error("the last %d runs of the ranks committed nothing new (no_progress_limit=%d); falling back "
                       "to requeue", no_progress, cfg.no_progress_limit)
             return False
         backoff = min(IN_JOB_BACKOFF_MAX_S, IN_JOB_BACKOFF_S * 2 ** restarts)

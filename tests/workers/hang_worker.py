@@ -82,6 +82,8 @@ def main() -> int:
     ap.add_argument("--crash-signal", choices=("KILL", "SEGV", "OOM", "MEMORYERROR", "STOP"), default="KILL")
     ap.add_argument("--pg-timeout", type=float, default=None, help="the process group's collective timeout")
     ap.add_argument("--always", action="store_true", help="fault at every run, not once")
+    ap.add_argument("--crash-after-commit", action="store_true",
+                    help="wait for the save in flight to commit before the crash (on a busy node it may not have)")
     args = ap.parse_args()
     rank, world, _ = init_distributed(backend="gloo", timeout=args.pg_timeout)
     torch.manual_seed(1000 + rank)
@@ -103,6 +105,8 @@ def main() -> int:
         if args.hang_at == step and rank == args.hang_rank and _fault_due(args, rank):
             _sleep_forever(f"after step {step}")
         if args.crash_at == step and rank == args.crash_rank and _fault_due(args, rank):
+            if args.crash_after_commit:
+                ckpt.wait()
             _crash(args.crash_signal)
         if args.section_at == step:
             with ckpt.section("eval", timeout=args.section_timeout):
