@@ -67,8 +67,8 @@ class Model(L.LightningModule):
 class StepLog(L.Callback):
     """The test's record of every step (after ResilientSlurm's own on_train_batch_end)."""
 
-    def __init__(self, path: str, sleep: float) -> None:
-        self.path, self.sleep = path, sleep
+    def __init__(self, path: str, sleep: float, pause_at: int) -> None:
+        self.path, self.sleep, self.pause_at = path, sleep, pause_at
 
     def _write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
@@ -84,6 +84,8 @@ class StepLog(L.Callback):
                      "batch": batch[2].tolist(), "loss": outputs["loss"].item()})
         if self.sleep:
             time.sleep(self.sleep)
+        if trainer.global_step == self.pause_at:
+            time.sleep(3.0)  # a stop asked for now is saved at the next step boundary: the test sends it here
 
 
 def main() -> int:
@@ -97,6 +99,8 @@ def main() -> int:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--num-nodes", type=int, default=1)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--pause-at", type=int, default=-1)
+    ap.add_argument("--reload", action="store_true", help="reload_dataloaders_every_n_epochs=1")
     ap.add_argument("--log", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -111,7 +115,8 @@ def main() -> int:
         strategy="ddp" if args.devices * args.num_nodes > 1 else "auto",
         max_steps=steps, max_epochs=args.epochs, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[plugin, StepLog(args.log.replace("%r", str(rank)), args.step_sleep)],  # the one line
+        reload_dataloaders_every_n_epochs=1 if args.reload else 0,
+        callbacks=[plugin, StepLog(args.log.replace("%r", str(rank)), args.step_sleep, args.pause_at)],  # the one line
     )
     trainer.fit(model)
     done = trainer.global_step >= steps

@@ -1,0 +1,325 @@
+"""PyTorch Lightning through ``Trainer(..., callbacks=[ResilientSlurm()])`` (resilient_slurm/integrations/lightning.py).
+
+* The sampler fixes Lightning needs, in one process: replicas resolved once the process group exists,
+  ``length="epoch"`` (the length Lightning measures once) and its rollover at an epoch's end.
+* The Lightning internals the integration relies on, pinned: an upgrade that changes them fails here.
+* In one process (one rank, a real Trainer): a run stopped by an emergency save mid-epoch, on an epoch's
+  last batch and on the next epoch's first batch, with and without dataloaders reloaded every epoch,
+  resumed by a new Trainer, gives every step's loss and batch and the final weights, optimizer and
+  scheduler bitwise as a run that never stopped.
+* End to end (tests/workers/lightning_worker.py, 2 ranks under ``rslurm launch -n 2``, DDP over gloo,
+  dropout, several epochs): a real SIGTERM to the launcher mid-epoch, and at an epoch's last step with
+  DataLoader workers and per-epoch reloads; the requeue exit (75), a second launch, and a bitwise
+  comparison with an uninterrupted run. ``rslurm rehearse`` passes on the same program. On the Slurm test
+  cluster: a real preemption of an ``sbatch`` job, a real requeue, the same comparison.
+* Unsupported set-ups are refused with errors that say what to do.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import REPO, assert_same, clean_env, read_jsonl
+from slurm_cluster import SlurmCluster
+
+from resilient_slurm import ConfigError
+from resilient_slurm.checkpoint.sampler import ResumableSampler
+
+L = pytest.importorskip("lightning", reason="lightning is in the test extra: pip install -e '.[test]'")
+
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector  # noqa: E402
+from lightning.pytorch.trainer.connectors.data_connector import _DataConnector  # noqa: E402
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector  # noqa: E402
+
+from resilient_slurm.integrations.lightning import ResilientSlurm  # noqa: E402
+
+WORKER = REPO / "tests" / "workers" / "lightning_worker.py"
+STEPS = 24  # 44 samples, 2 ranks, batches of 4: 6 steps per epoch (the last batch of 2), 4 epochs
+REQUEUE = 75
+
+
+# ------------------------------------------------------------------------------------------ the sampler
+def test_a_sampler_built_before_the_process_group_takes_its_replicas_when_used(caplog: pytest.LogCaptureFixture,
+                                                                              monkeypatch: pytest.MonkeyPatch):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    early = ResumableSampler(23, seed=3)  # as a framework builds it, before fit() creates the group
+    assert (early.num_replicas, early.rank) == (1, 0)
+    with caplog.at_level(logging.WARNING, "resilient_slurm.checkpoint.sampler"):
+        len(early)
+    assert "without a process group while WORLD_SIZE=2: every rank reads every sample" in caplog.text
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        with caplog.at_level(logging.INFO, "resilient_slurm.checkpoint.sampler"):
+            got = list(early)
+        assert (early.num_replicas, early.rank) == (2, 1)
+        assert "built before the process group existed; it now samples for rank 1 of 2" in caplog.text
+        assert got == list(ResumableSampler(23, num_replicas=2, rank=1, seed=3)) and len(got) == 12
+        explicit = ResumableSampler(23, num_replicas=1, rank=0)  # what the program asked for stays
+        assert len(list(explicit)) == 23 and explicit.num_replicas == 1
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_length_epoch_is_the_epoch_and_an_ended_epoch_iterates_the_next():
+    rest = ResumableSampler(23, num_replicas=2, rank=0, seed=3)
+    whole = ResumableSampler(23, num_replicas=2, rank=0, seed=3, length="epoch")
+    for s in (rest, whole):
+        s.advance(5)
+    assert len(rest) == 7 and len(whole) == 12  # DistributedSampler's num_samples: Lightning measures it once
+    assert list(whole) == list(rest)  # iteration is the same: the rest of the epoch
+    whole.advance(7)
+    assert (whole.epoch, len(whole)) == (0, 12)  # an ended epoch still has its length (asked before set_epoch)
+    nxt = list(whole)  # a loop that creates its iterator before setting the epoch gets the next epoch
+    assert (whole.epoch, whole.consumed) == (1, 0)
+    fresh = ResumableSampler(23, num_replicas=2, rank=0, seed=3)
+    fresh.set_epoch(1)
+    assert nxt == list(fresh)
+    whole.set_epoch(1)  # and setting it then keeps the position
+    assert (whole.epoch, whole.consumed) == (1, 0)
+    with pytest.raises(ConfigError, match="length must be one of remaining, epoch"):
+        ResumableSampler(23, length="all")
+
+
+# ------------------------------------------------------------------------------- Lightning internals
+def test_the_lightning_internals_the_integration_uses_are_there():
+    """Each is used by resilient_slurm/integrations/lightning.py; a Lightning that changes one fails here."""
+    run = inspect.getsource(L.Trainer._run)
+    # the restore hand-over: on_fit_start runs before restore_training_state, which reads _loaded_checkpoint
+    assert run.index('"on_fit_start"') < run.index("restore_training_state()") < run.index("register_signal_handlers()")
+    assert "self._loaded_checkpoint" in inspect.getsource(_CheckpointConnector.restore_training_state)
+    assert "fit_loop.load_state_dict" in inspect.getsource(_CheckpointConnector.restore_loops)
+    assert list(inspect.signature(_DataConnector._prepare_dataloader).parameters) == ["self", "dataloader", "shuffle",
+                                                                                      "mode"]
+    assert callable(_SignalConnector.register_signal_handlers)
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    assert list(inspect.signature(_update_dataloader).parameters)[:3] == ["dataloader", "sampler", "mode"]
+    # the train loader's state travels in the fit loop's state when the loader has state_dict/load_state_dict
+    assert "_load_combined_loader_states()" in inspect.getsource(_FitLoop.setup_data)
+
+
+# ------------------------------------------------------------------------------------- in one process
+sys.path.insert(0, str(REPO / "tests" / "workers"))
+import lightning_worker  # noqa: E402
+
+
+class _StopAt(L.Callback):
+    """Asks for an emergency save during step ``at`` (what the signal handler does)."""
+
+    def __init__(self, plugin: ResilientSlurm, at: int) -> None:
+        self.plugin, self.at = plugin, at
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step + 1 == self.at and self.plugin.ckpt is not None:
+            self.plugin.ckpt.request_emergency_save()
+
+
+def _fit(root: Path, log: Path, *, stop_at: int = -1, reload: bool = False, steps: int = 30) -> tuple[Any, Any]:
+    L.seed_everything(0, verbose=False)
+    model = lightning_worker.Model(44, 4, 0)  # one rank: 11 steps per epoch, the last batch of 4
+    plugin = ResilientSlurm(local_dir=str(root), run_id="inproc")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        reload_dataloaders_every_n_epochs=1 if reload else 0,
+                        callbacks=[plugin, lightning_worker.StepLog(str(log), 0.0, -1), _StopAt(plugin, stop_at)])
+    trainer.fit(model)
+    return trainer, plugin
+
+
+def _final(trainer: Any) -> dict[str, Any]:
+    return {"model": trainer.lightning_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+            "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "rng": torch.get_rng_state()}
+
+
+def _steps(log: Path) -> dict[int, tuple[Any, ...]]:
+    """step -> (epoch, batch ids, loss); a step trained twice must repeat itself exactly."""
+    out: dict[int, tuple[Any, ...]] = {}
+    for e in read_jsonl(log):
+        if "loss" in e:
+            now = (e["epoch"], e["batch"], e["loss"])
+            assert out.setdefault(e["step"], now) == now, f"step {e['step']} differs when trained again"
+    return out
+
+
+@pytest.fixture(scope="module")
+def in_process_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    work = tmp_path_factory.mktemp("lightning-inproc-ref")
+    trainer, _ = _fit(work / "nvme", work / "log.jsonl")
+    return _steps(work / "log.jsonl"), _final(trainer)
+
+
+@pytest.mark.parametrize(("stop_at", "reload"), [(15, False), (11, False), (12, True), (22, True)],
+                         ids=["mid-epoch", "last-batch-of-epoch", "first-batch-of-epoch-reload", "epoch-end-reload"])
+def test_in_process_stop_and_resume_is_bitwise(tmp_path: Path, in_process_reference: tuple[dict, dict], stop_at: int,
+                                               reload: bool):
+    want_steps, want_final = in_process_reference
+    log = tmp_path / "log.jsonl"
+    first, plugin = _fit(tmp_path / "nvme", log, stop_at=stop_at, reload=reload)
+    assert plugin.should_stop and first.global_step == stop_at
+    second, plugin2 = _fit(tmp_path / "nvme", log, reload=reload)
+    assert plugin2.restored_step == stop_at and not plugin2.should_stop
+    got = _steps(log)
+    assert sorted(got) == sorted(want_steps) == list(range(1, 31))
+    for s in want_steps:
+        assert got[s] == want_steps[s], f"step {s}: {got[s]} != {want_steps[s]}"
+    assert_same(_final(second), want_final, "final")
+
+
+# ---------------------------------------------------------------------------------- errors, set-up
+def test_unsupported_strategies_are_refused_naming_what_to_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    model = lightning_worker.Model(44, 4, 0)
+    fsdp = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    # Lightning builds FSDP only with a GPU: the strategy a GPU machine would have, on this CPU trainer
+    monkeypatch.setattr(fsdp._accelerator_connector, "strategy", FSDPStrategy())
+    with pytest.raises(ConfigError, match="DDP and single-device strategies, not FSDPStrategy"):
+        ResilientSlurm(local_dir=str(tmp_path)).setup(fsdp, model, "fit")
+    spawn = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False)
+    with pytest.raises(ConfigError, match=r"starting its own 2 processes .* `rslurm launch -n N"):
+        ResilientSlurm(local_dir=str(tmp_path)).setup(spawn, model, "fit")
+
+
+@pytest.mark.proc
+def test_without_lightning_the_error_names_the_extra():
+    code = ("import sys; sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None\n"
+            "import resilient_slurm.integrations.lightning")
+    p = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "pip install 'resilient_slurm[lightning]'" in p.stderr, p.stderr
+
+
+# ---------------------------------------------------------------------------------------- end to end
+def _launch(work: Path, *extra: str) -> subprocess.Popen[bytes]:
+    work.mkdir(parents=True, exist_ok=True)
+    env = clean_env({"RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"), "RSLURM_RUN_ID": "lt"})
+    cmd = [sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", sys.executable, str(WORKER),
+           "--steps", str(STEPS), "--log", str(work / "log.%r.jsonl"), "--out", str(work / "out.%r.pt"), *extra]
+    with open(work / "launcher.log", "ab") as f:
+        return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=work)
+
+
+def _wait(proc: subprocess.Popen[bytes], work: Path, want: int) -> None:
+    try:
+        code = proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    assert code == want, (work / "launcher.log").read_text(errors="replace")[-5000:]
+
+
+def _rank_steps(work: Path, rank: int) -> list[dict]:
+    return [e for e in read_jsonl(work / f"log.{rank}.jsonl") if "loss" in e]
+
+
+def _assert_identical(ref: Path, work: Path) -> None:
+    for r in range(2):
+        got = _steps(work / f"log.{r}.jsonl")
+        want = _steps(ref / f"log.{r}.jsonl")
+        assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+        for s in want:
+            assert got[s] == want[s], f"rank {r} step {s}: {got[s]} != {want[s]}"
+        assert_same(torch.load(work / f"out.{r}.pt", weights_only=True),
+                    torch.load(ref / f"out.{r}.pt", weights_only=True), f"rank{r}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("lightning-ref")
+    _wait(_launch(work), work, 0)
+    starts = [e for e in read_jsonl(work / "log.0.jsonl") if e.get("event") == "start"]
+    assert starts[0]["module_file"] == str(REPO / "resilient_slurm" / "__init__.py")  # this checkout's code
+    for epoch in range(STEPS // 6):  # the two ranks share each epoch's samples, as DistributedSampler would
+        seen = [i for r in range(2) for e in _rank_steps(work, r) if e["epoch"] == epoch for i in e["batch"]]
+        assert sorted(seen) == list(range(44)), epoch
+    return work
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+@pytest.mark.parametrize(("pause_at", "extra"), [(9, ()), (11, ("--workers", "2", "--reload"))],
+                         ids=["mid-epoch", "epoch-end-workers-reload"])
+def test_sigterm_to_the_launcher_saves_requeues_and_resumes_bitwise(reference: Path, tmp_path: Path, pause_at: int,
+                                                                    extra: tuple[str, ...]):
+    """The worker pauses after step ``pause_at``; SIGTERM then is saved at step ``pause_at + 1``: step 10 is in
+    the middle of epoch 1 (steps 7-12), step 12 its last. DataLoader workers and per-epoch reloads change
+    nothing that is computed, so the same uninterrupted run is the reference."""
+    work = tmp_path / "run"
+    proc = _launch(work, "--pause-at", str(pause_at), *extra)
+    deadline = time.monotonic() + 180
+    while not all((work / f"log.{r}.jsonl").exists() and any(e["step"] == pause_at for e in _rank_steps(work, r))
+                  for r in range(2)):
+        assert proc.poll() is None and time.monotonic() < deadline, (work / "launcher.log").read_text()[-3000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _wait(proc, work, REQUEUE)
+    exits = [e for e in read_jsonl(work / "log.0.jsonl") if e.get("event") == "exit"]
+    assert exits == [{"event": "exit", "step": pause_at + 1, "stopped": True}], exits
+    assert "Lightning's SIGTERM handler and SLURM auto-requeue are off" in (work / "launcher.log").read_text()
+    _wait(_launch(work, *extra), work, 0)
+    for r in range(2):
+        trained = [e["step"] for e in _rank_steps(work, r)]
+        assert trained == list(range(1, STEPS + 1)), f"rank {r} trained {trained}"  # nothing twice, nothing skipped
+    _assert_identical(reference, work)
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+def test_rehearse_passes_on_the_lightning_program(tmp_path: Path):
+    out = tmp_path / "rehearse"
+    argv = [sys.executable, "-m", "resilient_slurm.cli", "rehearse", "-n", "2", "--seed", "5", "--steps", "18",
+            "--dir", str(out), "--", sys.executable, str(WORKER), "--log", str(tmp_path / "log.%r.jsonl"),
+            "--out", str(tmp_path / "out.%r.pt")]
+    p = subprocess.run(argv, env=clean_env({"RSLURM_LOG_LEVEL": "WARNING"}), cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+    text = p.stdout + p.stderr
+    assert p.returncode == 0 and "PASS" in text and "resumed from step" in text, text[-4000:]
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+def test_preempted_on_slurm_requeued_and_resumed_bitwise(slurm: SlurmCluster, reference: Path):
+    """A real sbatch job (2 nodes, a task each: Lightning's SLURMEnvironment) through `rslurm launch -- srun`,
+    preempted by a `high` job; the ranks save, the launcher requeues, the job resumes and ends bitwise
+    identical to the local uninterrupted run (the same two ranks, the same computation)."""
+    work = slurm.work_dir / "lightning-preempt"
+    work.mkdir()
+    py = sys.executable
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
+           "RSLURM_RUN_ID": "lt", "RSLURM_LOG_LEVEL": "INFO", "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl")}
+    exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
+    program = [py, str(WORKER), "--steps", str(STEPS), "--devices", "1", "--num-nodes", "2", "--step-sleep", "0.2",
+               "--log", str(work / "log.%r.jsonl"), "--out", str(work / "out.%r.pt")]
+    script = f"#!/bin/bash\n{exports}exec {py} -m resilient_slurm.cli launch -- srun -N2 -n2 {' '.join(program)}\n"
+    job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--exclusive", "--open-mode=append",
+                       "-o", str(work / "job.out"))
+    deadline = time.monotonic() + 180
+    while not ((work / "log.0.jsonl").exists() and any(e["step"] >= 8 for e in _rank_steps(work, 0))):
+        assert time.monotonic() < deadline, slurm.diagnose(job) + (work / "job.out").read_text(errors="replace")[-4000:]
+        time.sleep(0.1)
+    high = slurm.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
+                        "-o", str(work / "high.out"))
+    slurm.wait_state(high, "COMPLETED", timeout=120)
+    try:
+        info = slurm.wait_state(job, "COMPLETED", timeout=240)
+    except BaseException:
+        print(slurm.diagnose(job), (work / "job.out").read_text(errors="replace")[-6000:])
+        raise
+    assert int(info["Restarts"]) == 1, info
+    exits = [e for e in read_jsonl(work / "log.0.jsonl") if e.get("event") == "exit"]
+    assert [e["stopped"] for e in exits] == [True, False] and 8 <= exits[0]["step"] < STEPS, exits
+    text = (work / "job.out").read_text(errors="replace")
+    assert "Lightning's SIGTERM handler and SLURM auto-requeue are off" in text, text[-4000:]
+    _assert_identical(reference, work)
+
