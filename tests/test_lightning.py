@@ -17,9 +17,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
-import signal
+import re
 import subprocess
 import sys
 import time
@@ -43,8 +44,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnect
 from resilient_slurm.integrations.lightning import ResilientSlurm  # noqa: E402
 
 WORKER = REPO / "tests" / "workers" / "lightning_worker.py"
-STEPS = 24  # 44 samples, 2 ranks, batches of 4: 6 steps per epoch (the last batch of 2), 4 epochs
-REQUEUE = 75
+STEPS = 18  # 44 samples, 2 ranks, batches of 4: 6 steps per epoch (the last batch of 2), 3 epochs
 
 
 # ------------------------------------------------------------------------------------------ the sampler
@@ -110,6 +110,10 @@ def test_the_lightning_internals_the_integration_uses_are_there():
     assert "_load_combined_loader_states()" in inspect.getsource(_FitLoop.setup_data)
 
 
+def _rank_steps(work: Path, rank: int) -> list[dict]:
+    return [e for e in read_jsonl(work / f"log.{rank}.jsonl") if "loss" in e]
+
+
 # ------------------------------------------------------------------------------------- in one process
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 import lightning_worker  # noqa: E402
@@ -126,9 +130,10 @@ class _StopAt(L.Callback):
             self.plugin.ckpt.request_emergency_save()
 
 
-def _fit(root: Path, log: Path, *, stop_at: int = -1, reload: bool = False, steps: int = 30) -> tuple[Any, Any]:
+def _fit(root: Path, log: Path, *, stop_at: int = -1, reload: bool = False, workers: int = 0,
+         steps: int = 30) -> tuple[Any, Any]:
     L.seed_everything(0, verbose=False)
-    model = lightning_worker.Model(44, 4, 0)  # one rank: 11 steps per epoch, the last batch of 4
+    model = lightning_worker.Model(44, 4, workers)  # one rank: 11 steps per epoch, the last batch of 4
     plugin = ResilientSlurm(local_dir=str(root), run_id="inproc")
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -160,15 +165,18 @@ def in_process_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict
     return _steps(work / "log.jsonl"), _final(trainer)
 
 
-@pytest.mark.parametrize(("stop_at", "reload"), [(15, False), (11, False), (12, True), (22, True)],
-                         ids=["mid-epoch", "last-batch-of-epoch", "first-batch-of-epoch-reload", "epoch-end-reload"])
+@pytest.mark.parametrize(("stop_at", "reload", "workers"), [(15, False, 0), (11, False, 0), (12, True, 0), (22, True, 2)],
+                         ids=["mid-epoch", "last-batch-of-epoch", "first-batch-of-epoch-reload",
+                              "epoch-end-reload-workers"])
 def test_in_process_stop_and_resume_is_bitwise(tmp_path: Path, in_process_reference: tuple[dict, dict], stop_at: int,
-                                               reload: bool):
+                                               reload: bool, workers: int):
+    """DataLoader workers and per-epoch reloads change nothing computed: one reference for all. Workers make
+    the loader draw its indices when Lightning creates the iterator, before Lightning sets the epoch."""
     want_steps, want_final = in_process_reference
     log = tmp_path / "log.jsonl"
-    first, plugin = _fit(tmp_path / "nvme", log, stop_at=stop_at, reload=reload)
+    first, plugin = _fit(tmp_path / "nvme", log, stop_at=stop_at, reload=reload, workers=workers)
     assert plugin.should_stop and first.global_step == stop_at
-    second, plugin2 = _fit(tmp_path / "nvme", log, reload=reload)
+    second, plugin2 = _fit(tmp_path / "nvme", log, reload=reload, workers=workers)
     assert plugin2.restored_step == stop_at and not plugin2.should_stop
     got = _steps(log)
     assert sorted(got) == sorted(want_steps) == list(range(1, 31))
@@ -192,38 +200,18 @@ def test_unsupported_strategies_are_refused_naming_what_to_use(tmp_path: Path, m
         ResilientSlurm(local_dir=str(tmp_path)).setup(spawn, model, "fit")
 
 
-@pytest.mark.proc
-def test_without_lightning_the_error_names_the_extra():
-    code = ("import sys; sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None\n"
-            "import resilient_slurm.integrations.lightning")
-    p = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
-    assert p.returncode == 1 and "pip install 'resilient_slurm[lightning]'" in p.stderr, p.stderr
+def test_without_lightning_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # what `import` sees when it is not installed
+    path = REPO / "resilient_slurm" / "integrations" / "lightning.py"
+    spec = importlib.util.spec_from_file_location("resilient_slurm.integrations._lightning_missing", path)
+    assert spec is not None and spec.loader is not None
+    with pytest.raises(ImportError, match=r"pip install 'resilient_slurm\[lightning\]'"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 # ---------------------------------------------------------------------------------------- end to end
-def _launch(work: Path, *extra: str) -> subprocess.Popen[bytes]:
-    work.mkdir(parents=True, exist_ok=True)
-    env = clean_env({"RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"), "RSLURM_RUN_ID": "lt"})
-    cmd = [sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", sys.executable, str(WORKER),
-           "--steps", str(STEPS), "--log", str(work / "log.%r.jsonl"), "--out", str(work / "out.%r.pt"), *extra]
-    with open(work / "launcher.log", "ab") as f:
-        return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=work)
-
-
-def _wait(proc: subprocess.Popen[bytes], work: Path, want: int) -> None:
-    try:
-        code = proc.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = proc.wait()
-    assert code == want, (work / "launcher.log").read_text(errors="replace")[-5000:]
-
-
-def _rank_steps(work: Path, rank: int) -> list[dict]:
-    return [e for e in read_jsonl(work / f"log.{rank}.jsonl") if "loss" in e]
-
-
 def _assert_identical(ref: Path, work: Path) -> None:
+    """Every step of every rank (epoch, sample ids, loss) and the final model, optimizer and scheduler."""
     for r in range(2):
         got = _steps(work / f"log.{r}.jsonl")
         want = _steps(ref / f"log.{r}.jsonl")
@@ -235,64 +223,53 @@ def _assert_identical(ref: Path, work: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("lightning-ref")
-    _wait(_launch(work), work, 0)
-    starts = [e for e in read_jsonl(work / "log.0.jsonl") if e.get("event") == "start"]
-    assert starts[0]["module_file"] == str(REPO / "resilient_slurm" / "__init__.py")  # this checkout's code
-    for epoch in range(STEPS // 6):  # the two ranks share each epoch's samples, as DistributedSampler would
-        seen = [i for r in range(2) for e in _rank_steps(work, r) if e["epoch"] == epoch for i in e["batch"]]
-        assert sorted(seen) == list(range(44)), epoch
-    return work
-
-
-@pytest.mark.proc
-@pytest.mark.slow
-@pytest.mark.parametrize(("pause_at", "extra"), [(9, ()), (11, ("--workers", "2", "--reload"))],
-                         ids=["mid-epoch", "epoch-end-workers-reload"])
-def test_sigterm_to_the_launcher_saves_requeues_and_resumes_bitwise(reference: Path, tmp_path: Path, pause_at: int,
-                                                                    extra: tuple[str, ...]):
-    """The worker pauses after step ``pause_at``; SIGTERM then is saved at step ``pause_at + 1``: step 10 is in
-    the middle of epoch 1 (steps 7-12), step 12 its last. DataLoader workers and per-epoch reloads change
-    nothing that is computed, so the same uninterrupted run is the reference."""
-    work = tmp_path / "run"
-    proc = _launch(work, "--pause-at", str(pause_at), *extra)
-    deadline = time.monotonic() + 180
-    while not all((work / f"log.{r}.jsonl").exists() and any(e["step"] == pause_at for e in _rank_steps(work, r))
-                  for r in range(2)):
-        assert proc.poll() is None and time.monotonic() < deadline, (work / "launcher.log").read_text()[-3000:]
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    _wait(proc, work, REQUEUE)
-    exits = [e for e in read_jsonl(work / "log.0.jsonl") if e.get("event") == "exit"]
-    assert exits == [{"event": "exit", "step": pause_at + 1, "stopped": True}], exits
-    assert "Lightning's SIGTERM handler and SLURM auto-requeue are off" in (work / "launcher.log").read_text()
-    _wait(_launch(work, *extra), work, 0)
-    for r in range(2):
-        trained = [e["step"] for e in _rank_steps(work, r)]
-        assert trained == list(range(1, STEPS + 1)), f"rank {r} trained {trained}"  # nothing twice, nothing skipped
-    _assert_identical(reference, work)
-
-
-@pytest.mark.proc
-@pytest.mark.slow
-def test_rehearse_passes_on_the_lightning_program(tmp_path: Path):
-    out = tmp_path / "rehearse"
-    argv = [sys.executable, "-m", "resilient_slurm.cli", "rehearse", "-n", "2", "--seed", "5", "--steps", "18",
-            "--dir", str(out), "--", sys.executable, str(WORKER), "--log", str(tmp_path / "log.%r.jsonl"),
-            "--out", str(tmp_path / "out.%r.pt")]
-    p = subprocess.run(argv, env=clean_env({"RSLURM_LOG_LEVEL": "WARNING"}), cwd=tmp_path, capture_output=True,
+def rehearsal(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int]:
+    """``rslurm rehearse -n 2``: the program once uninterrupted, once stopped by a real SIGTERM to the real
+    launcher (exit 75, as a requeue) and run again; each run writes its step logs and final state in its
+    own directory ({local}), so the test compares more than the recorded losses rehearse compares."""
+    tmp = tmp_path_factory.mktemp("lightning-rehearse")
+    out = tmp / "rehearse"
+    argv = [sys.executable, "-m", "resilient_slurm.cli", "rehearse", "-n", "2", "--seed", "5", "--steps", str(STEPS),
+            "--dir", str(out), "--", sys.executable, str(WORKER), "--workers", "2", "--step-sleep", "0.1",
+            "--log", "{local}/log.%r.jsonl",
+            "--out", "{local}/out.%r.pt"]
+    p = subprocess.run(argv, env=clean_env({"RSLURM_LOG_LEVEL": "WARNING"}), cwd=tmp, capture_output=True,
                        text=True, timeout=600)
-    text = p.stdout + p.stderr
-    assert p.returncode == 0 and "PASS" in text and "resumed from step" in text, text[-4000:]
+    return out, p.stdout + p.stderr, p.returncode
 
 
 @pytest.mark.proc
 @pytest.mark.slow
-def test_preempted_on_slurm_requeued_and_resumed_bitwise(slurm: SlurmCluster, reference: Path):
+def test_stopped_mid_epoch_by_sigterm_resumes_bitwise_and_rehearse_passes(rehearsal: tuple[Path, str, int]):
+    """Seed 5 sends SIGTERM after step 9: the stop is in the middle of epoch 1 (steps 7-12), and the resumed run
+    finishes that epoch and crosses the next epoch end. Each rank has 2 DataLoader workers."""
+    out, text, code = rehearsal
+    assert code == 0 and "PASS" in text, text[-4000:]
+    found = re.search(r"stopped after step (\d+); launcher exit 75", text)
+    assert found and 9 < int(found.group(1)) < 12 and f"resumed from step {found.group(1)}," in text, text[-4000:]
+    stopped_at = int(found.group(1))
+    straight, stopped = out / "uninterrupted" / "local", out / "interrupted" / "local"
+    starts = [e for e in read_jsonl(stopped / "log.0.jsonl") if e.get("event") == "start"]
+    assert starts[0]["module_file"] == str(REPO / "resilient_slurm" / "__init__.py")  # this checkout's code
+    exits = [e for e in read_jsonl(stopped / "log.0.jsonl") if e.get("event") == "exit"]
+    assert exits == [{"event": "exit", "step": stopped_at, "stopped": True},
+                     {"event": "exit", "step": STEPS, "stopped": False}]
+    for r in range(2):
+        trained = [e["step"] for e in read_jsonl(stopped / f"log.{r}.jsonl") if "loss" in e]
+        assert trained == list(range(1, STEPS + 1)), f"rank {r} trained {trained}"  # nothing twice, nothing skipped
+    for epoch in range(STEPS // 6):  # the two ranks share each epoch's samples, as DistributedSampler would
+        seen = [i for r in range(2) for e in read_jsonl(stopped / f"log.{r}.jsonl")
+                if e.get("epoch") == epoch and "batch" in e for i in e["batch"]]
+        assert sorted(seen) == list(range(44)), epoch
+    _assert_identical(straight, stopped)
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+def test_preempted_on_slurm_requeued_and_resumed_bitwise(slurm: SlurmCluster, rehearsal: tuple[Path, str, int]):
     """A real sbatch job (2 nodes, a task each: Lightning's SLURMEnvironment) through `rslurm launch -- srun`,
     preempted by a `high` job; the ranks save, the launcher requeues, the job resumes and ends bitwise
-    identical to the local uninterrupted run (the same two ranks, the same computation)."""
+    identical to the rehearsal's uninterrupted local run (the same two ranks, the same computation)."""
     work = slurm.work_dir / "lightning-preempt"
     work.mkdir()
     py = sys.executable
@@ -305,7 +282,7 @@ def test_preempted_on_slurm_requeued_and_resumed_bitwise(slurm: SlurmCluster, re
     job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--exclusive", "--open-mode=append",
                        "-o", str(work / "job.out"))
     deadline = time.monotonic() + 180
-    while not ((work / "log.0.jsonl").exists() and any(e["step"] >= 8 for e in _rank_steps(work, 0))):
+    while not ((work / "log.0.jsonl").exists() and any(e["step"] >= 8 for e in _rank_steps(work, 0))):  # epoch 1
         assert time.monotonic() < deadline, slurm.diagnose(job) + (work / "job.out").read_text(errors="replace")[-4000:]
         time.sleep(0.1)
     high = slurm.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
@@ -319,7 +296,10 @@ def test_preempted_on_slurm_requeued_and_resumed_bitwise(slurm: SlurmCluster, re
     assert int(info["Restarts"]) == 1, info
     exits = [e for e in read_jsonl(work / "log.0.jsonl") if e.get("event") == "exit"]
     assert [e["stopped"] for e in exits] == [True, False] and 8 <= exits[0]["step"] < STEPS, exits
+    for r in range(2):
+        trained = [e["step"] for e in _rank_steps(work, r)]
+        assert trained == list(range(1, STEPS + 1)), f"rank {r} trained {trained}"
     text = (work / "job.out").read_text(errors="replace")
     assert "Lightning's SIGTERM handler and SLURM auto-requeue are off" in text, text[-4000:]
-    _assert_identical(reference, work)
+    _assert_identical(rehearsal[0] / "uninterrupted" / "local", work)
 

@@ -42,7 +42,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.sampler import ResumableSampler
-from ..errors import ConfigError
+from ..errors import ConfigError, IncompatibleCheckpointError
 
 try:
     import lightning.pytorch as pl
@@ -50,6 +50,7 @@ try:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
     from lightning.pytorch.trainer.states import RunningStage
     from lightning.pytorch.utilities.data import _update_dataloader
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "resilient_slurm.integrations.lightning needs PyTorch Lightning (the 'lightning' package): "
@@ -57,6 +58,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 log = logging.getLogger(__name__)
+
+
+def _say(msg: str, *args: Any) -> None:
+    """An INFO line where a Lightning user reads Lightning's own: rank 0, through Lightning's logger."""
+    rank_zero_info(msg % args)
 
 __all__ = ["ResilientSlurm"]
 
@@ -169,7 +175,7 @@ class ResilientSlurm(pl.Callback):
             sampler = ResumableSampler(loader.dataset, num_replicas=replicas, rank=rank,  # type: ignore[arg-type]
                                        shuffle=shuffle, seed=seed, drop_last=drop_last, length="epoch")
             prepared = _update_dataloader(loader, sampler, mode=mode)
-            log.info("rslurm: the train DataLoader samples through ResumableSampler (rank %d of %d, shuffle=%s, "
+            _say("rslurm: the train DataLoader samples through ResumableSampler (rank %d of %d, shuffle=%s, "
                      "seed=%d): its position is saved with every checkpoint", rank, replicas, shuffle, seed)
         else:
             log.warning("rslurm: the train DataLoader's sampler (%s) is not a ResumableSampler: its position in "
@@ -181,6 +187,16 @@ class ResilientSlurm(pl.Callback):
             # run creates it mid-epoch, which would shift every later dropout mask. A generator of its own
             # keeps the global stream a function of the training steps alone.
             prepared.generator = torch.Generator().manual_seed(sampler.seed)
+        previous = self._sampler
+        if previous is not None and previous is not sampler:
+            # A reload (reload_dataloaders_every_n_epochs): the position belongs to the run, not to the loader.
+            # Lightning creates the new loader's iterator before it sets the epoch (and, on a resume at an
+            # epoch's end, keeps that iterator), so a fresh sampler would hand out epoch 0's order there.
+            try:
+                sampler.load_state_dict(previous.state_dict())
+            except IncompatibleCheckpointError as exc:  # another dataset, seed or shuffle: its epoch only
+                log.info("rslurm: the reloaded train DataLoader starts its epoch afresh (%s)", exc)
+                sampler.set_epoch(previous.epoch)
         position = _SamplerPosition(sampler)
         prepared.state_dict = position.state_dict  # type: ignore[attr-defined]
         prepared.load_state_dict = position.load_state_dict  # type: ignore[attr-defined]
@@ -220,7 +236,7 @@ class ResilientSlurm(pl.Callback):
         if "precision" in state:
             handed[type(precision).__qualname__] = precision.state_dict()
         trainer._checkpoint_connector._loaded_checkpoint = handed
-        log.info("rslurm: resumed at step %d (epoch %d)", step,
+        _say("rslurm: resumed at step %d (epoch %d)", step,
                  loops.loaded.get("epoch_progress", {}).get("current", {}).get("processed", -1))
 
     # ----------------------------------------------------------------------------------- steps
@@ -245,7 +261,7 @@ class ResilientSlurm(pl.Callback):
                 metrics = {"loss": loss.detach()}
         self.ckpt.step(step, self.state, metrics=metrics)
         if self.ckpt.should_stop:
-            log.info("rslurm: emergency checkpoint of step %d committed: stopping the fit loop", step)
+            _say("rslurm: emergency checkpoint of step %d committed: stopping the fit loop", step)
             trainer.should_stop = True
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -297,7 +313,7 @@ def _quiet_lightning_signals(trainer: pl.Trainer) -> None:
     save, and SLURMEnvironment(auto_requeue=True) saves its own checkpoint and requeues on SIGUSR1; the
     Checkpointer's handler (a flag) and the launcher (save at a step boundary, then requeue) do both."""
     if not os.environ.get("RSLURM_CONTROL_SOCKET"):
-        log.info("rslurm: not under `rslurm launch`: Lightning's own signal handlers stay as they are")
+        _say("rslurm: not under `rslurm launch`: Lightning's own signal handlers stay as they are")
         return
     env = trainer._accelerator_connector.cluster_environment
     if isinstance(env, SLURMEnvironment) and env.auto_requeue:
@@ -308,5 +324,5 @@ def _quiet_lightning_signals(trainer: pl.Trainer) -> None:
         connector.received_sigterm = False
 
     connector.register_signal_handlers = register_signal_handlers  # type: ignore[method-assign]
-    log.info("rslurm: Lightning's SIGTERM handler and SLURM auto-requeue are off under `rslurm launch`: "
+    _say("rslurm: Lightning's SIGTERM handler and SLURM auto-requeue are off under `rslurm launch`: "
              "rslurm saves at the next step boundary and the launcher requeues the job")

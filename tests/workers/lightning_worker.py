@@ -106,6 +106,8 @@ def main() -> int:
     args = ap.parse_args()
     steps = int(os.environ.get("RSLURM_REHEARSE_STEPS") or args.steps)
     rank = int(os.environ.get("RANK", "0"))
+    for name in ("log", "out"):  # "{local}": the run's node-local directory (rslurm rehearse runs twice)
+        setattr(args, name, getattr(args, name).replace("{local}", os.environ.get("RSLURM_LOCAL_DIR", ".")))
 
     L.seed_everything(0, verbose=False)
     model = Model(args.samples, args.batch_size, args.workers)
