@@ -106,6 +106,9 @@ def test_the_lightning_internals_the_integration_uses_are_there():
     from lightning.pytorch.utilities.data import _update_dataloader
 
     assert list(inspect.signature(_update_dataloader).parameters)[:3] == ["dataloader", "sampler", "mode"]
+    from lightning.fabric.utilities.data import _auto_add_worker_init_fn
+
+    assert list(inspect.signature(_auto_add_worker_init_fn).parameters) == ["dataloader", "rank"]
     # the train loader's state travels in the fit loop's state when the loader has state_dict/load_state_dict
     assert "_load_combined_loader_states()" in inspect.getsource(_FitLoop.setup_data)
 
@@ -268,7 +271,8 @@ def test_stopped_mid_epoch_by_sigterm_resumes_bitwise_and_rehearse_passes(rehear
 @pytest.mark.slow
 def test_preempted_on_slurm_requeued_and_resumed_bitwise(slurm: SlurmCluster, rehearsal: tuple[Path, str, int]):
     """A real sbatch job (2 nodes, a task each: Lightning's SLURMEnvironment) through `rslurm launch -- srun`,
-    preempted by a `high` job; the ranks save, the launcher requeues, the job resumes and ends bitwise
+    preempted by a `high` job: Slurm sends SIGTERM to every process of the step, DataLoader workers included
+    (the integration shields them); the ranks save, the launcher requeues, the job resumes and ends bitwise
     identical to the rehearsal's uninterrupted local run (the same two ranks, the same computation)."""
     work = slurm.work_dir / "lightning-preempt"
     work.mkdir()
@@ -277,6 +281,7 @@ def test_preempted_on_slurm_requeued_and_resumed_bitwise(slurm: SlurmCluster, re
            "RSLURM_RUN_ID": "lt", "RSLURM_LOG_LEVEL": "INFO", "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl")}
     exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
     program = [py, str(WORKER), "--steps", str(STEPS), "--devices", "1", "--num-nodes", "2", "--step-sleep", "0.2",
+               "--workers", "1",
                "--log", str(work / "log.%r.jsonl"), "--out", str(work / "out.%r.pt")]
     script = f"#!/bin/bash\n{exports}exec {py} -m resilient_slurm.cli launch -- srun -N2 -n2 {' '.join(program)}\n"
     job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--exclusive", "--open-mode=append",

@@ -26,7 +26,8 @@ position with its loop progress and gives it back when it builds the loader on r
 Lightning internals used, each pinned by tests/test_lightning.py so an upgrade that changes them fails
 there: ``trainer._checkpoint_connector._loaded_checkpoint`` (the restore hand-over),
 ``trainer._data_connector._prepare_dataloader`` (where Lightning puts its DistributedSampler),
-``trainer._signal_connector.register_signal_handlers``, ``lightning.pytorch.utilities.data._update_dataloader``.
+``trainer._signal_connector.register_signal_handlers``, ``lightning.pytorch.utilities.data._update_dataloader``,
+``lightning.fabric.utilities.data._auto_add_worker_init_fn``.
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.sampler import ResumableSampler
+from ..checkpoint.workers import protect_dataloader
 from ..errors import ConfigError, IncompatibleCheckpointError
 
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.fabric.utilities.data import _auto_add_worker_init_fn
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
     from lightning.pytorch.trainer.states import RunningStage
     from lightning.pytorch.utilities.data import _update_dataloader
@@ -135,6 +138,11 @@ class ResilientSlurm(pl.Callback):
         if stage != "fit":
             return
         _check_strategy(trainer)
+        if trainer.fit_loop.min_epochs or trainer.fit_loop.min_steps:
+            log.warning("rslurm: Trainer(min_epochs=%s, min_steps=%s): until they are reached Lightning does not "
+                        "stop fit() after an emergency save, and the launcher ends the ranks when its deadline "
+                        "passes; leave them unset for preemptible jobs", trainer.fit_loop.min_epochs,
+                        trainer.fit_loop.min_steps)
         _quiet_lightning_signals(trainer)
         self._replace_sampler(trainer)
         if self.ckpt is None:
@@ -197,6 +205,11 @@ class ResilientSlurm(pl.Callback):
             except IncompatibleCheckpointError as exc:  # another dataset, seed or shuffle: its epoch only
                 log.info("rslurm: the reloaded train DataLoader starts its epoch afresh (%s)", exc)
                 sampler.set_epoch(previous.epoch)
+        # Slurm signals every process of the step: workers must outlive it. Lightning's own worker seeding
+        # (seed_everything(workers=True)) is added first, as Lightning would add it after this hook, so the
+        # shield runs it too.
+        _auto_add_worker_init_fn(prepared, trainer.global_rank)
+        protect_dataloader(prepared)
         position = _SamplerPosition(sampler)
         prepared.state_dict = position.state_dict  # type: ignore[attr-defined]
         prepared.load_state_dict = position.load_state_dict  # type: ignore[attr-defined]
