@@ -283,13 +283,17 @@ def test_preempted_on_slurm_requeued_and_resumed_bitwise(slurm: SlurmCluster, re
     program = [py, str(WORKER), "--steps", str(STEPS), "--devices", "1", "--num-nodes", "2", "--step-sleep", "0.2",
                "--workers", "1",
                "--log", str(work / "log.%r.jsonl"), "--out", str(work / "out.%r.pt")]
-    script = f"#!/bin/bash\n{exports}exec {py} -m resilient_slurm.cli launch -- srun -N2 -n2 {' '.join(program)}\n"
-    job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--exclusive", "--open-mode=append",
-                       "-o", str(work / "job.out"))
+    # Lightning's SLURMEnvironment refuses --ntasks without --ntasks-per-node (SLURM_NTASKS_PER_NODE)
+    srun = f"srun -N2 --ntasks-per-node=1 {' '.join(program)}"
+    script = f"#!/bin/bash\n{exports}exec {py} -m resilient_slurm.cli launch -- {srun}\n"
+    job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--ntasks-per-node=1", "--exclusive",
+                       "--open-mode=append", "-o", str(work / "job.out"))
     deadline = time.monotonic() + 180
     while not ((work / "log.0.jsonl").exists() and any(e["step"] >= 8 for e in _rank_steps(work, 0))):  # epoch 1
-        assert time.monotonic() < deadline, slurm.diagnose(job) + (work / "job.out").read_text(errors="replace")[-4000:]
-        time.sleep(0.1)
+        state = (slurm.job_info(job) or {}).get("JobState")
+        assert time.monotonic() < deadline and state not in ("FAILED", "COMPLETED", "CANCELLED"), \
+            f"job {job} {state}: " + (work / "job.out").read_text(errors="replace")[-4000:]
+        time.sleep(0.5)
     high = slurm.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
                         "-o", str(work / "high.out"))
     slurm.wait_state(high, "COMPLETED", timeout=120)

@@ -127,11 +127,12 @@ class ResilientSlurm(pl.Callback):
         self._batch_size = 1
         self._last_step = -1
         self._sections = contextlib.ExitStack()
+        self._stopped = False
 
     @property
     def should_stop(self) -> bool:
-        """True once an emergency checkpoint committed and the fit loop was told to stop."""
-        return self.ckpt is not None and self.ckpt.should_stop
+        """True once an emergency checkpoint committed and the fit loop was told to stop (also after fit())."""
+        return self._stopped or (self.ckpt is not None and self.ckpt.should_stop)
 
     # ----------------------------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -145,18 +146,22 @@ class ResilientSlurm(pl.Callback):
                         trainer.fit_loop.min_steps)
         _quiet_lightning_signals(trainer)
         self._replace_sampler(trainer)
-        if self.ckpt is None:
+        if self.ckpt is None:  # one per fit(): teardown closes it
             self.ckpt = Checkpointer(**self.checkpointer_kwargs)
+            self._stopped, self._sampler, self._last_step = False, None, -1
 
     def _replace_sampler(self, trainer: pl.Trainer) -> None:
         connector = trainer._data_connector
         original: Callable[..., object] = connector._prepare_dataloader
+        if getattr(original, "_rslurm", False):
+            return  # a second fit() on this Trainer: already in place
 
         def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
             if mode != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
                 return original(dataloader, shuffle, mode)
             return self._resumable_loader(trainer, dataloader, shuffle, original, mode)
 
+        prepare._rslurm = True  # type: ignore[attr-defined]
         connector._prepare_dataloader = prepare  # type: ignore[method-assign]
 
     def _resumable_loader(self, trainer: pl.Trainer, loader: DataLoader[Any], shuffle: bool,
@@ -299,7 +304,9 @@ class ResilientSlurm(pl.Callback):
     def _close(self) -> None:
         self._sections.close()
         if self.ckpt is not None:
-            self.ckpt.close()
+            ckpt, self.ckpt = self.ckpt, None
+            self._stopped = ckpt.should_stop
+            ckpt.close()
 
 
 def _check_strategy(trainer: pl.Trainer) -> None:
