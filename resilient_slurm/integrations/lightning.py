@@ -118,6 +118,13 @@ class ResilientSlurm(pl.Callback):
     """
 
     def __init__(self, *, record_loss: bool = True, **checkpointer_kwargs: Any) -> None:
+        import inspect
+
+        known = set(inspect.signature(Checkpointer).parameters)
+        unknown = sorted(set(checkpointer_kwargs) - known)
+        if unknown:  # here, not inside fit() on every rank
+            raise ConfigError(f"ResilientSlurm got {', '.join(map(repr, unknown))}: not a Checkpointer argument "
+                              f"(those are {', '.join(sorted(known))})")
         self.record_loss = record_loss
         self.checkpointer_kwargs = checkpointer_kwargs
         self.ckpt: Checkpointer | None = None
