@@ -21,11 +21,24 @@ position. :meth:`ResumableSampler.track` does: it yields the loader's batches an
 consumed when the loop receives it. When ``track`` runs an epoch to its end, the sampler moves to the
 start of the next epoch (``epoch + 1``, ``consumed = 0``), so a checkpoint taken after the epoch's loop
 resumes at the start of the next epoch, and ``set_epoch(epoch + 1)`` is then a no-op.
+
+Replicas. Without ``num_replicas``/``rank`` the sampler takes them from the process group. Built before
+the group exists (a framework such as Lightning creates it inside ``fit()``), it resolves them again
+when it is used (iterated, measured, saved or restored) and logs the change: a sampler built too early
+must not silently read every sample on every rank.
+
+Length. ``length="remaining"`` (the default): ``len()`` is what ``iter()`` yields from the current
+position, so a plain loop's ``len(loader)`` after a resume is the batches it will get. ``length="epoch"``:
+``len()`` is the whole epoch's share of a rank, as DistributedSampler's, for loops that count their own
+position in the epoch and measure the epoch once (Lightning's fit loop); ``iter()`` at the end of an
+epoch then starts the next epoch, because such a loop asks for the next epoch's iterator before it sets
+the epoch.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
@@ -41,6 +54,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ResumableSampler"]
 
 STATE_VERSION = 1
+LENGTHS = ("remaining", "epoch")
 
 
 class ResumableSampler(Sampler[int]):
@@ -54,22 +68,32 @@ class ResumableSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        length: str = "remaining",
     ) -> None:
-        """Sample ``dataset_or_len`` (a sized dataset or its length) for ``rank`` of ``num_replicas``."""
+        """Sample ``dataset_or_len`` (a sized dataset or its length) for ``rank`` of ``num_replicas``.
+
+        ``length``: what ``len()`` means, ``"remaining"`` or ``"epoch"`` (see the module's docstring)."""
+        if length not in LENGTHS:
+            raise ConfigError(f"length must be one of {', '.join(LENGTHS)}, got {length!r}")
+        self.length: str = length
         if isinstance(dataset_or_len, bool):
             raise ConfigError("dataset_or_len must be a sized dataset or a non-negative int, got a bool")
         if isinstance(dataset_or_len, int):
-            length = dataset_or_len
+            n = dataset_or_len
         elif isinstance(dataset_or_len, Sized):
-            length = len(dataset_or_len)
+            n = len(dataset_or_len)
         else:
             raise ConfigError(
                 f"dataset_or_len must be a sized dataset or a non-negative int, got "
                 f"{type(dataset_or_len).__name__}; iterable-style datasets cannot be resumed by index"
             )
-        if length < 0:
-            raise ConfigError(f"dataset_or_len must be >= 0, got {length}")
+        if n < 0:
+            raise ConfigError(f"dataset_or_len must be >= 0, got {n}")
         distributed = dist.is_available() and dist.is_initialized()
+        # Left to the process group but built before it exists: resolved again when used (_resolve).
+        self._deferred = not distributed and (num_replicas is None or rank is None)
+        self._deferred_warned = False
         if num_replicas is None:
             num_replicas = dist.get_world_size() if distributed else 1
         if rank is None:
@@ -80,7 +104,7 @@ class ResumableSampler(Sampler[int]):
             raise ConfigError(
                 f"rank must be in [0, {num_replicas - 1}] for num_replicas={num_replicas}, got {rank}"
             )
-        self.dataset_len: int = length
+        self.dataset_len: int = n
         self.num_replicas: int = num_replicas
         self.rank: int = rank
         self.shuffle: bool = bool(shuffle)
@@ -89,6 +113,37 @@ class ResumableSampler(Sampler[int]):
         self.epoch: int = 0
         # Global count (all ranks) of this epoch's samples the training loop has received.
         self.consumed: int = 0
+
+    # -- replicas ------------------------------------------------------------------------------
+
+    def _resolve(self) -> None:
+        """Take the replicas from the process group if it did not exist when this sampler was built."""
+        if not self._deferred:
+            return
+        if dist.is_available() and dist.is_initialized():
+            self._deferred = False
+            world, rank = dist.get_world_size(), dist.get_rank()
+            if (world, rank) != (self.num_replicas, self.rank):
+                logger.info(
+                    "ResumableSampler was built before the process group existed; it now samples for rank %d "
+                    "of %d replicas (it had assumed one replica)", rank, world)
+                self.num_replicas, self.rank = world, rank
+            return
+        if not self._deferred_warned:
+            self._deferred_warned = True
+            env_world = os.environ.get("WORLD_SIZE", "1")
+            if env_world.isdigit() and int(env_world) > 1:
+                logger.warning(
+                    "ResumableSampler is used without a process group while WORLD_SIZE=%s: every rank reads "
+                    "every sample. Create the process group first (init_distributed()), or pass num_replicas "
+                    "and rank", env_world)
+
+    def epoch_length(self) -> int:
+        """Samples per rank in a whole epoch (DistributedSampler's ``num_samples``)."""
+        self._resolve()
+        if self.drop_last:
+            return self.dataset_len // self.num_replicas
+        return -(-self.dataset_len // self.num_replicas)
 
     # -- order ---------------------------------------------------------------------------------
 
@@ -112,6 +167,14 @@ class ResumableSampler(Sampler[int]):
             rest += (order * repeats)[:padding]
         return rest
 
+    def _roll_over_if_done(self) -> None:
+        """``length="epoch"``: an epoch consumed to its end is left for the next one when iterated again, so a
+        loop that creates its iterator before it sets the epoch (Lightning) gets the next epoch's order."""
+        if self.length == "epoch" and self.dataset_len and self._remaining_per_rank() == 0:
+            logger.debug("epoch %d consumed to its end: iterating epoch %d", self.epoch, self.epoch + 1)
+            self.epoch += 1
+            self.consumed = 0
+
     def _remaining_per_rank(self) -> int:
         rest = max(self.dataset_len - self.consumed, 0)
         if self.drop_last:
@@ -120,13 +183,18 @@ class ResumableSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         """Yield this rank's indices from the current position to the end of the epoch."""
+        self._resolve()
+        self._roll_over_if_done()
         # Computed eagerly: the position may advance (through track) while a DataLoader still holds
         # this iterator, and the indices it hands out must not shift under it.
         indices = self._remaining_global(self._epoch_order())[self.rank :: self.num_replicas]
         return iter(indices)
 
     def __len__(self) -> int:
-        """Number of samples this rank has left in the current epoch."""
+        """Samples this rank has left in the current epoch, or (``length="epoch"``) in a whole epoch."""
+        self._resolve()
+        if self.length == "epoch":
+            return self.epoch_length()
         return self._remaining_per_rank()
 
     # -- position ------------------------------------------------------------------------------
@@ -141,6 +209,7 @@ class ResumableSampler(Sampler[int]):
 
     def advance(self, n_samples_per_rank: int) -> None:
         """Mark ``n_samples_per_rank`` more samples per rank as consumed (for loops that bypass track)."""
+        self._resolve()
         remaining = self._remaining_per_rank()
         if not 0 <= n_samples_per_rank <= remaining:
             raise ConfigError(
@@ -152,6 +221,8 @@ class ResumableSampler(Sampler[int]):
     def track(self, loader: DataLoader[Any]) -> Iterator[Any]:
         """Yield each batch of ``loader`` (built on this sampler), counting it consumed as it is received."""
         batch_size, drop_last = self._batching_of(loader)
+        self._resolve()
+        self._roll_over_if_done()
         # The loader draws its indices from __iter__ at the current position, so the per-rank count
         # left now is exactly what this pass will hand out (before the loader's own drop_last).
         remaining = self._remaining_per_rank()
@@ -201,6 +272,7 @@ class ResumableSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """Return the position and the settings it depends on, as plain values."""
+        self._resolve()
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -218,6 +290,7 @@ class ResumableSampler(Sampler[int]):
             raise IncompatibleCheckpointError(
                 f"sampler state must be a mapping, got {type(state).__name__}; the checkpoint is damaged"
             )
+        self._resolve()
 
         def field(name: str, kind: type) -> Any:
             if name not in state:

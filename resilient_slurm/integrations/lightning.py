@@ -1,0 +1,355 @@
+"""PyTorch Lightning: rslurm's checkpoints, emergency save and requeue for a ``Trainer``, in one line::
+
+    trainer = L.Trainer(..., callbacks=[ResilientSlurm(every_steps=100)])
+
+A Callback, because a Callback is what a Lightning user already passes, it sees every step boundary
+(``on_train_batch_end``, where Lightning's own ModelCheckpoint saves too) and it runs inside ``fit()``,
+after the process group exists. What it does there (docs/integration.md, "PyTorch Lightning"):
+
+* ``setup``: builds the :class:`~resilient_slurm.Checkpointer` (every rank), refuses strategies it does not
+  support, turns off Lightning's SIGTERM handler and SLURMEnvironment's requeue under ``rslurm launch``
+  (the Checkpointer's handler and the launcher take their place), and has the train DataLoader built on a
+  :class:`~resilient_slurm.ResumableSampler` in place of Lightning's DistributedSampler;
+* ``on_fit_start`` (after the strategy wrapped the model and built the optimizers): restores the newest
+  step through the Checkpointer, then hands the fit loop's progress, the optimizers' and schedulers'
+  states to Lightning's own ``restore_training_state``, which runs right after this hook, exactly as for a
+  ``ckpt_path`` (Lightning then resumes mid-epoch as it does from its own checkpoints);
+* ``on_train_batch_end``: moves the sampler's position to the batches the loop has finished (Lightning
+  fetches one batch ahead, so counting what the loader handed out would be one batch off) and calls
+  ``ckpt.step(global_step, state, metrics={"loss": ...})``; once an emergency save committed it sets
+  ``trainer.should_stop``.
+
+The data position travels inside the fit loop's state: the train DataLoader gets ``state_dict`` and
+``load_state_dict`` (Lightning's "stateful dataloader" protocol), so Lightning stores the sampler's
+position with its loop progress and gives it back when it builds the loader on resume.
+
+Lightning internals used, each pinned by tests/test_lightning.py so an upgrade that changes them fails
+there: ``trainer._checkpoint_connector._loaded_checkpoint`` (the restore hand-over),
+``trainer._data_connector._prepare_dataloader`` (where Lightning puts its DistributedSampler),
+``trainer._signal_connector.register_signal_handlers``, ``lightning.pytorch.utilities.data._update_dataloader``,
+``lightning.fabric.utilities.data._auto_add_worker_init_fn``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.sampler import ResumableSampler
+from ..checkpoint.workers import protect_dataloader
+from ..errors import ConfigError, IncompatibleCheckpointError
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.fabric.utilities.data import _auto_add_worker_init_fn
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "resilient_slurm.integrations.lightning needs PyTorch Lightning (the 'lightning' package): "
+        "pip install 'resilient_slurm[lightning]'"
+    ) from exc
+
+log = logging.getLogger(__name__)
+
+
+def _say(msg: str, *args: Any) -> None:
+    """An INFO line where a Lightning user reads Lightning's own: rank 0, through Lightning's logger."""
+    rank_zero_info(msg % args)
+
+__all__ = ["ResilientSlurm"]
+
+LOOPS_KEY = "lightning_loops"
+
+
+class _LoopState:
+    """The fit loop's progress (epochs, batches, optimizer steps, the train DataLoader's position) as a
+    stateful value of the Checkpointer's state. Its state is one JSON string: the loop's keys hold dots
+    (``epoch_loop.batch_progress``), which the checkpoint's names reserve for nesting."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        import json
+
+        return {"fit_loop": json.dumps(self.trainer.fit_loop.state_dict(), sort_keys=True)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        import json
+
+        self.loaded = json.loads(state["fit_loop"])
+
+
+class _SamplerPosition:
+    """What Lightning stores for the train DataLoader (``state_dict``/``load_state_dict`` on the loader)."""
+
+    def __init__(self, sampler: ResumableSampler) -> None:
+        self.sampler = sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+
+class ResilientSlurm(pl.Callback):
+    """rslurm's checkpointing for a Lightning ``Trainer``: ``Trainer(..., callbacks=[ResilientSlurm()])``.
+
+    Keyword arguments go to :class:`~resilient_slurm.Checkpointer` (``every_steps``, ``every_seconds``,
+    ``local_dir``, ``durable``, ``keep_last``...). ``record_loss``: pass the training step's loss to
+    ``ckpt.step(metrics=...)`` (what ``rslurm rehearse`` and the post-resume check compare); ``.item()``
+    on a CUDA loss waits for the GPU each step.
+
+    After ``trainer.fit()`` returns, :attr:`should_stop` is True when it stopped for an emergency save:
+    skip what comes after training (testing, exporting) and exit 0, and the launcher requeues the job.
+    """
+
+    def __init__(self, *, record_loss: bool = True, **checkpointer_kwargs: Any) -> None:
+        import inspect
+
+        known = set(inspect.signature(Checkpointer).parameters)
+        unknown = sorted(set(checkpointer_kwargs) - known)
+        if unknown:  # here, not inside fit() on every rank
+            raise ConfigError(f"ResilientSlurm got {', '.join(map(repr, unknown))}: not a Checkpointer argument "
+                              f"(those are {', '.join(sorted(known))})")
+        self.record_loss = record_loss
+        self.checkpointer_kwargs = checkpointer_kwargs
+        self.ckpt: Checkpointer | None = None
+        self.state: dict[str, Any] = {}
+        self.restored_step = 0
+        self._sampler: ResumableSampler | None = None
+        self._batch_size = 1
+        self._last_step = -1
+        self._sections = contextlib.ExitStack()
+        self._stopped = False
+
+    @property
+    def should_stop(self) -> bool:
+        """True once an emergency checkpoint committed and the fit loop was told to stop (also after fit())."""
+        return self._stopped or (self.ckpt is not None and self.ckpt.should_stop)
+
+    # ----------------------------------------------------------------------------------- set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        _check_strategy(trainer)
+        if trainer.fit_loop.min_epochs or trainer.fit_loop.min_steps:
+            log.warning("rslurm: Trainer(min_epochs=%s, min_steps=%s): until they are reached Lightning does not "
+                        "stop fit() after an emergency save, and the launcher ends the ranks when its deadline "
+                        "passes; leave them unset for preemptible jobs", trainer.fit_loop.min_epochs,
+                        trainer.fit_loop.min_steps)
+        _quiet_lightning_signals(trainer)
+        self._replace_sampler(trainer)
+        if self.ckpt is None:  # one per fit(): teardown closes it
+            self.ckpt = Checkpointer(**self.checkpointer_kwargs)
+            self._stopped, self._sampler, self._last_step = False, None, -1
+
+    def _replace_sampler(self, trainer: pl.Trainer) -> None:
+        connector = trainer._data_connector
+        original: Callable[..., object] = connector._prepare_dataloader
+        if getattr(original, "_rslurm", False):
+            return  # a second fit() on this Trainer: already in place
+
+        def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+            if mode != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+                return original(dataloader, shuffle, mode)
+            return self._resumable_loader(trainer, dataloader, shuffle, original, mode)
+
+        prepare._rslurm = True  # type: ignore[attr-defined]
+        connector._prepare_dataloader = prepare  # type: ignore[method-assign]
+
+    def _resumable_loader(self, trainer: pl.Trainer, loader: DataLoader[Any], shuffle: bool,
+                          original: Callable[..., object], mode: RunningStage) -> object:
+        """The train loader on a ResumableSampler (length="epoch"), with Lightning's stateful-loader methods."""
+        batch_sampler = loader.batch_sampler
+        sampler = loader.sampler
+        if not isinstance(batch_sampler, BatchSampler) or type(batch_sampler) is not BatchSampler:
+            log.warning("rslurm: the train DataLoader has its own batch_sampler (%s): its position in the epoch "
+                        "is not saved, and a resume mid-epoch starts the epoch's data again. Use a map-style "
+                        "dataset with batch_size=, or a ResumableSampler", type(batch_sampler).__name__)
+            return original(loader, shuffle, mode)
+        if isinstance(sampler, ResumableSampler):
+            sampler.length = "epoch"
+            prepared = loader
+        elif type(sampler) in (SequentialSampler, RandomSampler, DistributedSampler):
+            distributed = type(sampler) is DistributedSampler or trainer._accelerator_connector.use_distributed_sampler
+            if isinstance(sampler, DistributedSampler):
+                seed, drop_last, shuffle = sampler.seed, sampler.drop_last, sampler.shuffle
+            else:
+                # Lightning's own DistributedSampler would take this seed (data_connector.py).
+                seed, drop_last = int(os.environ.get("PL_GLOBAL_SEED", 0)), False
+            replicas, rank = (trainer.world_size, trainer.global_rank) if distributed else (1, 0)
+            sampler = ResumableSampler(loader.dataset, num_replicas=replicas, rank=rank,  # type: ignore[arg-type]
+                                       shuffle=shuffle, seed=seed, drop_last=drop_last, length="epoch")
+            prepared = _update_dataloader(loader, sampler, mode=mode)
+            _say("rslurm: the train DataLoader samples through ResumableSampler (rank %d of %d, shuffle=%s, "
+                     "seed=%d): its position is saved with every checkpoint", rank, replicas, shuffle, seed)
+        else:
+            log.warning("rslurm: the train DataLoader's sampler (%s) is not a ResumableSampler: its position in "
+                        "the epoch is not saved, and a resume mid-epoch starts the epoch's data again",
+                        type(sampler).__name__)
+            return original(loader, shuffle, mode)
+        if prepared.generator is None:
+            # Creating a DataLoader iterator draws its workers' base seed from the global torch RNG: a resumed
+            # run creates it mid-epoch, which would shift every later dropout mask. A generator of its own
+            # keeps the global stream a function of the training steps alone.
+            prepared.generator = torch.Generator().manual_seed(sampler.seed)
+        previous = self._sampler
+        if previous is not None and previous is not sampler:
+            # A reload (reload_dataloaders_every_n_epochs): the position belongs to the run, not to the loader.
+            # Lightning creates the new loader's iterator before it sets the epoch (and, on a resume at an
+            # epoch's end, keeps that iterator), so a fresh sampler would hand out epoch 0's order there.
+            try:
+                sampler.load_state_dict(previous.state_dict())
+            except IncompatibleCheckpointError as exc:  # another dataset, seed or shuffle: its epoch only
+                log.info("rslurm: the reloaded train DataLoader starts its epoch afresh (%s)", exc)
+                sampler.set_epoch(previous.epoch)
+        # Slurm signals every process of the step: workers must outlive it. Lightning's own worker seeding
+        # (seed_everything(workers=True)) is added first, as Lightning would add it after this hook, so the
+        # shield runs it too.
+        _auto_add_worker_init_fn(prepared, trainer.global_rank)
+        protect_dataloader(prepared)
+        position = _SamplerPosition(sampler)
+        prepared.state_dict = position.state_dict  # type: ignore[attr-defined]
+        prepared.load_state_dict = position.load_state_dict  # type: ignore[attr-defined]
+        self._sampler = sampler
+        self._batch_size = prepared.batch_size or 1
+        return prepared
+
+    # ----------------------------------------------------------------------------------- restore
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.ckpt is not None, "setup() builds the Checkpointer"
+        loops = _LoopState(trainer)
+        state: dict[str, Any] = {"model": pl_module}
+        for i, opt in enumerate(trainer.optimizers):
+            state["optimizer" if i == 0 else f"optimizer_{i}"] = opt
+        for i, cfg in enumerate(trainer.lr_scheduler_configs):
+            state["lr_scheduler" if i == 0 else f"lr_scheduler_{i}"] = cfg.scheduler
+        precision = trainer.precision_plugin
+        if precision.state_dict():
+            state["precision"] = precision
+        state[LOOPS_KEY] = loops
+        self.state = state
+        step = self.ckpt.restore(state)
+        self.restored_step = self._last_step = step
+        if not step:
+            return
+        if loops.loaded is None:
+            raise ConfigError(f"step {step} was not saved by ResilientSlurm (no {LOOPS_KEY!r} in it)")
+        if trainer.ckpt_path:
+            log.warning("rslurm: resuming from rslurm's step %d, not from ckpt_path=%s", step, trainer.ckpt_path)
+        # Lightning's restore_training_state runs right after this hook: it restores the loops (mid-epoch
+        # resume included) and reloads the optimizers and schedulers from what was just restored here.
+        handed: dict[str, Any] = {
+            "loops": {"fit_loop": loops.loaded},
+            "optimizer_states": [opt.state_dict() for opt in trainer.optimizers],
+            "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+        }
+        if "precision" in state:
+            handed[type(precision).__qualname__] = precision.state_dict()
+        trainer._checkpoint_connector._loaded_checkpoint = handed
+        _say("rslurm: resumed at step %d (epoch %d)", step,
+                 loops.loaded.get("epoch_progress", {}).get("current", {}).get("processed", -1))
+
+    # ----------------------------------------------------------------------------------- steps
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        assert self.ckpt is not None
+        sampler = self._sampler
+        if sampler is not None:
+            # The batches the loop has finished this epoch, not what the loader prefetched.
+            target = min((batch_idx + 1) * self._batch_size, sampler.epoch_length())
+            done = sampler.consumed // sampler.num_replicas
+            if target > done:
+                sampler.advance(target - done)
+        step = trainer.global_step
+        if step <= self._last_step:
+            return  # no optimizer step since the last call (gradient accumulation)
+        self._last_step = step
+        metrics = None
+        if self.record_loss:
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                metrics = {"loss": loss.detach()}
+        self.ckpt.step(step, self.state, metrics=metrics)
+        if self.ckpt.should_stop:
+            _say("rslurm: emergency checkpoint of step %d committed: stopping the fit loop", step)
+            trainer.should_stop = True
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.ckpt is not None and trainer.state.fn == "fit":
+            # No step() while validating: tell the launcher's hang detection (Checkpointer.section).
+            self._sections.enter_context(self.ckpt.section("validation"))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sections.close()
+
+    # ----------------------------------------------------------------------------------- end
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:
+            self._close()
+        except Exception as inner:  # do not mask the exception that ended fit()
+            log.error("rslurm: while closing the Checkpointer after %s: %s", type(exception).__name__, inner)
+
+    def _close(self) -> None:
+        self._sections.close()
+        if self.ckpt is not None:
+            ckpt, self.ckpt = self.ckpt, None
+            self._stopped = ckpt.should_stop
+            ckpt.close()
+
+
+def _check_strategy(trainer: pl.Trainer) -> None:
+    """Refuse what the integration does not support, naming what to use instead."""
+    strategy = trainer.strategy
+    name = type(strategy).__name__
+    if not isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)) or "DeepSpeed" in name:
+        raise ConfigError(
+            f"ResilientSlurm supports Lightning's DDP and single-device strategies, not {name}: use "
+            "strategy='ddp' (or one device), or save with resilient_slurm.Checkpointer in your own loop "
+            "(FSDP2 and DTensor: docs/integration.md)")
+    env = trainer._accelerator_connector.cluster_environment
+    if trainer.world_size > 1 and not env.creates_processes_externally:
+        raise ConfigError(
+            f"Lightning is starting its own {trainer.world_size} processes ({name}, {type(env).__name__}): "
+            "start every rank with `rslurm launch -n N -- python train.py` (or `rslurm launch -- srun ...`), "
+            "so that the launcher can signal, save and requeue them; strategy='ddp' then joins those ranks")
+
+
+def _quiet_lightning_signals(trainer: pl.Trainer) -> None:
+    """Under ``rslurm launch``: Lightning's SIGTERM handler and SLURMEnvironment's requeue are turned off.
+
+    Lightning's handler broadcasts inside the signal handler and ends fit() at the next step without a
+    save, and SLURMEnvironment(auto_requeue=True) saves its own checkpoint and requeues on SIGUSR1; the
+    Checkpointer's handler (a flag) and the launcher (save at a step boundary, then requeue) do both."""
+    if not os.environ.get("RSLURM_CONTROL_SOCKET"):
+        _say("rslurm: not under `rslurm launch`: Lightning's own signal handlers stay as they are")
+        return
+    env = trainer._accelerator_connector.cluster_environment
+    if isinstance(env, SLURMEnvironment) and env.auto_requeue:
+        env.auto_requeue = False
+    connector = trainer._signal_connector
+
+    def register_signal_handlers() -> None:
+        connector.received_sigterm = False
+
+    connector.register_signal_handlers = register_signal_handlers  # type: ignore[method-assign]
+    _say("rslurm: Lightning's SIGTERM handler and SLURM auto-requeue are off under `rslurm launch`: "
+             "rslurm saves at the next step boundary and the launcher requeues the job")
