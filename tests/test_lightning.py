@@ -256,6 +256,7 @@ def test_stopped_mid_epoch_by_sigterm_resumes_bitwise_and_rehearse_passes(rehear
     straight, stopped = out / "uninterrupted" / "local", out / "interrupted" / "local"
     starts = [e for e in read_jsonl(stopped / "log.0.jsonl") if e.get("event") == "start"]
     assert starts[0]["module_file"] == str(REPO / "resilient_slurm" / "__init__.py")  # this checkout's code
+    assert all(s["ddp_found"] for s in starts), starts  # DDP's layout and replication are handled as for plain DDP
     exits = [e for e in read_jsonl(stopped / "log.0.jsonl") if e.get("event") == "exit"]
     assert exits == [{"event": "exit", "step": stopped_at, "stopped": True},
                      {"event": "exit", "step": STEPS, "stopped": False}]

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import resilient_slurm
+from resilient_slurm.checkpoint.ddp import find_ddp
 from resilient_slurm.integrations.lightning import ResilientSlurm
 
 warnings.filterwarnings("ignore", category=UserWarning)  # Lightning's advice on workers and logging
@@ -75,8 +76,11 @@ class StepLog(L.Callback):
             f.write(json.dumps(record) + "\n")
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The Checkpointer's DDP support (the replication proof, the bucket layout re-applied on resume) finds
+        # the DistributedDataParallel Lightning wrapped the module in.
         self._write({"event": "start", "step": trainer.global_step, "pid": os.getpid(),
-                     "epoch": trainer.current_epoch, "module_file": resilient_slurm.__file__})
+                     "epoch": trainer.current_epoch, "module_file": resilient_slurm.__file__,
+                     "ddp_found": find_ddp(pl_module) is trainer.strategy.model})
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
