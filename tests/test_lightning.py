@@ -168,7 +168,8 @@ def in_process_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict
     return _steps(work / "log.jsonl"), _final(trainer)
 
 
-@pytest.mark.parametrize(("stop_at", "reload", "workers"), [(15, False, 0), (11, False, 0), (12, True, 0), (22, True, 2)],
+@pytest.mark.parametrize(("stop_at", "reload", "workers"), [(15, False, 0), (11, False, 0), (12, True, 0),
+                                                       pytest.param(22, True, 2, marks=pytest.mark.proc)],
                          ids=["mid-epoch", "last-batch-of-epoch", "first-batch-of-epoch-reload",
                               "epoch-end-reload-workers"])
 def test_in_process_stop_and_resume_is_bitwise(tmp_path: Path, in_process_reference: tuple[dict, dict], stop_at: int,

@@ -38,7 +38,6 @@ the epoch.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
@@ -48,6 +47,7 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from resilient_slurm.checkpoint.workers import protect_dataloader
 from resilient_slurm.errors import ConfigError, IncompatibleCheckpointError
+from resilient_slurm.jobenv import JobEnv
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +131,8 @@ class ResumableSampler(Sampler[int]):
             return
         if not self._deferred_warned:
             self._deferred_warned = True
-            env_world = os.environ.get("WORLD_SIZE", "1")
-            if env_world.isdigit() and int(env_world) > 1:
+            env_world = JobEnv.from_env(warn=False).world_size
+            if env_world is not None and env_world > 1:
                 logger.warning(
                     "ResumableSampler is used without a process group while WORLD_SIZE=%s: every rank reads "
                     "every sample. Create the process group first (init_distributed()), or pass num_replicas "
