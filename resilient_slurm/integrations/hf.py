@@ -308,6 +308,9 @@ def train(trainer: Any, checkpointer: Checkpointer | None = None, *, record_loss
     result; ``trainer.should_stop``-style information is on the callback (``trainer.callback_handler``).
 
     Uses the :class:`RslurmCallback` already added to the Trainer, else adds one built from the arguments."""
+    if "resume_from_checkpoint" in checkpointer_kwargs:
+        raise ConfigError("train(trainer) resumes from rslurm's checkpoints: leave out resume_from_checkpoint "
+                          "(the Trainer's own checkpoints are not read)")
     mine = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, RslurmCallback)]
     if len(mine) > 1:
         raise ConfigError("the Trainer has several RslurmCallback: keep one")
