@@ -114,6 +114,7 @@ class RslurmCallback:
         self._prepared = False
         self._folder: str | None = None
         self._loss: torch.Tensor | None = None
+        self._snapshot = _TrainerSnapshot(self)
 
     def __getattr__(self, name: str) -> Any:
         """Every Trainer hook this class does not define does nothing (and returns no new control)."""
@@ -175,13 +176,12 @@ class RslurmCallback:
             raise ConfigError("TrainingArguments(ignore_data_skip=True) retrains the batches of the resumed epoch "
                               "from its start: leave it False to resume with rslurm")
 
-    def _state(self, trainer: Any, scheduler: Mapping[str, Any] | None, trainer_state: Mapping[str, Any] | None
-               ) -> dict[str, Any]:
-        """What one step saves. The Trainer's state and the scheduler's are plain data (one JSON string):
-        they are restored before the Trainer creates its scheduler, and read back from the folder."""
+    def _state(self, trainer: Any) -> dict[str, Any]:
+        """What one step saves. The Trainer's state and the scheduler's are plain data, one JSON string read
+        only when a save reads it (:class:`_TrainerSnapshot`): restored before the Trainer creates its
+        scheduler, they reach it through the folder."""
         state: dict[str, Any] = {"model": trainer.model, "optimizer": _inner(trainer.optimizer, "optimizer"),
-                                 TRAINER_KEY: json.dumps({"version": STATE_VERSION, "scheduler": scheduler,
-                                                          "trainer_state": trainer_state})}
+                                 TRAINER_KEY: self._snapshot}
         scaler = getattr(trainer.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler
@@ -198,13 +198,12 @@ class RslurmCallback:
         # step saved without a scheduler that sets it keeps this one).
         for group in _inner(trainer.optimizer, "optimizer").param_groups:
             group.setdefault("initial_lr", group["lr"])
-        state = self._state(trainer, None, None)
-        step = self.ckpt.restore(state, allow_missing=["optimizer.param_groups.*.initial_lr"])
+        step = self.ckpt.restore(self._state(trainer), allow_missing=["optimizer.param_groups.*.initial_lr"])
         self.restored_step = step
         if step == 0:
             return None
-        saved = json.loads(state[TRAINER_KEY])
-        if saved.get("version") != STATE_VERSION or saved.get("trainer_state") is None:
+        saved = self._snapshot.loaded
+        if not saved or saved.get("version") != STATE_VERSION or saved.get("trainer_state") is None:
             raise CheckpointError(f"step {step} was not saved by the Trainer integration (no Trainer state under "
                                   f"{TRAINER_KEY!r}); restore it with the Checkpointer itself")
         return self._write_folder(trainer, step, saved)
@@ -255,6 +254,7 @@ class RslurmCallback:
             raise ConfigError("RslurmCallback resumes through train(trainer): call "
                               "resilient_slurm.integrations.hf.train(trainer, ...) (or callback.train(trainer)) "
                               "instead of trainer.train()")
+        self._snapshot.training = True
         if state.global_step != self.restored_step:
             raise CheckpointError(f"the Trainer resumed at step {state.global_step}, rslurm restored step "
                                   f"{self.restored_step}")
@@ -267,14 +267,35 @@ class RslurmCallback:
         if self.record_loss and self._loss is not None:
             metrics = {"loss": float(self._loss.item())}
             self._loss = None
-        sched = trainer.lr_scheduler
-        ckpt.step(state.global_step, self._state(trainer, _inner(sched, "scheduler").state_dict() if sched else None,
-                                                  _trainer_state(trainer, state)), metrics=metrics)
+        ckpt.step(state.global_step, self._state(trainer), metrics=metrics)
         if ckpt.should_stop:
             control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove_folder()
+
+
+class _TrainerSnapshot:
+    """The ``TrainerState`` and the LR scheduler's ``state_dict()`` as one JSON string, built only when the
+    Checkpointer reads it (a save, and its first step's planning): the log history grows with the run, and
+    serialising it at every step would cost more than the step on small models."""
+
+    def __init__(self, callback: RslurmCallback) -> None:
+        self._callback = callback
+        self.training = False  # until on_train_begin, the Trainer has no scheduler and no state of its run
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._callback._trainer
+        scheduler = trainer_state = None
+        if self.training and trainer is not None:
+            sched = trainer.lr_scheduler
+            scheduler = _inner(sched, "scheduler").state_dict() if sched is not None else None
+            trainer_state = _trainer_state(trainer, trainer.state)
+        return {"json": json.dumps({"version": STATE_VERSION, "scheduler": scheduler, "trainer_state": trainer_state})}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.loaded = json.loads(sd["json"])
 
 
 def _no_op(*args: Any, **kwargs: Any) -> None:
@@ -337,7 +358,8 @@ class AcceleratorCheckpointer:
                  extra: Mapping[str, Any] | None = None, **checkpointer_kwargs: Any) -> None:
         """``checkpointer``: one you built, else one from ``checkpointer_kwargs`` (every Checkpointer
         argument). ``extra``: more state under your own keys (an EMA model, counters), as in a plain
-        Checkpointer's state."""
+        Checkpointer's state; after :meth:`restore`, read plain values back from :attr:`extra` (a restore
+        replaces them, as it does in a plain Checkpointer's state)."""
         _require("accelerate")
         self._given = _checkpointer(checkpointer, checkpointer_kwargs)
         self.accelerator = accelerator
@@ -384,6 +406,8 @@ class AcceleratorCheckpointer:
         state = self.state()
         step = self.ckpt.restore(state, **kwargs)
         self.position = {"epoch": int(state["position"]["epoch"]), "batches": int(state["position"]["batches"])}
+        for k in self.extra:  # plain values are replaced in the state dict, not in place: read them back
+            self.extra[k] = state[k]
         return step
 
     def batches(self, loader: Any, epochs: int) -> Iterator[Any]:
