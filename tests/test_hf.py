@@ -104,6 +104,20 @@ def test_what_the_integration_cannot_do_is_a_clear_error(tmp_path: Path) -> None
             os.environ.pop(k, None)
 
 
+def test_the_worker_processes_of_a_prepared_loader_ignore_the_stop_signals() -> None:
+    """Accelerate's prepared loader iterates the DataLoader it wraps: the shield must reach that one's
+    ``worker_init_fn`` (on the cluster, Slurm's SIGTERM reaches every process of the step)."""
+    from accelerate import Accelerator
+
+    from resilient_slurm.checkpoint.workers import WorkerSignalShield
+
+    acc = Accelerator(cpu=True)
+    loader = acc.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=1))
+    hf._protect(loader)
+    assert isinstance(loader.base_dataloader.worker_init_fn, WorkerSignalShield)
+    assert isinstance(acc.skip_first_batches(loader, 1).worker_init_fn, WorkerSignalShield)  # a resumed epoch's
+
+
 # ------------------------------------------------------------------------------------------ end to end
 # rslurm rehearse runs each program three times under the real `rslurm launch -n 2`: to the end, then
 # stopped by SIGTERM to the launcher after a step chosen by the seed (in the second epoch with these
@@ -197,10 +211,11 @@ def test_rehearsal_stopped_mid_epoch_passes_and_resumes_bitwise(rehearsals: dict
 @pytest.mark.slow
 def test_trainer_preempted_on_slurm_requeues_and_resumes_bitwise(
         slurm: SlurmCluster, rehearsals: dict[str, tuple[int, str, Path]]) -> None:
-    """The Trainer's program as a 2-node Slurm job (``rslurm launch -- srun``): a job of the ``high``
-    partition preempts it, Slurm sends SIGTERM to the ranks, they save the step they are at, the launcher
-    requeues the job, and the requeued job resumes from that step and ends bitwise identical to the same
-    program never stopped."""
+    """The Trainer's program as a 2-node Slurm job (``rslurm launch -- srun``), with a DataLoader worker
+    process per rank: a job of the ``high`` partition preempts it, Slurm sends SIGTERM to every process of
+    the step (the workers ignore it: the callback protects the Trainer's loader), the ranks save the step
+    they are at, the launcher requeues the job, and the requeued job resumes from that step and ends
+    bitwise identical to the same program never stopped (run with no worker process, in the rehearsal)."""
     work = slurm.work_dir / "hf-trainer-preempt"
     work.mkdir()
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
@@ -211,7 +226,7 @@ def test_trainer_preempted_on_slurm_requeues_and_resumes_bitwise(
     sleep = '$([ "${SLURM_RESTART_COUNT:-0}" = 0 ] && echo 0.5 || echo 0)'
     script = (f"#!/bin/bash\n{exports}exec {sys.executable} -m resilient_slurm.cli launch -- srun -N2 -n2 "
               f"{sys.executable} {WORKERS['trainer']} --log {work}/log.%r.jsonl --out {work}/out.%r.pt "
-              f"--work {work} --step-sleep {sleep}\n")
+              f"--work {work} --workers 1 --step-sleep {sleep}\n")
     job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--exclusive", "--open-mode=append",
                        "-o", str(work / "job.out"))
     diagnose = lambda: f"{slurm.diagnose(job)}\n{(work / 'job.out').read_text(errors='replace')[-5000:]}"  # noqa: E731

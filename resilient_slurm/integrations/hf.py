@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.workers import protect_dataloader
 from ..errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,16 @@ def _inner(obj: Any, attr: str) -> Any:
     """The object Accelerate wraps (``AcceleratedOptimizer.optimizer``, ``AcceleratedScheduler.scheduler``):
     the one whose ``state_dict()`` keys its state by parameter index, as a plain optimizer does."""
     return getattr(obj, attr, obj)
+
+
+def _protect(loader: Any) -> None:
+    """Make the loader's worker processes ignore the stop signals (Slurm signals every process of the step,
+    and a worker killed by it fails its rank before the save). Accelerate's prepared loaders iterate the
+    DataLoader they wrap (``base_dataloader``): its ``worker_init_fn`` is the one the workers run."""
+    protect_dataloader(loader)
+    base = getattr(loader, "base_dataloader", None)
+    if base is not None and base is not loader:
+        protect_dataloader(base)
 
 
 def _checkpointer(checkpointer: Checkpointer | None, kwargs: Mapping[str, Any]) -> Checkpointer | None:
@@ -142,7 +153,7 @@ class RslurmCallback:
         if self.ckpt is None:
             self.ckpt = Checkpointer(**self._kwargs)
         self._trainer = trainer
-        if self.record_loss:
+        if self.record_loss and not getattr(trainer.training_step, "_rslurm_watch", False):
             self._watch_loss(trainer)
         try:
             folder = self._restore(trainer)
@@ -246,6 +257,7 @@ class RslurmCallback:
                 self._loss = value if self._loss is None else self._loss + value
             return loss
 
+        training_step._rslurm_watch = True  # type: ignore[attr-defined]
         trainer.training_step = training_step
 
     # ---------------------------------------------------------------------------------------- hooks
@@ -255,6 +267,9 @@ class RslurmCallback:
                               "resilient_slurm.integrations.hf.train(trainer, ...) (or callback.train(trainer)) "
                               "instead of trainer.train()")
         self._snapshot.training = True
+        loader = kwargs.get("train_dataloader")
+        if loader is not None:
+            _protect(loader)
         if state.global_step != self.restored_step:
             raise CheckpointError(f"the Trainer resumed at step {state.global_step}, rslurm restored step "
                                   f"{self.restored_step}")
@@ -420,6 +435,7 @@ class AcceleratorCheckpointer:
         the epoch's start in a run that never stopped and mid-epoch in a resumed one: that draw runs on a
         forked RNG here, so dropout sees the same numbers in both. Stops early once :attr:`should_stop`."""
         self._check_loader(loader)
+        _protect(loader)
         while self.position["epoch"] < epochs and not self.should_stop:
             epoch, skip = self.position["epoch"], self.position["batches"]
             if hasattr(loader, "set_epoch"):

@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("--every-steps", type=int, default=None)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--work", default=".")
+    ap.add_argument("--workers", type=int, default=0)
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     log = open(_path(args.log, rank), "a")
@@ -79,7 +80,7 @@ def main() -> int:
                               ddp_find_unused_parameters=False,
                               per_device_train_batch_size=4, num_train_epochs=args.epochs, learning_rate=1e-3,
                               warmup_steps=3, lr_scheduler_type="linear", save_strategy="no", report_to=[],
-                              logging_steps=1, seed=7, dataloader_num_workers=0, disable_tqdm=True)
+                              logging_steps=1, seed=7, dataloader_num_workers=args.workers, disable_tqdm=True)
     trainer = LoggingTrainer(model=model, args=targs, train_dataset=Tokens(48, 16, 64))
     log.write(json.dumps({"event": "start", "pid": os.getpid(), "rslurm": resilient_slurm.__file__,
                           "world": targs.world_size}) + "\n")
