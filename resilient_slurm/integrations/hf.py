@@ -23,6 +23,8 @@ resume. One line replaces ``trainer.train()``::
   what rslurm relies on is the folder's file names and the RNG file's format, pinned in tests/test_hf.py.
   The folder is private to each rank (``tempfile``, or ``resume_dir``) and removed once the first resumed
   step has ended.
+- **DataLoader workers** of the Trainer's loader ignore the stop signals (Slurm signals every process of
+  the step; a worker killed by it fails its rank before the save).
 
 Accelerate: a loop of your own keeps its shape; :class:`AcceleratorCheckpointer` saves what
 ``accelerator.prepare`` and ``register_for_checkpointing`` gave the Accelerator, and iterates the loader
