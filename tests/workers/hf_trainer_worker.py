@@ -55,6 +55,7 @@ def main() -> int:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--work", default=".")
     ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--grad-accum", type=int, default=1)
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     log = open(_path(args.log, rank), "a")
@@ -78,7 +79,7 @@ def main() -> int:
     targs = TrainingArguments(output_dir=os.path.join(args.work, "hf-out"), max_steps=rehearse or -1,
                               use_cpu=True, ddp_backend="gloo",
                               ddp_find_unused_parameters=False,
-                              per_device_train_batch_size=4, num_train_epochs=args.epochs, learning_rate=1e-3,
+                              per_device_train_batch_size=4, gradient_accumulation_steps=args.grad_accum, num_train_epochs=args.epochs, learning_rate=1e-3,
                               warmup_steps=3, lr_scheduler_type="linear", save_strategy="no", report_to=[],
                               logging_steps=1, seed=7, dataloader_num_workers=args.workers, disable_tqdm=True)
     trainer = LoggingTrainer(model=model, args=targs, train_dataset=Tokens(48, 16, 64))
