@@ -21,7 +21,6 @@ the integration cannot do.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -74,34 +73,32 @@ def test_the_trainer_internals_the_resume_relies_on(tmp_path: Path) -> None:
     assert (back.global_step, back.epoch) == (7, 1.5) and "TrainerControl" in back.stateful_callbacks
 
 
-def test_what_the_integration_cannot_do_is_a_clear_error(tmp_path: Path) -> None:
-    env = {"RSLURM_LOCAL_DIR": str(tmp_path / "nvme"), "RSLURM_RUN_ID": "errors"}
-    os.environ.update(env)
-    try:
-        trainer = _trainer(tmp_path, callbacks=[hf.RslurmCallback(every_steps=1)])
-        with pytest.raises(ConfigError, match=r"integrations.hf.train\(trainer"):
-            trainer.train()  # type: ignore[attr-defined]  # the callback alone cannot resume
-        with pytest.raises(ConfigError, match="leave out resume_from_checkpoint"):
-            hf.train(trainer, resume_from_checkpoint=True)
-        with pytest.raises(ConfigError, match="give the Checkpointer's arguments to it"):
-            hf.train(trainer, every_steps=3)
-        from transformers import GPT2Config, GPT2LMHeadModel
-        with pytest.raises(ConfigError, match="model_init"):
-            hf.train(_trainer(tmp_path, model_init=lambda: GPT2LMHeadModel(GPT2Config(n_layer=1))))
-        with pytest.raises(ConfigError, match="pip install 'resilient_slurm\\[hf\\]'"):
-            hf._require("no_such_framework_here")
+def test_what_the_integration_cannot_do_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each refusal names what is wrong and what to do, before anything is restored or trained."""
+    monkeypatch.setenv("RSLURM_LOCAL_DIR", str(tmp_path / "nvme"))
+    monkeypatch.setenv("RSLURM_RUN_ID", "errors")
+    trainer = _trainer(tmp_path, callbacks=[hf.RslurmCallback(every_steps=1)])
+    with pytest.raises(ConfigError, match=r"integrations.hf.train\(trainer"):
+        trainer.train()  # type: ignore[attr-defined]  # the callback alone cannot resume
+    with pytest.raises(ConfigError, match="leave out resume_from_checkpoint"):
+        hf.train(trainer, resume_from_checkpoint=True)
+    with pytest.raises(ConfigError, match="give the Checkpointer's arguments to it"):
+        hf.train(trainer, every_steps=3)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    with pytest.raises(ConfigError, match="model_init"):
+        hf.train(_trainer(tmp_path, model_init=lambda: GPT2LMHeadModel(GPT2Config(n_layer=1))))
+    with pytest.raises(ConfigError, match="pip install 'resilient_slurm\\[hf\\]'"):
+        hf._require("no_such_framework_here")
 
-        from accelerate import Accelerator
-        acc = Accelerator(cpu=True)  # use_seedable_sampler left False
-        loader = acc.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2, shuffle=True))
-        with hf.AcceleratorCheckpointer(acc) as ackpt:
-            with pytest.raises(ConfigError, match="use_seedable_sampler=True"):
-                next(ackpt.batches(loader, epochs=1))
-            with pytest.raises(ConfigError, match="clash"):
-                hf.AcceleratorCheckpointer(acc, checkpointer=ackpt.ckpt, extra={"model_ema": torch.zeros(1)})
-    finally:
-        for k in env:
-            os.environ.pop(k, None)
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)  # use_seedable_sampler left False
+    loader = acc.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2, shuffle=True))
+    with hf.AcceleratorCheckpointer(acc) as ackpt:
+        with pytest.raises(ConfigError, match="use_seedable_sampler=True"):
+            next(ackpt.batches(loader, epochs=1))
+        hf.AcceleratorCheckpointer(acc, checkpointer=ackpt.ckpt, extra={"model_ema": torch.zeros(1)})  # no clash
+        with pytest.raises(ConfigError, match="clash"):
+            hf.AcceleratorCheckpointer(acc, checkpointer=ackpt.ckpt, extra={"model_1": torch.zeros(1)})
 
 
 def test_the_worker_processes_of_a_prepared_loader_ignore_the_stop_signals() -> None:

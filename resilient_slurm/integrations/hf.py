@@ -48,6 +48,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -381,8 +382,7 @@ class AcceleratorCheckpointer:
         self._given = _checkpointer(checkpointer, checkpointer_kwargs)
         self.accelerator = accelerator
         self.extra: dict[str, Any] = dict(extra or {})
-        clash = [k for k in self.extra if k.split("_")[0] in ("model", "optimizer", "scheduler", "scaler",
-                                                              "registered", "position")]
+        clash = [k for k in self.extra if _OWN_KEYS.fullmatch(k)]
         if clash:
             raise ConfigError(f"extra keys {clash} clash with the keys of Accelerate's objects: rename them")
         self.ckpt = checkpointer if checkpointer is not None else Checkpointer(**checkpointer_kwargs)
@@ -497,3 +497,5 @@ class AcceleratorCheckpointer:
 
 
 _END = object()
+# The keys AcceleratorCheckpointer.state() gives Accelerate's objects and the loader's position.
+_OWN_KEYS = re.compile(r"(model|optimizer|scheduler)(_\d+)?|scaler|registered_\d+|position")
