@@ -206,38 +206,52 @@ def test_rehearsal_stopped_mid_epoch_passes_and_resumes_bitwise(rehearsals: dict
 # ------------------------------------------------------------------------------------ Slurm cluster
 @pytest.mark.proc
 @pytest.mark.slow
-def test_trainer_preempted_on_slurm_requeues_and_resumes_bitwise(
-        slurm: SlurmCluster, rehearsals: dict[str, tuple[int, str, Path]]) -> None:
+def test_trainer_preempted_on_slurm_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path) -> None:
     """The Trainer's program as a 2-node Slurm job (``rslurm launch -- srun``), with a DataLoader worker
     process per rank: a job of the ``high`` partition preempts it, Slurm sends SIGTERM to every process of
     the step (the workers ignore it: the callback protects the Trainer's loader), the ranks save the step
     they are at, the launcher requeues the job, and the requeued job resumes from that step and ends
-    bitwise identical to the same program never stopped (run with no worker process, in the rehearsal)."""
+    bitwise identical to the same program never stopped (run meanwhile under a local ``rslurm launch -n 2``,
+    with no worker process: not the rehearsal's run, which may be on another pytest-xdist worker)."""
     work = slurm.work_dir / "hf-trainer-preempt"
     work.mkdir()
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
-           "RSLURM_RUN_ID": "trainer", "RSLURM_LOG_LEVEL": "WARNING",
-           "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl")}
-    exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
-    # The first incarnation sleeps after each step, so that the preemption lands mid-run; none after it.
-    sleep = '$([ "${SLURM_RESTART_COUNT:-0}" = 0 ] && echo 0.5 || echo 0)'
-    script = (f"#!/bin/bash\n{exports}exec {sys.executable} -m resilient_slurm.cli launch -- srun -N2 -n2 "
-              f"{sys.executable} {WORKERS['trainer']} --log {work}/log.%r.jsonl --out {work}/out.%r.pt "
-              f"--work {work} --workers 1 --step-sleep {sleep}\n")
-    job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--exclusive", "--open-mode=append",
-                       "-o", str(work / "job.out"))
-    diagnose = lambda: f"{slurm.diagnose(job)}\n{(work / 'job.out').read_text(errors='replace')[-5000:]}"  # noqa: E731
-    wait_for_step(work / "log.0.jsonl", 4, timeout=180, diagnose=diagnose)
-    high = slurm.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
-                        "-o", str(work / "high.out"))
-    slurm.wait_state(high, "COMPLETED", timeout=120)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    reference = subprocess.Popen(
+        [sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", sys.executable, str(WORKERS["trainer"]),
+         "--log", str(ref / "log.%r.jsonl"), "--out", str(ref / "out.%r.pt")],
+        env=clean_env({"RSLURM_LOCAL_DIR": str(ref / "nvme"), "RSLURM_RUN_ID": "ref", "RSLURM_LOG_LEVEL": "WARNING"}),
+        cwd=ref, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        info = slurm.wait_state(job, "COMPLETED", timeout=240)
-    except BaseException:
-        print(diagnose())
-        raise
-    assert int(info["Restarts"]) == 1, info
-    exits = _events(work, 0, "exit")
-    assert len(exits) == 2 and exits[0]["stopped"] is True, (exits, diagnose())
-    assert exits[1]["restored"] == exits[0]["step"] < STEPS and exits[1]["done"] is True, exits
-    assert_identical_to(rehearsals["trainer"][2] / "uninterrupted", work)
+        env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
+               "RSLURM_RUN_ID": "trainer", "RSLURM_LOG_LEVEL": "WARNING",
+               "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl")}
+        exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
+        # The first incarnation sleeps after each step, so that the preemption lands mid-run; none after it.
+        sleep = '$([ "${SLURM_RESTART_COUNT:-0}" = 0 ] && echo 0.5 || echo 0)'
+        script = (f"#!/bin/bash\n{exports}exec {sys.executable} -m resilient_slurm.cli launch -- srun -N2 -n2 "
+                  f"{sys.executable} {WORKERS['trainer']} --log {work}/log.%r.jsonl --out {work}/out.%r.pt "
+                  f"--work {work} --workers 1 --step-sleep {sleep}\n")
+        job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--exclusive", "--open-mode=append",
+                           "-o", str(work / "job.out"))
+        diagnose = lambda: f"{slurm.diagnose(job)}\n{(work / 'job.out').read_text(errors='replace')[-5000:]}"  # noqa: E731
+        wait_for_step(work / "log.0.jsonl", 4, timeout=180, diagnose=diagnose)
+        high = slurm.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
+                            "-o", str(work / "high.out"))
+        slurm.wait_state(high, "COMPLETED", timeout=120)
+        try:
+            info = slurm.wait_state(job, "COMPLETED", timeout=240)
+        except BaseException:
+            print(diagnose())
+            raise
+        assert int(info["Restarts"]) == 1, info
+        exits = _events(work, 0, "exit")
+        assert len(exits) == 2 and exits[0]["stopped"] is True, (exits, diagnose())
+        assert exits[1]["restored"] == exits[0]["step"] < STEPS and exits[1]["done"] is True, exits
+        out, _ = reference.communicate(timeout=240)
+    finally:
+        if reference.poll() is None:  # the test failed before: stop it as a preemption would
+            reference.terminate()
+            reference.communicate(timeout=120)
+    assert reference.returncode == 0, out[-5000:]
+    assert_identical_to(ref, work)
