@@ -1,0 +1,501 @@
+"""Hugging Face: Transformers' ``Trainer`` and Accelerate loops on the :class:`Checkpointer`.
+
+Transformers' Trainer owns the loop, so rslurm saves from a callback and resumes through the Trainer's own
+resume. One line replaces ``trainer.train()``::
+
+    from resilient_slurm.integrations.hf import train
+    train(trainer, every_steps=100)          # instead of trainer.train()
+
+- **Saving**: :class:`RslurmCallback` calls ``Checkpointer.step(state.global_step, ...)`` at every
+  ``on_step_end``, the Trainer's step boundary (after the optimizer and scheduler stepped, before the next
+  batch is fetched). An emergency request (SIGTERM, the launcher) becomes a blocking save there, never in
+  a signal handler, and the callback then sets ``control.should_training_stop``. The state saved: the model
+  (unwrapped), the optimizer, the scaler, the RNG of every generator (the Checkpointer's own capture) and,
+  as one JSON string, the ``TrainerState`` (global step, epoch, log history, stateful callbacks) and the LR
+  scheduler's ``state_dict()``.
+- **Resuming**: before ``trainer.train()``, the newest committed step is restored into the model and an
+  optimizer the Trainer then keeps (``Trainer.create_optimizer()``), and written out as the checkpoint
+  folder the Trainer's ``resume_from_checkpoint`` reads (``trainer_state.json``, the model's weights,
+  ``optimizer.pt``, ``scheduler.pt``, the RNG file of each process, written by the Trainer's own
+  ``_save_rng_state``). The Trainer then does what it does for its own checkpoints: skips the epochs and
+  batches already trained (``skip_first_batches``), restores the scheduler after creating it and the
+  RNG at the point of the epoch it saved it from. Reusing that path keeps rslurm off the Trainer's loop:
+  what rslurm relies on is the folder's file names and the RNG file's format, pinned in tests/test_hf.py.
+  The folder is private to each rank (``tempfile``, or ``resume_dir``) and removed once the first resumed
+  step has ended.
+- **DataLoader workers** of the Trainer's loader ignore the stop signals (Slurm signals every process of
+  the step; a worker killed by it fails its rank before the save).
+
+Accelerate: a loop of your own keeps its shape; :class:`AcceleratorCheckpointer` saves what
+``accelerator.prepare`` and ``register_for_checkpointing`` gave the Accelerator, and iterates the loader
+from the restored position (``accelerator.skip_first_batches``)::
+
+    ckpt = AcceleratorCheckpointer(accelerator, every_steps=100)
+    step = ckpt.restore()
+    for batch in ckpt.batches(loader, epochs=3):       # resumes mid-epoch, across epochs
+        ...; step += 1
+        ckpt.step(step, metrics={"loss": loss.item()})
+    ckpt.close()
+
+Both import their framework lazily: the error for a missing one names ``pip install 'resilient_slurm[hf]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from types import ModuleType, TracebackType
+from typing import Any
+
+import torch
+
+from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.workers import protect_dataloader
+from ..errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AcceleratorCheckpointer", "RslurmCallback", "train"]
+
+# The key of the JSON string that holds the Trainer's own state and its scheduler's.
+TRAINER_KEY = "trainer"
+STATE_VERSION = 1
+
+
+def _require(module: str) -> ModuleType:
+    """Import a framework, or say which extra brings it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"resilient_slurm.integrations.hf needs {module} ({exc}): "
+                          f"pip install 'resilient_slurm[hf]'") from exc
+
+
+def _inner(obj: Any, attr: str) -> Any:
+    """The object Accelerate wraps (``AcceleratedOptimizer.optimizer``, ``AcceleratedScheduler.scheduler``):
+    the one whose ``state_dict()`` keys its state by parameter index, as a plain optimizer does."""
+    return getattr(obj, attr, obj)
+
+
+def _protect(loader: Any) -> None:
+    """Make the loader's worker processes ignore the stop signals (Slurm signals every process of the step,
+    and a worker killed by it fails its rank before the save). Accelerate's prepared loaders iterate the
+    DataLoader they wrap (``base_dataloader``): its ``worker_init_fn`` is the one the workers run."""
+    protect_dataloader(loader)
+    base = getattr(loader, "base_dataloader", None)
+    if base is not None and base is not loader:
+        protect_dataloader(base)
+
+
+def _checkpointer(checkpointer: Checkpointer | None, kwargs: Mapping[str, Any]) -> Checkpointer | None:
+    if checkpointer is not None and kwargs:
+        raise ConfigError(f"pass either checkpointer= or the Checkpointer's arguments, not both "
+                          f"(got {sorted(kwargs)})")
+    return checkpointer
+
+
+# ======================================================================================= Transformers
+class RslurmCallback:
+    """A Trainer callback that saves through a :class:`Checkpointer` at every step boundary.
+
+    Use :func:`train` (or :meth:`train`): the resume needs a step before ``trainer.train()`` starts, which
+    a callback cannot take. ``record_loss`` records each step's training loss (the sum of its micro-batch
+    losses) as the metric ``loss`` (``rslurm rehearse`` compares it; on a GPU it costs one ``.item()``
+    per step, a wait for the GPU). Every other hook is a no-op, whatever hooks the Trainer has.
+    """
+
+    def __init__(self, checkpointer: Checkpointer | None = None, *, record_loss: bool = True,
+                 resume_dir: str | None = None, **checkpointer_kwargs: Any) -> None:
+        """``checkpointer``: one you built; else one is built from ``checkpointer_kwargs`` (every
+        :class:`Checkpointer` argument: ``every_steps``, ``local_dir``, ...) when training starts, after
+        the Trainer has set up torch.distributed. ``resume_dir``: where the resume folder is written
+        (default: the temporary directory, ``$TMPDIR``); it holds a copy of the model and optimizer."""
+        self._given = _checkpointer(checkpointer, checkpointer_kwargs)
+        self._kwargs = dict(checkpointer_kwargs)
+        self.record_loss = record_loss
+        self.resume_dir = resume_dir
+        self.ckpt: Checkpointer | None = checkpointer
+        self.restored_step = 0
+        self._trainer: Any = None
+        self._prepared = False
+        self._folder: str | None = None
+        self._loss: torch.Tensor | None = None
+        self._snapshot = _TrainerSnapshot(self)
+
+    def __getattr__(self, name: str) -> Any:
+        """Every Trainer hook this class does not define does nothing (and returns no new control)."""
+        if name.startswith("on_"):
+            return _no_op
+        raise AttributeError(name)
+
+    @property
+    def should_stop(self) -> bool:
+        """True once an emergency checkpoint has committed (the Trainer was told to stop)."""
+        return self.ckpt is not None and self.ckpt.should_stop
+
+    # ------------------------------------------------------------------------------------- resume
+    def train(self, trainer: Any, **train_kwargs: Any) -> Any:
+        """Restore the newest committed step, train (``trainer.train``), close the Checkpointer.
+
+        Returns what ``trainer.train`` returns. Leave the program with exit 0 after it: when
+        :attr:`should_stop` is True, the launcher requeues the job and the next run resumes here."""
+        if "resume_from_checkpoint" in train_kwargs:
+            raise ConfigError("train(trainer) resumes from rslurm's checkpoints: leave out resume_from_checkpoint "
+                              "(the Trainer's own checkpoints are not read)")
+        self._check(trainer)
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        if self.ckpt is None:
+            self.ckpt = Checkpointer(**self._kwargs)
+        self._trainer = trainer
+        if self.record_loss and not getattr(trainer.training_step, "_rslurm_watch", False):
+            self._watch_loss(trainer)
+        try:
+            folder = self._restore(trainer)
+            self._prepared = True
+            result = trainer.train(resume_from_checkpoint=folder, **train_kwargs)
+        except BaseException:
+            self._remove_folder()
+            if self._given is None:
+                with contextlib.suppress(CheckpointError):
+                    self.ckpt.close()
+            raise
+        self._remove_folder()
+        if self._given is None:
+            self.ckpt.close()
+        return result
+
+    @staticmethod
+    def _check(trainer: Any) -> None:
+        """Refuse what the resume cannot do, before anything is restored."""
+        if getattr(trainer, "model_init", None) is not None:
+            raise ConfigError("Trainer(model_init=...) builds a new model inside train(), after rslurm restored "
+                              "it: pass the model itself (model=...) to resume with rslurm")
+        for flag, what in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP"),
+                           ("is_fsdp_xla_enabled", "FSDP on XLA")):
+            if getattr(trainer, flag, False):
+                raise ConfigError(f"the Trainer integration supports DDP and single-process training, not {what}: "
+                                  f"use the Checkpointer in a loop of your own (docs/integration.md)")
+        if trainer.args.max_steps <= 0 and trainer.args.num_train_epochs <= 0:
+            raise ConfigError("the Trainer has nothing to train (max_steps and num_train_epochs are 0)")
+        if getattr(trainer.args, "ignore_data_skip", False):
+            raise ConfigError("TrainingArguments(ignore_data_skip=True) retrains the batches of the resumed epoch "
+                              "from its start: leave it False to resume with rslurm")
+
+    def _state(self, trainer: Any) -> dict[str, Any]:
+        """What one step saves. The Trainer's state and the scheduler's are plain data, one JSON string read
+        only when a save reads it (:class:`_TrainerSnapshot`): restored before the Trainer creates its
+        scheduler, they reach it through the folder."""
+        state: dict[str, Any] = {"model": trainer.model, "optimizer": _inner(trainer.optimizer, "optimizer"),
+                                 TRAINER_KEY: self._snapshot}
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler
+        return state
+
+    def _restore(self, trainer: Any) -> str | None:
+        """Restore the newest step into the model and the optimizer the Trainer will keep; write it out as
+        the Trainer's checkpoint folder. None when there is nothing to restore (a fresh run)."""
+        assert self.ckpt is not None
+        if trainer.optimizer is None:
+            trainer.create_optimizer()  # the Trainer keeps an optimizer it already has (create_optimizer)
+        # The Trainer's scheduler (created later, in train()) adds ``initial_lr`` to every parameter group, so
+        # the saved groups hold it: give the template one too (a scheduler keeps a value already there, and a
+        # step saved without a scheduler that sets it keeps this one).
+        for group in _inner(trainer.optimizer, "optimizer").param_groups:
+            group.setdefault("initial_lr", group["lr"])
+        step = self.ckpt.restore(self._state(trainer), allow_missing=["optimizer.param_groups.*.initial_lr"])
+        self.restored_step = step
+        if step == 0:
+            return None
+        saved = self._snapshot.loaded
+        if not saved or saved.get("version") != STATE_VERSION or saved.get("trainer_state") is None:
+            raise CheckpointError(f"step {step} was not saved by the Trainer integration (no Trainer state under "
+                                  f"{TRAINER_KEY!r}); restore it with the Checkpointer itself")
+        return self._write_folder(trainer, step, saved)
+
+    def _write_folder(self, trainer: Any, step: int, saved: Mapping[str, Any]) -> str:
+        tr = _require("transformers.trainer")
+        base = self.resume_dir
+        if base is not None:
+            os.makedirs(base, exist_ok=True)
+        folder = tempfile.mkdtemp(prefix=f"rslurm-hf-step{step}-rank{self.ckpt.rank if self.ckpt else 0}-", dir=base)
+        self._folder = folder
+        # Every tensor under its own name, tied ones included (copies: safetensors refuses shared storage),
+        # so the Trainer's non-strict load finds every key. Not save_pretrained: it writes on rank 0 only.
+        from safetensors.torch import save_file  # noqa: PLC0415 - transformers requires safetensors
+
+        weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in trainer.model.state_dict().items()}
+        save_file(weights, os.path.join(folder, tr.SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+        del weights
+        torch.save(_inner(trainer.optimizer, "optimizer").state_dict(), os.path.join(folder, tr.OPTIMIZER_NAME))
+        if saved.get("scheduler") is not None:
+            torch.save(saved["scheduler"], os.path.join(folder, tr.SCHEDULER_NAME))
+        with open(os.path.join(folder, tr.TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+            json.dump(saved["trainer_state"], f)
+        trainer._save_rng_state(folder)  # the RNG the Checkpointer just restored, in the Trainer's own format
+        return folder
+
+    def _remove_folder(self) -> None:
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+    def _watch_loss(self, trainer: Any) -> None:
+        """Sum each step's micro-batch losses as ``training_step`` returns them (nothing else changes)."""
+        inner = trainer.training_step
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            loss = inner(*args, **kwargs)
+            if isinstance(loss, torch.Tensor):
+                value = loss.detach().double()
+                self._loss = value if self._loss is None else self._loss + value
+            return loss
+
+        training_step._rslurm_watch = True  # type: ignore[attr-defined]
+        trainer.training_step = training_step
+
+    # ---------------------------------------------------------------------------------------- hooks
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self._prepared:
+            raise ConfigError("RslurmCallback resumes through train(trainer): call "
+                              "resilient_slurm.integrations.hf.train(trainer, ...) (or callback.train(trainer)) "
+                              "instead of trainer.train()")
+        self._snapshot.training = True
+        loader = kwargs.get("train_dataloader")
+        if loader is not None:
+            _protect(loader)
+        if state.global_step != self.restored_step:
+            raise CheckpointError(f"the Trainer resumed at step {state.global_step}, rslurm restored step "
+                                  f"{self.restored_step}")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer, ckpt = self._trainer, self.ckpt
+        assert trainer is not None and ckpt is not None
+        self._remove_folder()  # the resumed Trainer has read all of it by the end of its first step
+        metrics = None
+        if self.record_loss and self._loss is not None:
+            metrics = {"loss": float(self._loss.item())}
+            self._loss = None
+        ckpt.step(state.global_step, self._state(trainer), metrics=metrics)
+        if ckpt.should_stop:
+            control.should_training_stop = True
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._remove_folder()
+
+
+class _TrainerSnapshot:
+    """The ``TrainerState`` and the LR scheduler's ``state_dict()`` as one JSON string, built only when the
+    Checkpointer reads it (a save, and its first step's planning): the log history grows with the run, and
+    serialising it at every step would cost more than the step on small models."""
+
+    def __init__(self, callback: RslurmCallback) -> None:
+        self._callback = callback
+        self.training = False  # until on_train_begin, the Trainer has no scheduler and no state of its run
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._callback._trainer
+        scheduler = trainer_state = None
+        if self.training and trainer is not None:
+            sched = trainer.lr_scheduler
+            scheduler = _inner(sched, "scheduler").state_dict() if sched is not None else None
+            trainer_state = _trainer_state(trainer, trainer.state)
+        return {"json": json.dumps({"version": STATE_VERSION, "scheduler": scheduler, "trainer_state": trainer_state})}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.loaded = json.loads(sd["json"])
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _trainer_state(trainer: Any, state: Any) -> dict[str, Any]:
+    """The TrainerState as the Trainer's own checkpoints write it: its stateful callbacks' states
+    (early stopping's patience...) refreshed first, as ``Trainer._save_checkpoint`` does."""
+    tcb = _require("transformers.trainer_callback")
+    callbacks: dict[str, Any] = {}
+    for cb in [*trainer.callback_handler.callbacks, trainer.control]:
+        if isinstance(cb, tcb.ExportableState):
+            name = type(cb).__name__
+            if isinstance(cb, tcb.TrainerControl):
+                callbacks[name] = tcb.TrainerControl().state()  # a resume starts with no pending action
+            elif name in callbacks:
+                prev = callbacks[name]
+                callbacks[name] = [*(prev if isinstance(prev, list) else [prev]), cb.state()]
+            else:
+                callbacks[name] = cb.state()
+    out = dataclasses.asdict(state)
+    out["stateful_callbacks"] = callbacks
+    return out
+
+
+def train(trainer: Any, checkpointer: Checkpointer | None = None, *, record_loss: bool = True,
+          resume_dir: str | None = None, **checkpointer_kwargs: Any) -> Any:
+    """``trainer.train()`` with rslurm's checkpoints: restore the newest committed step, train, save at every
+    step boundary on cadence or on request, stop after an emergency save. Returns ``trainer.train``'s
+    result; ``trainer.should_stop``-style information is on the callback (``trainer.callback_handler``).
+
+    Uses the :class:`RslurmCallback` already added to the Trainer, else adds one built from the arguments."""
+    if "resume_from_checkpoint" in checkpointer_kwargs:
+        raise ConfigError("train(trainer) resumes from rslurm's checkpoints: leave out resume_from_checkpoint "
+                          "(the Trainer's own checkpoints are not read)")
+    mine = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, RslurmCallback)]
+    if len(mine) > 1:
+        raise ConfigError("the Trainer has several RslurmCallback: keep one")
+    if mine:
+        if checkpointer is not None or checkpointer_kwargs:
+            raise ConfigError("the Trainer already has an RslurmCallback: give the Checkpointer's arguments to it, "
+                              "not to train()")
+        return mine[0].train(trainer)
+    return RslurmCallback(checkpointer, record_loss=record_loss, resume_dir=resume_dir,
+                          **checkpointer_kwargs).train(trainer)
+
+
+# ========================================================================================== Accelerate
+class AcceleratorCheckpointer:
+    """A :class:`Checkpointer` for a loop that uses Accelerate (``accelerator.prepare``, ``backward``).
+
+    Its state is everything ``accelerator.save_state`` would save: each prepared model (unwrapped),
+    optimizer and scheduler, the scaler, the objects given to ``accelerator.register_for_checkpointing``,
+    plus the RNG (the Checkpointer's capture) and the position of the loader iterated with
+    :meth:`batches`. Objects prepared after it was built are included too (the state is read at each call).
+    """
+
+    def __init__(self, accelerator: Any, checkpointer: Checkpointer | None = None, *,
+                 extra: Mapping[str, Any] | None = None, **checkpointer_kwargs: Any) -> None:
+        """``checkpointer``: one you built, else one from ``checkpointer_kwargs`` (every Checkpointer
+        argument). ``extra``: more state under your own keys (an EMA model, counters), as in a plain
+        Checkpointer's state; after :meth:`restore`, read plain values back from :attr:`extra` (a restore
+        replaces them, as it does in a plain Checkpointer's state)."""
+        _require("accelerate")
+        self._given = _checkpointer(checkpointer, checkpointer_kwargs)
+        self.accelerator = accelerator
+        self.extra: dict[str, Any] = dict(extra or {})
+        clash = [k for k in self.extra if _OWN_KEYS.fullmatch(k)]
+        if clash:
+            raise ConfigError(f"extra keys {clash} clash with the keys of Accelerate's objects: rename them")
+        self.ckpt = checkpointer if checkpointer is not None else Checkpointer(**checkpointer_kwargs)
+        # The loader's position: its epoch and the batches of that epoch the loop received.
+        self.position: dict[str, int] = {"epoch": 0, "batches": 0}
+
+    @property
+    def should_stop(self) -> bool:
+        """True once an emergency checkpoint has committed: leave the loop (exit 0; the job is requeued)."""
+        return self.ckpt.should_stop
+
+    @property
+    def epoch(self) -> int:
+        """The epoch :meth:`batches` is in (the restored one after a resume)."""
+        return self.position["epoch"]
+
+    def state(self) -> dict[str, Any]:
+        """The Checkpointer's state: Accelerate's objects under ``model``, ``model_1``, ``optimizer``, ...,
+        ``scheduler``, ``scaler``, ``registered_<i>``, then ``position`` and your ``extra``."""
+        acc = self.accelerator
+        state: dict[str, Any] = {}
+        for i, m in enumerate(acc._models):
+            state["model" if i == 0 else f"model_{i}"] = acc.unwrap_model(m)
+        for i, o in enumerate(acc._optimizers):
+            state["optimizer" if i == 0 else f"optimizer_{i}"] = _inner(o, "optimizer")
+        for i, s in enumerate(acc._schedulers):
+            state["scheduler" if i == 0 else f"scheduler_{i}"] = _inner(s, "scheduler")
+        if getattr(acc, "scaler", None) is not None:
+            state["scaler"] = acc.scaler
+        for i, obj in enumerate(acc._custom_objects):
+            state[f"registered_{i}"] = obj
+        state["position"] = self.position
+        state.update(self.extra)
+        return state
+
+    def restore(self, **kwargs: Any) -> int:
+        """Restore the newest committed step (``Checkpointer.restore``; keyword arguments go to it); return it."""
+        state = self.state()
+        step = self.ckpt.restore(state, **kwargs)
+        self.position = {"epoch": int(state["position"]["epoch"]), "batches": int(state["position"]["batches"])}
+        for k in self.extra:  # plain values are replaced in the state dict, not in place: read them back
+            self.extra[k] = state[k]
+        return step
+
+    def batches(self, loader: Any, epochs: int) -> Iterator[Any]:
+        """The loader's batches from the restored position to the end of epoch ``epochs - 1``.
+
+        Each epoch calls ``loader.set_epoch(epoch)``; the resumed epoch skips the batches already received
+        (``accelerator.skip_first_batches``: their indices are drawn, their samples are not loaded). A
+        batch counts as received when this generator yields it, so the batches a DataLoader prefetched are
+        not lost. Starting an epoch's iterator draws from the global torch RNG (the workers' base seed), at
+        the epoch's start in a run that never stopped and mid-epoch in a resumed one: that draw runs on a
+        forked RNG here, so dropout sees the same numbers in both. Stops early once :attr:`should_stop`."""
+        self._check_loader(loader)
+        _protect(loader)
+        while self.position["epoch"] < epochs and not self.should_stop:
+            epoch, skip = self.position["epoch"], self.position["batches"]
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            source = self.accelerator.skip_first_batches(loader, skip) if skip else loader
+            it = iter(source)
+            with torch.random.fork_rng(devices=[]):
+                first = next(it, _END)  # Accelerate's loaders start their work at the first next()
+            if first is not _END:
+                self.position["batches"] += 1
+                yield first
+                for batch in it:
+                    if self.should_stop:
+                        return
+                    self.position["batches"] += 1
+                    yield batch
+            if self.should_stop:
+                return
+            self.position["epoch"], self.position["batches"] = epoch + 1, 0
+
+    @staticmethod
+    def _check_loader(loader: Any) -> None:
+        """A shuffling loader must draw each epoch's order from (seed, epoch): Accelerate's seedable sampler."""
+        from torch.utils.data import RandomSampler  # noqa: PLC0415
+
+        dl = _require("accelerate.data_loader")
+        sampler = dl.get_sampler(loader) if hasattr(dl, "get_sampler") else getattr(loader, "sampler", None)
+        if isinstance(sampler, RandomSampler) and not isinstance(sampler, dl.SeedableRandomSampler):
+            raise ConfigError("this loader shuffles with a generator whose state at an epoch's start is not saved, "
+                              "so a resumed epoch would be shuffled in another order: build the Accelerator with "
+                              "dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)")
+
+    def step(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
+        """``Checkpointer.step`` with this state: call it after each optimizer step, outside
+        ``accelerator.accumulate`` micro-steps, with the number of optimizer steps completed."""
+        self.ckpt.step(step, self.state(), metrics=metrics)
+
+    def save(self, step: int, blocking: bool = True, *, reason: str = "manual") -> None:
+        """``Checkpointer.save`` with this state."""
+        self.ckpt.save(step, self.state(), blocking, reason=reason)
+
+    def close(self) -> None:
+        """Close the Checkpointer (unless it was given: then its owner closes it)."""
+        if self._given is None:
+            self.ckpt.close()
+
+    def __enter__(self) -> AcceleratorCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None:
+            self.close()
+            return
+        with contextlib.suppress(CheckpointError):
+            self.close()
+
+
+_END = object()
+# The keys AcceleratorCheckpointer.state() gives Accelerate's objects and the loader's position.
+_OWN_KEYS = re.compile(r"(model|optimizer|scheduler)(_\d+)?|scaler|registered_\d+|position")

@@ -1,0 +1,257 @@
+"""Hugging Face: Transformers' Trainer and Accelerate loops on rslurm (resilient_slurm/integrations/hf.py).
+
+End to end, with the real packages (a GPT-2 of 2 layers and 32 dimensions built from its config for the
+Trainer, an MLP for Accelerate; nothing downloaded; dropout on; 2 ranks, DDP over gloo, CPU; 3 epochs of
+6 steps) under the real ``rslurm launch -n 2``:
+
+- ``rslurm rehearse`` on each program: run to the end; run again and stopped mid-epoch by a real SIGTERM
+  to the launcher (an emergency checkpoint at the step boundary; exit 75); resumed by the same command.
+  It passes, and every step's batch and loss on every rank and the final weights and optimizer state of
+  the resumed run are bitwise those of the run that never stopped, through the epoch rollovers after the
+  resume. The Trainer's rehearsal also SIGKILLs a rank after an interval checkpoint: the steps since it
+  are trained again, identically;
+- on the test Slurm cluster, the Trainer's job is preempted by a job of the ``high`` partition, saves,
+  is requeued and ends bitwise identical to the same uninterrupted run.
+
+In process: the Transformers internals the Trainer's resume relies on (the checkpoint folder's file
+names, the RNG file's format, an optimizer kept by ``create_optimizer``), and the clear errors for what
+the integration cannot do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, assert_same, clean_env, read_jsonl, wait_for_step
+from slurm_cluster import SlurmCluster
+
+from resilient_slurm import ConfigError
+from resilient_slurm.integrations import hf
+
+WORKERS = {"trainer": REPO / "tests" / "workers" / "hf_trainer_worker.py",
+           "accelerate": REPO / "tests" / "workers" / "hf_accelerate_worker.py"}
+STEPS, PER_EPOCH = 18, 6
+
+
+# ------------------------------------------------------------------------------------------ in process
+def _trainer(tmp_path: Path, **kwargs: object) -> object:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no",
+                             max_steps=2, disable_tqdm=True)
+    data = [{"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32}] * 4
+    model = None if "model_init" in kwargs else GPT2LMHeadModel(config)
+    return Trainer(model=model, args=args, train_dataset=data, **kwargs)
+
+
+def test_the_trainer_internals_the_resume_relies_on(tmp_path: Path) -> None:
+    """The folder rslurm writes is read by the Trainer's own resume: these are the names and formats it
+    writes, and what must hold for the optimizer restored before train() to be the one the Trainer uses."""
+    import transformers.trainer as tr
+    from transformers import TrainerState
+
+    assert (tr.TRAINER_STATE_NAME, tr.OPTIMIZER_NAME, tr.SCHEDULER_NAME, tr.SAFE_WEIGHTS_NAME) == \
+        ("trainer_state.json", "optimizer.pt", "scheduler.pt", "model.safetensors")
+    trainer = _trainer(tmp_path)
+    opt = trainer.create_optimizer()  # type: ignore[attr-defined]
+    assert trainer.create_optimizer() is opt  # type: ignore[attr-defined]  # kept, as train() calls it again
+    trainer._save_rng_state(str(tmp_path))  # type: ignore[attr-defined]
+    with tr.safe_globals():  # how the Trainer's _load_rng_state reads it
+        rng = torch.load(tmp_path / "rng_state.pth", weights_only=True)
+    assert set(rng) >= {"python", "numpy", "cpu"} and torch.equal(rng["cpu"], torch.get_rng_state())
+    state = TrainerState(global_step=7, epoch=1.5)
+    saved = hf._trainer_state(trainer, state)
+    (tmp_path / "s.json").write_text(json.dumps(saved))
+    back = TrainerState.load_from_json(str(tmp_path / "s.json"))
+    assert (back.global_step, back.epoch) == (7, 1.5) and "TrainerControl" in back.stateful_callbacks
+
+
+def test_what_the_integration_cannot_do_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each refusal names what is wrong and what to do, before anything is restored or trained."""
+    monkeypatch.setenv("RSLURM_LOCAL_DIR", str(tmp_path / "nvme"))
+    monkeypatch.setenv("RSLURM_RUN_ID", "errors")
+    trainer = _trainer(tmp_path, callbacks=[hf.RslurmCallback(every_steps=1)])
+    with pytest.raises(ConfigError, match=r"integrations.hf.train\(trainer"):
+        trainer.train()  # type: ignore[attr-defined]  # the callback alone cannot resume
+    with pytest.raises(ConfigError, match="leave out resume_from_checkpoint"):
+        hf.train(trainer, resume_from_checkpoint=True)
+    with pytest.raises(ConfigError, match="give the Checkpointer's arguments to it"):
+        hf.train(trainer, every_steps=3)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    with pytest.raises(ConfigError, match="model_init"):
+        hf.train(_trainer(tmp_path, model_init=lambda: GPT2LMHeadModel(GPT2Config(n_layer=1))))
+    with pytest.raises(ConfigError, match="pip install 'resilient_slurm\\[hf\\]'"):
+        hf._require("no_such_framework_here")
+
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)  # use_seedable_sampler left False
+    loader = acc.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2, shuffle=True))
+    with hf.AcceleratorCheckpointer(acc) as ackpt:
+        with pytest.raises(ConfigError, match="use_seedable_sampler=True"):
+            next(ackpt.batches(loader, epochs=1))
+        hf.AcceleratorCheckpointer(acc, checkpointer=ackpt.ckpt, extra={"model_ema": torch.zeros(1)})  # no clash
+        with pytest.raises(ConfigError, match="clash"):
+            hf.AcceleratorCheckpointer(acc, checkpointer=ackpt.ckpt, extra={"model_1": torch.zeros(1)})
+
+
+def test_the_worker_processes_of_a_prepared_loader_ignore_the_stop_signals() -> None:
+    """Accelerate's prepared loader iterates the DataLoader it wraps: the shield must reach that one's
+    ``worker_init_fn`` (on the cluster, Slurm's SIGTERM reaches every process of the step)."""
+    from accelerate import Accelerator
+
+    from resilient_slurm.checkpoint.workers import WorkerSignalShield
+
+    acc = Accelerator(cpu=True)
+    loader = acc.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=1))
+    hf._protect(loader)
+    assert isinstance(loader.base_dataloader.worker_init_fn, WorkerSignalShield)
+    assert isinstance(acc.skip_first_batches(loader, 1).worker_init_fn, WorkerSignalShield)  # a resumed epoch's
+
+
+# ------------------------------------------------------------------------------------------ end to end
+# rslurm rehearse runs each program three times under the real `rslurm launch -n 2`: to the end, then
+# stopped by SIGTERM to the launcher after a step chosen by the seed (in the second epoch with these
+# seeds), then resumed by the same command. The programs log into their run's directory (%d), so the
+# rehearsal's runs are also compared here, batch by batch and weight by weight, beyond its metrics.
+REHEARSALS = {"trainer": (24, ["--kill"]), "accelerate": (3, [])}  # stops after steps 7 and 8
+
+
+def _steps(work: Path, rank: int) -> dict[int, tuple]:
+    """Each step's (batch, loss) as the rank logged it; a step logged twice must repeat itself exactly."""
+    out: dict[int, tuple] = {}
+    for e in read_jsonl(work / f"log.{rank}.jsonl"):
+        if "loss" in e:
+            now = (e["batch"], e["loss"])
+            assert out.setdefault(e["step"], now) == now, f"rank {rank}: step {e['step']} differs when trained again"
+    return out
+
+
+def _events(work: Path, rank: int, name: str) -> list[dict]:
+    return [e for e in read_jsonl(work / f"log.{rank}.jsonl") if e.get("event") == name]
+
+
+def assert_identical_to(reference: Path, work: Path) -> None:
+    """Every step's batch and loss on every rank, then the final weights and optimizer (and scheduler) state:
+    bitwise those of the run that never stopped."""
+    for r in range(2):
+        want, got = _steps(reference, r), _steps(work, r)
+        assert sorted(want) == sorted(got) == list(range(1, STEPS + 1)), (sorted(want), sorted(got))
+        for s in want:
+            assert got[s][0] == want[s][0], f"rank {r} step {s}: batch {got[s][0]} != {want[s][0]}"
+            assert got[s] == want[s], f"rank {r} step {s}: same batch, loss {got[s][1]!r} != {want[s][1]!r}"
+        assert_same(torch.load(work / f"out.{r}.pt", weights_only=True),
+                    torch.load(reference / f"out.{r}.pt", weights_only=True), f"rank{r}")
+
+
+@pytest.fixture(scope="module")
+def rehearsals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, Path]]:
+    """``rslurm rehearse -n 2`` on each program (both at once: they share the machine's cores); the
+    Trainer's with ``--kill`` and an interval checkpoint every 3 steps, so that a SIGKILLed rank's restart
+    resumes from an interval checkpoint and trains the steps since it again."""
+    procs = {}
+    for program, (seed, extra) in REHEARSALS.items():
+        root = tmp_path_factory.mktemp(f"hf-rehearse-{program}")
+        argv = [sys.executable, "-m", "resilient_slurm.cli", "rehearse", "-n", "2", "--seed", str(seed),
+                "--dir", str(root / "r"), *extra, "--", sys.executable, str(WORKERS[program]),
+                "--log", "%d/log.%r.jsonl", "--out", "%d/out.%r.pt", "--every-steps", "3", "--step-sleep", "0.05"]
+        procs[program] = (subprocess.Popen(argv, env=clean_env({"RSLURM_LOG_LEVEL": "WARNING"}), cwd=root,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), root / "r")
+    out = {}
+    for program, (proc, root) in procs.items():
+        text, _ = proc.communicate(timeout=500)
+        out[program] = (proc.returncode, text, root)
+    return out
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+@pytest.mark.parametrize("program", list(WORKERS))
+def test_rehearsal_stopped_mid_epoch_passes_and_resumes_bitwise(rehearsals: dict[str, tuple[int, str, Path]],
+                                                                program: str) -> None:
+    """``rslurm rehearse`` passes: the resumed run reproduces every loss the program recorded (the Trainer's
+    callback records each step's loss itself). The stop was mid-epoch in the second epoch, the resumed run
+    started from that very step and trained through the third; its batches, losses, final weights and
+    optimizer state are bitwise those of the run that never stopped. The Trainer's rehearsal also SIGKILLed
+    a rank later on: the steps since the last interval checkpoint were trained again, identically."""
+    code, text, root = rehearsals[program]
+    assert code == 0 and "PASS" in text, text[-6000:]
+    straight, stopped = root / "uninterrupted", root / "interrupted"
+    [start] = _events(straight, 0, "start")
+    assert start["world"] == 2 and start["rslurm"] == str(REPO / "resilient_slurm" / "__init__.py"), start
+    first = _events(stopped, 0, "exit")[0]
+    assert first["stopped"] is True and first["done"] is False, first
+    saved = first["step"]
+    assert PER_EPOCH < saved < STEPS and saved % PER_EPOCH, (saved, text[-3000:])  # mid-epoch, not in the first
+    resumed = re.search(r"resumed from steps? ([\d, ]+)", text)
+    assert resumed, text[-3000:]
+    resumes = [int(n) for n in re.findall(r"\d+", resumed.group(1))]
+    assert resumes[0] == saved, (resumes, text[-3000:])
+    if program == "trainer":  # the restart after the SIGKILL resumed from an interval checkpoint (every 3 steps)
+        assert "SIGKILL to rank process" in text and len(resumes) == 2, text[-3000:]
+        assert resumes[1] % 3 == 0 and resumes[1] > saved, resumes
+        assert _events(stopped, 0, "exit")[-1]["restored"] == resumes[1], _events(stopped, 0, "exit")
+    else:  # the object given to register_for_checkpointing came back with the rest
+        assert _events(stopped, 0, "start")[1]["samples"] == 4 * saved, _events(stopped, 0, "start")
+    assert _events(stopped, 0, "exit")[-1]["done"] is True
+    assert_identical_to(straight, stopped)
+
+
+# ------------------------------------------------------------------------------------ Slurm cluster
+@pytest.mark.proc
+@pytest.mark.slow
+def test_trainer_preempted_on_slurm_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """The Trainer's program as a 2-node Slurm job (``rslurm launch -- srun``), with a DataLoader worker
+    process per rank: a job of the ``high`` partition preempts it, Slurm sends SIGTERM to every process of
+    the step (the workers ignore it: the callback protects the Trainer's loader), the ranks save the step
+    they are at, the launcher requeues the job, and the requeued job resumes from that step and ends
+    bitwise identical to the same program never stopped (run meanwhile under a local ``rslurm launch -n 2``,
+    with no worker process: not the rehearsal's run, which may be on another pytest-xdist worker)."""
+    work = slurm.work_dir / "hf-trainer-preempt"
+    work.mkdir()
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    reference = subprocess.Popen(
+        [sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", sys.executable, str(WORKERS["trainer"]),
+         "--log", str(ref / "log.%r.jsonl"), "--out", str(ref / "out.%r.pt")],
+        env=clean_env({"RSLURM_LOCAL_DIR": str(ref / "nvme"), "RSLURM_RUN_ID": "ref", "RSLURM_LOG_LEVEL": "WARNING"}),
+        cwd=ref, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
+               "RSLURM_RUN_ID": "trainer", "RSLURM_LOG_LEVEL": "WARNING",
+               "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl")}
+        exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
+        # The first incarnation sleeps after each step, so that the preemption lands mid-run; none after it.
+        sleep = '$([ "${SLURM_RESTART_COUNT:-0}" = 0 ] && echo 0.5 || echo 0)'
+        script = (f"#!/bin/bash\n{exports}exec {sys.executable} -m resilient_slurm.cli launch -- srun -N2 -n2 "
+                  f"{sys.executable} {WORKERS['trainer']} --log {work}/log.%r.jsonl --out {work}/out.%r.pt "
+                  f"--work {work} --workers 1 --step-sleep {sleep}\n")
+        job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--exclusive", "--open-mode=append",
+                           "-o", str(work / "job.out"))
+        diagnose = lambda: f"{slurm.diagnose(job)}\n{(work / 'job.out').read_text(errors='replace')[-5000:]}"  # noqa: E731
+        wait_for_step(work / "log.0.jsonl", 4, timeout=180, diagnose=diagnose)
+        high = slurm.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
+                            "-o", str(work / "high.out"))
+        slurm.wait_state(high, "COMPLETED", timeout=120)
+        try:
+            info = slurm.wait_state(job, "COMPLETED", timeout=240)
+        except BaseException:
+            print(diagnose())
+            raise
+        assert int(info["Restarts"]) == 1, info
+        exits = _events(work, 0, "exit")
+        assert len(exits) == 2 and exits[0]["stopped"] is True, (exits, diagnose())
+        assert exits[1]["restored"] == exits[0]["step"] < STEPS and exits[1]["done"] is True, exits
+        out, _ = reference.communicate(timeout=240)
+    finally:
+        if reference.poll() is None:  # the test failed before: stop it as a preemption would
+            reference.terminate()
+            reference.communicate(timeout=120)
+    assert reference.returncode == 0, out[-5000:]
+    assert_identical_to(ref, work)
