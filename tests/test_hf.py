@@ -106,11 +106,11 @@ def test_the_worker_processes_of_a_prepared_loader_ignore_the_stop_signals() -> 
     ``worker_init_fn`` (on the cluster, Slurm's SIGTERM reaches every process of the step)."""
     from accelerate import Accelerator
 
-    from resilient_slurm.checkpoint.workers import WorkerSignalShield
+    from resilient_slurm.checkpoint.workers import WorkerSignalShield, protect_dataloader
 
     acc = Accelerator(cpu=True)
     loader = acc.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=1))
-    hf._protect(loader)
+    protect_dataloader(loader)
     assert isinstance(loader.base_dataloader.worker_init_fn, WorkerSignalShield)
     assert isinstance(acc.skip_first_batches(loader, 1).worker_init_fn, WorkerSignalShield)  # a resumed epoch's
 

@@ -49,7 +49,13 @@ class WorkerSignalShield:
 
 
 def protect_dataloader(loader: Any) -> Any:
-    """Make ``loader``'s worker processes ignore stop signals (idempotent); returns the loader."""
+    """Make ``loader``'s worker processes ignore stop signals (idempotent); returns the loader.
+
+    A loader that wraps another and iterates it (Accelerate's prepared loaders: ``base_dataloader``) has its
+    workers started by the wrapped one, whose ``worker_init_fn`` they run: that one is protected too."""
     if getattr(loader, "num_workers", 0) and not isinstance(loader.worker_init_fn, WorkerSignalShield):
         loader.worker_init_fn = WorkerSignalShield(loader.worker_init_fn)
+    base = getattr(loader, "base_dataloader", None)
+    if base is not None and base is not loader:
+        protect_dataloader(base)
     return loader

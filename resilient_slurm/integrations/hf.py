@@ -85,16 +85,6 @@ def _inner(obj: Any, attr: str) -> Any:
     return getattr(obj, attr, obj)
 
 
-def _protect(loader: Any) -> None:
-    """Make the loader's worker processes ignore the stop signals (Slurm signals every process of the step,
-    and a worker killed by it fails its rank before the save). Accelerate's prepared loaders iterate the
-    DataLoader they wrap (``base_dataloader``): its ``worker_init_fn`` is the one the workers run."""
-    protect_dataloader(loader)
-    base = getattr(loader, "base_dataloader", None)
-    if base is not None and base is not loader:
-        protect_dataloader(base)
-
-
 def _checkpointer(checkpointer: Checkpointer | None, kwargs: Mapping[str, Any]) -> Checkpointer | None:
     if checkpointer is not None and kwargs:
         raise ConfigError(f"pass either checkpointer= or the Checkpointer's arguments, not both "
@@ -272,7 +262,7 @@ class RslurmCallback:
         self._snapshot.training = True
         loader = kwargs.get("train_dataloader")
         if loader is not None:
-            _protect(loader)
+            protect_dataloader(loader)
         if state.global_step != self.restored_step:
             raise CheckpointError(f"the Trainer resumed at step {state.global_step}, rslurm restored step "
                                   f"{self.restored_step}")
@@ -437,7 +427,7 @@ class AcceleratorCheckpointer:
         the epoch's start in a run that never stopped and mid-epoch in a resumed one: that draw runs on a
         forked RNG here, so dropout sees the same numbers in both. Stops early once :attr:`should_stop`."""
         self._check_loader(loader)
-        _protect(loader)
+        protect_dataloader(loader)
         while self.position["epoch"] < epochs and not self.should_stop:
             epoch, skip = self.position["epoch"], self.position["batches"]
             if hasattr(loader, "set_epoch"):
