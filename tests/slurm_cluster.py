@@ -557,6 +557,12 @@ SlurmctldParameters=preempt_send_user_signal"""
         return f"daemon logs in {self.log_dir}:\n" + ("\n".join(parts) or "(no daemon logs)")
 
     # ------------------------------------------------------------------ jobs
+    def high_job(self, out_dir: Path) -> int:
+        """Submit a job on the `high` partition that wants both nodes (``srun true``): it preempts the `low`
+        partition's job there (PreemptMode=REQUEUE). Returns its id; its output goes to ``out_dir/high.out``."""
+        return self.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
+                           "-o", str(out_dir / "high.out"))
+
     def sbatch(self, script_text: str, *args: str, env: Mapping[str, str] | None = None,
                timeout: float = 30) -> int:
         """Submit ``script_text`` with extra sbatch ``args``; return the job id.

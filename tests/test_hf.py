@@ -236,8 +236,7 @@ def test_trainer_preempted_on_slurm_requeues_and_resumes_bitwise(slurm: SlurmClu
                            "-o", str(work / "job.out"))
         diagnose = lambda: f"{slurm.diagnose(job)}\n{(work / 'job.out').read_text(errors='replace')[-5000:]}"  # noqa: E731
         wait_for_step(work / "log.0.jsonl", 4, timeout=180, diagnose=diagnose)
-        high = slurm.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
-                            "-o", str(work / "high.out"))
+        high = slurm.high_job(work)
         slurm.wait_state(high, "COMPLETED", timeout=120)
         try:
             info = slurm.wait_state(job, "COMPLETED", timeout=240)

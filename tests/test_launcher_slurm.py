@@ -156,11 +156,6 @@ def _wait_done(slurm: SlurmCluster, job: int, work: Path, timeout: float) -> dic
         raise
 
 
-def _high_job(slurm: SlurmCluster, work: Path) -> int:
-    return slurm.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
-                        "-o", str(work / "high.out"))
-
-
 @pytest.mark.parametrize(("user_signal", "socket"), [(True, True), (True, False), (False, True)],
                          ids=["signal-to-launcher", "scancel-signal-only", "sigterm-to-ranks"])
 def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path, user_signal: bool,
@@ -180,7 +175,7 @@ def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
                   *(["--signal=B:USR1@5"] if user_signal else []))
     _wait_started(slurm, job, work, work / "log.0.jsonl", 8)
     t0 = time.time()
-    high = _high_job(slurm, work)
+    high = slurm.high_job(work)
     slurm.wait_state(high, "COMPLETED", timeout=120)
     info = _wait_done(slurm, job, work, timeout=180)
     assert int(info["Restarts"]) == 1, info
@@ -624,7 +619,7 @@ def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: Slurm
                                        extra_env={"RSLURM_DURABLE": str(lustre)}, before=wipe),
                   "--signal=B:USR1@5")
     _wait_started(slurm, job, work, work / "log.0.jsonl", 8)
-    high = _high_job(slurm, work)
+    high = slurm.high_job(work)
     slurm.wait_state(high, "COMPLETED", timeout=120)
     info = _wait_done(slurm, job, work, timeout=180)
     (tmp_path / "job.out").write_text(_job_text(work))  # kept by pytest after the cluster is gone

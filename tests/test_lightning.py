@@ -312,8 +312,7 @@ def test_preempted_on_slurm_requeued_and_resumed_bitwise(slurm: SlurmCluster, un
         assert time.monotonic() < deadline and state not in ("FAILED", "COMPLETED", "CANCELLED"), \
             f"job {job} {state}: " + (work / "job.out").read_text(errors="replace")[-4000:]
         time.sleep(0.5)
-    high = slurm.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
-                        "-o", str(work / "high.out"))
+    high = slurm.high_job(work)
     slurm.wait_state(high, "COMPLETED", timeout=120)
     try:
         info = slurm.wait_state(job, "COMPLETED", timeout=240)
