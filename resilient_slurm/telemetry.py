@@ -259,6 +259,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "newest durable step (-1: none)"),
     MetricSpec("rslurm_steps_pending_drain", "gauge", _RUN,
                "local steps this node still has to send to the durable tier"),
+    MetricSpec("rslurm_run_goodput_ratio", "gauge", _RUN,
+               "training time kept / wall time of the run, from its event log and history on this node "
+               "(rslurm report)"),
     MetricSpec("rslurm_incarnation_ends", "gauge", (*_RUN, "reason"),
                "ends of the run's incarnations and in-job restarts in its history on this node, by class "
                "(preempted, time_limit, hang, out_of_memory, ...; rslurm history)"),
@@ -274,6 +277,7 @@ class RunGauges:
     durable_newest_step: int
     steps_pending_drain: int
     ends: Mapping[str, int] = field(default_factory=dict)  # class -> count, from the run's history
+    goodput: float | None = None  # kept / wall (rslurm report); None while not known: no sample
 
 
 @dataclass(frozen=True)
@@ -314,6 +318,10 @@ class DaemonMetrics:
                 for run, g in sorted(self.runs.items()):
                     for reason, n in sorted(g.ends.items()):
                         yield spec, (*node, run, reason), float(n)
+            elif spec.name == "rslurm_run_goodput_ratio":
+                for run, g in sorted(self.runs.items()):
+                    if g.goodput is not None:
+                        yield spec, (*node, run), float(g.goodput)
             elif spec.name in per_run:
                 for run, g in sorted(self.runs.items()):
                     yield spec, (*node, run), float(per_run[spec.name](g))

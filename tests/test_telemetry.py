@@ -43,7 +43,7 @@ from typing import Any
 
 import pytest
 import s3_support
-from conftest import REPO, clean_env, free_port, read_jsonl, wait_for_step
+from conftest import REPO, clean_env, free_port, read_jsonl, run_rslurm, wait_for_step
 from prometheus_client.parser import text_string_to_metric_families
 from s3_support import MotoServer
 from slurm_cluster import SlurmCluster
@@ -530,6 +530,12 @@ def test_daemon_events_and_metrics_match_the_drained_steps(scenario: Scenario) -
     nm = check_prom(docs, scenario.prom("nobucket"))
     assert nm["rslurm_drain_failures_total"] == len(failed) and nm["rslurm_drained_steps_total"] == 0
     assert nm["rslurm_durable_newest_step"] == {RUN: -1} and nm["rslurm_steps_pending_drain"] == {RUN: len(failed)}
+    # The goodput is rslurm report's, from the same event log and history (nothing ran in the run since); while
+    # the run trained (the launcher's own daemon) it was already known.
+    report = run_rslurm("report", "--json", RUN, env={"RSLURM_LOCAL_DIR": str(scenario.nvme)})
+    assert report.returncode == 0, report.stderr
+    assert nm["rslurm_run_goodput_ratio"][RUN] == pytest.approx(json.loads(report.stdout)["goodput"], rel=1e-6)
+    assert 0 < check_prom(docs, scenario.prom("job"))["rslurm_run_goodput_ratio"][RUN] < 1
 
 
 @pytest.mark.proc

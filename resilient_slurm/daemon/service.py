@@ -89,6 +89,8 @@ from .drain import (
 )
 
 log = logging.getLogger(__name__)
+# How often the goodput metric may read a run's event log again (it grows with the run).
+GOODPUT_EVERY_S = 60.0
 
 LOCK_FILE = "daemon.lock"
 STATUS_FILE = "daemon.json"
@@ -203,6 +205,8 @@ class Daemon:
         self._signals: deque[tuple[str, bool]] = deque()  # (signal name, whether it stops the daemon)
         self._status: dict[tuple[str, int], StepStatus] = {}
         self._durable: dict[str, list[int]] = {}  # run -> durable steps, refreshed each pass
+        # run -> (event log's size and mtime, when computed, goodput): see _goodput
+        self._goodputs: dict[str, tuple[tuple[int, int], float, float | None]] = {}
         self._current: dict[str, Any] | None = None
         self._lock_fd: int | None = None
         self._last_status_write = 0.0
@@ -813,7 +817,7 @@ class Daemon:
             runs[run] = RunGauges(drain_lag_seconds=self._lag(run, now)[0],
                                   local_newest_step=max((st.step for st in mine), default=-1),
                                   durable_newest_step=max(self._durable.get(run, ()), default=-1),
-                                  steps_pending_drain=pending, ends=self._ends(run))
+                                  steps_pending_drain=pending, ends=self._ends(run), goodput=self._goodput(run))
         try:
             min_free: int | None = min_free_bytes(self.min_free, self.root)
         except (OSError, ValueError):
@@ -821,6 +825,34 @@ class Daemon:
         return DaemonMetrics(node=self.node, local_root=self.root, up=self._up, start_time=self.started_at, updated_at=now,
                              counters=dict(self.counters), throughput=self._throughput,
                              local_free_bytes=self._free_bytes(), local_min_free_bytes=min_free, runs=runs)
+
+    def _goodput(self, run: str) -> float | None:
+        """The run's goodput as ``rslurm report`` computes it from the event log and the history on this node
+        (the batch host's log has the launcher's records). The log grows with the run: it is read again only
+        when it changed, at most every :data:`GOODPUT_EVERY_S` once known. None when it cannot be told (no log, no
+        wall time yet, a log that cannot be read: a metric must never stop the daemon)."""
+        from ..catalog.history import read_history
+        from ..catalog.report import report_run
+
+        try:
+            st = os.stat(RunDir(self.root, run).events)
+        except OSError:
+            return None
+        key, now = (st.st_size, st.st_mtime_ns), time.monotonic()
+        cached = self._goodputs.get(run)
+        # Read again when the log changed: at most every GOODPUT_EVERY_S, but at once while the value is not
+        # known yet and for the last snapshot a daemon writes before it exits.
+        if cached is not None and (cached[0] == key or (now - cached[1] < GOODPUT_EVERY_S
+                                                        and cached[2] is not None and self._up)):
+            return cached[2]
+        try:
+            report = report_run(self.root, run, read_history(self.root, run))
+            value = report.kept_s() / report.wall_s if report.wall_s > 0 else None
+        except Exception as exc:  # a damaged log: the report names it; the metric is left out
+            log.debug("goodput of run %s not computed: %s", run, exc)
+            value = None
+        self._goodputs[run] = (key, now, value)
+        return value
 
     def _ends(self, run: str) -> Mapping[str, int]:
         """The run's ends by class, from its history on this node (the batch host's); empty elsewhere."""
