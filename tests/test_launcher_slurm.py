@@ -608,7 +608,8 @@ def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: Slurm
     both nodes' daemons drain it (they ignore the SIGTERM Slurm sends every step) and the launcher
     requeues only once the step is durable. The requeued incarnation finds n2's NVMe wiped: n2's rank
     restores from the durable tier, n1's from its local tier, and the run ends bitwise identical.
-    ``rslurm report`` tells that story on each node, its goodput matching the events."""
+    Before the preemption rank 1 is SIGKILLed once (an in-job restart), so ``rslurm report`` has a run with
+    an in-job restart, a preemption and a node loss to tell, on each node, its goodput matching the events."""
     steps = 60
     work = slurm.work_dir / "launch-durable-node-loss"
     work.mkdir()
@@ -618,16 +619,20 @@ def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: Slurm
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)],
                                        extra_env={"RSLURM_DURABLE": str(lustre)}, before=wipe),
                   "--signal=B:USR1@5")
-    _wait_started(slurm, job, work, work / "log.0.jsonl", 8)
+    _wait_started(slurm, job, work, work / "log.1.jsonl", 8)
+    pid = [e for e in read_jsonl(work / "log.1.jsonl") if e.get("event") == "start"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)  # the in-job restart
+    _wait_started(slurm, job, work, work / "log.1.jsonl", 16)  # the restarted ranks trained on
     high = slurm.high_job(work)
     slurm.wait_state(high, "COMPLETED", timeout=120)
     info = _wait_done(slurm, job, work, timeout=180)
     (tmp_path / "job.out").write_text(_job_text(work))  # kept by pytest after the cluster is gone
     assert int(info["Restarts"]) == 1, info
     starts, exits = _starts(work), _exits(work)
-    assert len(starts) == 2 and exits[0]["stopped"] is True, (starts, exits, _job_text(work)[-3000:])
-    step = exits[0]["step"]
-    assert starts[1]["step"] == step, (starts, exits, _job_text(work)[-8000:])
+    stopped = [e for e in exits if e["stopped"]]
+    assert len(starts) == 3 and len(stopped) == 1, (starts, exits, _job_text(work)[-3000:])
+    step = stopped[0]["step"]
+    assert starts[2]["step"] == step, (starts, exits, _job_text(work)[-8000:])
     events = _events(work)
     kinds = [e["event"] for e in events]
     durable = [e for e in events if e["event"] == "durable"]
@@ -645,9 +650,9 @@ def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: Slurm
 
 
 def _check_report_of_the_node_loss(work: Path, step: int, steps: int) -> None:
-    """``rslurm report`` of that run: on the batch host (n1), the preemption and the requeued incarnation that
-    restored ``step`` from n1's own tier, goodput from the events and the history; on n2, whose NVMe was
-    wiped, the run of its rank that restored ``step`` from the durable tier."""
+    """``rslurm report`` of that run: on the batch host (n1), the in-job restart, the preemption and the requeued
+    incarnation that restored ``step`` from n1's own tier, goodput from the events and the history; on n2,
+    whose NVMe was wiped, the run of its rank that restored ``step`` from the durable tier."""
     docs = {}
     for node in ("n1", "n2"):
         r = run_rslurm("report", "--json", "toy", env={"RSLURM_LOCAL_DIR": str(work / "nvme" / node)})
@@ -655,22 +660,28 @@ def _check_report_of_the_node_loss(work: Path, step: int, steps: int) -> None:
         docs[node] = json.loads(r.stdout)
     doc = docs["n1"]
     incs = doc["incarnations"]
-    assert [i["end_reason"] for i in incs] == ["preempted", "completed"], incs
-    assert [i["restored_step"] for i in incs] == [None, step] and incs[1]["committed_step"] == steps, incs
-    assert incs[1]["runs_of_ranks"][0]["restore_tiers"] == ["local"], incs
-    hist = json.loads((work / "nvme" / "n1" / "toy" / "launcher-history.json").read_text())["incarnations"]
+    runs = [[(r["end_reason"], r["restored_step"]) for r in i["runs_of_ranks"]] for i in incs]
     records = read_jsonl(work / "nvme" / "n1" / "toy" / "events.jsonl")
+    [ij] = [e for e in records if e["event"] == "in_job_restart"]
+    assert runs == [[("killed_by_signal", None), ("preempted", ij["committed_step"])], [("completed", step)]], runs
+    assert incs[1]["committed_step"] == steps and incs[1]["runs_of_ranks"][0]["restore_tiers"] == ["local"], incs
+    # The steps trained again after the in-job restart: from the step it restored to the furthest step begun
+    # on this node (the launcher's last reading of the heartbeats).
+    exited = [e for e in records if e["event"] == "ranks_exited"]
+    assert incs[0]["runs_of_ranks"][0]["steps_recomputed"] == exited[0]["last_step"] - ij["committed_step"], exited
+    hist = json.loads((work / "nvme" / "n1" / "toy" / "launcher-history.json").read_text())["incarnations"]
     starts = [e["t"] for e in records if e["source"] == "launcher" and e["event"] == "start"]
     assert doc["wall_start"] == starts[0]
     assert doc["wall_end"] == max([e["t"] for e in records if e["source"] in ("rank", "launcher")]
                                   + [h["ended_at"] for h in hist])
     assert doc["kept_s"] + sum(doc["losses_s"].values()) == pytest.approx(doc["wall_s"], abs=1e-6)
     assert doc["goodput"] == pytest.approx(doc["kept_s"] / doc["wall_s"]) and 0 < doc["goodput"] < 1
-    # The requeue: from the first incarnation's end (its last record, or its history entry's end) to the second start.
+    # Waiting: the in-job restart's backoff, and the requeue, from the first incarnation's end (its last record,
+    # or its history entry's end) to the second start.
     first_end = max([e["t"] for e in records if e["source"] in ("rank", "launcher") and e["t"] < starts[1]]
                     + [hist[0]["ended_at"]])
-    assert doc["losses_s"]["waiting"] == pytest.approx(starts[1] - first_end, abs=1e-6)
-    assert doc["losses_s"]["recomputed"] == 0  # the emergency save kept every step trained
+    assert doc["losses_s"]["waiting"] == pytest.approx(ij["backoff_s"] + starts[1] - first_end, abs=1e-6)
+    assert doc["losses_s"]["recomputed"] > 0  # after the SIGKILL; the emergency save kept every step trained
     [lost] = [s for i in docs["n2"]["incarnations"] for s in i["runs_of_ranks"]]
     assert lost["restored_step"] == step and lost["restore_tiers"] == ["durable"], docs["n2"]
 

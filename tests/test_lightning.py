@@ -329,3 +329,66 @@ def test_preempted_on_slurm_requeued_and_resumed_bitwise(slurm: SlurmCluster, un
     assert "Lightning's SIGTERM handler and SLURM auto-requeue are off" in text, text[-4000:]
     _assert_identical(uninterrupted, work)
 
+
+
+# ------------------------------------------------------------------------ what a user adds around the line
+class _Validated(lightning_worker.Model):
+    """The worker's model with a validation loss (``val_loss``) for EarlyStopping and ModelCheckpoint."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(lightning_worker.Points(12), batch_size=4)
+
+
+def _fit_with_callbacks(root: Path, *, stop_at: int = -1) -> tuple[Any, Any, Any]:
+    """Validation every 5 steps, EarlyStopping that stops after two evaluations without a large gain, and a
+    ModelCheckpoint keeping the best file: their state must survive a resume as the fit loop's does."""
+    L.seed_everything(0, verbose=False)
+    model = _Validated(44, 4, 0)
+    plugin = ResilientSlurm(local_dir=str(root / "nvme"), run_id="callbacks")
+    early = L.pytorch.callbacks.EarlyStopping(monitor="val_loss", patience=2, min_delta=10.0)
+    best = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(root / "best"), monitor="val_loss", save_top_k=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=60, val_check_interval=5, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[plugin, early, best, _StopAt(plugin, stop_at)])
+    trainer.fit(model)
+    return trainer, plugin, early
+
+
+def test_early_stopping_and_model_checkpoint_states_survive_a_resume(tmp_path: Path):
+    """Lightning saves its callbacks' states in its own checkpoints; the integration saves them too. Without
+    them the resumed EarlyStopping forgot its patience and trained on past the step the uninterrupted run
+    stopped at, and ModelCheckpoint kept a stale 'best' file beside the real one."""
+    ref, _, ref_early = _fit_with_callbacks(tmp_path / "ref")
+    assert ref.global_step < 60 and ref_early.stopped_epoch > 0  # the uninterrupted run stopped early
+    first, plugin, _ = _fit_with_callbacks(tmp_path / "run", stop_at=7)
+    assert plugin.should_stop and first.global_step == 7
+    second, plugin2, early = _fit_with_callbacks(tmp_path / "run")
+    assert plugin2.restored_step == 7
+    assert second.global_step == ref.global_step and early.wait_count == ref_early.wait_count
+    assert_same(second.lightning_module.state_dict(), ref.lightning_module.state_dict(), "model")
+    assert sorted(p.name for p in (tmp_path / "run" / "best").iterdir()) == sorted(
+        p.name for p in (tmp_path / "ref" / "best").iterdir())
+
+
+def test_several_train_loaders_and_a_second_fit_on_a_finished_run_are_refused(tmp_path: Path):
+    class TwoLoaders(lightning_worker.Model):
+        def train_dataloader(self) -> Any:
+            return {"a": super().train_dataloader(), "b": super().train_dataloader()}
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step(batch["a"], batch_idx)
+
+    def trainer(plugin: ResilientSlurm) -> Any:
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[plugin])
+
+    with pytest.raises(ConfigError, match="one train DataLoader; train_dataloader\\(\\) returned 2"):
+        trainer(ResilientSlurm(local_dir=str(tmp_path / "two"))).fit(TwoLoaders(44, 4, 0))
+    trainer(ResilientSlurm(local_dir=str(tmp_path), run_id="pretrain")).fit(lightning_worker.Model(44, 4, 0))
+    with pytest.raises(ConfigError, match="already ran a fit\\(\\) to its end .*run_id='pretrain-finetune'"):
+        trainer(ResilientSlurm(local_dir=str(tmp_path), run_id="pretrain")).fit(lightning_worker.Model(44, 4, 0))
+    trainer(ResilientSlurm(local_dir=str(tmp_path), run_id="finetune")).fit(lightning_worker.Model(44, 4, 0))

@@ -13,7 +13,8 @@ after the process group exists. What it does there (docs/integration.md, "PyTorc
 * ``on_fit_start`` (after the strategy wrapped the model and built the optimizers): restores the newest
   step through the Checkpointer, then hands the fit loop's progress, the optimizers' and schedulers'
   states to Lightning's own ``restore_training_state``, which runs right after this hook, exactly as for a
-  ``ckpt_path`` (Lightning then resumes mid-epoch as it does from its own checkpoints);
+  ``ckpt_path`` (Lightning then resumes mid-epoch as it does from its own checkpoints), and gives the
+  other callbacks (EarlyStopping, ModelCheckpoint) their saved states;
 * ``on_train_batch_end``: moves the sampler's position to the batches the loop has finished (Lightning
   fetches one batch ahead, so counting what the loader handed out would be one batch off) and calls
   ``ckpt.step(global_step, state, metrics={"loss": ...})``; once an emergency save committed it sets
@@ -45,6 +46,7 @@ from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.sampler import ResumableSampler
 from ..checkpoint.workers import protect_dataloader
 from ..errors import ConfigError, IncompatibleCheckpointError
+from ..jobenv import JobEnv
 
 try:
     import lightning.pytorch as pl
@@ -70,6 +72,10 @@ def _say(msg: str, *args: Any) -> None:
 __all__ = ["ResilientSlurm"]
 
 LOOPS_KEY = "lightning_loops"
+CALLBACKS_KEY = "lightning_callbacks"
+# Runs whose fit() ran to its end in this process (Checkpointer.run_dir): a second fit() on one of them would
+# resume the first one's last step (a pretraining and a fine-tuning stage sharing a run id).
+_FINISHED: set[str] = set()
 
 
 class _LoopState:
@@ -90,6 +96,38 @@ class _LoopState:
         import json
 
         self.loaded = json.loads(state["fit_loop"])
+
+
+class _CallbackStates:
+    """The other callbacks' states (``EarlyStopping``'s patience and best score, ``ModelCheckpoint``'s best
+    and top-k files), as Lightning saves them in its own checkpoints (``Callback.state_dict`` by
+    ``state_key``). One blob (``torch.save``): the keys hold Lightning's state keys, braces and dots
+    included, and the values tensors and paths; read back with ``weights_only``."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        import io
+
+        from lightning.pytorch.trainer import call
+
+        buf = io.BytesIO()
+        torch.save(call._call_callbacks_state_dict(self.trainer), buf)
+        return {"callbacks": buf.getvalue()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        import io
+
+        self.loaded = torch.load(io.BytesIO(state["callbacks"]), map_location="cpu", weights_only=True)
+
+    def apply(self) -> None:
+        """Into the Trainer's callbacks (Lightning's own restore of them ran before ``on_fit_start``)."""
+        from lightning.pytorch.trainer import call
+
+        if self.loaded:
+            call._call_callbacks_load_state_dict(self.trainer, {"callbacks": self.loaded})
 
 
 class _SamplerPosition:
@@ -154,7 +192,16 @@ class ResilientSlurm(pl.Callback):
         _quiet_lightning_signals(trainer)
         self._replace_sampler(trainer)
         if self.ckpt is None:  # one per fit(): teardown closes it
-            self.ckpt = Checkpointer(**self.checkpointer_kwargs)
+            ckpt = Checkpointer(**self.checkpointer_kwargs)
+            if ckpt.run_dir in _FINISHED:
+                run = os.path.basename(ckpt.run_dir)
+                ckpt.close()
+                raise ConfigError(
+                    f"run {run!r} ({ckpt.run_dir}) already ran a fit() to its end in this program: another fit() "
+                    f"on it would resume that one's last step and train nothing new (a pretraining and a "
+                    f"fine-tuning stage, two Trainers). Give each stage its own run: "
+                    f"ResilientSlurm(run_id='{run}-finetune', ...)")
+            self.ckpt = ckpt
             self._stopped, self._sampler, self._last_step = False, None, -1
 
     def _replace_sampler(self, trainer: pl.Trainer) -> None:
@@ -176,10 +223,17 @@ class ResilientSlurm(pl.Callback):
         """The train loader on a ResumableSampler (length="epoch"), with Lightning's stateful-loader methods."""
         batch_sampler = loader.batch_sampler
         sampler = loader.sampler
+        if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            log.warning("rslurm: the train DataLoader reads an IterableDataset (%s): no position in it can be "
+                        "saved, so a resumed run does not read the data a run never stopped would, and is not "
+                        "bitwise identical to it. Use a map-style dataset (__getitem__, __len__) for an exact "
+                        "resume", type(loader.dataset).__name__)
+            return original(loader, shuffle, mode)
         if not isinstance(batch_sampler, BatchSampler) or type(batch_sampler) is not BatchSampler:
             log.warning("rslurm: the train DataLoader has its own batch_sampler (%s): its position in the epoch "
-                        "is not saved, and a resume mid-epoch starts the epoch's data again. Use a map-style "
-                        "dataset with batch_size=, or a ResumableSampler", type(batch_sampler).__name__)
+                        "is not saved, so a resumed run does not read the data a run never stopped would, and "
+                        "is not bitwise identical to it. Use a map-style dataset with batch_size=, or a "
+                        "ResumableSampler", type(batch_sampler).__name__)
             return original(loader, shuffle, mode)
         if isinstance(sampler, ResumableSampler):
             sampler.length = "epoch"
@@ -199,8 +253,8 @@ class ResilientSlurm(pl.Callback):
                      "seed=%d): its position is saved with every checkpoint", rank, replicas, shuffle, seed)
         else:
             log.warning("rslurm: the train DataLoader's sampler (%s) is not a ResumableSampler: its position in "
-                        "the epoch is not saved, and a resume mid-epoch starts the epoch's data again",
-                        type(sampler).__name__)
+                        "the epoch is not saved, so a resumed run does not read the data a run never stopped "
+                        "would, and is not bitwise identical to it", type(sampler).__name__)
             return original(loader, shuffle, mode)
         if prepared.generator is None:
             # Creating a DataLoader iterator draws its workers' base seed from the global torch RNG: a resumed
@@ -242,6 +296,8 @@ class ResilientSlurm(pl.Callback):
         if precision.state_dict():
             state["precision"] = precision
         state[LOOPS_KEY] = loops
+        callbacks = _CallbackStates(trainer)
+        state[CALLBACKS_KEY] = callbacks
         self.state = state
         step = self.ckpt.restore(state)
         self.restored_step = self._last_step = step
@@ -261,6 +317,7 @@ class ResilientSlurm(pl.Callback):
         if "precision" in state:
             handed[type(precision).__qualname__] = precision.state_dict()
         trainer._checkpoint_connector._loaded_checkpoint = handed
+        callbacks.apply()
         _say("rslurm: resumed at step %d (epoch %d)", step,
                  loops.loaded.get("epoch_progress", {}).get("current", {}).get("processed", -1))
 
@@ -289,6 +346,15 @@ class ResilientSlurm(pl.Callback):
             _say("rslurm: emergency checkpoint of step %d committed: stopping the fit loop", step)
             trainer.should_stop = True
 
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        n = _count_loaders(trainer.train_dataloader)
+        if n > 1:
+            raise ConfigError(
+                f"ResilientSlurm keeps the position of one train DataLoader; train_dataloader() returned {n} "
+                "(a CombinedLoader, a dict or a list of loaders), whose positions would be lost at a resume and "
+                "the resumed run would differ: put the datasets in one loader (torch.utils.data.ConcatDataset, "
+                "or a Dataset that returns a sample of each), or train them in separate fit() calls")
+
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.ckpt is not None and trainer.state.fn == "fit":
             # No step() while validating: tell the launcher's hang detection (Checkpointer.section).
@@ -300,7 +366,7 @@ class ResilientSlurm(pl.Callback):
     # ----------------------------------------------------------------------------------- end
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._close()
+            self._close(finished=not trainer.interrupted)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
@@ -308,12 +374,27 @@ class ResilientSlurm(pl.Callback):
         except Exception as inner:  # do not mask the exception that ended fit()
             log.error("rslurm: while closing the Checkpointer after %s: %s", type(exception).__name__, inner)
 
-    def _close(self) -> None:
+    def _close(self, *, finished: bool = False) -> None:
         self._sections.close()
         if self.ckpt is not None:
             ckpt, self.ckpt = self.ckpt, None
             self._stopped = ckpt.should_stop
             ckpt.close()
+            if finished and not self._stopped:
+                _FINISHED.add(ckpt.run_dir)
+
+
+def _count_loaders(loaders: Any) -> int:
+    """How many DataLoaders ``trainer.train_dataloader`` holds (a loader, or a collection of them)."""
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    if isinstance(loaders, CombinedLoader):
+        loaders = loaders.flattened
+    if isinstance(loaders, Mapping):
+        return sum(_count_loaders(v) for v in loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        return sum(_count_loaders(v) for v in loaders)
+    return 1 if loaders is not None else 0
 
 
 def _check_strategy(trainer: pl.Trainer) -> None:
@@ -326,7 +407,13 @@ def _check_strategy(trainer: pl.Trainer) -> None:
             "strategy='ddp' (or one device), or save with resilient_slurm.Checkpointer in your own loop "
             "(FSDP2 and DTensor: docs/integration.md)")
     env = trainer._accelerator_connector.cluster_environment
-    if trainer.world_size > 1 and not env.creates_processes_externally:
+    job = JobEnv.from_env(warn=False)
+    # Started by rslurm launch, srun or torchrun. In setup() the processes already exist, so Lightning's own
+    # creates_processes_externally is True even in the processes Lightning started itself (it set LOCAL_RANK).
+    outside = (bool(os.environ.get("RSLURM_CONTROL_SOCKET")) or job.step_id is not None
+               or "TORCHELASTIC_RUN_ID" in job.raw)
+    spawned = getattr(strategy, "_start_method", "popen") != "popen"  # ddp_spawn, ddp_fork, ddp_notebook
+    if trainer.world_size > 1 and (spawned or not outside or not env.creates_processes_externally):
         raise ConfigError(
             f"Lightning is starting its own {trainer.world_size} processes ({name}, {type(env).__name__}): "
             "start every rank with `rslurm launch -n N -- python train.py` (or `rslurm launch -- srun ...`), "
