@@ -111,6 +111,13 @@ def test_the_lightning_internals_the_integration_uses_are_there():
     assert list(inspect.signature(_auto_add_worker_init_fn).parameters) == ["dataloader", "rank"]
     # the train loader's state travels in the fit loop's state when the loader has state_dict/load_state_dict
     assert "_load_combined_loader_states()" in inspect.getsource(_FitLoop.setup_data)
+    # the emergency stop ends fit() through the tuner's exit: teardown, status finished, nothing raised
+    from lightning.pytorch.trainer import call
+    from lightning.pytorch.utilities.exceptions import _TunerExitException  # noqa: F401
+
+    handler = inspect.getsource(call._call_and_handle_interrupt)
+    assert "except _TunerExitException:" in handler and "trainer._teardown()" in handler
+    assert callable(call._call_callbacks_state_dict) and callable(call._call_callbacks_load_state_dict)
 
 
 def _rank_steps(work: Path, rank: int) -> list[dict]:

@@ -55,6 +55,7 @@ try:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
     from lightning.pytorch.trainer.states import RunningStage
     from lightning.pytorch.utilities.data import _update_dataloader
+    from lightning.pytorch.utilities.exceptions import _TunerExitException
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -173,6 +174,7 @@ class ResilientSlurm(pl.Callback):
         self._last_step = -1
         self._sections = contextlib.ExitStack()
         self._stopped = False
+        self._exit_pending = False  # an emergency save committed: end fit() at the next hook (_exit_if_stopped)
 
     @property
     def should_stop(self) -> bool:
@@ -202,7 +204,7 @@ class ResilientSlurm(pl.Callback):
                     f"fine-tuning stage, two Trainers). Give each stage its own run: "
                     f"ResilientSlurm(run_id='{run}-finetune', ...)")
             self.ckpt = ckpt
-            self._stopped, self._sampler, self._last_step = False, None, -1
+            self._stopped, self._sampler, self._last_step, self._exit_pending = False, None, -1, False
 
     def _replace_sampler(self, trainer: pl.Trainer) -> None:
         connector = trainer._data_connector
@@ -345,6 +347,24 @@ class ResilientSlurm(pl.Callback):
         if self.ckpt.should_stop:
             _say("rslurm: emergency checkpoint of step %d committed: stopping the fit loop", step)
             trainer.should_stop = True
+            self._exit_pending = True
+
+    def _exit_if_stopped(self) -> None:
+        """After an emergency save, the first of the hooks below that Lightning reaches ends fit(), as Lightning's
+        tuner ends it (teardown, status finished, no exception out of fit()). `should_stop` alone would first
+        run a validation, the epoch's end and the train end: a ModelCheckpoint (which Lightning runs after the
+        other callbacks) would write files its saved state does not know of (stale top-k files after the
+        resume), and a validation would spend the preemption's grace time after the save. Every callback has
+        seen the last step's `on_train_batch_end`."""
+        if self._exit_pending:
+            self._exit_pending = False
+            raise _TunerExitException()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit_if_stopped()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit_if_stopped()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         n = _count_loaders(trainer.train_dataloader)
@@ -356,6 +376,7 @@ class ResilientSlurm(pl.Callback):
                 "or a Dataset that returns a sample of each), or train them in separate fit() calls")
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit_if_stopped()
         if self.ckpt is not None and trainer.state.fn == "fit":
             # No step() while validating: tell the launcher's hang detection (Checkpointer.section).
             self._sections.enter_context(self.ckpt.section("validation"))
