@@ -255,11 +255,13 @@ def rehearsal(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int]
 @pytest.mark.slow
 def test_stopped_mid_epoch_by_sigterm_resumes_bitwise_and_rehearse_passes(rehearsal: tuple[Path, str, int]):
     """Seed 5 sends SIGTERM after step 9: the stop is in the middle of epoch 1 (steps 7-12), and the resumed run
-    finishes that epoch and crosses the next epoch end. Each rank has 2 DataLoader workers."""
+    finishes that epoch and crosses the next epoch end. Each rank has 2 DataLoader workers. The emergency
+    save is at step 9 when a rank had not passed step 9's boundary yet as the request came (a busy node),
+    else at 10 or 11."""
     out, text, code = rehearsal
     assert code == 0 and "PASS" in text, text[-4000:]
     found = re.search(r"stopped after step (\d+); launcher exit 75", text)
-    assert found and 9 < int(found.group(1)) < 12 and f"resumed from step {found.group(1)}," in text, text[-4000:]
+    assert found and 9 <= int(found.group(1)) < 12 and f"resumed from step {found.group(1)}," in text, text[-4000:]
     stopped_at = int(found.group(1))
     straight, stopped = out / "uninterrupted" / "local", out / "interrupted" / "local"
     starts = [e for e in read_jsonl(stopped / "log.0.jsonl") if e.get("event") == "start"]
