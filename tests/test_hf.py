@@ -101,6 +101,20 @@ def test_what_the_integration_cannot_do_is_a_clear_error(tmp_path: Path, monkeyp
             hf.AcceleratorCheckpointer(acc, checkpointer=ackpt.ckpt, extra={"model_1": torch.zeros(1)})
 
 
+def test_a_shuffling_loader_without_a_seedable_sampler_is_refused_on_several_processes_too() -> None:
+    """With several processes Accelerate wraps the loader's batch sampler in a BatchSamplerShard, where its own
+    get_sampler finds no sampler: the refusal must look under it (it let a 2-rank run resume in another order)."""
+    from accelerate.data_loader import prepare_data_loader
+
+    def loader(seedable: bool) -> object:
+        base = torch.utils.data.DataLoader(list(range(16)), batch_size=2, shuffle=True)
+        return prepare_data_loader(base, num_processes=2, process_index=0, use_seedable_sampler=seedable)
+
+    with pytest.raises(ConfigError, match="use_seedable_sampler=True"):
+        hf.AcceleratorCheckpointer._check_loader(loader(False))
+    hf.AcceleratorCheckpointer._check_loader(loader(True))
+
+
 def test_the_worker_processes_of_a_prepared_loader_ignore_the_stop_signals() -> None:
     """Accelerate's prepared loader iterates the DataLoader it wraps: the shield must reach that one's
     ``worker_init_fn`` (on the cluster, Slurm's SIGTERM reaches every process of the step)."""

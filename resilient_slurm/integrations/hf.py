@@ -92,6 +92,21 @@ def _checkpointer(checkpointer: Checkpointer | None, kwargs: Mapping[str, Any]) 
     return checkpointer
 
 
+def _sampler_of(loader: Any) -> Any:
+    """The index sampler under a (prepared) loader's batch samplers. With several processes Accelerate wraps the
+    loader's BatchSampler in a BatchSamplerShard (``.batch_sampler``), where its own ``get_sampler`` finds
+    nothing."""
+    cur = getattr(loader, "batch_sampler", None)
+    for _ in range(8):
+        if cur is None:
+            break
+        inner = getattr(cur, "sampler", None)
+        if inner is not None:
+            return getattr(inner, "sampler", inner) if hasattr(inner, "batch_size") else inner
+        cur = getattr(cur, "batch_sampler", None)
+    return getattr(loader, "sampler", None)
+
+
 # ======================================================================================= Transformers
 class RslurmCallback:
     """A Trainer callback that saves through a :class:`Checkpointer` at every step boundary.
@@ -454,7 +469,7 @@ class AcceleratorCheckpointer:
         from torch.utils.data import RandomSampler  # noqa: PLC0415
 
         dl = _require("accelerate.data_loader")
-        sampler = dl.get_sampler(loader) if hasattr(dl, "get_sampler") else getattr(loader, "sampler", None)
+        sampler = _sampler_of(loader)
         if isinstance(sampler, RandomSampler) and not isinstance(sampler, dl.SeedableRandomSampler):
             raise ConfigError("this loader shuffles with a generator whose state at an epoch's start is not saved, "
                               "so a resumed epoch would be shuffled in another order: build the Accelerator with "
