@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # rich and the catalog are imported by the commands that use 
     from .catalog import Catalog, StepView
     from .catalog.checks import ProgressFactory
     from .checkpoint.verify import StepReport
+    from .launcher.signals import SignalTrap
     from .tags import RunTags
 
 log = logging.getLogger("resilient_slurm.cli")
@@ -49,6 +50,18 @@ LAUNCH_FLAG_COMPONENTS = ("checkpoint", "rank", "launcher")
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from .launcher.signals import SignalTrap
+
+    # First, before the launcher's set-up (settings, the run's claim, Slurm's record of the job): a time-limit
+    # USR1 or a preemption SIGTERM in those seconds would otherwise end the job unsaved and unrequeued.
+    trap = SignalTrap().install()
+    try:
+        return _launch(args, trap)
+    finally:
+        trap.restore()
+
+
+def _launch(args: argparse.Namespace, trap: SignalTrap) -> int:
     from .launcher.launch import Launcher
 
     command = list(args.cmd)
@@ -57,7 +70,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     for name, value in _flag_settings(args, LAUNCH_FLAG_COMPONENTS).items():
         env[config.SETTINGS[name].env] = value  # the launcher passes its settings to the ranks as variables
-    result = Launcher(command, nprocs=args.nprocs, env=env, config_path=args.config).run()
+    result = Launcher(command, nprocs=args.nprocs, env=env, config_path=args.config, trap=trap).run()
     return result.exit_code
 
 

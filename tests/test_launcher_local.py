@@ -345,6 +345,43 @@ def test_sigterm_saves_at_the_current_step_exits_75_and_the_rerun_resumes_bitwis
     assert_same_as_reference(sb, reference)
 
 
+# `rslurm launch` in which the stop signal comes while the launcher sets up (reads its settings, claims the
+# run, asks Slurm about the job), before its main loop: the signal is sent from inside Launcher.__init__.
+SIGNAL_DURING_SETUP = textwrap.dedent("""
+    import os, signal, sys
+    from resilient_slurm import cli
+    from resilient_slurm.launcher import launch
+    set_up = launch.Launcher.__init__
+    def set_up_and_be_stopped(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        set_up(self, *args, **kwargs)
+    launch.Launcher.__init__ = set_up_and_be_stopped
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+
+def test_a_stop_signal_while_the_launcher_sets_up_is_kept_not_fatal(sandbox: Sandbox) -> None:
+    """A preemption SIGTERM or a time-limit USR1 in the launcher's first seconds (Slurm may send ``--signal``
+    up to a minute early, so a short job gets it at its start) is trapped from the start of ``rslurm launch``
+    and acted on once the ranks are started: the launcher exits 75 (requeue) with its records, instead of
+    dying of the signal's default action unrecorded and not requeued (seen in CI, as a time-limit USR1). The
+    ranks, still starting, get SIGTERM (docs/launcher.md) and end with nothing trained; a rerun resumes."""
+    sb = sandbox
+    err = sb.root / "setup.err"
+    cmd = [sys.executable, "-c", SIGNAL_DURING_SETUP, "launch", "-n", "2", "--", *sb.toy()]
+    with open(err, "wb") as e:
+        proc = subprocess.Popen(cmd, env=sb.env(), cwd=sb.root, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=e, start_new_session=True)
+    run = Launch(proc, err)
+    rc = run.wait(120)
+    assert rc == REQUEUE, f"exit code {rc}:\n{run.stderr()[-4000:]}"
+    assert_nothing_survives(sb, run)
+    events = [e for e in read_jsonl(sb.run_dir / "events.jsonl") if e["source"] == "launcher"]
+    assert [e["signal"] for e in events if e["event"] == "signal"] == ["SIGTERM"], events
+    assert [e["event"] for e in events][-1] == "ranks_exited", events
+    assert "run the same command again to resume" in run.stderr()
+
+
 def test_one_sigint_is_an_emergency_save_and_exit_130(sandbox: Sandbox) -> None:
     sb = sandbox
     run = sb.launch(sb.toy())

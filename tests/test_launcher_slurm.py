@@ -204,8 +204,10 @@ def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
 
 
 def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path):
-    """``--time=1 --signal=B:USR1@50``: USR1 reaches the launcher when slurmctld's periodic time-limit check
-    (every 30 s, later on a loaded machine) first runs; the ranks save, the job requeues itself before the
+    """``--time=2 --signal=B:USR1@50``: USR1 reaches the launcher when slurmctld's periodic time-limit check
+    (every 30 s, later on a loaded machine) first runs within 60 s of the 50 s mark (sbatch(1)), so 10 to 70 s
+    after the start: not in the first second, where it reached the batch shell before `exec rslurm launch`
+    and Slurm ended the job as a launch failure (seen in CI with ``--time=1``); the ranks save, the job requeues itself before the
     limit, and the requeued incarnation (given a longer limit by the test, as a user would with a real time
     budget) finishes bitwise identical to an uninterrupted run. Until the ranks have stopped once, the job
     trains 0.5 s per step (450 s for the whole run), so it cannot finish before a late check; afterwards
@@ -221,7 +223,7 @@ def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     before = (f"STEP_SLEEP=0.5\nif grep -qs '\"stopped\": true' {work}/log.0.jsonl; then STEP_SLEEP=0.02; "
               "scontrol update JobId=$SLURM_JOB_ID TimeLimit=5; fi\n")
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, "$STEP_SLEEP")], before=before),
-                  "--time=1", "--signal=B:USR1@50")
+                  "--time=2", "--signal=B:USR1@50")
     info = _wait_done(slurm, job, work, timeout=300)
     starts, exits = _starts(work), _exits(work)
     diagnosis = (info, starts, exits, (work / "batch.log").read_text(), _job_text(work)[-6000:])

@@ -48,8 +48,14 @@ class SignalTrap:
         self._wake = WakeFlag()
         self._previous: dict[int, Any] = {}
 
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
     def install(self) -> SignalTrap:
-        """Install the handlers (main thread only)."""
+        """Install the handlers (main thread only); a second call does nothing."""
+        if self._previous:
+            return self
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handler)
         return self
