@@ -87,6 +87,10 @@ def test_what_the_integration_cannot_do_is_a_clear_error(tmp_path: Path, monkeyp
     from transformers import GPT2Config, GPT2LMHeadModel
     with pytest.raises(ConfigError, match="model_init"):
         hf.train(_trainer(tmp_path, model_init=lambda: GPT2LMHeadModel(GPT2Config(n_layer=1))))
+    grouped = _trainer(tmp_path)
+    grouped.args.train_sampling_strategy = "group_by_length"  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="group_by_length.*batch_rebalance"):
+        hf.train(grouped)
     with pytest.raises(ConfigError, match="pip install 'resilient_slurm\\[hf\\]'"):
         hf._require("no_such_framework_here")
 
@@ -134,7 +138,9 @@ def test_the_worker_processes_of_a_prepared_loader_ignore_the_stop_signals() -> 
 # stopped by SIGTERM to the launcher after a step chosen by the seed (in the second epoch with these
 # seeds), then resumed by the same command. The programs log into their run's directory (%d), so the
 # rehearsal's runs are also compared here, batch by batch and weight by weight, beyond its metrics.
-REHEARSALS = {"trainer": (24, ["--kill"]), "accelerate": (3, [])}  # stops after steps 7 and 8
+# The Trainer's program evaluates every 3 steps, at its interval checkpoints: the evaluation draws from the RNG
+# after the step, and the SIGKILLed rank's restart resumes from one of them.
+REHEARSALS = {"trainer": (24, ["--kill"], ["--eval-steps", "3"]), "accelerate": (3, [], [])}  # stops after 7, 8
 
 
 def _steps(work: Path, rank: int) -> dict[int, tuple]:
@@ -170,11 +176,11 @@ def rehearsals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int,
     Trainer's with ``--kill`` and an interval checkpoint every 3 steps, so that a SIGKILLed rank's restart
     resumes from an interval checkpoint and trains the steps since it again."""
     procs = {}
-    for program, (seed, extra) in REHEARSALS.items():
+    for program, (seed, extra, program_args) in REHEARSALS.items():
         root = tmp_path_factory.mktemp(f"hf-rehearse-{program}")
         argv = [sys.executable, "-m", "resilient_slurm.cli", "rehearse", "-n", "2", "--seed", str(seed),
                 "--dir", str(root / "r"), *extra, "--", sys.executable, str(WORKERS[program]),
-                "--log", "%d/log.%r.jsonl", "--out", "%d/out.%r.pt", "--every-steps", "3", "--step-sleep", "0.05"]
+                "--log", "%d/log.%r.jsonl", "--out", "%d/out.%r.pt", "--every-steps", "3", "--step-sleep", "0.05", *program_args]
         procs[program] = (subprocess.Popen(argv, env=clean_env({"RSLURM_LOG_LEVEL": "WARNING"}), cwd=root,
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), root / "r")
     out = {}

@@ -8,7 +8,8 @@ resume. One line replaces ``trainer.train()``::
 
 - **Saving**: :class:`RslurmCallback` calls ``Checkpointer.step(state.global_step, ...)`` at every
   ``on_step_end``, the Trainer's step boundary (after the optimizer and scheduler stepped, before the next
-  batch is fetched). An emergency request (SIGTERM, the launcher) becomes a blocking save there, never in
+  batch is fetched); at a step the Trainer evaluates after (``eval_steps``, or an epoch's end with
+  ``eval_strategy="epoch"``), at ``on_evaluate`` instead: the evaluation draws from the RNG. An emergency request (SIGTERM, the launcher) becomes a blocking save there, never in
   a signal handler, and the callback then sets ``control.should_training_stop``. The state saved: the model
   (unwrapped), the optimizer, the scaler, the RNG of every generator (the Checkpointer's own capture) and,
   as one JSON string, the ``TrainerState`` (global step, epoch, log history, stateful callbacks) and the LR
@@ -133,6 +134,7 @@ class RslurmCallback:
         self._prepared = False
         self._folder: str | None = None
         self._loss: torch.Tensor | None = None
+        self._pending: tuple[int, dict[str, float] | None] | None = None  # the step that ended, not yet saved
         self._snapshot = _TrainerSnapshot(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -191,6 +193,12 @@ class RslurmCallback:
                                   f"use the Checkpointer in a loop of your own (docs/integration.md)")
         if trainer.args.max_steps <= 0 and trainer.args.num_train_epochs <= 0:
             raise ConfigError("the Trainer has nothing to train (max_steps and num_train_epochs are 0)")
+        if getattr(trainer.args, "train_sampling_strategy", None) == "group_by_length" or getattr(
+                trainer.args, "group_by_length", False):
+            raise ConfigError("TrainingArguments(train_sampling_strategy='group_by_length') draws each epoch's order "
+                              "from the global RNG when the epoch's loader starts (a LengthGroupedSampler without a "
+                              "generator), so a resume mid-epoch would train another order: use 'batch_rebalance' "
+                              "(seeded) or the default 'random' to resume with rslurm")
         if getattr(trainer.args, "ignore_data_skip", False):
             raise ConfigError("TrainingArguments(ignore_data_skip=True) retrains the batches of the resumed epoch "
                               "from its start: leave it False to resume with rslurm")
@@ -283,19 +291,50 @@ class RslurmCallback:
                                   f"{self.restored_step}")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        trainer, ckpt = self._trainer, self.ckpt
-        assert trainer is not None and ckpt is not None
         self._remove_folder()  # the resumed Trainer has read all of it by the end of its first step
         metrics = None
         if self.record_loss and self._loss is not None:
             metrics = {"loss": float(self._loss.item())}
             self._loss = None
-        ckpt.step(state.global_step, self._state(trainer), metrics=metrics)
-        if ckpt.should_stop:
-            control.should_training_stop = True
+        self._pending = (state.global_step, metrics)
+        if control.should_evaluate or float(state.epoch or 0.0).is_integer():
+            # An evaluation follows before the next batch (this step's, or the epoch's at its end): it draws from
+            # the RNG (its DataLoader's seed), and the resumed Trainer does not evaluate again, so the step is
+            # saved after it, with the RNG the next step starts from (on_evaluate, on_epoch_end).
+            return
+        self._save(control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not control.should_evaluate:  # the epoch ends without an evaluation
+            self._save(control)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save(control)
+
+    # A step left pending (a callback after this one cleared should_evaluate): saved before the next one.
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save(control)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save(control)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save(control)
         self._remove_folder()
+
+    def _save(self, control: Any) -> None:
+        """``Checkpointer.step`` for the step that ended last, once; after an emergency save, stop training."""
+        if self._pending is None:
+            return
+        trainer, ckpt = self._trainer, self.ckpt
+        assert trainer is not None and ckpt is not None
+        step, metrics = self._pending
+        self._pending = None
+        if ckpt.should_stop:
+            return
+        ckpt.step(step, self._state(trainer), metrics=metrics)
+        if ckpt.should_stop:
+            control.should_training_stop = True
 
 
 class _TrainerSnapshot:

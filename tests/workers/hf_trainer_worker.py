@@ -2,7 +2,7 @@
 
 A GPT-2 of 2 layers and 32 dimensions built from its config (nothing downloaded), dropout on, trained by
 the Trainer with DDP over gloo on CPU: 48 sequences, 4 per rank and step, so 6 steps per epoch and 3
-epochs (``$RSLURM_REHEARSE_STEPS`` steps when set, for ``rslurm rehearse --steps``). The only rslurm line is ``train(trainer, ...)`` in place of ``trainer.train()``.
+epochs, evaluated every ``--eval-steps`` steps when given (``$RSLURM_REHEARSE_STEPS`` steps when set, for ``rslurm rehearse --steps``). The only rslurm line is ``train(trainer, ...)`` in place of ``trainer.train()``.
 
 Every micro-batch is logged as a JSON line (global step, a checksum of the batch's tokens, the loss) by a
 Trainer subclass of the test's own, independent of what rslurm records; a run that reaches the last step
@@ -56,6 +56,7 @@ def main() -> int:
     ap.add_argument("--work", default=".")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (its loader draws from the RNG)")
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     log = open(_path(args.log, rank), "a")
@@ -81,8 +82,11 @@ def main() -> int:
                               ddp_find_unused_parameters=False,
                               per_device_train_batch_size=4, gradient_accumulation_steps=args.grad_accum, num_train_epochs=args.epochs, learning_rate=1e-3,
                               warmup_steps=3, lr_scheduler_type="linear", save_strategy="no", report_to=[],
-                              logging_steps=1, seed=7, dataloader_num_workers=args.workers, disable_tqdm=True)
-    trainer = LoggingTrainer(model=model, args=targs, train_dataset=Tokens(48, 16, 64))
+                              logging_steps=1, seed=7, dataloader_num_workers=args.workers, disable_tqdm=True,
+                              eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
+                              per_device_eval_batch_size=4)
+    trainer = LoggingTrainer(model=model, args=targs, train_dataset=Tokens(48, 16, 64),
+                             eval_dataset=Tokens(8, 16, 64) if args.eval_steps else None)
     log.write(json.dumps({"event": "start", "pid": os.getpid(), "rslurm": resilient_slurm.__file__,
                           "world": targs.world_size}) + "\n")
     log.flush()
