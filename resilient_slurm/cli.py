@@ -10,13 +10,21 @@ deletion that failed); 2 bad usage or settings, or a store that cannot be reache
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":
+    # `python -m resilient_slurm.cli launch`: trap the stop signals before the imports below.
+    from resilient_slurm.early_signals import is_launch, trap_early
+
+    if is_launch(sys.argv[1:]):
+        trap_early()
+
 import argparse
 import json
 import logging
 import math
 import os
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,6 +35,7 @@ from .cliargs import flag_settings as _flag_settings
 from .cliargs import open_catalog as _open_catalog
 from .cliargs import step_arg as _step_arg
 from .cliargs import tag_arg as _tag_arg
+from .early_signals import release_early, trap_early
 from .errors import ConfigError, CorruptCheckpointError, ResilientSlurmError
 from .paths import default_local_dir, expand_local_dir, node_name
 from .terminal import PrintableFormatter, printable
@@ -38,7 +47,6 @@ if TYPE_CHECKING:  # rich and the catalog are imported by the commands that use 
     from .catalog import Catalog, StepView
     from .catalog.checks import ProgressFactory
     from .checkpoint.verify import StepReport
-    from .launcher.signals import SignalTrap
     from .tags import RunTags
 
 log = logging.getLogger("resilient_slurm.cli")
@@ -50,18 +58,17 @@ LAUNCH_FLAG_COMPONENTS = ("checkpoint", "rank", "launcher")
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from .launcher.signals import SignalTrap
-
-    # First, before the launcher's set-up (settings, the run's claim, Slurm's record of the job): a time-limit
-    # USR1 or a preemption SIGTERM in those seconds would otherwise end the job unsaved and unrequeued.
-    trap = SignalTrap().install()
+    # The stop signals are trapped before the launcher's set-up (settings, the run's claim, Slurm's record of the
+    # job), if the console script has not already: a time-limit USR1 or a preemption SIGTERM in those seconds
+    # would otherwise end the job unsaved and unrequeued. The launcher's trap takes over what was heard.
+    trap_early()
     try:
-        return _launch(args, trap)
+        return _launch(args)
     finally:
-        trap.restore()
+        release_early()
 
 
-def _launch(args: argparse.Namespace, trap: SignalTrap) -> int:
+def _launch(args: argparse.Namespace) -> int:
     from .launcher.launch import Launcher
 
     command = list(args.cmd)
@@ -70,7 +77,7 @@ def _launch(args: argparse.Namespace, trap: SignalTrap) -> int:
     env = dict(os.environ)
     for name, value in _flag_settings(args, LAUNCH_FLAG_COMPONENTS).items():
         env[config.SETTINGS[name].env] = value  # the launcher passes its settings to the ranks as variables
-    result = Launcher(command, nprocs=args.nprocs, env=env, config_path=args.config, trap=trap).run()
+    result = Launcher(command, nprocs=args.nprocs, env=env, config_path=args.config).run()
     return result.exit_code
 
 

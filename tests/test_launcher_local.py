@@ -345,30 +345,38 @@ def test_sigterm_saves_at_the_current_step_exits_75_and_the_rerun_resumes_bitwis
     assert_same_as_reference(sb, reference)
 
 
-# `rslurm launch` in which the stop signal comes while the launcher sets up (reads its settings, claims the
-# run, asks Slurm about the job), before its main loop: the signal is sent from inside Launcher.__init__.
-SIGNAL_DURING_SETUP = textwrap.dedent("""
+# `rslurm launch` in which the stop signal comes in its first instants: while the console script imports the
+# CLI (after entry.py's early trap, as `rslurm` and `rsrun` run), or while the launcher sets up (reads its
+# settings, claims the run, asks Slurm about the job), before its main loop: sent from inside Launcher.__init__.
+SIGNAL_AT_START = textwrap.dedent("""
     import os, signal, sys
+    when = sys.argv.pop(1)
+    if when == "imports":
+        from resilient_slurm import early_signals
+        early_signals.trap_early()
+        os.kill(os.getpid(), signal.SIGTERM)
     from resilient_slurm import cli
     from resilient_slurm.launcher import launch
-    set_up = launch.Launcher.__init__
-    def set_up_and_be_stopped(self, *args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
-        set_up(self, *args, **kwargs)
-    launch.Launcher.__init__ = set_up_and_be_stopped
+    if when == "set-up":
+        set_up = launch.Launcher.__init__
+        def set_up_and_be_stopped(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            set_up(self, *args, **kwargs)
+        launch.Launcher.__init__ = set_up_and_be_stopped
     sys.exit(cli.main(sys.argv[1:]))
 """)
 
 
-def test_a_stop_signal_while_the_launcher_sets_up_is_kept_not_fatal(sandbox: Sandbox) -> None:
-    """A preemption SIGTERM or a time-limit USR1 in the launcher's first seconds (Slurm may send ``--signal``
+@pytest.mark.parametrize("when", ["imports", "set-up"])
+def test_a_stop_signal_in_the_launchers_first_instants_is_kept_not_fatal(sandbox: Sandbox, when: str) -> None:
+    """A preemption SIGTERM or a time-limit USR1 in the launcher's first instants (Slurm may send ``--signal``
     up to a minute early, so a short job gets it at its start) is trapped from the start of ``rslurm launch``
     and acted on once the ranks are started: the launcher exits 75 (requeue) with its records, instead of
     dying of the signal's default action unrecorded and not requeued (seen in CI, as a time-limit USR1). The
     ranks, still starting, get SIGTERM (docs/launcher.md) and end with nothing trained; a rerun resumes."""
     sb = sandbox
     err = sb.root / "setup.err"
-    cmd = [sys.executable, "-c", SIGNAL_DURING_SETUP, "launch", "-n", "2", "--", *sb.toy()]
+    cmd = [sys.executable, "-c", SIGNAL_AT_START, when, "launch", "-n", "2", "--", *sb.toy()]
     with open(err, "wb") as e:
         proc = subprocess.Popen(cmd, env=sb.env(), cwd=sb.root, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=e, start_new_session=True)

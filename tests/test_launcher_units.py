@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import clean_env
 
+from resilient_slurm import early_signals
 from resilient_slurm.control.orphan import LAUNCHER_PID_ENV, LauncherWatch, process_start
 from resilient_slurm.control.rank import RankLink
 from resilient_slurm.control.server import ControlServer, ControlState
@@ -125,6 +126,33 @@ def test_signal_trap_records_signals_and_restores_the_previous_handlers(default_
     kill_self(signal.SIGUSR1)
     assert seen == [signal.SIGUSR1]
     assert trap.pop() == []
+
+
+def test_signals_heard_before_the_launchers_trap_are_handed_to_it(default_handlers: None) -> None:
+    """The console scripts trap the stop signals before the CLI is imported (early_signals): what they hear
+    becomes the launcher trap's first events, in order, and the handlers from before come back at the end."""
+    assert early_signals.is_launch(["launch", "--", "x"]) and early_signals.is_launch(["--config", "a", "launch"])
+    assert early_signals.is_launch(["--config=a", "launch"]) and not early_signals.is_launch(["ls", "launch"])
+    assert not early_signals.is_launch(["--config", "launch"]) and not early_signals.is_launch([])
+    before = {s: signal.getsignal(s) for s in TRAPPED}
+    early_signals.trap_early()
+    try:
+        t0 = time.time()
+        kill_self(signal.SIGUSR1)
+        kill_self(signal.SIGTERM)
+        early_signals.trap_early()  # again (the CLI after the console script): nothing changes
+        trap = SignalTrap().install()
+        try:
+            assert trap.wait(0.01) is True
+            events = trap.pop()
+            assert [e.source for e in events] == ["SIGUSR1", "SIGTERM"], events
+            assert t0 <= events[0].at <= events[1].at <= time.time()
+        finally:
+            trap.restore()
+    finally:
+        early_signals.release_early()
+    assert {s: signal.getsignal(s) for s in TRAPPED} == before
+    assert early_signals.take_early() == []
 
 
 def test_signal_trap_wait_wakes_on_a_signal_sent_while_it_blocks(default_handlers: None) -> None:

@@ -16,10 +16,11 @@ PKG = Path(__file__).resolve().parents[1] / "resilient_slurm"
 
 # The lower layers, and what they may not import.
 LOWER = ["checkpoint", "storage", "manifest.py", "layout.py", "tags.py", "paths.py", "errors.py", "config.py", "jobenv.py",
-         "telemetry.py", "failpoints.py", "distributed.py", "terminal.py", "rendezvous.py", "run_history.py"]
+         "telemetry.py", "failpoints.py", "distributed.py", "terminal.py", "rendezvous.py", "run_history.py",
+         "early_signals.py"]
 # A package stands for all its modules: "resilient_slurm.doctor" covers doctor/storage.py, doctor/probe.py...;
 # "resilient_slurm.examples" the README demo (examples/demo.py) and the example training programs.
-UPPER = ["resilient_slurm.daemon", "resilient_slurm.launcher", "resilient_slurm.cli", "resilient_slurm.catalog",
+UPPER = ["resilient_slurm.entry", "resilient_slurm.daemon", "resilient_slurm.launcher", "resilient_slurm.cli", "resilient_slurm.catalog",
          "resilient_slurm.doctor", "resilient_slurm.submit", "resilient_slurm.examples", "resilient_slurm.slurm",
          "resilient_slurm.rehearse", "resilient_slurm.diff", "resilient_slurm.cliargs",
          "resilient_slurm.integrations"]
@@ -150,7 +151,8 @@ def test_the_check_sees_collectives_and_primitives() -> None:
 # ------------------------------------------------------------------------------------- import cycles
 # The upper layers, from the top: each may import only those below it (and the lower layers). Written down in
 # docs/architecture.md, "Layers".
-TIERS = [["resilient_slurm.cli"],
+TIERS = [["resilient_slurm.entry"],
+         ["resilient_slurm.cli"],
          ["resilient_slurm.diff", "resilient_slurm.submit", "resilient_slurm.rehearse", "resilient_slurm.doctor",
           "resilient_slurm.examples"],
          ["resilient_slurm.cliargs"],

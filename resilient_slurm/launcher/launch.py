@@ -106,11 +106,7 @@ class Launcher:
 
     def __init__(self, command: Sequence[str], *, nprocs: int | None = None,
                  settings: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
-                 slurm: SlurmClient | None = None, config_path: str | None = None,
-                 trap: SignalTrap | None = None) -> None:
-        # `rslurm launch` installs the trap before anything else (a stop signal that comes while the launcher
-        # reads its settings, the run and the job is kept, not the default action that ends the job unsaved).
-        self.trap = trap
+                 slurm: SlurmClient | None = None, config_path: str | None = None) -> None:
         self.env = dict(os.environ if env is None else env)
         job = JobEnv.from_env(self.env)
         self.srun = _check_command(command, nprocs, job.job_id)
@@ -236,7 +232,7 @@ class Launcher:
         self.timings["start"] = time.time()
         self.event(Event.START, command=self.command, baseline_step=baseline, socket=self.socket_path)
         warn_if_not_exec(self.job_id)
-        trap = (self.trap or SignalTrap()).install()
+        trap = SignalTrap().install()
         server = ControlServer(self.socket_path)
         watcher: TerminationNoticeWatcher | None = None
         try:

@@ -20,12 +20,9 @@ from typing import Any
 
 import psutil
 
+from ..early_signals import TRAPPED, take_early
 from ..sigsafe import WakeFlag
 from .context import launch_log
-
-# What the launcher traps (design.md): preemption and time-limit signals, and Ctrl-C; plus SIGHUP (the
-# terminal of a local run went away), which would otherwise end the launcher and orphan its ranks.
-TRAPPED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -48,16 +45,19 @@ class SignalTrap:
         self._wake = WakeFlag()
         self._previous: dict[int, Any] = {}
 
-    @property
-    def installed(self) -> bool:
-        return bool(self._previous)
-
     def install(self) -> SignalTrap:
         """Install the handlers (main thread only); a second call does nothing."""
         if self._previous:
             return self
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handler)
+        # What the console script's early handlers heard while the CLI and the launcher were imported
+        # (resilient_slurm/early_signals.py): taken after this trap is in, so none falls between the two.
+        early = take_early()
+        for signum, at in early:
+            self._events.append(TrapEvent(signal.Signals(signum).name, at))
+        if early:
+            self._wake.set()
         return self
 
     def restore(self) -> None:
