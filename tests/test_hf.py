@@ -71,6 +71,13 @@ def test_the_trainer_internals_the_resume_relies_on(tmp_path: Path) -> None:
     (tmp_path / "s.json").write_text(json.dumps(saved))
     back = TrainerState.load_from_json(str(tmp_path / "s.json"))
     assert (back.global_step, back.epoch) == (7, 1.5) and "TrainerControl" in back.stateful_callbacks
+    # The loss summed since the last log, reset when training starts (then set back by the callback's
+    # on_train_begin) and drained into the log when the Trainer logs.
+    import inspect
+
+    loop = inspect.getsource(tr.Trainer._inner_training_loop)
+    assert "self._tr_loss = torch.tensor(0.0" in loop and "self._globalstep_last_logged = self.state.global_step" in loop
+    assert "on_train_begin" in loop.split("self._globalstep_last_logged = self.state.global_step", 1)[1]
 
 
 def test_what_the_integration_cannot_do_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,7 +147,9 @@ def test_the_worker_processes_of_a_prepared_loader_ignore_the_stop_signals() -> 
 # rehearsal's runs are also compared here, batch by batch and weight by weight, beyond its metrics.
 # The Trainer's program evaluates every 3 steps, at its interval checkpoints: the evaluation draws from the RNG
 # after the step, and the SIGKILLed rank's restart resumes from one of them.
-REHEARSALS = {"trainer": (24, ["--kill"], ["--eval-steps", "3"]), "accelerate": (3, [], [])}  # stops after 7, 8
+# It logs every 4 steps, so that the stops fall between two logs (the loss summed since the last one is saved).
+REHEARSALS = {"trainer": (24, ["--kill"], ["--eval-steps", "3", "--logging-steps", "4"]),
+              "accelerate": (3, [], [])}  # stops after steps 7 and 8
 
 
 def _steps(work: Path, rank: int) -> dict[int, tuple]:
@@ -168,6 +177,9 @@ def assert_identical_to(reference: Path, work: Path) -> None:
             assert got[s] == want[s], f"rank {r} step {s}: same batch, loss {got[s][1]!r} != {want[s][1]!r}"
         assert_same(torch.load(work / f"out.{r}.pt", weights_only=True),
                     torch.load(reference / f"out.{r}.pt", weights_only=True), f"rank{r}")
+        # The Trainer's log history (losses averaged since the last log, evaluations): the same entries.
+        want_history, got_history = (_events(d, r, "exit")[-1].get("history") for d in (reference, work))
+        assert got_history == want_history, f"rank {r}: log history\n{got_history}\n!=\n{want_history}"
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,15 @@ resume. One line replaces ``trainer.train()``::
 
 - **Saving**: :class:`RslurmCallback` calls ``Checkpointer.step(state.global_step, ...)`` at every
   ``on_step_end``, the Trainer's step boundary (after the optimizer and scheduler stepped, before the next
-  batch is fetched); at a step the Trainer evaluates after (``eval_steps``, or an epoch's end with
-  ``eval_strategy="epoch"``), at ``on_evaluate`` instead: the evaluation draws from the RNG. An emergency request (SIGTERM, the launcher) becomes a blocking save there, never in
-  a signal handler, and the callback then sets ``control.should_training_stop``. The state saved: the model
-  (unwrapped), the optimizer, the scaler, the RNG of every generator (the Checkpointer's own capture) and,
-  as one JSON string, the ``TrainerState`` (global step, epoch, log history, stateful callbacks) and the LR
-  scheduler's ``state_dict()``.
+  batch is fetched); at a step the Trainer logs or evaluates after (or that ends an epoch), after that
+  (``on_log``, ``on_evaluate``, ``on_epoch_end``): the evaluation draws from the RNG, and the log's entry
+  belongs in the saved log history. The loss summed since the last log is saved too, so the first loss
+  logged after a resume averages the same steps as in a run never stopped. An emergency request (SIGTERM,
+  the launcher) becomes a blocking save there, never in a signal handler, and the callback then sets
+  ``control.should_training_stop``. The state saved: the model (unwrapped), the optimizer, the scaler, the
+  RNG of every generator (the Checkpointer's own capture) and, as one JSON string, the ``TrainerState``
+  (global step, epoch, log history, stateful callbacks), the LR scheduler's ``state_dict()`` and the loss
+  since the last log.
 - **Resuming**: before ``trainer.train()``, the newest committed step is restored into the model and an
   optimizer the Trainer then keeps (``Trainer.create_optimizer()``), and written out as the checkpoint
   folder the Trainer's ``resume_from_checkpoint`` reads (``trainer_state.json``, the model's weights,
@@ -135,6 +138,7 @@ class RslurmCallback:
         self._folder: str | None = None
         self._loss: torch.Tensor | None = None
         self._pending: tuple[int, dict[str, float] | None] | None = None  # the step that ended, not yet saved
+        self._epoch_end = False  # the pending step ended its epoch, whose end has not been handled yet
         self._snapshot = _TrainerSnapshot(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -289,6 +293,12 @@ class RslurmCallback:
         if state.global_step != self.restored_step:
             raise CheckpointError(f"the Trainer resumed at step {state.global_step}, rslurm restored step "
                                   f"{self.restored_step}")
+        running = (self._snapshot.loaded or {}).get("running") if self.restored_step else None
+        if running is not None:  # the loss summed since the last log: the next logged loss averages the same steps
+            trainer = self._trainer
+            trainer._tr_loss = torch.tensor(running["tr_loss"], dtype=getattr(torch, running["dtype"]),
+                                            device=trainer._tr_loss.device)
+            trainer._globalstep_last_logged = running["last_logged"]
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove_folder()  # the resumed Trainer has read all of it by the end of its first step
@@ -297,21 +307,27 @@ class RslurmCallback:
             metrics = {"loss": float(self._loss.item())}
             self._loss = None
         self._pending = (state.global_step, metrics)
-        if control.should_evaluate or float(state.epoch or 0.0).is_integer():
-            # An evaluation follows before the next batch (this step's, or the epoch's at its end): it draws from
-            # the RNG (its DataLoader's seed), and the resumed Trainer does not evaluate again, so the step is
-            # saved after it, with the RNG the next step starts from (on_evaluate, on_epoch_end).
-            return
-        self._save(control)
+        self._epoch_end = float(state.epoch or 0.0).is_integer()
+        self._save_if_nothing_follows(control)
 
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not control.should_evaluate:  # the epoch ends without an evaluation
-            self._save(control)
+    # The step is saved once the Trainer has done what it does after it, before the next batch: a log (its
+    # entry belongs in the saved log history), an evaluation (it draws from the RNG, its DataLoader's seed, and
+    # the resumed Trainer does not evaluate that step again), the epoch's end (which may log and evaluate).
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save_if_nothing_follows(control)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._save(control)
+        self._save_if_nothing_follows(control)
 
-    # A step left pending (a callback after this one cleared should_evaluate): saved before the next one.
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._epoch_end = False
+        self._save_if_nothing_follows(control)
+
+    def _save_if_nothing_follows(self, control: Any) -> None:
+        if not (control.should_log or control.should_evaluate or self._epoch_end):
+            self._save(control)
+
+    # A step left pending (a log or an evaluation that did not come): saved before the next one.
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save(control)
 
@@ -354,7 +370,13 @@ class _TrainerSnapshot:
             sched = trainer.lr_scheduler
             scheduler = _inner(sched, "scheduler").state_dict() if sched is not None else None
             trainer_state = _trainer_state(trainer, trainer.state)
-        return {"json": json.dumps({"version": STATE_VERSION, "scheduler": scheduler, "trainer_state": trainer_state})}
+        running = None
+        tr_loss = getattr(trainer, "_tr_loss", None) if self.training else None
+        if isinstance(tr_loss, torch.Tensor):  # the Trainer's loss since its last log (its _maybe_log_save_evaluate)
+            running = {"tr_loss": float(tr_loss.item()), "dtype": str(tr_loss.dtype).split(".")[-1],
+                       "last_logged": int(trainer._globalstep_last_logged)}
+        return {"json": json.dumps({"version": STATE_VERSION, "scheduler": scheduler, "trainer_state": trainer_state,
+                                    "running": running})}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         self.loaded = json.loads(sd["json"])

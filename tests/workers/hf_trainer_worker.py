@@ -2,7 +2,7 @@
 
 A GPT-2 of 2 layers and 32 dimensions built from its config (nothing downloaded), dropout on, trained by
 the Trainer with DDP over gloo on CPU: 48 sequences, 4 per rank and step, so 6 steps per epoch and 3
-epochs, evaluated every ``--eval-steps`` steps when given (``$RSLURM_REHEARSE_STEPS`` steps when set, for ``rslurm rehearse --steps``). The only rslurm line is ``train(trainer, ...)`` in place of ``trainer.train()``.
+epochs, evaluated every ``--eval-steps`` steps when given, logging every ``--logging-steps`` (``$RSLURM_REHEARSE_STEPS`` steps when set, for ``rslurm rehearse --steps``). The only rslurm line is ``train(trainer, ...)`` in place of ``trainer.train()``.
 
 Every micro-batch is logged as a JSON line (global step, a checksum of the batch's tokens, the loss) by a
 Trainer subclass of the test's own, independent of what rslurm records; a run that reaches the last step
@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (its loader draws from the RNG)")
+    ap.add_argument("--logging-steps", type=int, default=1)
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     log = open(_path(args.log, rank), "a")
@@ -82,7 +83,7 @@ def main() -> int:
                               ddp_find_unused_parameters=False,
                               per_device_train_batch_size=4, gradient_accumulation_steps=args.grad_accum, num_train_epochs=args.epochs, learning_rate=1e-3,
                               warmup_steps=3, lr_scheduler_type="linear", save_strategy="no", report_to=[],
-                              logging_steps=1, seed=7, dataloader_num_workers=args.workers, disable_tqdm=True,
+                              logging_steps=args.logging_steps, seed=7, dataloader_num_workers=args.workers, disable_tqdm=True,
                               eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
                               per_device_eval_batch_size=4)
     trainer = LoggingTrainer(model=model, args=targs, train_dataset=Tokens(48, 16, 64),
@@ -96,8 +97,13 @@ def main() -> int:
         torch.save({"model": model.state_dict(), "optimizer": trainer.optimizer.state_dict()},
                    _path(args.out, rank))
     [cb] = [c for c in trainer.callback_handler.callbacks if isinstance(c, RslurmCallback)]
+    # The Trainer's log history of a run that reached the end (its losses, learning rates, gradient norms and
+    # evaluations; not its timings): a resumed run's must be the uninterrupted run's.
+    keys = ("step", "epoch", "loss", "grad_norm", "learning_rate", "eval_loss")
+    history = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e or "eval_loss" in e]
     log.write(json.dumps({"event": "exit", "step": trainer.state.global_step, "done": done,
-                          "restored": cb.restored_step, "stopped": cb.should_stop}) + "\n")
+                          "restored": cb.restored_step, "stopped": cb.should_stop,
+                          "history": history if done else None}) + "\n")
     log.close()
     return 0
 
