@@ -208,6 +208,8 @@ def test_unsupported_strategies_are_refused_naming_what_to_use(tmp_path: Path, m
         ResilientSlurm(local_dir=str(tmp_path)).setup(fsdp, model, "fit")
     with pytest.raises(ConfigError, match="'every_step': not a Checkpointer argument"):
         ResilientSlurm(every_step=10)
+    with pytest.raises(ConfigError, match="every_steps"):  # a bad value, at once rather than inside fit()
+        ResilientSlurm(every_steps=-1)
     spawn = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False)
     with pytest.raises(ConfigError, match=r"starting its own 2 processes .* `rslurm launch -n N"):
         ResilientSlurm(local_dir=str(tmp_path)).setup(spawn, model, "fit")

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from .. import config as settings
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.sampler import ResumableSampler
 from ..checkpoint.workers import protect_dataloader
@@ -164,6 +165,10 @@ class ResilientSlurm(pl.Callback):
         if unknown:  # here, not inside fit() on every rank
             raise ConfigError(f"ResilientSlurm got {', '.join(map(repr, unknown))}: not a Checkpointer argument "
                               f"(those are {', '.join(sorted(known))})")
+        # A bad value (every_steps=-1) fails here too, not first inside fit() on every rank; the environment and
+        # the config file are checked with it, as the Checkpointer will.
+        settings.load({k: v for k, v in checkpointer_kwargs.items() if k in settings.SETTINGS},
+                      config_path=checkpointer_kwargs.get("config_path"))
         self.record_loss = record_loss
         self.checkpointer_kwargs = checkpointer_kwargs
         self.ckpt: Checkpointer | None = None
