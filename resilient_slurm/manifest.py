@@ -341,12 +341,13 @@ def _extra(d: Mapping[str, Any], source: str) -> dict[str, Any]:
 # another type is replaced by None (its neighbours are kept); unknown fields are kept as they are.
 _PROVENANCE_FIELDS: dict[str, tuple[type, ...]] = {
     "command_line": (list,), "python": (str,), "torch": (str,), "cuda": (str,), "nccl": (str,),
-    "rslurm": (str,), "world_size": (int,), "nodes": (list,), "config_sha256": (str,),
+    "rslurm": (str,), "world_size": (int,), "nodes": (list,), "config_sha256": (str,), "integration": (str,),
 }
 _PROVENANCE_PARTS: dict[str, dict[str, tuple[type, ...]]] = {
     "code": {"git_commit": (str,), "git_dirty": (bool,), "git_root": (str,), "program": (str,)},
     "slurm": {"job_id": (str,), "array_job_id": (str,), "array_task_id": (str,), "restart_count": (int,),
               "job_nodelist": (str,)},
+    "frameworks": {"lightning": (str,), "transformers": (str,), "accelerate": (str,)},
 }
 
 

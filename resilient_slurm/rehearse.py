@@ -121,9 +121,9 @@ class Run:
                 continue
         return -1
 
-    def restored_steps(self) -> list[int]:
-        """The steps the ranks resumed from, in order (rank 0's ``restore`` events)."""
-        out: list[int] = []
+    def _restores(self) -> list[dict[str, Any]]:
+        """Rank 0's ``restore`` events, in order."""
+        out: list[dict[str, Any]] = []
         try:
             text = (self.run_dir / EVENTS_FILE).read_text(errors="replace")
         except OSError:
@@ -133,9 +133,18 @@ class Run:
                 e = load_json(line, source=EVENTS_FILE)
             except ConfigError:
                 continue
-            if isinstance(e, dict) and e.get("event") == "restore" and e.get("rank") == 0 and isinstance(e.get("step"), int):
-                out.append(e["step"])
+            if isinstance(e, dict) and e.get("event") == "restore" and e.get("rank") == 0:
+                out.append(e)
         return out
+
+    def restored_steps(self) -> list[int]:
+        """The steps the ranks resumed from, in order (rank 0's ``restore`` events)."""
+        return [e["step"] for e in self._restores() if isinstance(e.get("step"), int)]
+
+    def integration(self) -> str | None:
+        """The rslurm integration the program trains through (``lightning``, ``hf``: rank 0's ``restore``
+        events, from its provenance), None for a loop of its own."""
+        return next((str(e["integration"]) for e in self._restores() if isinstance(e.get("integration"), str)), None)
 
 
 @dataclass
@@ -273,8 +282,13 @@ def compare(ref: Mapping[int, Mapping[int, Values]], got: Mapping[int, Mapping[i
     return out
 
 
-def likely_causes(cmp: Comparison, restored: Sequence[int], ranks: int) -> list[str]:
-    """What most often makes a resume differ there: read from where and on which ranks it first differs."""
+# The loops rslurm's integrations drive (provenance's ``integration``), as rehearse's advice names them.
+INTEGRATION_LOOPS = {"lightning": "Lightning's", "hf": "the Trainer's (or Accelerate's)"}
+
+
+def likely_causes(cmp: Comparison, restored: Sequence[int], ranks: int, integration: str | None = None) -> list[str]:
+    """What most often makes a resume differ there: read from where and on which ranks it first differs, and
+    through which integration the program trains (None: a loop of its own)."""
     assert cmp.first_step is not None
     step = cmp.first_step
     diverging = sorted(d.rank for d in cmp.differences)
@@ -292,10 +306,17 @@ def likely_causes(cmp: Comparison, restored: Sequence[int], ranks: int) -> list[
                           f"step {step - 1}): a value each rank keeps for itself (a data cursor, a counter, a "
                           "generator) that the checkpoint does not hold; put it in state (one key, the same on "
                           "every rank: each rank's value is saved and restored to it)")
-        causes.append(f"a batch fetched before ckpt.step() ({who}, at the first step after the resume from step "
-                      f"{step - 1}): a loop that prefetches the next batch before the step is saved (nanoGPT's) "
-                      "loses that batch with the stop; fetch it after ckpt.step(), or save the data position "
-                      "before the prefetch (docs/integration.md, Prefetching loops)")
+        if integration is not None:  # the integration saves at the framework's step boundary: no lost prefetch
+            loop = INTEGRATION_LOOPS.get(integration, f"the {integration} integration's")
+            causes.append(f"{loop} loop ({who}, at the first step after the resume from step {step - 1}): one of "
+                          "the integration's documented exceptions (docs/integration.md: random choices made in the "
+                          "main process while a batch is fetched, a dataset read a second time), or a defect of the "
+                          "integration to report with this rehearsal's command")
+        else:
+            causes.append(f"a batch fetched before ckpt.step() ({who}, at the first step after the resume from step "
+                          f"{step - 1}): a loop that prefetches the next batch before the step is saved (nanoGPT's) "
+                          "loses that batch with the stop; fetch it after ckpt.step(), or save the data position "
+                          "before the prefetch (docs/integration.md, Prefetching loops)")
         causes.append("randomness from a generator that is not in state (a random.Random(), a NumPy Generator or a "
                       "torch.Generator of your own): rslurm restores the global Python, NumPy and torch streams "
                       "only; put your generator in state")
@@ -411,7 +432,7 @@ def rehearse(r: Rehearsal, root: Path) -> int:
         _say(f"  rank {d.rank}: {d.metric} = {d.uninterrupted!r} uninterrupted, {d.resumed!r} interrupted and "
              "resumed")
     _say("likely causes:")
-    for cause in likely_causes(cmp, restored, max(cmp.ranks, r.nprocs)):
+    for cause in likely_causes(cmp, restored, max(cmp.ranks, r.nprocs), stopped.integration()):
         _say(f"  - {cause}")
     return EXIT_DIFFERENT
 

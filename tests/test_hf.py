@@ -20,10 +20,13 @@ the integration cannot do.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import logging
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,7 +49,7 @@ def _trainer(tmp_path: Path, **kwargs: object) -> object:
     config = GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no",
                              max_steps=2, disable_tqdm=True)
-    data = [{"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32}] * 4
+    data = kwargs.pop("train_dataset", [{"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32}] * 4)
     model = None if "model_init" in kwargs else GPT2LMHeadModel(config)
     return Trainer(model=model, args=args, train_dataset=data, **kwargs)
 
@@ -110,6 +113,25 @@ def test_what_the_integration_cannot_do_is_a_clear_error(tmp_path: Path, monkeyp
         hf.AcceleratorCheckpointer(acc, checkpointer=ackpt.ckpt, extra={"model_ema": torch.zeros(1)})  # no clash
         with pytest.raises(ConfigError, match="clash"):
             hf.AcceleratorCheckpointer(acc, checkpointer=ackpt.ckpt, extra={"model_1": torch.zeros(1)})
+
+
+class _OneBatch(torch.utils.data.IterableDataset):
+    """An IterableDataset of one batch per pass: a Trainer with max_steps=2 reads it twice."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for _ in range(8):
+            yield {"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32}
+
+
+def test_an_iterable_dataset_read_a_second_time_is_warned_about(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The Trainer resumes an IterableDataset by skipping global_step batches of one pass: a resume from the
+    second pass on retrains from the start of a pass. Said once, when the second pass starts."""
+    monkeypatch.setenv("RSLURM_LOCAL_DIR", str(tmp_path / "nvme"))
+    monkeypatch.setenv("RSLURM_RUN_ID", "iterable")
+    with caplog.at_level(logging.WARNING, logger="resilient_slurm.integrations.hf"):
+        hf.train(_trainer(tmp_path, train_dataset=_OneBatch()), every_steps=1)
+    assert caplog.text.count("reads its IterableDataset a second time") == 1, caplog.text
 
 
 def test_a_shuffling_loader_without_a_seedable_sampler_is_refused_on_several_processes_too() -> None:
@@ -232,38 +254,47 @@ def test_rehearsal_stopped_mid_epoch_passes_and_resumes_bitwise(rehearsals: dict
     else:  # the object given to register_for_checkpointing came back with the rest
         assert _events(stopped, 0, "start")[1]["samples"] == 4 * saved, _events(stopped, 0, "start")
     assert _events(stopped, 0, "exit")[-1]["done"] is True
+    # The steps record the integration and the framework's version (provenance), and so do rank 0's restores
+    # (rslurm rehearse words its advice by them; a rank that gathers no provenance says null).
+    [events] = list(stopped.rglob("events.jsonl"))
+    restores = [e for e in read_jsonl(events) if e["event"] == "restore" and e["rank"] == 0]
+    assert restores and all(e["integration"] == "hf" for e in restores), restores
+    manifest = json.loads(next(stopped.rglob("manifest.json")).read_text())
+    framework = "transformers" if program == "trainer" else "accelerate"
+    assert manifest["provenance"]["frameworks"][framework] == importlib.metadata.version(framework), manifest
     assert_identical_to(straight, stopped)
 
 
 # ------------------------------------------------------------------------------------ Slurm cluster
 @pytest.mark.proc
 @pytest.mark.slow
-def test_trainer_preempted_on_slurm_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path) -> None:
-    """The Trainer's program as a 2-node Slurm job (``rslurm launch -- srun``), with a DataLoader worker
-    process per rank: a job of the ``high`` partition preempts it, Slurm sends SIGTERM to every process of
-    the step (the workers ignore it: the callback protects the Trainer's loader), the ranks save the step
-    they are at, the launcher requeues the job, and the requeued job resumes from that step and ends
-    bitwise identical to the same program never stopped (run meanwhile under a local ``rslurm launch -n 2``,
-    with no worker process: not the rehearsal's run, which may be on another pytest-xdist worker)."""
-    work = slurm.work_dir / "hf-trainer-preempt"
+@pytest.mark.parametrize("program", list(WORKERS))
+def test_preempted_on_slurm_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path, program: str) -> None:
+    """Each program (the Trainer's, the Accelerate loop) as a 2-node Slurm job (``rslurm launch -- srun``), with
+    a DataLoader worker process per rank: a job of the ``high`` partition preempts it, Slurm sends SIGTERM to
+    every process of the step (the workers ignore it: the integration protects the loader), the ranks save
+    the step they are at, the launcher requeues the job, and the requeued job resumes from that step and
+    ends bitwise identical to the same program never stopped (run meanwhile under a local ``rslurm launch
+    -n 2``, with no worker process: not the rehearsal's run, which may be on another pytest-xdist worker)."""
+    work = slurm.work_dir / f"hf-{program}-preempt"
     work.mkdir()
     ref = tmp_path / "ref"
     ref.mkdir()
     reference = subprocess.Popen(
-        [sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", sys.executable, str(WORKERS["trainer"]),
+        [sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", sys.executable, str(WORKERS[program]),
          "--log", str(ref / "log.%r.jsonl"), "--out", str(ref / "out.%r.pt")],
         env=clean_env({"RSLURM_LOCAL_DIR": str(ref / "nvme"), "RSLURM_RUN_ID": "ref", "RSLURM_LOG_LEVEL": "WARNING"}),
         cwd=ref, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RSLURM_LOCAL_DIR": str(work / "nvme" / "%n"),
-               "RSLURM_RUN_ID": "trainer", "RSLURM_LOG_LEVEL": "WARNING",
+               "RSLURM_RUN_ID": program, "RSLURM_LOG_LEVEL": "WARNING",
                "RSLURM_CONTROL_DIR": str(work.parent.parent / "ctl")}
         exports = "".join(f"export {k}='{v}'\n" for k, v in env.items())
         # The first incarnation sleeps after each step, so that the preemption lands mid-run; none after it.
         sleep = '$([ "${SLURM_RESTART_COUNT:-0}" = 0 ] && echo 0.5 || echo 0)'
         script = (f"#!/bin/bash\n{exports}exec {sys.executable} -m resilient_slurm.cli launch -- srun -N2 -n2 "
-                  f"{sys.executable} {WORKERS['trainer']} --log {work}/log.%r.jsonl --out {work}/out.%r.pt "
-                  f"--work {work} --workers 1 --step-sleep {sleep}\n")
+                  f"{sys.executable} {WORKERS[program]} --log {work}/log.%r.jsonl --out {work}/out.%r.pt "
+                  f"{'--work ' + str(work) if program == 'trainer' else ''} --workers 1 --step-sleep {sleep}\n")
         job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--exclusive", "--open-mode=append",
                            "-o", str(work / "job.out"))
         diagnose = lambda: f"{slurm.diagnose(job)}\n{(work / 'job.out').read_text(errors='replace')[-5000:]}"  # noqa: E731

@@ -126,6 +126,8 @@ def test_every_provenance_field_is_in_the_manifest(saved: dict[str, Any]) -> Non
     assert p["config"] == CONFIG
     canonical = json.dumps(CONFIG, sort_keys=True, separators=(",", ":"))
     assert p["config_sha256"] == hashlib.sha256(canonical.encode()).hexdigest()
+    # A loop of its own, no framework imported (the Lightning and HF programs: tests/test_lightning.py, test_hf.py)
+    assert p["integration"] is None and p["frameworks"] == {"lightning": None, "transformers": None, "accelerate": None}
     dirty = read_manifest_file(str(manifest_path(work, 4))).provenance
     assert dirty is not None and dirty["code"]["git_commit"] == saved["c1"] and dirty["code"]["git_dirty"] is True
 

@@ -109,6 +109,12 @@ def test_the_comparison_finds_the_first_step_and_the_ranks() -> None:
     assert "per-rank state" in causes[0] and "only on rank 1" in causes[0]
     assert "not at the first step after a resume" in likely_causes(cmp, [3], 2)[0]
     assert "before any resume" in likely_causes(cmp, [8], 2)[0]
+    assert any("batch fetched before ckpt.step()" in c for c in causes)
+    # A program trained through an integration: the framework's loop is named, not a prefetch the integration
+    # already handles.
+    framework = likely_causes(cmp, [6], 2, integration="lightning")
+    assert any("Lightning's loop" in c and "documented exceptions" in c for c in framework), framework
+    assert not any("ckpt.step()" in c for c in framework), framework
     del got[1][10]
     assert compare(ref, {0: ref[0], 1: {**ref[1], 10: {}}}, 0.0).first_step == 10
 

@@ -17,7 +17,10 @@ the code it ran. Fields (JSON):
 ``rslurm`` versions; ``world_size``; ``nodes``: the run's storage domains, which are named after the
 node of their lowest rank; ``slurm``: ``job_id``, ``array_job_id``, ``array_task_id``, ``restart_count``,
 ``job_nodelist`` (null outside Slurm); ``config`` (the user's ``Checkpointer(config=...)``, JSON) and
-``config_sha256`` (of its canonical JSON), null when none was given.
+``config_sha256`` (of its canonical JSON), null when none was given; ``integration``: the rslurm
+integration the program trains through (``lightning``, ``hf``; null for a loop of its own) and
+``frameworks``: the versions of ``lightning``, ``transformers`` and ``accelerate`` when the program
+imported them (each null otherwise).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ MAX_USER_CONFIG_BYTES = 64 << 10  # in every manifest of every domain: a config,
 GIT_TIMEOUT_S = 5.0
 
 Runner = Callable[[Sequence[str], str], "str | None"]
+INTEGRATIONS = ("lightning", "hf")  # resilient_slurm.integrations.<name>: imported only by programs that use it
+FRAMEWORKS = ("lightning", "transformers", "accelerate")
 
 
 def canonical_json(value: Any) -> str:
@@ -168,6 +173,9 @@ def gather(*, world_size: int, nodes: Sequence[str], job: JobEnv, user_config: A
         },
         "config": user_config if has_config else None,
         "config_sha256": config_sha256(user_config) if has_config else None,
+        "integration": next((name for name in INTEGRATIONS if f"resilient_slurm.integrations.{name}" in sys.modules),
+                            None),
+        "frameworks": {f: getattr(sys.modules.get(f), "__version__", None) for f in FRAMEWORKS},
     }
 
 

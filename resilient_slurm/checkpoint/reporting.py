@@ -102,7 +102,7 @@ class CheckpointReporter:
         if r.step:
             self.events.emit(Event.RESTORE, step=r.step, tier=r.tier, seconds=r.seconds, bytes=r.bytes_read,
                              fetched_bytes=r.fetched_bytes, skipped=list(r.skipped), adopted_bytes=r.adopted_bytes,
-                             peer_bytes=r.peer_bytes)
+                             peer_bytes=r.peer_bytes, integration=(self.provenance or {}).get("integration"))
             self.code_version(r.step, r.provenance)
         else:
             self.events.emit(Event.RESTORE_NONE, seconds=r.seconds, skipped=list(r.skipped))

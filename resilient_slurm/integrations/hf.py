@@ -139,6 +139,7 @@ class RslurmCallback:
         self._loss: torch.Tensor | None = None
         self._pending: tuple[int, dict[str, float] | None] | None = None  # the step that ended, not yet saved
         self._epoch_end = False  # the pending step ended its epoch, whose end has not been handled yet
+        self._epochs_begun = 0  # in this process (an IterableDataset read again is a resume that is not exact)
         self._snapshot = _TrainerSnapshot(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -330,6 +331,13 @@ class RslurmCallback:
     # A step left pending (a log or an evaluation that did not come): saved before the next one.
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save(control)
+        self._epochs_begun += 1
+        dataset = getattr(self._trainer, "train_dataset", None)
+        if self._epochs_begun == 2 and dataset is not None and not hasattr(dataset, "__len__"):
+            log.warning("the Trainer reads its IterableDataset a second time: a resume from a step of this pass or a "
+                        "later one will not be exact (the Trainer's resume skips global_step batches of one pass, so "
+                        "it retrains from the start of a pass). Make the dataset yield for all of max_steps in one "
+                        "pass (loop over the data inside __iter__) to resume exactly")
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save(control)

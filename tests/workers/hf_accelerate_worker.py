@@ -52,6 +52,7 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--every-steps", type=int, default=None)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     args = ap.parse_args()
 
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
@@ -60,7 +61,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(48, 8, generator=g)
     data = torch.utils.data.TensorDataset(x, x[:, :2].sum(dim=1, keepdim=True), torch.arange(48))
-    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, num_workers=args.workers)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -72,7 +73,7 @@ def main() -> int:
 
     log = open(_path(args.log, rank), "a")
     ckpt = AcceleratorCheckpointer(accelerator, every_steps=args.every_steps)
-    step = ckpt.restore()
+    step = restored = ckpt.restore()
     log.write(json.dumps({"event": "start", "step": step, "pid": os.getpid(), "rslurm": resilient_slurm.__file__,
                           "world": accelerator.num_processes, "samples": counter.samples}) + "\n")
     log.flush()
@@ -100,7 +101,8 @@ def main() -> int:
         torch.save({"model": inner.state_dict(), "optimizer": opt.optimizer.state_dict(),
                     "scheduler": sched.scheduler.state_dict(), "samples": counter.samples},
                    _path(args.out, rank))
-    log.write(json.dumps({"event": "exit", "step": step, "done": done, "stopped": ckpt.should_stop}) + "\n")
+    log.write(json.dumps({"event": "exit", "step": step, "done": done, "restored": restored,
+                          "stopped": ckpt.should_stop}) + "\n")
     log.close()
     accelerator.end_training()
     return 0
