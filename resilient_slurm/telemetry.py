@@ -60,6 +60,7 @@ class Event(StrEnum):
 
     CADENCE = "cadence"
     CODE_VERSION_CHANGED = "code_version_changed"
+    COMMAND_LINE_CHANGED = "command_line_changed"
     COMMITTED = "committed"
     DEADLINE_MISSED = "deadline_missed"
     DECISION = "decision"

@@ -146,6 +146,21 @@ def test_a_changed_code_version_is_a_warning_event(saved: dict[str, Any]) -> Non
 
 
 @pytest.mark.proc
+def test_a_step_saved_by_another_command_line_is_a_warning_event(saved: dict[str, Any]) -> None:
+    """Two experiments that kept one run id resume each other's state: the restore names both command lines
+    and says to give each its own run id (here the same program, resumed with other arguments)."""
+    from test_telemetry import check_records, read_docs
+
+    repo, work = saved["repo"], saved["work"]
+    events = [e for e in read_jsonl(work / "nvme" / RUN / "events.jsonl") if e["event"] == "command_line_changed"]
+    want = [str(repo / "train.py"), "save", str(work / "nvme"), str(work / "out"), "--step", "3"]
+    assert [(e["step"], e["saved_command_line"], e["rank"]) for e in events][0] == (3, want, 0), events
+    assert events[0]["command_line"] == [str(repo / "train.py"), "resume", str(work / "nvme"), str(work / "out")]
+    check_records(read_docs(), events)
+    assert "give each its own run id" in saved["same"]["stderr"] and "was saved by `" in saved["same"]["stderr"]
+
+
+@pytest.mark.proc
 def test_show_prints_the_provenance(saved: dict[str, Any]) -> None:
     work = saved["work"]
     proc = rslurm(work, "show", "3", "--json")

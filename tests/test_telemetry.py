@@ -79,9 +79,10 @@ STRAGGLER_ONLY = {"straggler", "straggler_cleared"}
 # Rank events written only after a resume that trains steps again, with metrics recorded: tests/test_rehearse.py
 # writes them (a SIGKILLed rank, an in-job restart) and checks their fields against these docs.
 RESUME_ONLY = {"resume_verified", "resume_diverged"}
-# A rank event written only when a step saved by another git commit is restored: tests/test_provenance.py
-# writes it (a program in a temporary git repository, changed and committed) and checks it against these docs.
-PROVENANCE_ONLY = {"code_version_changed"}
+# Rank events written only when a step saved by another git commit or command line is restored:
+# tests/test_provenance.py writes them (a program in a temporary git repository, changed and committed, run
+# with other arguments) and checks them against these docs.
+PROVENANCE_ONLY = {"code_version_changed", "command_line_changed"}
 # A rank event written only when the program tags a step (ckpt.tag): tests/test_tags.py writes it (three ranks
 # on two emulated nodes) and checks its fields against these docs.
 TAG_ONLY = {"tagged"}

@@ -15,11 +15,13 @@ here, from the topology, and each method only reports.
 from __future__ import annotations
 
 import logging
+import shlex
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..telemetry import Event, EventLog, ExactFloat
+from ..terminal import printable
 from . import provenance as provenance_mod
 from .coordination import Topology
 from .engine import PendingSave, SaveOutcome
@@ -113,9 +115,11 @@ class CheckpointReporter:
 
     def code_version(self, step: int, saved: Mapping[str, Any] | None) -> None:
         """Rank 0: a ``code_version_changed`` event and a warning when the restored step was written by
-        another git commit than the running program's (both known)."""
+        another git commit than the running program's (both known); ``command_line_changed`` when by another
+        command line (another experiment resuming this run's state, when both kept the default run id)."""
         if self.topology.rank != 0:
             return
+        self._command_line(step, saved)
         before, now = provenance_mod.git_commit(saved), provenance_mod.git_commit(self.provenance)
         if before is None or now is None or before == now:
             return
@@ -123,6 +127,15 @@ class CheckpointReporter:
         log.warning("step %d was saved by code at git commit %s; this program runs %s. Resuming with changed "
                     "code may change the results (`rslurm show %d` shows the step's provenance)",
                     step, before[:12], now[:12], step)
+
+    def _command_line(self, step: int, saved: Mapping[str, Any] | None) -> None:
+        before, now = (saved or {}).get("command_line"), (self.provenance or {}).get("command_line")
+        if not before or not now or before == now:
+            return
+        self.events.emit(Event.COMMAND_LINE_CHANGED, step=step, saved_command_line=before, command_line=now)
+        log.warning("step %d was saved by `%s`; this program is `%s`. If it is another experiment, it resumed the "
+                    "other one's state: give each its own run id (RSLURM_RUN_ID, or Checkpointer(run_id=...))",
+                    step, printable(shlex.join(before)), printable(shlex.join(now)))
 
     # ------------------------------------------------------------------ the resume check (metrics.py)
     def resume_ended(self, outcome: ResumeOutcome | None) -> None:
