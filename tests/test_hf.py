@@ -34,7 +34,7 @@ import torch
 from conftest import REPO, assert_same, clean_env, read_jsonl, wait_for_step
 from slurm_cluster import SlurmCluster
 
-from resilient_slurm import ConfigError
+from resilient_slurm import CheckpointError, ConfigError
 from resilient_slurm.integrations import hf
 
 WORKERS = {"trainer": REPO / "tests" / "workers" / "hf_trainer_worker.py",
@@ -113,6 +113,25 @@ def test_what_the_integration_cannot_do_is_a_clear_error(tmp_path: Path, monkeyp
         hf.AcceleratorCheckpointer(acc, checkpointer=ackpt.ckpt, extra={"model_ema": torch.zeros(1)})  # no clash
         with pytest.raises(ConfigError, match="clash"):
             hf.AcceleratorCheckpointer(acc, checkpointer=ackpt.ckpt, extra={"model_1": torch.zeros(1)})
+
+
+def test_a_malformed_running_loss_in_a_step_is_a_clear_error() -> None:
+    """The Trainer's running loss comes from the checkpoint: a value that is not what the callback wrote
+    (a dtype that is not one, a loss that is not a number) names the step instead of crashing in torch."""
+    from types import SimpleNamespace
+
+    cb = hf.RslurmCallback(every_steps=1)
+    cb._prepared, cb.restored_step = True, 5
+    cb._trainer = SimpleNamespace(_tr_loss=torch.tensor(0.0), _globalstep_last_logged=5)
+    state, control = SimpleNamespace(global_step=5), SimpleNamespace()
+    for bad in ({"tr_loss": 1.0, "dtype": "save", "last_logged": 4}, {"tr_loss": "x", "dtype": "float32", "last_logged": 4},
+                ["not", "a", "dict"]):
+        cb._snapshot.loaded = {"running": bad}
+        with pytest.raises(CheckpointError, match="step 5: the Trainer's running loss"):
+            cb.on_train_begin(None, state, control)
+    cb._snapshot.loaded = {"running": {"tr_loss": 2.5, "dtype": "float32", "last_logged": 4}}
+    cb.on_train_begin(None, state, control)
+    assert cb._trainer._tr_loss.item() == 2.5 and cb._trainer._globalstep_last_logged == 4
 
 
 class _OneBatch(torch.utils.data.IterableDataset):

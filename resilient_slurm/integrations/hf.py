@@ -296,9 +296,13 @@ class RslurmCallback:
                                   f"{self.restored_step}")
         running = (self._snapshot.loaded or {}).get("running") if self.restored_step else None
         if running is not None:  # the loss summed since the last log: the next logged loss averages the same steps
+            dtype = getattr(torch, str(running.get("dtype")), None) if isinstance(running, dict) else None
+            if (not isinstance(dtype, torch.dtype) or not isinstance(running.get("tr_loss"), (int, float))
+                    or not isinstance(running.get("last_logged"), int)):
+                raise CheckpointError(f"step {self.restored_step}: the Trainer's running loss under {TRAINER_KEY!r} "
+                                      f"is malformed ({str(running)[:200]}); restore another step (rslurm verify)")
             trainer = self._trainer
-            trainer._tr_loss = torch.tensor(running["tr_loss"], dtype=getattr(torch, running["dtype"]),
-                                            device=trainer._tr_loss.device)
+            trainer._tr_loss = torch.tensor(running["tr_loss"], dtype=dtype, device=trainer._tr_loss.device)
             trainer._globalstep_last_logged = running["last_logged"]
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
