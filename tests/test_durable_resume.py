@@ -170,13 +170,18 @@ def test_a_partial_durable_step_is_never_restored(
     manifest, so the resumed job must fall back to the newest step that is durable (an interval step),
     and still finish bitwise identical."""
     durable = {"RSLURM_DURABLE": str(tmp_path / "lustre")}
-    job = start_ranks(_argv(tmp_path, 0.15), 2, tmp_path, env=_env(tmp_path, durable),
+    # 1.5 s a step (the step time does not enter the training): the ranks must still be training when the
+    # SIGTERM comes, after both daemons ran. At 0.15 s a loaded machine's daemons took longer than the 10
+    # steps left, the ranks had finished and closed their Checkpointer, and SIGTERM's default action ended
+    # them (-15; seen in CI).
+    job = start_ranks(_argv(tmp_path, 1.5), 2, tmp_path, env=_env(tmp_path, durable),
                       per_rank_env=_nodes("n1", "n2"))
     wait_for_step(tmp_path / "log.0.jsonl", EVERY + 1, job=job)
     # Both nodes drain the interval step while training goes on.
     for node in ("n1", "n2"):
         assert _daemon(tmp_path, node, durable).returncode == 0
     wait_for_step(tmp_path / "log.0.jsonl", EVERY + 3, job=job)
+    assert not [e for e in read_jsonl(tmp_path / "log.0.jsonl") if e.get("event") == "exit"], "training ended first"
     job.kill(signal.SIGTERM)
     assert [p.wait(timeout=60) for p in job.procs] == [0, 0]
     step = [e for e in read_jsonl(tmp_path / "log.0.jsonl") if e.get("event") == "exit"][-1]["step"]
