@@ -56,8 +56,9 @@ def take_early() -> list[tuple[int, float]]:
 
 
 def is_launch(argv: list[str]) -> bool:
-    """``argv`` (after the program name) is ``[--config FILE | --config=FILE] launch ...``."""
+    """``argv`` (after the program name) is ``[--config FILE | --config=FILE] launch ...``, ``--config`` as
+    argparse takes it abbreviated (``--conf``)."""
     i = 0
-    while i < len(argv) and argv[i].startswith("--config"):
+    while i < len(argv) and len(argv[i].split("=", 1)[0]) > 2 and "--config".startswith(argv[i].split("=", 1)[0]):
         i += 1 if "=" in argv[i] else 2
     return argv[i:i + 1] == ["launch"]

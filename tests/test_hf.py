@@ -132,6 +132,7 @@ def test_a_malformed_running_loss_in_a_step_is_a_clear_error() -> None:
     cb._snapshot.loaded = {"running": {"tr_loss": 2.5, "dtype": "float32", "last_logged": 4}}
     cb.on_train_begin(None, state, control)
     assert cb._trainer._tr_loss.item() == 2.5 and cb._trainer._globalstep_last_logged == 4
+    assert cb._trainer._total_loss_scalar == -2.5  # the final train_loss averages this call's steps only
 
 
 class _OneBatch(torch.utils.data.IterableDataset):

@@ -134,6 +134,7 @@ def test_signals_heard_before_the_launchers_trap_are_handed_to_it(default_handle
     assert early_signals.is_launch(["launch", "--", "x"]) and early_signals.is_launch(["--config", "a", "launch"])
     assert early_signals.is_launch(["--config=a", "launch"]) and not early_signals.is_launch(["ls", "launch"])
     assert not early_signals.is_launch(["--config", "launch"]) and not early_signals.is_launch([])
+    assert early_signals.is_launch(["--conf", "a", "launch"]) and not early_signals.is_launch(["--", "launch"])
     before = {s: signal.getsignal(s) for s in TRAPPED}
     early_signals.trap_early()
     try:

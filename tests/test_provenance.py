@@ -278,3 +278,14 @@ def test_a_bad_config_is_refused_at_construction(tmp_path: Path, monkeypatch: py
     with pytest.raises(ConfigError, match=why):
         Checkpointer(local_dir=str(tmp_path), run_id=RUN, config=config)
     assert not (tmp_path / RUN).exists()
+
+
+def test_one_program_spelled_another_way_is_the_same_command_line() -> None:
+    """``train.py``, ``./train.py`` and the absolute path ``python -m`` gives are one program: no
+    ``command_line_changed`` for them; other arguments or another program are."""
+    from resilient_slurm.checkpoint.reporting import _same_command
+
+    assert _same_command(["train.py", "--lr", "1"], ["./train.py", "--lr", "1"])
+    assert _same_command(["/src/examples/train.py", "--lr", "1"], ["train.py", "--lr", "1"])
+    assert not _same_command(["train.py", "--lr", "1"], ["train.py", "--lr", "2"])
+    assert not _same_command(["train.py"], ["eval.py"]) and not _same_command(["train.py"], ["train.py", "-x"])

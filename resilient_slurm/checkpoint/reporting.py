@@ -15,6 +15,7 @@ here, from the topology, and each method only reports.
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import time
 from collections.abc import Mapping, Sequence
@@ -130,7 +131,7 @@ class CheckpointReporter:
 
     def _command_line(self, step: int, saved: Mapping[str, Any] | None) -> None:
         before, now = (saved or {}).get("command_line"), (self.provenance or {}).get("command_line")
-        if not before or not now or before == now:
+        if not before or not now or _same_command(before, now):
             return
         self.events.emit(Event.COMMAND_LINE_CHANGED, step=step, saved_command_line=before, command_line=now)
         log.warning("step %d was saved by `%s`; this program is `%s`. If it is another experiment, it resumed the "
@@ -244,3 +245,9 @@ class CheckpointReporter:
 def _exact(v: float | int | None) -> float | int | None:
     """A recorded metric for an event, every bit of it (events round other floats)."""
     return ExactFloat(v) if isinstance(v, float) else v
+
+
+def _same_command(a: Sequence[str], b: Sequence[str]) -> bool:
+    """One program with the same arguments, however its path was spelled (``train.py``, ``./train.py``, the
+    absolute path ``python -m`` gives)."""
+    return len(a) == len(b) and os.path.basename(a[0]) == os.path.basename(b[0]) and list(a[1:]) == list(b[1:])

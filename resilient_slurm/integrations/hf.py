@@ -304,6 +304,9 @@ class RslurmCallback:
             trainer = self._trainer
             trainer._tr_loss = torch.tensor(running["tr_loss"], dtype=dtype, device=trainer._tr_loss.device)
             trainer._globalstep_last_logged = running["last_logged"]
+            # The Trainer's final train_loss is the mean over the steps this train() call trained: the restored
+            # loss of steps before the resume is taken back out of its total.
+            trainer._total_loss_scalar = -float(running["tr_loss"])
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove_folder()  # the resumed Trainer has read all of it by the end of its first step
