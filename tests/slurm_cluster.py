@@ -165,8 +165,15 @@ def reap_stale_clusters() -> list[int]:
 class SlurmCluster:
     """A private two-node Slurm cluster (``n1``, ``n2`` on 127.0.0.1) with ``low`` and ``high`` partitions.
 
-    Partitions: ``low`` (default, PriorityTier=1, PreemptMode=REQUEUE, GraceTime=``grace_time``) and
-    ``high`` (PriorityTier=10) over both nodes; a job in ``high`` preempts (requeues) jobs in ``low``.
+    Partitions: ``low`` (default, PriorityTier=1, PreemptMode=REQUEUE, GraceTime=``grace_time``),
+    ``lowlong`` (the same with GraceTime=``long_grace_time``) and ``high`` (PriorityTier=10) over both nodes;
+    a job in ``high`` preempts (requeues) jobs in ``low`` and ``lowlong``.
+
+    ``low``'s short grace is what the launcher's own tests need: its deadlines and what Slurm does at the
+    grace's end. ``lowlong`` is for the tests of framework integrations, whose ranks after their emergency
+    commit still run the framework's teardown and the interpreter's exit before they can record how
+    they ended: on a loaded 2-core runner that outlasted 10 s, and Slurm's SIGTERM at the end of the grace
+    killed a rank that had saved and was leaving (real clusters grant minutes, not seconds).
     """
 
     def __init__(
@@ -175,6 +182,7 @@ class SlurmCluster:
         *,
         cpus_per_node: int = 2,
         grace_time: int = 10,
+        long_grace_time: int = 60,
         kill_wait: int = 5,
         cred_expire: int = 5,
         slurmd_timeout: int = 30,
@@ -187,6 +195,7 @@ class SlurmCluster:
         self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix=ROOT_PREFIX))
         self.cpus_per_node = cpus_per_node
         self.grace_time = grace_time
+        self.long_grace_time = long_grace_time
         self.kill_wait = kill_wait
         self.cred_expire = cred_expire
         self.slurmd_timeout = slurmd_timeout
@@ -305,6 +314,7 @@ InactiveLimit=0
 Waittime=0
 {nodes}
 PartitionName=low Nodes={node_list} Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime={self.grace_time} MaxTime=INFINITE State=UP
+PartitionName=lowlong Nodes={node_list} PriorityTier=1 PreemptMode=REQUEUE GraceTime={self.long_grace_time} MaxTime=INFINITE State=UP
 PartitionName=high Nodes={node_list} PriorityTier=10 MaxTime=INFINITE State=UP
 """
 
@@ -559,7 +569,7 @@ SlurmctldParameters=preempt_send_user_signal"""
     # ------------------------------------------------------------------ jobs
     def high_job(self, out_dir: Path) -> int:
         """Submit a job on the `high` partition that wants both nodes (``srun true``): it preempts the `low`
-        partition's job there (PreemptMode=REQUEUE). Returns its id; its output goes to ``out_dir/high.out``."""
+        or `lowlong` partition's job there (PreemptMode=REQUEUE). Returns its id; its output goes to ``out_dir/high.out``."""
         return self.sbatch("#!/bin/bash\nsrun true\n", "-p", "high", "-N2", "--exclusive", "-J", "high",
                            "-o", str(out_dir / "high.out"))
 

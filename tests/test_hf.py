@@ -315,7 +315,8 @@ def test_preempted_on_slurm_requeues_and_resumes_bitwise(slurm: SlurmCluster, tm
         script = (f"#!/bin/bash\n{exports}exec {sys.executable} -m resilient_slurm.cli launch -- srun -N2 -n2 "
                   f"{sys.executable} {WORKERS[program]} --log {work}/log.%r.jsonl --out {work}/out.%r.pt "
                   f"{'--work ' + str(work) if program == 'trainer' else ''} --workers 1 --step-sleep {sleep}\n")
-        job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--exclusive", "--open-mode=append",
+        # `lowlong`: a grace a saved rank's teardown and exit fit in on a loaded runner (slurm_cluster.py)
+        job = slurm.sbatch(script, "-p", "lowlong", "--requeue", "-N2", "--exclusive", "--open-mode=append",
                            "-o", str(work / "job.out"))
         diagnose = lambda: f"{slurm.diagnose(job)}\n{(work / 'job.out').read_text(errors='replace')[-5000:]}"  # noqa: E731
         wait_for_step(work / "log.0.jsonl", 4, timeout=180, diagnose=diagnose)

@@ -315,7 +315,9 @@ def test_preempted_on_slurm_requeued_and_resumed_bitwise(slurm: SlurmCluster, un
     # Lightning's SLURMEnvironment refuses --ntasks without --ntasks-per-node (SLURM_NTASKS_PER_NODE)
     srun = f"srun -N2 --ntasks-per-node=1 {' '.join(program)}"
     script = f"#!/bin/bash\n{exports}exec {py} -m resilient_slurm.cli launch -- {srun}\n"
-    job = slurm.sbatch(script, "-p", "low", "--requeue", "-N2", "--ntasks-per-node=1", "--exclusive",
+    # `lowlong`: a grace a saved rank's teardown and exit fit in on a loaded runner (slurm_cluster.py); with
+    # `low`'s 10 s, CI's runner once saw Slurm's SIGTERM at the grace's end kill rank 0 after its commit
+    job = slurm.sbatch(script, "-p", "lowlong", "--requeue", "-N2", "--ntasks-per-node=1", "--exclusive",
                        "--open-mode=append", "-o", str(work / "job.out"))
     deadline = time.monotonic() + 180
     while not ((work / "log.0.jsonl").exists() and any(e["step"] >= 8 for e in _rank_steps(work, 0))):  # epoch 1

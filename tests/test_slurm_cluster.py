@@ -50,6 +50,9 @@ def test_cluster_config(slurm: SlurmCluster):
     assert "Default=YES" in low and "PriorityJobFactor=1 PriorityTier=1 " in low
     assert f"GraceTime={slurm.grace_time} " in low and "PreemptMode=REQUEUE" in low
     assert "PriorityTier=10 " in high
+    long = slurm.run(["scontrol", "show", "partition", "lowlong", "-o"]).stdout
+    assert "Default=NO" in long and "PriorityJobFactor=1 PriorityTier=1 " in long
+    assert f"GraceTime={slurm.long_grace_time} " in long and "PreemptMode=REQUEUE" in long
     # sinfo -N prints a node once per partition.
     nodes = set(slurm.run(["sinfo", "-h", "-N", "-o", "%N %c %T"]).stdout.split("\n")) - {""}
     assert sorted(nodes) == ["n1 2 idle", "n2 2 idle"]
