@@ -7,10 +7,14 @@ job's ExcNodeList) are in test_launcher_slurm.py.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import clean_env, mounted_tmpfs, read_jsonl
@@ -18,7 +22,7 @@ from test_telemetry import check_records, read_docs
 
 from resilient_slurm import Checkpointer
 from resilient_slurm.config import load
-from resilient_slurm.launcher.health import NodeHealth, check_node, exclude, requested_nodes
+from resilient_slurm.launcher.health import CheckInterrupted, NodeHealth, check_node, exclude, requested_nodes
 
 SRUN_CASES = [
     (["srun", "-N1", "-n2", "python", "t.py", "-N", "5"], 1,
@@ -77,6 +81,105 @@ def test_the_users_command_and_its_timeout(tmp_path: Path) -> None:
     assert h.checked == ("command",) and h.problems == ("health_check_command exited 4: ib0 down",), h
     h = check_node(_cfg(tmp_path, health_check_command="sleep 30", health_timeout="1"))
     assert "did not exit within 1 s" in h.problems[0], h
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_file(path: Path, timeout: float = 60) -> str:
+    end = time.monotonic() + timeout
+    while not (path.exists() and path.read_text().strip()):
+        assert time.monotonic() < end, f"{path} never written"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+@pytest.mark.proc
+def test_a_timeout_ends_the_whole_command_even_a_child_that_holds_its_output(tmp_path: Path) -> None:
+    """The command runs in a process group of its own, ended whole at the timeout. A child that kept the
+    command's output open (``sleep 300 & ...; wait``) used to hold the check until it ended by itself."""
+    pid_file = tmp_path / "child.pid"
+    t0 = time.monotonic()
+    h = check_node(_cfg(tmp_path, health_check="off", health_timeout="1",
+                        health_check_command=f"sleep 300 & echo $! > {pid_file}; wait"))
+    assert "did not exit within 1 s" in h.problems[0], h
+    assert time.monotonic() - t0 < 120, "the check waited for the command's child"  # a hang bound: 300 s
+    assert _gone(int(pid_file.read_text())), "the command's child outlived the check"
+
+
+@pytest.mark.proc
+def test_a_stop_request_ends_the_check_unjudged(tmp_path: Path) -> None:
+    """The launcher's pending stop (``stop_requested``) ends a running check with its processes: no verdict,
+    CheckInterrupted. A command killed by a signal for another reason is reported as such."""
+    pid_file = tmp_path / "child.pid"
+    cmd = f"sleep 300 & echo $! > {pid_file}; wait"
+    with pytest.raises(CheckInterrupted):
+        check_node(_cfg(tmp_path, health_check="off", health_check_command=cmd, health_timeout="300"),
+                   stop_requested=lambda: pid_file.exists() and bool(pid_file.read_text().strip()))
+    assert _gone(int(pid_file.read_text())), "the check's processes outlived the stop"
+    h = check_node(_cfg(tmp_path, health_check="off", health_check_command="echo bye; kill -9 $$"))
+    assert h.problems == ("health_check_command was killed by SIGKILL: bye",), h
+
+
+@pytest.mark.proc
+def test_rslurm_health_ended_by_sigterm_ends_its_command_too(tmp_path: Path) -> None:
+    """Slurm's SIGTERM to the check's step (a preemption) reaches `rslurm health`, not its command, which
+    runs in a session of its own: the command is ended with it, not left running on the node."""
+    pid_file = tmp_path / "child.pid"
+    env = clean_env({"RSLURM_LOCAL_DIR": str(tmp_path / "nvme"), "RSLURM_RUN_ID": "h", "RSLURM_NODE_NAME": "n1",
+                     "RSLURM_HEALTH_CHECK_COMMAND": f"sleep 300 & echo $! > {pid_file}; wait"})
+    p = subprocess.Popen([sys.executable, "-m", "resilient_slurm.cli", "health", "--json"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        child = int(_wait_file(pid_file))
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 128 + signal.SIGTERM, p.returncode
+    assert _gone(child), "the health command outlived `rslurm health`"
+
+
+@pytest.mark.proc
+@pytest.mark.parametrize("how", ["ctrl-c-to-the-group", "sigterm-to-the-launcher"])
+def test_a_stop_during_the_health_check_is_a_stop_not_a_bad_node(tmp_path: Path, how: str) -> None:
+    """A stop while ``health_check_command`` runs: Ctrl-C to the launcher's whole process group (the check
+    used to die of it, the node was called unhealthy and the launcher exited 75, not 130), or SIGTERM to the
+    launcher alone (acted on only when the check ended, up to ``health_timeout`` later). Now the check is
+    ended at once, blames no node, and the stop ends the run as a stop."""
+    pid_file = tmp_path / "check.pid"
+    env = clean_env({"RSLURM_LOCAL_DIR": str(tmp_path / "nvme"), "RSLURM_RUN_ID": "h", "RSLURM_NODE_NAME": "n1",
+                     "RSLURM_HEALTH_TIMEOUT": "600",
+                     "RSLURM_HEALTH_CHECK_COMMAND": f"sleep 600 & echo $! > {pid_file}; wait"})
+    p = subprocess.Popen([sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", sys.executable,
+                          "-c", "import time; time.sleep(600)"], env=env, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        check = int(_wait_file(pid_file))
+        if how == "ctrl-c-to-the-group":
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == (130 if how == "ctrl-c-to-the-group" else 75), err[-4000:]
+    assert "a stop request came during the node health check" in err, err[-4000:]
+    assert "unhealthy" not in err, err[-4000:]
+    assert _gone(check), "the health check's command outlived the stop"
+    events = read_jsonl(tmp_path / "nvme" / "h" / "events.jsonl")
+    check_records(read_docs(), events)
+    assert not [e for e in events if e["event"] == "node_unhealthy"], events
+    assert [e["signal"] for e in events if e["event"] == "signal"] == \
+        ["SIGINT" if how == "ctrl-c-to-the-group" else "SIGTERM"], events
 
 
 @pytest.mark.proc

@@ -751,3 +751,37 @@ def test_an_unhealthy_node_without_a_spare_requeues_the_job_elsewhere(slurm: Slu
     assert ends[0]["evidence"].startswith(f"node health check: {first}: health_check_command exited 1"), ends
     assert "requeue of job" not in _job_text(work), _job_text(work)[-4000:]  # no "requeue of job J failed"
     _assert_identical_to(ref, work, steps)
+
+
+def test_a_preemption_during_the_health_check_blames_no_node(slurm: SlurmCluster, tmp_path: Path):
+    """A 1-node job preempted while its health check runs (the user's command sleeps, in the first
+    incarnation only). Slurm's SIGTERM ends the check's step, no node answers, and the launcher, without
+    ``--signal``, hears nothing: that was a node failure, and the node went into the job's ExcNodeList.
+    Now the launcher reads the job's PreemptTime, blames no node and stops as preempted: requeued (the
+    node not excluded), resumed, completed, bitwise identical."""
+    steps = 12
+    work = slurm.work_dir / "launch-health-preempted"
+    work.mkdir()
+    ref = _reference(tmp_path, steps)
+    checking = work / "checking"
+    check = f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then echo "$SLURMD_NODENAME" > {checking}; sleep 120; fi'
+    env = {"RSLURM_HEALTH_CHECK_COMMAND": check, "RSLURM_DURABLE": str(work / "durable")}
+    script = _script(work, [*TOY, *_toy_args(work, steps, 0.0)], extra_env=env, srun=("-N1", "-n2"))
+    job = slurm.sbatch(script, "-p", "low", "--requeue", "-N1", "--exclusive", "--open-mode=append",
+                       "-o", str(work / "job.out"))
+    deadline = time.monotonic() + 120
+    while not (checking.exists() and checking.read_text().strip()):
+        assert time.monotonic() < deadline, _diagnose(slurm, job, work)
+        time.sleep(0.2)
+    high = slurm.high_job(work)
+    slurm.wait_state(high, "COMPLETED", timeout=180)
+    info = _wait_done(slurm, job, work, timeout=240)
+    assert int(info["Restarts"]) == 1, info
+    assert info.get("ExcNodeList") in (None, "(null)"), info
+    events = [e for n in ("n1", "n2") if (work / "nvme" / n / "toy" / "events.jsonl").exists()
+              for e in _events(work, n)]
+    assert not [e for e in events if e["event"] == "node_unhealthy"], events
+    assert "no node is blamed" in _job_text(work), _job_text(work)[-4000:]
+    ends = _history(work, info["NodeList"], "--durable", str(work / "durable"))
+    assert [(e["reason"], e["action"]) for e in ends] == [("preempted", "requeue"), ("completed", "exit")], ends
+    _assert_identical_to(ref, work, steps)

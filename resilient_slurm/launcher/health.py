@@ -14,6 +14,15 @@ Who calls what, and when:
   incarnation ends as ``node_failure`` and, after the requeue call, :func:`~resilient_slurm.slurm.
   SlurmClient.exclude_nodes` adds them to the job's excluded nodes, so the requeued job runs elsewhere.
 
+A stop request during the check (the launcher's trap, polled by :func:`run_check` every
+``CHECK_POLL_S``) ends the check at once, with its process group, and its result is not used: the nodes
+were not judged, and the launcher acts on the stop as it would have without a check. The check's
+processes run in a session of their own, so that a signal to the launcher's process group (Ctrl-C) is
+the launcher's to act on, not a check that died and a node called unhealthy. Under Slurm, a check
+that found nodes bad while Slurm was preempting or ending the job (its steps got Slurm's SIGTERM; the
+launcher, without ``--signal``, none) blames no node either: the gate hands the launcher a stop whose
+source is ``slurm`` instead (:meth:`HealthGate.check`).
+
 Built-in checks (``health_check=on``, the default): the run's local directory can be created and written
 (a file written, fsynced, removed), its filesystem has room for the newest committed step of the run on
 this node (one more save of that size must fit), and on a node with NVIDIA devices ``nvidia-smi -L``
@@ -28,6 +37,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -45,10 +55,70 @@ from ..telemetry import Event
 from ..terminal import printable
 from .context import LaunchContext, launch_log
 from .rank_env import allocation_nodes, srun_options
+from .stopping import ending
 
 log = logging.getLogger(__name__)
 
 HEALTH_STEP_NAME = "rslurm-health"  # the check's srun step: the teardown and `steps()` readers skip it
+CHECK_POLL_S = 0.1  # how often a running check looks for a stop request
+CHECK_TERM_GRACE_S = 2.0  # SIGTERM to the check's process group, then SIGKILL (srun ends its step on SIGTERM)
+
+
+class CheckInterrupted(Exception):
+    """A stop request came while the check ran: the check was ended and says nothing about the nodes."""
+
+
+def _never() -> bool:
+    return False
+
+
+def _end_group(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM to the check's process group (its own session), SIGKILL after ``CHECK_TERM_GRACE_S``."""
+    for sig, wait in ((signal.SIGTERM, CHECK_TERM_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(wait)
+            if sig is signal.SIGTERM:
+                try:  # what it started may outlive the group leader
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_check(cmd: Sequence[str], env: Mapping[str, str], timeout: float,
+              stop_requested: Callable[[], bool] = _never) -> tuple[int | None, str, str]:
+    """Run a check's command in a session of its own; ``(returncode, stdout, stderr)``, returncode None when
+    it did not exit within ``timeout`` (it is ended then, with everything it started in its group). Raises
+    :class:`CheckInterrupted` (after ending it) as soon as ``stop_requested()`` is true; OSError when it
+    cannot start."""
+    proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(env), start_new_session=True)
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            out, err = proc.communicate(timeout=max(0.0, min(CHECK_POLL_S, end - time.monotonic())))
+            return proc.returncode, out or "", err or ""
+        except subprocess.TimeoutExpired:
+            pass
+        except BaseException:  # Ctrl-C or SIGTERM (cli_main) in `rslurm health`: its own session would outlive us
+            _end_group(proc)
+            raise
+        interrupted = stop_requested()
+        if interrupted or time.monotonic() >= end:
+            _end_group(proc)
+            try:  # output already read; a grandchild that left the group may still hold the pipes
+                out, err = proc.communicate(timeout=CHECK_TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                out, err = "", ""
+            if interrupted:
+                raise CheckInterrupted()
+            return None, out or "", err or ""
 
 
 @dataclass(frozen=True)
@@ -120,22 +190,32 @@ def _gpu_problem(timeout: float) -> str | None:
     return None
 
 
-def _command_problem(command: str, env: Mapping[str, str], timeout: float) -> str | None:
+def _command_problem(command: str, env: Mapping[str, str], timeout: float,
+                     stop_requested: Callable[[], bool]) -> str | None:
     try:
-        r = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, timeout=timeout,
-                           env=dict(env), stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return f"health_check_command did not exit within {timeout:.0f} s: {command}"
+        code, out, err = run_check(["/bin/sh", "-c", command], env, timeout, stop_requested)
     except OSError as exc:
         return f"health_check_command cannot run: {exc}"
-    if r.returncode == 0:
+    if code is None:
+        return f"health_check_command did not exit within {timeout:.0f} s: {command}"
+    if code == 0:
         return None
-    last = ((r.stdout or "") + (r.stderr or "")).strip().splitlines()[-1:] or ["(no output)"]
-    return f"health_check_command exited {r.returncode}: {last[0][:300]}"
+    last = (out + err).strip().splitlines()[-1:] or ["(no output)"]
+    how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited {code}"
+    return f"health_check_command {how}: {last[0][:300]}"
 
 
-def check_node(cfg: Settings, env: Mapping[str, str] | None = None, *, run_id: str | None = None) -> NodeHealth:
-    """The built-in checks and the user's command on this node."""
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def check_node(cfg: Settings, env: Mapping[str, str] | None = None, *, run_id: str | None = None,
+               stop_requested: Callable[[], bool] = _never) -> NodeHealth:
+    """The built-in checks and the user's command on this node. Raises :class:`CheckInterrupted` when
+    ``stop_requested()`` turns true while the command runs."""
     env = dict(os.environ if env is None else env)
     node = node_name(cfg.node_name)
     problems: list[str] = []
@@ -169,7 +249,7 @@ def check_node(cfg: Settings, env: Mapping[str, str] | None = None, *, run_id: s
             problems.append(gpu)
     if cfg.health_check_command:
         checked.append("command")
-        p = _command_problem(cfg.health_check_command, env, cfg.health_timeout)
+        p = _command_problem(cfg.health_check_command, env, cfg.health_timeout, stop_requested)
         if p:
             problems.append(p)
     return NodeHealth(node, tuple(problems), tuple(checked))
@@ -182,13 +262,14 @@ def health_step_command(nodes: int, exclude: Sequence[str]) -> list[str]:
 
 
 def check_allocation(cfg: Settings, env: Mapping[str, str], *, nodes: Sequence[str] | None, run_id: str,
-                     exclude: Sequence[str] = ()) -> list[NodeHealth]:
+                     exclude: Sequence[str] = (), stop_requested: Callable[[], bool] = _never) -> list[NodeHealth]:
     """Every node's health: ``nodes`` (the allocation's hosts, Slurm) through one srun step, or this node
-    (``nodes`` None). A node that gives no answer within ``health_timeout`` is unhealthy."""
+    (``nodes`` None). A node that gives no answer within ``health_timeout`` is unhealthy. Raises
+    :class:`CheckInterrupted` when ``stop_requested()`` turns true while the check runs."""
     if cfg.health_check == "off" and not cfg.health_check_command:
         return []
     if nodes is None:
-        return [check_node(cfg, env, run_id=run_id)]
+        return [check_node(cfg, env, run_id=run_id, stop_requested=stop_requested)]
     want = [n for n in nodes if n not in exclude]
     if not want:
         return []
@@ -198,12 +279,9 @@ def check_allocation(cfg: Settings, env: Mapping[str, str], *, nodes: Sequence[s
         step_env.pop(name, None)  # each task names its own node (SLURMD_NODENAME)
     t0 = time.time()
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=step_env, stdin=subprocess.DEVNULL,
-                           timeout=cfg.health_timeout + 30)
-        out, err = r.stdout, r.stderr
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        err = f"the health check step did not end within {cfg.health_timeout + 30:.0f} s"
+        code, out, err = run_check(cmd, step_env, cfg.health_timeout + 30, stop_requested)
+        if code is None:
+            err = f"the health check step did not end within {cfg.health_timeout + 30:.0f} s"
     except OSError as exc:
         log.warning("cannot run the node health check step (%s): %s; going on without it", cmd[0], exc)
         return []
@@ -250,7 +328,10 @@ def exclude(command: Sequence[str], nodes: Sequence[str]) -> list[str]:
 
 
 def cli_main(cfg: Settings, *, as_json: bool) -> int:
-    """``rslurm health``: this node's checks; exit 0 healthy, 1 not."""
+    """``rslurm health``: this node's checks; exit 0 healthy, 1 not. A SIGTERM (Slurm's, to the check's
+    step at a preemption) ends the check's command with its session before this process exits."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     h = check_node(cfg)
     if as_json:
         print(h.to_json(), flush=True)
@@ -259,6 +340,10 @@ def cli_main(cfg: Settings, *, as_json: bool) -> int:
         for p in h.problems:
             print(f"  {printable(p)}")  # a health command's output line
     return 0 if h.ok else 1
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def summary(bad: Sequence[NodeHealth]) -> str:
@@ -274,19 +359,42 @@ class HealthGate:
         self.user_command = list(ctx.command)
         self.excluded: list[str] = []  # nodes taken out of the srun command (the allocation had spares)
 
-    def check(self, rank_env: Callable[[], Mapping[str, str]]) -> list[NodeHealth]:
+    def check(self, rank_env: Callable[[], Mapping[str, str]], stop_requested: Callable[[], bool] = _never,
+              on_slurm_stop: Callable[[], None] | None = None) -> list[NodeHealth]:
         """Check every node before a launch of the ranks. Unhealthy nodes are taken out of the srun command
         (``ctx.command``) when the allocation still has the nodes it asks for (``srun -N``); returns those
         that could not be (then the incarnation ends as a node failure). A check that no node answered is
         logged and ignored: the check itself failed, not the nodes. ``rank_env``: the ranks' environment,
-        which the check's step runs with."""
+        which the check's step runs with.
+
+        ``stop_requested``: the launcher's pending stop; when it turns true the check is ended and nothing
+        is returned (the launcher acts on the stop). ``on_slurm_stop``: called, and nothing returned, when
+        the check found bad nodes while Slurm was preempting or ending the job (a step's tasks got Slurm's
+        SIGTERM, which the launcher did not hear): the nodes are not to blame."""
         ctx = self.ctx
         nodes = allocation_nodes(ctx) if ctx.srun else None
         if ctx.srun and not nodes:
             return []
-        results = check_allocation(ctx.cfg, rank_env(), nodes=nodes, run_id=ctx.run_id, exclude=self.excluded)
+        try:
+            results = check_allocation(ctx.cfg, rank_env(), nodes=nodes, run_id=ctx.run_id, exclude=self.excluded,
+                                       stop_requested=stop_requested)
+        except CheckInterrupted:
+            launch_log.warning("a stop request came during the node health check: the check was ended, its "
+                               "result is not used")
+            return []
         bad = [h for h in results if not h.ok]
         if not bad:
+            return []
+        if stop_requested():
+            launch_log.warning("a stop request came as the node health check ended (%s): no node is blamed",
+                               summary(bad))
+            return []
+        job = ctx.job_info() if ctx.job_id else None
+        if job is not None and (job.being_preempted or ending(job)):
+            launch_log.warning("the node health check ended while Slurm was %s the job (%s): no node is blamed",
+                               "preempting" if job.being_preempted else "ending", summary(bad))
+            if on_slurm_stop is not None:
+                on_slurm_stop()
             return []
         if len(bad) == len(results) and all(h.problems[0].startswith("no answer") for h in bad) and len(results) > 1:
             launch_log.warning("the node health check step failed on every node (%s); going on without it",
@@ -309,6 +417,6 @@ class HealthGate:
         return [] if action == "excluded" else bad
 
 
-__all__ = ["HEALTH_STEP_NAME", "HealthGate", "NodeHealth", "check_allocation", "check_node", "cli_main", "exclude",
-           "health_step_command", "requested_nodes", "summary"]
+__all__ = ["CHECK_POLL_S", "HEALTH_STEP_NAME", "CheckInterrupted", "HealthGate", "NodeHealth", "check_allocation",
+           "check_node", "cli_main", "exclude", "health_step_command", "requested_nodes", "run_check", "summary"]
 

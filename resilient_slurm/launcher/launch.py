@@ -254,7 +254,8 @@ class Launcher:
             self.restored = baseline  # what the incarnation restored: its progress is measured from there
             children: Children | None = None
             while True:
-                self.unhealthy = self.gate.check(self._rank_env)
+                # A stop during the check ends it unjudged; the loop below acts on the stop.
+                self.unhealthy = self.gate.check(self._rank_env, trap.pending, lambda: trap.notify("slurm"))
                 if self.unhealthy:
                     break  # no spare nodes: the incarnation ends as a node failure, the job is requeued
                 children = self._start_ranks()

@@ -28,7 +28,8 @@ from .context import launch_log
 @dataclass(frozen=True)
 class TrapEvent:
     """One thing that asks the launcher to stop: a signal name (``SIGTERM``...) or another ``source``
-    (``cloud``), when it arrived (epoch seconds), and an optional deadline it announced."""
+    (``cloud``; ``slurm``: the health check found Slurm preempting or ending the job), when it arrived
+    (epoch seconds), and an optional deadline it announced."""
 
     source: str
     at: float
@@ -81,6 +82,10 @@ class SignalTrap:
             return True
         self._wake.wait(timeout)
         self._wake.clear()
+        return bool(self._events)
+
+    def pending(self) -> bool:
+        """Whether an event waits to be taken (:meth:`pop`); takes nothing."""
         return bool(self._events)
 
     def pop(self) -> list[TrapEvent]:

@@ -45,7 +45,7 @@ RECORDS_RESERVE_S = 2.0
 class StopRequest:
     """Why and by when the ranks were asked to stop."""
 
-    source: str  # SIGTERM, SIGUSR1, SIGUSR2, SIGINT, cloud
+    source: str  # SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP, cloud, slurm (seen by the health check)
     at: float
     deadline: float
     reason: Reason
