@@ -387,6 +387,52 @@ def test_early_stopping_and_model_checkpoint_states_survive_a_resume(tmp_path: P
         p.name for p in (tmp_path / "ref" / "best").iterdir())
 
 
+class _Curriculum(L.LightningDataModule):
+    """A DataModule with a state of its own (what Lightning saves of it in its checkpoints): the inputs are
+    scaled by a factor that grows with every batch it has handed to the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = 0
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(lightning_worker.Points(44), batch_size=4, shuffle=True)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y, idx = batch
+        self.batches += 1
+        return x * (1.0 + 0.05 * self.batches), y, idx
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches = state_dict["batches"]
+
+
+def _fit_curriculum(root: Path, *, stop_at: int = -1) -> tuple[Any, Any, _Curriculum]:
+    L.seed_everything(0, verbose=False)
+    dm = _Curriculum()
+    plugin = ResilientSlurm(local_dir=str(root / "nvme"), run_id="datamodule")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=20, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[plugin, _StopAt(plugin, stop_at)])
+    trainer.fit(lightning_worker.Model(44, 4, 0), datamodule=dm)
+    return trainer, plugin, dm
+
+
+def test_a_datamodules_own_state_survives_a_resume(tmp_path: Path):
+    """A LightningDataModule's ``state_dict`` is saved with every step and loaded before the loops resume, as
+    Lightning's own checkpoints do; without it the resumed curriculum started over and the weights differed."""
+    ref, _, ref_dm = _fit_curriculum(tmp_path / "ref")
+    first, plugin, _ = _fit_curriculum(tmp_path / "run", stop_at=7)
+    assert plugin.should_stop and first.global_step == 7
+    second, plugin2, dm = _fit_curriculum(tmp_path / "run")
+    assert plugin2.restored_step == 7 and second.global_step == ref.global_step == 20
+    assert dm.batches == ref_dm.batches == 20
+    assert_same(second.lightning_module.state_dict(), ref.lightning_module.state_dict(), "model")
+
+
 def test_several_train_loaders_and_a_second_fit_on_a_finished_run_are_refused(tmp_path: Path):
     class TwoLoaders(lightning_worker.Model):
         def train_dataloader(self) -> Any:

@@ -75,6 +75,7 @@ __all__ = ["ResilientSlurm"]
 
 LOOPS_KEY = "lightning_loops"
 CALLBACKS_KEY = "lightning_callbacks"
+DATAMODULE_KEY = "lightning_datamodule"  # only for a DataModule with a state of its own
 # Runs whose fit() ran to its end in this process (Checkpointer.run_dir): a second fit() on one of them would
 # resume the first one's last step (a pretraining and a fine-tuning stage sharing a run id).
 _FINISHED: set[str] = set()
@@ -130,6 +131,43 @@ class _CallbackStates:
 
         if self.loaded:
             call._call_callbacks_load_state_dict(self.trainer, {"callbacks": self.loaded})
+
+
+class _DataModuleState:
+    """A ``LightningDataModule``'s own state (its ``state_dict``), as Lightning saves it in its checkpoints
+    (under the class's name there): one ``torch.save`` blob, read back with ``weights_only``. Lightning
+    restored the datamodule before ``on_fit_start`` from its own checkpoint (none under rslurm): rslurm's is
+    applied in ``on_fit_start``, before the loops resume."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        import io
+
+        from lightning.pytorch.trainer import call
+
+        buf = io.BytesIO()
+        torch.save(call._call_lightning_datamodule_hook(self.trainer, "state_dict") or {}, buf)
+        return {"datamodule": buf.getvalue()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        import io
+
+        self.loaded = torch.load(io.BytesIO(state["datamodule"]), map_location="cpu", weights_only=True)
+
+    def apply(self) -> None:
+        from lightning.pytorch.trainer import call
+
+        if self.loaded is not None:
+            call._call_lightning_datamodule_hook(self.trainer, "load_state_dict", self.loaded)
+
+
+def _stateful_datamodule(trainer: pl.Trainer) -> bool:
+    """The Trainer has a LightningDataModule that keeps a state of its own (overrides ``state_dict``)."""
+    dm = getattr(trainer, "datamodule", None)  # a property Lightning sets up in fit()
+    return dm is not None and type(dm).state_dict is not pl.LightningDataModule.state_dict
 
 
 class _SamplerPosition:
@@ -305,8 +343,13 @@ class ResilientSlurm(pl.Callback):
         state[LOOPS_KEY] = loops
         callbacks = _CallbackStates(trainer)
         state[CALLBACKS_KEY] = callbacks
+        datamodule = _DataModuleState(trainer) if _stateful_datamodule(trainer) else None
+        if datamodule is not None:
+            state[DATAMODULE_KEY] = datamodule
         self.state = state
-        step = self.ckpt.restore(state)
+        # A step saved while the DataModule had no state of its own (or by an earlier rslurm) lacks its key:
+        # the DataModule then keeps its state (the restore warns: "kept the state's current values for ...").
+        step = self.ckpt.restore(state, allow_missing=[f"{DATAMODULE_KEY}.*"] if datamodule is not None else None)
         self.restored_step = self._last_step = step
         if not step:
             return
@@ -325,6 +368,8 @@ class ResilientSlurm(pl.Callback):
             handed[type(precision).__qualname__] = precision.state_dict()
         trainer._checkpoint_connector._loaded_checkpoint = handed
         callbacks.apply()
+        if datamodule is not None:
+            datamodule.apply()
         _say("rslurm: resumed at step %d (epoch %d)", step,
                  loops.loaded.get("epoch_progress", {}).get("current", {}).get("processed", -1))
 
