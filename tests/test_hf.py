@@ -122,16 +122,20 @@ def test_a_malformed_running_loss_in_a_step_is_a_clear_error() -> None:
 
     cb = hf.RslurmCallback(every_steps=1)
     cb._prepared, cb.restored_step = True, 5
-    cb._trainer = SimpleNamespace(_tr_loss=torch.tensor(0.0), _globalstep_last_logged=5)
+    cb._trainer = SimpleNamespace(_tr_loss=torch.tensor(0.0), _globalstep_last_logged=5, current_flos=0.0)
     state, control = SimpleNamespace(global_step=5), SimpleNamespace()
     for bad in ({"tr_loss": 1.0, "dtype": "save", "last_logged": 4}, {"tr_loss": "x", "dtype": "float32", "last_logged": 4},
-                ["not", "a", "dict"]):
+                {"tr_loss": 1.0, "dtype": "float32", "last_logged": 4, "current_flos": "many"}, ["not", "a", "dict"]):
         cb._snapshot.loaded = {"running": bad}
         with pytest.raises(CheckpointError, match="step 5: the Trainer's running loss"):
             cb.on_train_begin(None, state, control)
-    cb._snapshot.loaded = {"running": {"tr_loss": 2.5, "dtype": "float32", "last_logged": 4}}
+    cb._snapshot.loaded = {"running": {"tr_loss": 2.5, "dtype": "float32", "last_logged": 4}}  # saved without FLOPs
     cb.on_train_begin(None, state, control)
     assert cb._trainer._tr_loss.item() == 2.5 and cb._trainer._globalstep_last_logged == 4
+    assert cb._trainer.current_flos == 0.0
+    cb._snapshot.loaded = {"running": {"tr_loss": 2.5, "dtype": "float32", "last_logged": 4, "current_flos": 96.0}}
+    cb.on_train_begin(None, state, control)
+    assert cb._trainer.current_flos == 96.0  # the FLOPs since the last log: the final total_flos is the whole run's
     assert cb._trainer._total_loss_scalar == -2.5  # the final train_loss averages this call's steps only
 
 

@@ -297,13 +297,15 @@ class RslurmCallback:
         running = (self._snapshot.loaded or {}).get("running") if self.restored_step else None
         if running is not None:  # the loss summed since the last log: the next logged loss averages the same steps
             dtype = getattr(torch, str(running.get("dtype")), None) if isinstance(running, dict) else None
+            flos = running.get("current_flos", 0.0) if isinstance(running, dict) else None  # absent: saved before
             if (not isinstance(dtype, torch.dtype) or not isinstance(running.get("tr_loss"), (int, float))
-                    or not isinstance(running.get("last_logged"), int)):
+                    or not isinstance(running.get("last_logged"), int) or not isinstance(flos, (int, float))):
                 raise CheckpointError(f"step {self.restored_step}: the Trainer's running loss under {TRAINER_KEY!r} "
                                       f"is malformed ({str(running)[:200]}); restore another step (rslurm verify)")
             trainer = self._trainer
             trainer._tr_loss = torch.tensor(running["tr_loss"], dtype=dtype, device=trainer._tr_loss.device)
             trainer._globalstep_last_logged = running["last_logged"]
+            trainer.current_flos = float(flos)  # counted since the last log: the next store_flos adds them
             # The Trainer's final train_loss is the mean over the steps this train() call trained: the restored
             # loss of steps before the resume is taken back out of its total.
             trainer._total_loss_scalar = -float(running["tr_loss"])
@@ -389,7 +391,8 @@ class _TrainerSnapshot:
         tr_loss = getattr(trainer, "_tr_loss", None) if self.training else None
         if isinstance(tr_loss, torch.Tensor):  # the Trainer's loss since its last log (its _maybe_log_save_evaluate)
             running = {"tr_loss": float(tr_loss.item()), "dtype": str(tr_loss.dtype).split(".")[-1],
-                       "last_logged": int(trainer._globalstep_last_logged)}
+                       "last_logged": int(trainer._globalstep_last_logged),
+                       "current_flos": float(getattr(trainer, "current_flos", 0.0))}
         return {"json": json.dumps({"version": STATE_VERSION, "scheduler": scheduler, "trainer_state": trainer_state,
                                     "running": running})}
 

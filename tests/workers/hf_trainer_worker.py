@@ -98,9 +98,11 @@ def main() -> int:
                    _path(args.out, rank))
     [cb] = [c for c in trainer.callback_handler.callbacks if isinstance(c, RslurmCallback)]
     # The Trainer's log history of a run that reached the end (its losses, learning rates, gradient norms and
-    # evaluations; not its timings): a resumed run's must be the uninterrupted run's.
-    keys = ("step", "epoch", "loss", "grad_norm", "learning_rate", "eval_loss")
-    history = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e or "eval_loss" in e]
+    # evaluations, and the final entry's FLOP count; not its timings, nor its train_loss, the mean over this
+    # train() call's steps): a resumed run's must be the uninterrupted run's.
+    keys = ("step", "epoch", "loss", "grad_norm", "learning_rate", "eval_loss", "total_flos")
+    history = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history
+               if "loss" in e or "eval_loss" in e or "total_flos" in e]
     log.write(json.dumps({"event": "exit", "step": trainer.state.global_step, "done": done,
                           "restored": cb.restored_step, "stopped": cb.should_stop,
                           "history": history if done else None}) + "\n")
