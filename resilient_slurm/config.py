@@ -440,8 +440,8 @@ SETTINGS: dict[str, Setting] = {
 }
 
 # Variables in the RSLURM_ namespace that are not settings but are set for ranks by our own tools.
-RESERVED_ENV = {"RSLURM_CONFIG", "RSLURM_CONTROL_NODE", "RSLURM_FAILPOINTS", "RSLURM_LAUNCHER_PID", "RSLURM_REHEARSE_STEPS",
-                "RSLURM_RUN_WRITER"}
+RESERVED_ENV = {"RSLURM_CONFIG", "RSLURM_CONTROL_NODE", "RSLURM_FAILPOINTS", "RSLURM_HEALTH_CHECK_MARK",
+                "RSLURM_LAUNCHER_PID", "RSLURM_REHEARSE_STEPS", "RSLURM_RUN_WRITER"}
 
 
 def _suggest(key: str, valid: list[str]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,14 @@ from test_telemetry import check_records, read_docs
 
 from resilient_slurm import Checkpointer
 from resilient_slurm.config import load
-from resilient_slurm.launcher.health import CheckInterrupted, NodeHealth, check_node, exclude, requested_nodes
+from resilient_slurm.launcher.health import (
+    CheckInterrupted,
+    NodeHealth,
+    check_node,
+    exclude,
+    requested_nodes,
+    run_check,
+)
 
 SRUN_CASES = [
     (["srun", "-N1", "-n2", "python", "t.py", "-N", "5"], 1,
@@ -112,6 +120,37 @@ def test_a_timeout_ends_the_whole_command_even_a_child_that_holds_its_output(tmp
 
 
 @pytest.mark.proc
+@pytest.mark.parametrize("how", ["timeout", "setsid", "orphaned-at-exit"])
+def test_processes_that_left_the_check_are_ended_with_it(tmp_path: Path, how: str) -> None:
+    """Processes the command started and that left its process group (coreutils `timeout` makes a group of
+    its own; `setsid`), or that it left running when it exited, are ended with the check, and the check
+    does not wait for the output they still hold."""
+    pid_file = tmp_path / "child.pid"
+    command = {"timeout": f"timeout 500 sh -c 'echo $$ > {pid_file}; sleep 300'",
+               "setsid": f"setsid sh -c 'echo $$ > {pid_file}; sleep 300' & wait",
+               "orphaned-at-exit": f"sh -c 'echo $$ > {pid_file}; sleep 300' & sleep 0.5; echo fine; exit 0"}[how]
+    t0 = time.monotonic()
+    h = check_node(_cfg(tmp_path, health_check="off", health_timeout="2", health_check_command=command))
+    assert time.monotonic() - t0 < 60, "the check waited for what its command left behind"  # a hang bound: 300 s
+    if how == "orphaned-at-exit":
+        assert h.ok, h  # it exited 0: healthy, not "did not exit within 2 s"
+    else:
+        assert "did not exit within 2 s" in h.problems[0], h
+    assert _gone(int(pid_file.read_text())), "a process of the check outlived it"
+
+
+@pytest.mark.proc
+def test_output_that_is_not_utf8_or_without_end_is_read_leniently_and_bounded(tmp_path: Path) -> None:
+    """A command's bytes are decoded with replacement (a byte that is not UTF-8 was a UnicodeDecodeError
+    out of the launcher), and only the last ``cap`` bytes of a stream are kept."""
+    h = check_node(_cfg(tmp_path, health_check="off", health_check_command="printf 'gpu \\377 bad\\n' >&2; exit 1"))
+    assert h.problems == ("health_check_command exited 1: gpu \ufffd bad",), h
+    code, out, err = run_check(["sh", "-c", "yes | head -c 3000000; echo last"], {"PATH": os.environ["PATH"]},
+                               60, cap=1000)
+    assert code == 0 and len(out) <= 1000 and out.endswith("y\nlast\n") and err == "", (code, len(out), out[-20:])
+
+
+@pytest.mark.proc
 def test_a_stop_request_ends_the_check_unjudged(tmp_path: Path) -> None:
     """The launcher's pending stop (``stop_requested``) ends a running check with its processes: no verdict,
     CheckInterrupted. A command killed by a signal for another reason is reported as such."""
@@ -172,7 +211,8 @@ def test_a_stop_during_the_health_check_is_a_stop_not_a_bad_node(tmp_path: Path,
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
     assert p.returncode == (130 if how == "ctrl-c-to-the-group" else 75), err[-4000:]
-    assert "a stop request came during the node health check" in err, err[-4000:]
+    # Ctrl-C reaches the check's command too, which dies of it or is ended: either way no node is judged
+    assert re.search(r"a stop request came (during|as) the node health check", err), err[-4000:]
     assert "unhealthy" not in err, err[-4000:]
     assert _gone(check), "the health check's command outlived the stop"
     events = read_jsonl(tmp_path / "nvme" / "h" / "events.jsonl")
@@ -180,6 +220,31 @@ def test_a_stop_during_the_health_check_is_a_stop_not_a_bad_node(tmp_path: Path,
     assert not [e for e in events if e["event"] == "node_unhealthy"], events
     assert [e["signal"] for e in events if e["event"] == "signal"] == \
         ["SIGINT" if how == "ctrl-c-to-the-group" else "SIGTERM"], events
+
+
+@pytest.mark.proc
+def test_the_check_dies_with_the_launchers_process_group(tmp_path: Path) -> None:
+    """The check stays in the launcher's process group: `kill -9 -PGID` (or a terminal's hangup) ends it
+    with the launcher, as it ends the ranks."""
+    pid_file = tmp_path / "check.pid"
+    env = clean_env({"RSLURM_LOCAL_DIR": str(tmp_path / "nvme"), "RSLURM_RUN_ID": "h", "RSLURM_NODE_NAME": "n1",
+                     "RSLURM_HEALTH_CHECK_COMMAND": f"sleep 600 & echo $! > {pid_file}; wait"})
+    p = subprocess.Popen([sys.executable, "-m", "resilient_slurm.cli", "launch", "--", "true"], env=env,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        check = int(_wait_file(pid_file))
+        shell = psutil.Process(check).ppid()
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(60)
+        end = time.monotonic() + 30
+        while not (_gone(check) and _gone(shell)) and time.monotonic() < end:
+            time.sleep(0.1)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert _gone(check) and _gone(shell), "the health check outlived its launcher's process group"
 
 
 @pytest.mark.proc

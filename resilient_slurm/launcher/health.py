@@ -15,13 +15,17 @@ Who calls what, and when:
   SlurmClient.exclude_nodes` adds them to the job's excluded nodes, so the requeued job runs elsewhere.
 
 A stop request during the check (the launcher's trap, polled by :func:`run_check` every
-``CHECK_POLL_S``) ends the check at once, with its process group, and its result is not used: the nodes
-were not judged, and the launcher acts on the stop as it would have without a check. The check's
-processes run in a session of their own, so that a signal to the launcher's process group (Ctrl-C) is
-the launcher's to act on, not a check that died and a node called unhealthy. Under Slurm, a check
-that found nodes bad while Slurm was preempting or ending the job (its steps got Slurm's SIGTERM; the
-launcher, without ``--signal``, none) blames no node either: the gate hands the launcher a stop whose
-source is ``slurm`` instead (:meth:`HealthGate.check`).
+``CHECK_POLL_S``) ends the check at once, with every process it started, and its result is not used: the
+nodes were not judged, and the launcher acts on the stop as it would have without a check. A check that
+found nodes bad when a stop request is pending blames no node either: Ctrl-C reaches the launcher's
+whole process group, the check's command included, which then dies of it. Under Slurm, a check that
+found nodes bad while Slurm was preempting or ending the job (its steps got Slurm's SIGTERM; the
+launcher, without ``--signal``, none) blames no node: the gate hands the launcher a stop whose source is
+``slurm`` instead (:meth:`HealthGate.check`). The check stays in the launcher's process group and
+session, so that whatever ends the launcher's group (a terminal's hangup, ``kill -9 -PGID``) ends it
+too; the processes it started and left behind (one that left its group, ``timeout`` or ``setsid``, or
+was orphaned: :class:`_Tree`) are ended when it ends, and only the last ``CHECK_OUTPUT_CAP`` bytes of each
+of its streams are kept, decoded leniently.
 
 Built-in checks (``health_check=on``, the default): the run's local directory can be created and written
 (a file written, fsynced, removed), its filesystem has room for the newest committed step of the run on
@@ -33,6 +37,7 @@ is the evidence.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,10 +45,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import IO
+
+import psutil
 
 from ..config import Settings
 from ..layout import list_run_dir
@@ -60,8 +69,11 @@ from .stopping import ending
 log = logging.getLogger(__name__)
 
 HEALTH_STEP_NAME = "rslurm-health"  # the check's srun step: the teardown and `steps()` readers skip it
-CHECK_POLL_S = 0.1  # how often a running check looks for a stop request
-CHECK_TERM_GRACE_S = 2.0  # SIGTERM to the check's process group, then SIGKILL (srun ends its step on SIGTERM)
+CHECK_POLL_S = 0.1  # how often a running check looks for a stop request (and for the processes it started)
+CHECK_TERM_GRACE_S = 2.0  # SIGTERM to the check's processes, then SIGKILL (srun ends its step on SIGTERM)
+CHECK_OUTPUT_CAP = 1 << 24  # bytes kept of each of the check's streams, the last ones: answers and evidence
+_PIPE_WAIT_S = 0.5  # for output still in the pipes once the check's processes are gone
+CHECK_MARK_VAR = "RSLURM_HEALTH_CHECK_MARK"  # in the check's environment: what it started is found by it
 
 
 class CheckInterrupted(Exception):
@@ -72,53 +84,136 @@ def _never() -> bool:
     return False
 
 
-def _end_group(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM to the check's process group (its own session), SIGKILL after ``CHECK_TERM_GRACE_S``."""
-    for sig, wait in ((signal.SIGTERM, CHECK_TERM_GRACE_S), (signal.SIGKILL, None)):
+class _Tail:
+    """A thread that reads a pipe to its end and keeps the last ``cap`` bytes (a check that prints without
+    end must not fill the launcher's memory)."""
+
+    def __init__(self, pipe: IO[bytes], cap: int) -> None:
+        self.cap = cap
+        self.buf = bytearray()
+        self.thread = threading.Thread(target=self._read, args=(pipe,), name="rslurm-health-output", daemon=True)
+        self.thread.start()
+
+    def _read(self, pipe: IO[bytes]) -> None:
         try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
+            while chunk := os.read(pipe.fileno(), 1 << 16):
+                self.buf += chunk
+                if len(self.buf) > 2 * self.cap:
+                    del self.buf[:-self.cap]
+        except OSError:
             pass
+        finally:
+            pipe.close()
+
+    def text(self, wait: float) -> str:
+        self.thread.join(wait)
+        return bytes(self.buf[-self.cap:]).decode(errors="replace")  # a command's bytes are not always UTF-8
+
+
+class _Tree:
+    """The check's process and every process it started: its descendants as seen every ``CHECK_POLL_S``
+    (one that left the check's process group or session, `timeout` or `setsid`, included) and, when it
+    ends, every process of this node that inherited the check's mark (``CHECK_MARK_VAR`` in its
+    environment: one orphaned before a poll saw it). All of them are ended with it."""
+
+    def __init__(self, pid: int, mark: str) -> None:
+        self.mark = mark
+        self.seen: dict[int, psutil.Process] = {}
         try:
-            proc.wait(wait)
-            if sig is signal.SIGTERM:
-                try:  # what it started may outlive the group leader
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            self.root: psutil.Process | None = psutil.Process(pid)
+        except psutil.Error:
+            self.root = None
+        self.observe()
+
+    def _marked(self) -> None:
+        me = os.getpid()
+        for p in psutil.process_iter():
+            if p.pid == me or p.pid in self.seen:
+                continue
+            with contextlib.suppress(psutil.Error, OSError):
+                if p.environ().get(CHECK_MARK_VAR) == self.mark:
+                    self.seen[p.pid] = p
+
+    def observe(self) -> None:
+        if self.root is None:
             return
-        except subprocess.TimeoutExpired:
-            continue
+        try:
+            for child in self.root.children(recursive=True):
+                self.seen.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+
+    def _alive(self) -> list[psutil.Process]:
+        out = []
+        for p in (self.root, *self.seen.values()):
+            with contextlib.suppress(psutil.Error):
+                if p is not None and p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+        return out
+
+    def end(self, grace: float) -> None:
+        """SIGTERM to every process of the check, SIGKILL to those left after ``grace`` seconds. The SIGKILL
+        comes whatever interrupts the wait (a second Ctrl-C in ``rslurm health``)."""
+        self.observe()
+        self._marked()
+        try:
+            alive = self._alive()
+            for p in alive:
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(signal.SIGTERM)
+            end = time.monotonic() + grace
+            while time.monotonic() < end and self._alive():  # a zombie is gone (psutil.wait_procs waits for it)
+                time.sleep(0.02)
+        except psutil.Error:
+            pass
+        finally:
+            self.observe()
+            for p in self._alive():
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
 
 
 def run_check(cmd: Sequence[str], env: Mapping[str, str], timeout: float,
-              stop_requested: Callable[[], bool] = _never) -> tuple[int | None, str, str]:
-    """Run a check's command in a session of its own; ``(returncode, stdout, stderr)``, returncode None when
-    it did not exit within ``timeout`` (it is ended then, with everything it started in its group). Raises
-    :class:`CheckInterrupted` (after ending it) as soon as ``stop_requested()`` is true; OSError when it
+              stop_requested: Callable[[], bool] = _never, *,
+              cap: int = CHECK_OUTPUT_CAP) -> tuple[int | None, str, str]:
+    """Run a check's command: ``(returncode, stdout, stderr)``, each stream's last ``cap`` bytes decoded
+    leniently. returncode None when it did not exit within ``timeout``: it is ended then, with every process it
+    started (:class:`_Tree`); so are the processes it left behind when it exits. Raises
+    :class:`CheckInterrupted` (after ending them) as soon as ``stop_requested()`` is true; OSError when it
     cannot start."""
+    mark = uuid.uuid4().hex
     proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(env), start_new_session=True)
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            out, err = proc.communicate(timeout=max(0.0, min(CHECK_POLL_S, end - time.monotonic())))
-            return proc.returncode, out or "", err or ""
-        except subprocess.TimeoutExpired:
-            pass
-        except BaseException:  # Ctrl-C or SIGTERM (cli_main) in `rslurm health`: its own session would outlive us
-            _end_group(proc)
-            raise
-        interrupted = stop_requested()
-        if interrupted or time.monotonic() >= end:
-            _end_group(proc)
-            try:  # output already read; a grandchild that left the group may still hold the pipes
-                out, err = proc.communicate(timeout=CHECK_TERM_GRACE_S)
+                            env={**env, CHECK_MARK_VAR: mark})
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = _Tail(proc.stdout, cap), _Tail(proc.stderr, cap)
+    tree = _Tree(proc.pid, mark)
+    deadline = time.monotonic() + timeout
+    ended = False
+    try:
+        while True:
+            try:
+                code: int | None = proc.wait(max(0.0, min(CHECK_POLL_S, deadline - time.monotonic())))
+                break
             except subprocess.TimeoutExpired:
-                out, err = "", ""
-            if interrupted:
+                pass
+            tree.observe()
+            if stop_requested():
+                tree.end(CHECK_TERM_GRACE_S)
+                ended = True
                 raise CheckInterrupted()
-            return None, out or "", err or ""
+            if time.monotonic() >= deadline:
+                code = None
+                break
+        tree.end(CHECK_TERM_GRACE_S if code is None else 0.0)  # the command, or what it left running
+        ended = True
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(CHECK_TERM_GRACE_S)
+        return code, out.text(_PIPE_WAIT_S), err.text(_PIPE_WAIT_S)
+    except BaseException:  # Ctrl-C or SIGTERM (cli_main) in `rslurm health`, or the stop above
+        if not ended:
+            tree.end(CHECK_TERM_GRACE_S)
+        raise
+
 
 
 @dataclass(frozen=True)
@@ -197,7 +292,7 @@ def _command_problem(command: str, env: Mapping[str, str], timeout: float,
     except OSError as exc:
         return f"health_check_command cannot run: {exc}"
     if code is None:
-        return f"health_check_command did not exit within {timeout:.0f} s: {command}"
+        return f"health_check_command did not exit within {timeout:g} s: {command}"
     if code == 0:
         return None
     last = (out + err).strip().splitlines()[-1:] or ["(no output)"]
@@ -332,7 +427,10 @@ def cli_main(cfg: Settings, *, as_json: bool) -> int:
     step at a preemption) ends the check's command with its session before this process exits."""
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    h = check_node(cfg)
+    try:
+        h = check_node(cfg)
+    except KeyboardInterrupt:  # the command was ended with its processes (run_check)
+        return 128 + signal.SIGINT
     if as_json:
         print(h.to_json(), flush=True)
     else:
