@@ -120,7 +120,7 @@ def test_a_timeout_ends_the_whole_command_even_a_child_that_holds_its_output(tmp
 
 
 @pytest.mark.proc
-@pytest.mark.parametrize("how", ["timeout", "setsid", "orphaned-at-exit"])
+@pytest.mark.parametrize("how", ["timeout", "setsid", "orphaned-at-exit", "started-on-sigterm"])
 def test_processes_that_left_the_check_are_ended_with_it(tmp_path: Path, how: str) -> None:
     """Processes the command started and that left its process group (coreutils `timeout` makes a group of
     its own; `setsid`), or that it left running when it exited, are ended with the check, and the check
@@ -128,7 +128,10 @@ def test_processes_that_left_the_check_are_ended_with_it(tmp_path: Path, how: st
     pid_file = tmp_path / "child.pid"
     command = {"timeout": f"timeout 500 sh -c 'echo $$ > {pid_file}; sleep 300'",
                "setsid": f"setsid sh -c 'echo $$ > {pid_file}; sleep 300' & wait",
-               "orphaned-at-exit": f"sh -c 'echo $$ > {pid_file}; sleep 300' & sleep 0.5; echo fine; exit 0"}[how]
+               "orphaned-at-exit": f"sh -c 'echo $$ > {pid_file}; sleep 300' & sleep 0.5; echo fine; exit 0",
+               # the timeout's SIGTERM makes it start one more, orphaned at once
+               "started-on-sigterm": f"trap \"( sh -c 'echo \\$\\$ > {pid_file}; sleep 300' & ); sleep 0.5; exit 0\" TERM; "
+                                     "while :; do sleep 0.2 & wait; done"}[how]
     t0 = time.monotonic()
     h = check_node(_cfg(tmp_path, health_check="off", health_timeout="2", health_check_command=command))
     assert time.monotonic() - t0 < 60, "the check waited for what its command left behind"  # a hang bound: 300 s

@@ -168,6 +168,7 @@ class _Tree:
             pass
         finally:
             self.observe()
+            self._marked()  # what the SIGTERM made them start, orphaned at once
             for p in self._alive():
                 with contextlib.suppress(psutil.Error):
                     p.kill()
