@@ -433,6 +433,19 @@ def test_a_datamodules_own_state_survives_a_resume(tmp_path: Path):
     assert_same(second.lightning_module.state_dict(), ref.lightning_module.state_dict(), "model")
 
 
+class _Opaque:
+    """A value of the program's own class: a checkpoint cannot load it back safely (weights_only)."""
+
+
+def test_a_datamodule_state_a_resume_could_not_load_is_refused_at_the_save(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    """A state a resume would fail to load (torch.load with weights_only refuses a class of the program's
+    own) is a ConfigError at the first save, naming the DataModule, not a failed resume hours later."""
+    monkeypatch.setattr(_Curriculum, "state_dict", lambda self: {"batches": self.batches, "extra": _Opaque()})
+    with pytest.raises(ConfigError, match=r"_Curriculum\.state_dict\(\) holds a value a resume could not load"):
+        _fit_curriculum(tmp_path, stop_at=3)
+
+
 def test_several_train_loaders_and_a_second_fit_on_a_finished_run_are_refused(tmp_path: Path):
     class TwoLoaders(lightning_worker.Model):
         def train_dataloader(self) -> Any:

@@ -101,6 +101,24 @@ class _LoopState:
         self.loaded = json.loads(state["fit_loop"])
 
 
+def _loadable_blob(obj: Any, what: str) -> bytes:
+    """``torch.save`` bytes of ``obj``, checked to load back with ``weights_only`` (as the resume reads them):
+    a value a checkpoint cannot load safely (an object of a class of the program's own, a NumPy array) is a
+    ConfigError at the save, not a failed resume hours later."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConfigError(f"{what} holds a value a resume could not load safely (torch.load with weights_only): "
+                          f"{str(exc).splitlines()[0][:300]}; keep to tensors, numbers, strings, lists and dicts"
+                          ) from exc
+    return data
+
+
 class _CallbackStates:
     """The other callbacks' states (``EarlyStopping``'s patience and best score, ``ModelCheckpoint``'s best
     and top-k files), as Lightning saves them in its own checkpoints (``Callback.state_dict`` by
@@ -112,13 +130,10 @@ class _CallbackStates:
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        import io
 
         from lightning.pytorch.trainer import call
 
-        buf = io.BytesIO()
-        torch.save(call._call_callbacks_state_dict(self.trainer), buf)
-        return {"callbacks": buf.getvalue()}
+        return {"callbacks": _loadable_blob(call._call_callbacks_state_dict(self.trainer), "the callbacks' states")}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         import io
@@ -144,13 +159,12 @@ class _DataModuleState:
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        import io
 
         from lightning.pytorch.trainer import call
 
-        buf = io.BytesIO()
-        torch.save(call._call_lightning_datamodule_hook(self.trainer, "state_dict") or {}, buf)
-        return {"datamodule": buf.getvalue()}
+        state = call._call_lightning_datamodule_hook(self.trainer, "state_dict") or {}
+        name = type(getattr(self.trainer, "datamodule", None)).__name__
+        return {"datamodule": _loadable_blob(state, f"{name}.state_dict()")}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         import io
