@@ -207,14 +207,14 @@ def run_check(cmd: Sequence[str], env: Mapping[str, str], timeout: float,
                 break
         tree.end(CHECK_TERM_GRACE_S if code is None else 0.0)  # the command, or what it left running
         ended = True
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(CHECK_TERM_GRACE_S)
         return code, out.text(_PIPE_WAIT_S), err.text(_PIPE_WAIT_S)
     except BaseException:  # Ctrl-C or SIGTERM (cli_main) in `rslurm health`, or the stop above
         if not ended:
             tree.end(CHECK_TERM_GRACE_S)
         raise
-
+    finally:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(CHECK_TERM_GRACE_S)  # reaped: it got SIGKILL at the latest
 
 
 @dataclass(frozen=True)
