@@ -170,10 +170,12 @@ class SlurmCluster:
     a job in ``high`` preempts (requeues) jobs in ``low`` and ``lowlong``.
 
     ``low``'s short grace is what the launcher's own tests need: its deadlines and what Slurm does at the
-    grace's end. ``lowlong`` is for the tests of framework integrations, whose ranks after their emergency
-    commit still run the framework's teardown and the interpreter's exit before they can record how
-    they ended: on a loaded 2-core runner that outlasted 10 s, and Slurm's SIGTERM at the end of the grace
-    killed a rank that had saved and was leaving (real clusters grant minutes, not seconds).
+    grace's end. ``lowlong`` is for tests whose ranks need more of the grace than that on a loaded 2-core
+    runner: the framework integrations, whose ranks after their emergency commit still run the framework's
+    teardown and the interpreter's exit before they can record how they ended (Slurm's SIGTERM at the
+    end of a 10-s grace killed a rank that had saved and was leaving), and a preemption that comes before
+    the ranks have started, which must start, save and be requeued within the grace (real clusters
+    grant minutes, not seconds).
     """
 
     def __init__(

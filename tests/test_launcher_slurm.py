@@ -767,7 +767,9 @@ def test_a_preemption_during_the_health_check_blames_no_node(slurm: SlurmCluster
     check = f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then echo "$SLURMD_NODENAME" > {checking}; sleep 120; fi'
     env = {"RSLURM_HEALTH_CHECK_COMMAND": check, "RSLURM_DURABLE": str(work / "durable")}
     script = _script(work, [*TOY, *_toy_args(work, steps, 0.0)], extra_env=env, srun=("-N1", "-n2"))
-    job = slurm.sbatch(script, "-p", "low", "--requeue", "-N1", "--exclusive", "--open-mode=append",
+    # `lowlong` (GraceTime 60 s): after the check the ranks start and save within the grace. In `low`'s 10 s,
+    # a loaded CI runner's ranks took 9 s to start, and the grace ended before the launcher could requeue.
+    job = slurm.sbatch(script, "-p", "lowlong", "--requeue", "-N1", "--exclusive", "--open-mode=append",
                        "-o", str(work / "job.out"))
     deadline = time.monotonic() + 120
     while not (checking.exists() and checking.read_text().strip()):
