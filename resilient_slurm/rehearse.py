@@ -309,8 +309,9 @@ def likely_causes(cmp: Comparison, restored: Sequence[int], ranks: int, integrat
         if integration is not None:  # the integration saves at the framework's step boundary: no lost prefetch
             loop = INTEGRATION_LOOPS.get(integration, f"the {integration} integration's")
             causes.append(f"{loop} loop ({who}, at the first step after the resume from step {step - 1}): one of "
-                          "the integration's documented exceptions (docs/integration.md: random choices made in the "
-                          "main process while a batch is fetched, a dataset read a second time), or a defect of the "
+                          "the integration's documented exceptions (docs/integration.md: random draws while a batch is "
+                          "read that it cannot follow, in DataLoader workers or a streamed dataset, a dataset read a "
+                          "second time), or a defect of the "
                           "integration to report with this rehearsal's command")
         else:
             causes.append(f"a batch fetched before ckpt.step() ({who}, at the first step after the resume from step "

@@ -9,11 +9,14 @@ Trainer, an MLP for Accelerate; nothing downloaded; dropout on; 2 ranks, DDP ove
   It passes, and every step's batch and loss on every rank and the final weights and optimizer state of
   the resumed run are bitwise those of the run that never stopped, through the epoch rollovers after the
   resume. The Trainer's rehearsal also SIGKILLs a rank after an interval checkpoint: the steps since it
-  are trained again, identically;
+  are trained again, identically; its batches are read with random draws in the main process (the
+  dataset's augmentation, the collator's masking);
 - on the test Slurm cluster, the Trainer's job is preempted by a job of the ``high`` partition, saves,
   is requeued and ends bitwise identical to the same uninterrupted run.
 
-In process: the Transformers internals the Trainer's resume relies on (the checkpoint folder's file
+In process: a Trainer whose batch reads draw from the global RNGs, stopped mid-epoch, with one batch left,
+at an epoch's end and with two micro-batches a step, resumes bitwise; the Transformers internals the
+Trainer's resume relies on (the checkpoint folder's file
 names, the RNG file's format, an optimizer kept by ``create_optimizer``), and the clear errors for what
 the integration cannot do.
 """
@@ -26,8 +29,9 @@ import logging
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -115,6 +119,82 @@ def test_what_the_integration_cannot_do_is_a_clear_error(tmp_path: Path, monkeyp
             hf.AcceleratorCheckpointer(acc, checkpointer=ackpt.ckpt, extra={"model_1": torch.zeros(1)})
 
 
+sys.path.insert(0, str(REPO / "tests" / "workers"))
+import hf_trainer_worker  # noqa: E402
+
+
+def _fit_trainer(tmp_path: Path, *, stop_at: int = 0, grad_accum: int = 1) -> tuple[dict[int, tuple], dict, object]:
+    """One process trains 2 epochs of 6 steps, batches read with random draws in the main process (the
+    dataset's augmentation from Python's RNG, the collator's masking from torch's), dropout on; with
+    ``stop_at``, an emergency save is asked for during that step (what the signal handler does). Returns each
+    step's (input sum, labels masked, loss) and the final weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    steps: dict[int, tuple] = {}
+
+    class Recording(Trainer):
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            key = (self.state.global_step + 1, len([k for k in steps if k[0] == self.state.global_step + 1]))
+            steps[key] = (int(inputs["input_ids"].sum()), int((inputs["labels"] == -100).sum()), loss.item())
+            return loss
+
+    callback = hf.RslurmCallback(local_dir=str(tmp_path / "nvme"), run_id="reads")
+
+    class StopAt(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step + 1 == stop_at:
+                callback.ckpt.request_emergency_save()  # type: ignore[union-attr]
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.2,
+                                       embd_pdrop=0.2, attn_pdrop=0.2, bos_token_id=0, eos_token_id=0))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no",
+                             per_device_train_batch_size=2, gradient_accumulation_steps=grad_accum,
+                             num_train_epochs=2, learning_rate=1e-3, logging_steps=1, seed=7, disable_tqdm=True)
+    trainer = Recording(model=model, args=args, callbacks=[callback, StopAt()],
+                        train_dataset=hf_trainer_worker.Tokens(12 * grad_accum, 16, 64, augment=True),
+                        data_collator=hf_trainer_worker.masking_collator)
+    hf.train(trainer)
+    assert callback.should_stop == bool(stop_at) and trainer.state.global_step == (stop_at or 12), trainer.state
+    assert "__getitems__" not in vars(trainer.train_dataset), "the read hook outlived training"
+    return steps, {k: v.clone() for k, v in model.state_dict().items()}, callback
+
+
+@pytest.fixture(scope="module")
+def random_reads_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[dict, dict]]:
+    runs: dict[int, tuple[dict, dict]] = {}
+
+    def reference(grad_accum: int) -> tuple[dict, dict]:
+        if grad_accum not in runs:
+            steps, weights, _ = _fit_trainer(tmp_path_factory.mktemp("hf-reads-ref"), grad_accum=grad_accum)
+            runs[grad_accum] = (steps, weights)
+        return runs[grad_accum]
+
+    return reference
+
+
+@pytest.mark.parametrize(("stop_at", "grad_accum"), [(3, 1), (5, 1), (6, 1), (4, 2)],
+                         ids=["mid-epoch", "one-batch-left", "epoch-end", "mid-epoch-accumulating"])
+def test_random_reads_in_the_main_process_resume_bitwise(tmp_path: Path, stop_at: int, grad_accum: int,
+                                                         random_reads_reference: Callable[[int], tuple[dict, dict]]):
+    """Accelerate's loader reads one batch ahead, so the step saved holds the RNG after the next step's first
+    read: the resume reads that batch from the state saved from before it (``fetch_rng``), the next from the
+    step's own, and skips the Trainer's own RNG restore. Every step's batch, masked labels and loss, and the
+    final weights, are those of the run never stopped; mid-epoch, with one batch left in the epoch (no second
+    read before the Trainer's restore), at an epoch's end (the Trainer's own path) and with two micro-batches
+    a step. Without the fetch RNG the resumed run's first step differs (its masks and augmentation)."""
+    want_steps, want_weights = random_reads_reference(grad_accum)
+    first, _, _ = _fit_trainer(tmp_path, stop_at=stop_at, grad_accum=grad_accum)
+    second, weights, callback = _fit_trainer(tmp_path, grad_accum=grad_accum)
+    assert callback.restored_step == stop_at  # type: ignore[attr-defined]
+    got = {**first, **second}
+    assert sorted(got) == sorted(want_steps)
+    for key in sorted(want_steps):
+        assert got[key] == want_steps[key], f"step {key[0]} micro-batch {key[1]}: {got[key]} != {want_steps[key]}"
+    assert_same(weights, want_weights, "weights")
+
+
 def test_a_malformed_running_loss_in_a_step_is_a_clear_error() -> None:
     """The Trainer's running loss comes from the checkpoint: a value that is not what the callback wrote
     (a dtype that is not one, a loss that is not a number) names the step instead of crashing in torch."""
@@ -194,16 +274,17 @@ def test_the_worker_processes_of_a_prepared_loader_ignore_the_stop_signals() -> 
 # The Trainer's program evaluates every 3 steps, at its interval checkpoints: the evaluation draws from the RNG
 # after the step, and the SIGKILLed rank's restart resumes from one of them.
 # It logs every 4 steps, so that the stops fall between two logs (the loss summed since the last one is saved).
-REHEARSALS = {"trainer": (24, ["--kill"], ["--eval-steps", "3", "--logging-steps", "4"]),
+REHEARSALS = {"trainer": (24, ["--kill"], ["--eval-steps", "3", "--logging-steps", "4", "--random-data"]),
               "accelerate": (3, [], [])}  # stops after steps 7 and 8
 
 
 def _steps(work: Path, rank: int) -> dict[int, tuple]:
-    """Each step's (batch, loss) as the rank logged it; a step logged twice must repeat itself exactly."""
+    """Each step's (batch, labels masked, loss) as the rank logged it; a step logged twice must repeat itself
+    exactly."""
     out: dict[int, tuple] = {}
     for e in read_jsonl(work / f"log.{rank}.jsonl"):
         if "loss" in e:
-            now = (e["batch"], e["loss"])
+            now = (e["batch"], e.get("masked"), e["loss"])
             assert out.setdefault(e["step"], now) == now, f"rank {rank}: step {e['step']} differs when trained again"
     return out
 
@@ -219,8 +300,8 @@ def assert_identical_to(reference: Path, work: Path) -> None:
         want, got = _steps(reference, r), _steps(work, r)
         assert sorted(want) == sorted(got) == list(range(1, STEPS + 1)), (sorted(want), sorted(got))
         for s in want:
-            assert got[s][0] == want[s][0], f"rank {r} step {s}: batch {got[s][0]} != {want[s][0]}"
-            assert got[s] == want[s], f"rank {r} step {s}: same batch, loss {got[s][1]!r} != {want[s][1]!r}"
+            assert got[s][:2] == want[s][:2], f"rank {r} step {s}: batch (sum, masked) {got[s][:2]} != {want[s][:2]}"
+            assert got[s] == want[s], f"rank {r} step {s}: same batch, loss {got[s][2]!r} != {want[s][2]!r}"
         assert_same(torch.load(work / f"out.{r}.pt", weights_only=True),
                     torch.load(reference / f"out.{r}.pt", weights_only=True), f"rank{r}")
         # The Trainer's log history (losses averaged since the last log, evaluations): the same entries.

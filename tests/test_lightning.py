@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,9 +142,9 @@ class _StopAt(L.Callback):
 
 
 def _fit(root: Path, log: Path, *, stop_at: int = -1, reload: bool = False, workers: int = 0,
-         steps: int = 30) -> tuple[Any, Any]:
+         steps: int = 30, random_data: bool = False) -> tuple[Any, Any]:
     L.seed_everything(0, verbose=False)
-    model = lightning_worker.Model(44, 4, workers)  # one rank: 11 steps per epoch, the last batch of 4
+    model = lightning_worker.Model(44, 4, workers, random_data)  # one rank: 11 steps per epoch, the last batch of 4
     plugin = ResilientSlurm(local_dir=str(root), run_id="inproc")
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -169,25 +170,37 @@ def _steps(log: Path) -> dict[int, tuple[Any, ...]]:
 
 
 @pytest.fixture(scope="module")
-def in_process_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
-    work = tmp_path_factory.mktemp("lightning-inproc-ref")
-    trainer, _ = _fit(work / "nvme", work / "log.jsonl")
-    return _steps(work / "log.jsonl"), _final(trainer)
+def in_process_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool], tuple[dict, dict]]:
+    """The uninterrupted run's steps and final state, with or without random reads (built once each)."""
+    runs: dict[bool, tuple[dict, dict]] = {}
+
+    def reference(random_data: bool) -> tuple[dict, dict]:
+        if random_data not in runs:
+            work = tmp_path_factory.mktemp("lightning-inproc-ref")
+            trainer, _ = _fit(work / "nvme", work / "log.jsonl", random_data=random_data)
+            runs[random_data] = (_steps(work / "log.jsonl"), _final(trainer))
+        return runs[random_data]
+
+    return reference
 
 
 @pytest.mark.parametrize(("stop_at", "reload", "workers"), [(15, False, 0), (11, False, 0), (12, True, 0),
                                                        pytest.param(22, True, 2, marks=pytest.mark.proc)],
                          ids=["mid-epoch", "last-batch-of-epoch", "first-batch-of-epoch-reload",
                               "epoch-end-reload-workers"])
-def test_in_process_stop_and_resume_is_bitwise(tmp_path: Path, in_process_reference: tuple[dict, dict], stop_at: int,
-                                               reload: bool, workers: int):
-    """DataLoader workers and per-epoch reloads change nothing computed: one reference for all. Workers make
-    the loader draw its indices when Lightning creates the iterator, before Lightning sets the epoch."""
-    want_steps, want_final = in_process_reference
+def test_in_process_stop_and_resume_is_bitwise(tmp_path: Path, in_process_reference: Callable[[bool], tuple[dict, dict]],
+                                               stop_at: int, reload: bool, workers: int):
+    """DataLoader workers and per-epoch reloads change nothing computed. Workers make the loader draw its
+    indices when Lightning creates the iterator, before Lightning sets the epoch. Without workers, reading a
+    batch draws from the global RNGs in the main process (the dataset's augmentation, the collator's noise):
+    Lightning reads a sized loader without looking ahead, so the saved RNG state is from before the next read."""
+    random_data = workers == 0  # in worker processes the draws follow each worker's seed, not the steps
+    want_steps, want_final = in_process_reference(random_data)
     log = tmp_path / "log.jsonl"
-    first, plugin = _fit(tmp_path / "nvme", log, stop_at=stop_at, reload=reload, workers=workers)
+    first, plugin = _fit(tmp_path / "nvme", log, stop_at=stop_at, reload=reload, workers=workers,
+                         random_data=random_data)
     assert plugin.should_stop and first.global_step == stop_at
-    second, plugin2 = _fit(tmp_path / "nvme", log, reload=reload, workers=workers)
+    second, plugin2 = _fit(tmp_path / "nvme", log, reload=reload, workers=workers, random_data=random_data)
     assert plugin2.restored_step == stop_at and not plugin2.should_stop
     got = _steps(log)
     assert sorted(got) == sorted(want_steps) == list(range(1, 31))

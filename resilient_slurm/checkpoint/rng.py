@@ -30,7 +30,7 @@ except ImportError:  # NumPy is optional: without it there is no NumPy generator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["capture_rng_state", "restore_rng_state"]
+__all__ = ["capture_rng_state", "pack_rng_state", "raw_rng_state", "restore_rng_state"]
 
 PYTHON_KEY = "python"
 NUMPY_KEY = "numpy"
@@ -50,20 +50,27 @@ def _cuda_in_use() -> bool:
     )
 
 
-def capture_rng_state() -> dict[str, object]:
-    """Return a weights_only-safe snapshot of the Python, NumPy, torch CPU and CUDA generators."""
-    state: dict[str, object] = {}
+def raw_rng_state() -> tuple[Any, Any, torch.Tensor, list[torch.Tensor] | None]:
+    """The generators' states as their own APIs return them (copies), without the conversion
+    :func:`capture_rng_state` makes: cheap enough to take before every batch. :func:`pack_rng_state`
+    turns one into a capture."""
+    return (random.getstate(), np.random.get_state(legacy=True) if np is not None else None,
+            torch.get_rng_state(), torch.cuda.get_rng_state_all() if _cuda_in_use() else None)
 
-    version, internal, gauss_next = random.getstate()
+
+def pack_rng_state(raw: tuple[Any, Any, torch.Tensor, list[torch.Tensor] | None]) -> dict[str, object]:
+    """A :func:`raw_rng_state` as a weights_only-safe capture (the layout above)."""
+    py, numpy_state, cpu, cuda = raw
+    state: dict[str, object] = {}
+    version, internal, gauss_next = py
     # Python's Mersenne Twister state is 624 words < 2**32 plus an index, so int64 holds it exactly.
     state[PYTHON_KEY] = {
         "version": int(version),
         "state": torch.tensor(internal, dtype=torch.int64),
         "gauss_next": gauss_next,
     }
-
-    if np is not None:
-        bit_generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    if numpy_state is not None:
+        bit_generator, keys, pos, has_gauss, cached_gaussian = numpy_state
         state[NUMPY_KEY] = {
             "bit_generator": str(bit_generator),
             # uint32 tensors are not serializable everywhere; int64 holds every uint32 exactly.
@@ -72,14 +79,16 @@ def capture_rng_state() -> dict[str, object]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached_gaussian),
         }
-
     # clone() so the snapshot never aliases a generator's live buffer, whatever the torch version does.
-    state[TORCH_CPU_KEY] = torch.get_rng_state().clone()
-
-    if _cuda_in_use():
-        state[TORCH_CUDA_KEY] = [s.clone() for s in torch.cuda.get_rng_state_all()]
-
+    state[TORCH_CPU_KEY] = cpu.clone()
+    if cuda is not None:
+        state[TORCH_CUDA_KEY] = [s.clone() for s in cuda]
     return state
+
+
+def capture_rng_state() -> dict[str, object]:
+    """Return a weights_only-safe snapshot of the Python, NumPy, torch CPU and CUDA generators."""
+    return pack_rng_state(raw_rng_state())
 
 
 def _require_mapping(key: str, value: object) -> Mapping[str, Any]:

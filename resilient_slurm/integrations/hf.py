@@ -26,7 +26,9 @@ resume. One line replaces ``trainer.train()``::
   RNG at the point of the epoch it saved it from. Reusing that path keeps rslurm off the Trainer's loop:
   what rslurm relies on is the folder's file names and the RNG file's format, pinned in tests/test_hf.py.
   The folder is private to each rank (``tempfile``, or ``resume_dir``) and removed once the first resumed
-  step has ended.
+  step has ended. Random draws made while a batch is read in the main process (a collator's masking)
+  resume exactly too: the Trainer's loader reads one batch ahead, so each step also saves the RNG state
+  from before that read (:class:`_FetchRng`).
 - **DataLoader workers** of the Trainer's loader ignore the stop signals (Slurm signals every process of
   the step; a worker killed by it fails its rank before the save).
 
@@ -61,6 +63,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import rng
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.workers import protect_dataloader
 from ..errors import CheckpointError, ConfigError
@@ -71,6 +74,8 @@ __all__ = ["AcceleratorCheckpointer", "RslurmCallback", "train"]
 
 # The key of the JSON string that holds the Trainer's own state and its scheduler's.
 TRAINER_KEY = "trainer"
+# The key of the RNG state from before the look-ahead fetch of the step after the saved one (_FetchRng).
+FETCH_RNG_KEY = "fetch_rng"
 STATE_VERSION = 1
 
 
@@ -141,6 +146,7 @@ class RslurmCallback:
         self._epoch_end = False  # the pending step ended its epoch, whose end has not been handled yet
         self._epochs_begun = 0  # in this process (an IterableDataset read again is a resume that is not exact)
         self._snapshot = _TrainerSnapshot(self)
+        self._fetch = _FetchRng()
 
     def __getattr__(self, name: str) -> Any:
         """Every Trainer hook this class does not define does nothing (and returns no new control)."""
@@ -176,11 +182,13 @@ class RslurmCallback:
             result = trainer.train(resume_from_checkpoint=folder, **train_kwargs)
         except BaseException:
             self._remove_folder()
+            self._fetch.uninstall()
             if self._given is None:
                 with contextlib.suppress(CheckpointError):
                     self.ckpt.close()
             raise
         self._remove_folder()
+        self._fetch.uninstall()
         if self._given is None:
             self.ckpt.close()
         return result
@@ -213,7 +221,7 @@ class RslurmCallback:
         only when a save reads it (:class:`_TrainerSnapshot`): restored before the Trainer creates its
         scheduler, they reach it through the folder."""
         state: dict[str, Any] = {"model": trainer.model, "optimizer": _inner(trainer.optimizer, "optimizer"),
-                                 TRAINER_KEY: self._snapshot}
+                                 TRAINER_KEY: self._snapshot, FETCH_RNG_KEY: self._fetch}
         scaler = getattr(trainer.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler
@@ -230,10 +238,14 @@ class RslurmCallback:
         # step saved without a scheduler that sets it keeps this one).
         for group in _inner(trainer.optimizer, "optimizer").param_groups:
             group.setdefault("initial_lr", group["lr"])
-        step = self.ckpt.restore(self._state(trainer), allow_missing=["optimizer.param_groups.*.initial_lr"])
+        # A step saved before the fetch RNG was, or with other CUDA devices, resumes as the Trainer alone would.
+        step = self.ckpt.restore(self._state(trainer), allow_missing=["optimizer.param_groups.*.initial_lr",
+                                                                      f"{FETCH_RNG_KEY}.*"],
+                                 allow_unexpected=[f"{FETCH_RNG_KEY}.*"])
         self.restored_step = step
         if step == 0:
             return None
+        self._fetch.restored(rng.capture_rng_state())  # the step's own RNG, as the Checkpointer just set it
         saved = self._snapshot.loaded
         if not saved or saved.get("version") != STATE_VERSION or saved.get("trainer_state") is None:
             raise CheckpointError(f"step {step} was not saved by the Trainer integration (no Trainer state under "
@@ -291,6 +303,7 @@ class RslurmCallback:
         loader = kwargs.get("train_dataloader")
         if loader is not None:
             protect_dataloader(loader)
+            self._fetch.install(loader)
         if state.global_step != self.restored_step:
             raise CheckpointError(f"the Trainer resumed at step {state.global_step}, rslurm restored step "
                                   f"{self.restored_step}")
@@ -317,6 +330,7 @@ class RslurmCallback:
             metrics = {"loss": float(self._loss.item())}
             self._loss = None
         self._pending = (state.global_step, metrics)
+        self._fetch.keep()  # before an evaluation, which may read the same dataset
         self._epoch_end = float(state.epoch or 0.0).is_integer()
         self._save_if_nothing_follows(control)
 
@@ -341,6 +355,8 @@ class RslurmCallback:
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save(control)
         self._epochs_begun += 1
+        if self._epochs_begun == 1:
+            self._fetch.arm(self._trainer)
         dataset = getattr(self._trainer, "train_dataset", None)
         if self._epochs_begun == 2 and dataset is not None and not hasattr(dataset, "__len__"):
             log.warning("the Trainer reads its IterableDataset a second time: a resume from a step of this pass or a "
@@ -354,6 +370,7 @@ class RslurmCallback:
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save(control)
         self._remove_folder()
+        self._fetch.uninstall()
 
     def _save(self, control: Any) -> None:
         """``Checkpointer.step`` for the step that ended last, once; after an emergency save, stop training."""
@@ -398,6 +415,117 @@ class _TrainerSnapshot:
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         self.loaded = json.loads(sd["json"])
+
+
+class _FetchRng:
+    """Exact resumes when reading a batch draws from the global RNGs in the main process (a dataset's
+    augmentation, a collator's masking, with ``dataloader_num_workers=0``).
+
+    Accelerate's loader reads one batch ahead: when step k ends, the first batch of step k+1 has been read,
+    so its draws are in the RNG state step k saves. A resumed Trainer reads that batch and the next one from
+    whatever state the process is in, and only then restores the saved state. So the state from just before
+    each batch is read is taken (:func:`rng.raw_rng_state`, tens of microseconds), the one from before the
+    look-ahead read is saved with the step (``fetch_rng``), and at a resume mid-epoch the first batch read
+    starts from it, the second from the step's own state, and the Trainer's own RNG restore, which would go
+    back, is skipped. At an epoch boundary the Trainer restores before reading, and its path is kept.
+
+    The hook is the dataset's ``__getitems__`` (an attribute of the instance, removed when training ends):
+    torch's fetcher calls it before reading the samples and collating them. It is installed only where the
+    fetch runs in the main process of an Accelerate ``DataLoaderShard`` over a map-style dataset."""
+
+    def __init__(self) -> None:
+        self.dataset: Any = None
+        self.fetches = 0  # batches read in this process (train loader, and an eval loader over the same dataset)
+        self.last: tuple[Any, ...] | None = None  # the raw RNG state before the last read
+        self.kept: tuple[int, tuple[Any, ...]] | None = None  # (fetches, last) when the last step ended
+        self.loaded: Mapping[str, Any] | None = None
+        self.resume: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None  # (before the read, the step's own)
+        self.resumed_reads = 0
+        self._trainer: Any = None
+
+    # ---------------------------------------------------------------------------------- saving
+    def install(self, loader: Any) -> None:
+        data_loader = _require("accelerate.data_loader")
+        base = getattr(loader, "base_dataloader", loader)
+        dataset = getattr(base, "dataset", None)
+        if (not isinstance(loader, data_loader.DataLoaderShard) or getattr(base, "num_workers", 1) != 0
+                or dataset is None or isinstance(dataset, torch.utils.data.IterableDataset)
+                or not hasattr(dataset, "__dict__") or "__getitems__" in vars(dataset)):
+            return  # read in worker processes, streamed, or a loader whose reads this cannot follow
+        own = getattr(dataset, "__getitems__", None)
+
+        def getitems(indices: Any) -> Any:
+            self._before_read()
+            return own(indices) if own else [dataset[i] for i in indices]
+
+        try:
+            dataset.__getitems__ = getitems
+        except (AttributeError, TypeError):  # a class that refuses new attributes: its reads are not followed
+            return
+        self.dataset = dataset
+
+    def uninstall(self) -> None:
+        if self.dataset is not None:
+            vars(self.dataset).pop("__getitems__", None)
+            self.dataset = None
+        self._disarm()
+
+    def _before_read(self) -> None:
+        if self.resume is not None and self._trainer is not None:
+            before, own = self.resume
+            rng.restore_rng_state(before if self.resumed_reads == 0 else own)
+            self.resumed_reads += 1
+            if self.resumed_reads == 2:
+                self.resume = None
+        self.fetches += 1
+        self.last = rng.raw_rng_state()
+
+    def keep(self) -> None:
+        """A step ended: its save (now, or after its log or evaluation) saves the state from before the last
+        read, the look-ahead one."""
+        self.kept = (self.fetches, self.last) if self.last is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        kept = self.kept if self.kept is not None and self.kept[0] == self.fetches else None  # no read since
+        return {"recorded": int(kept is not None),
+                "rng": rng.pack_rng_state(kept[1]) if kept is not None else rng.capture_rng_state()}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.loaded = sd
+
+    # ---------------------------------------------------------------------------------- resuming
+    def restored(self, own: Mapping[str, Any]) -> None:
+        """A step was restored; ``own`` is its RNG state (the one the Trainer's folder holds)."""
+        loaded, self.loaded = self.loaded, None
+        if loaded is not None and loaded.get("recorded") == 1 and isinstance(loaded.get("rng"), Mapping):
+            self.resume = (loaded["rng"], own)
+
+    def arm(self, trainer: Any) -> None:
+        """The resumed run's first epoch begins: follow its first reads, and take over the Trainer's RNG
+        restore (an attribute of the instance until the Trainer calls it once)."""
+        if self.resume is None or self.dataset is None:
+            self.resume = None
+            return
+        self._trainer = trainer
+        self.resumed_reads = 0
+        real = trainer._load_rng_state
+
+        def load_rng_state(checkpoint: Any) -> None:
+            resume, reads = self.resume, self.resumed_reads
+            self._disarm()
+            if reads == 0:  # at an epoch boundary the Trainer restores before reading: its own path
+                real(checkpoint)
+            elif resume is not None:  # the epoch had one batch left: no second read took the step's own state
+                rng.restore_rng_state(resume[1])
+            # else the reads started from the saved states: the RNG is where the run never stopped has it
+
+        trainer._load_rng_state = load_rng_state
+
+    def _disarm(self) -> None:
+        self.resume = None
+        if self._trainer is not None:
+            vars(self._trainer).pop("_load_rng_state", None)
+            self._trainer = None
 
 
 def _no_op(*args: Any, **kwargs: Any) -> None:

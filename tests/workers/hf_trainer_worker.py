@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from typing import Any
@@ -28,15 +29,30 @@ from resilient_slurm.integrations.hf import RslurmCallback, train
 class Tokens(torch.utils.data.Dataset):
     """Fixed random token sequences (a language-modelling set built in memory)."""
 
-    def __init__(self, n: int, length: int, vocab: int) -> None:
+    def __init__(self, n: int, length: int, vocab: int, *, augment: bool = False) -> None:
         g = torch.Generator().manual_seed(1234)
         self.ids = torch.randint(0, vocab, (n, length), generator=g)
+        self.vocab = vocab
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        ids = self.ids[i]
+        if self.augment:  # an augmentation drawn from Python's global RNG when the sample is read
+            ids = (ids + random.randrange(3)) % self.vocab
+        return {"input_ids": ids, "labels": ids}
+
+
+def masking_collator(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A collator that masks a quarter of the labels at random from torch's global RNG, as a masked-LM
+    collator does (run in the main process with no DataLoader worker)."""
+    batch = {k: torch.stack([f[k] for f in features]) for k in features[0]}
+    labels = batch["labels"].clone()
+    labels[torch.rand(labels.shape) < 0.25] = -100
+    batch["labels"] = labels
+    return batch
 
 
 def _path(template: str, rank: int) -> str:
@@ -58,6 +74,9 @@ def main() -> int:
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (its loader draws from the RNG)")
     ap.add_argument("--logging-steps", type=int, default=1)
+    ap.add_argument("--random-data", action="store_true",
+                    help="draw from the global RNGs while reading a batch: the dataset (Python's random) and the "
+                         "collator (torch) in the main process")
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     log = open(_path(args.log, rank), "a")
@@ -67,7 +86,8 @@ def main() -> int:
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
             loss = super().training_step(model, inputs, num_items_in_batch)
             log.write(json.dumps({"step": self.state.global_step + 1, "loss": loss.item(),
-                                  "batch": int(inputs["input_ids"].sum())}) + "\n")
+                                  "batch": int(inputs["input_ids"].sum()),
+                                  "masked": int((inputs["labels"] == -100).sum())}) + "\n")
             log.flush()
             if sleep:
                 time.sleep(sleep)  # only when the step ends, never what it computes
@@ -86,8 +106,9 @@ def main() -> int:
                               logging_steps=args.logging_steps, seed=7, dataloader_num_workers=args.workers, disable_tqdm=True,
                               eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
                               per_device_eval_batch_size=4)
-    trainer = LoggingTrainer(model=model, args=targs, train_dataset=Tokens(48, 16, 64),
-                             eval_dataset=Tokens(8, 16, 64) if args.eval_steps else None)
+    trainer = LoggingTrainer(model=model, args=targs, train_dataset=Tokens(48, 16, 64, augment=args.random_data),
+                             eval_dataset=Tokens(8, 16, 64) if args.eval_steps else None,
+                             data_collator=masking_collator if args.random_data else None)
     log.write(json.dumps({"event": "start", "pid": os.getpid(), "rslurm": resilient_slurm.__file__,
                           "world": targs.world_size}) + "\n")
     log.flush()

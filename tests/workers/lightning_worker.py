@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 import warnings
@@ -32,21 +33,32 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 class Points(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, augment: bool = False) -> None:
         g = torch.Generator().manual_seed(1234)
         self.x = torch.randn(n, 8, generator=g)
         self.y = self.x[:, :2].sum(dim=1, keepdim=True)
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[i], self.y[i], i
+        x = self.x[i]
+        if self.augment:  # an augmentation drawn from Python's global RNG when the sample is read
+            x = x * (1.0 + random.random() / 10)
+        return x, self.y[i], i
+
+
+def noisy_collate(samples: list[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[torch.Tensor, ...]:
+    """A collator that draws from torch's global RNG (input noise), as masking collators do."""
+    x, y, i = torch.utils.data.default_collate(samples)
+    return x + 0.01 * torch.randn_like(x), y, i
 
 
 class Model(L.LightningModule):
-    def __init__(self, samples: int, batch_size: int, workers: int) -> None:
+    def __init__(self, samples: int, batch_size: int, workers: int, random_data: bool = False) -> None:
         super().__init__()
+        self.random_data = random_data
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                                        torch.nn.Linear(32, 1))
         self.samples, self.batch_size, self.workers = samples, batch_size, workers
@@ -61,8 +73,9 @@ class Model(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader[Any]:
-        return DataLoader(Points(self.samples), batch_size=self.batch_size, shuffle=True, num_workers=self.workers,
-                          persistent_workers=False)
+        return DataLoader(Points(self.samples, self.random_data), batch_size=self.batch_size, shuffle=True,
+                          num_workers=self.workers, persistent_workers=False,
+                          collate_fn=noisy_collate if self.random_data else None)
 
 
 class StepLog(L.Callback):
@@ -105,6 +118,8 @@ def main() -> int:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--pause-at", type=int, default=-1)
     ap.add_argument("--reload", action="store_true", help="reload_dataloaders_every_n_epochs=1")
+    ap.add_argument("--random-data", action="store_true",
+                    help="draw from the global RNGs while reading a batch (the dataset, the collator)")
     ap.add_argument("--log", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -114,7 +129,7 @@ def main() -> int:
         setattr(args, name, getattr(args, name).replace("{local}", os.environ.get("RSLURM_LOCAL_DIR", ".")))
 
     L.seed_everything(0, verbose=False)
-    model = Model(args.samples, args.batch_size, args.workers)
+    model = Model(args.samples, args.batch_size, args.workers, args.random_data)
     plugin = ResilientSlurm(every_steps=args.every_steps)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
