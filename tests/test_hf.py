@@ -39,7 +39,7 @@ from conftest import REPO, assert_same, clean_env, read_jsonl, wait_for_step
 from slurm_cluster import SlurmCluster
 
 from resilient_slurm import CheckpointError, ConfigError
-from resilient_slurm.integrations import hf
+from resilient_slurm.integrations import hf, hf_common, hf_trainer
 
 WORKERS = {"trainer": REPO / "tests" / "workers" / "hf_trainer_worker.py",
            "accelerate": REPO / "tests" / "workers" / "hf_accelerate_worker.py"}
@@ -74,7 +74,7 @@ def test_the_trainer_internals_the_resume_relies_on(tmp_path: Path) -> None:
         rng = torch.load(tmp_path / "rng_state.pth", weights_only=True)
     assert set(rng) >= {"python", "numpy", "cpu"} and torch.equal(rng["cpu"], torch.get_rng_state())
     state = TrainerState(global_step=7, epoch=1.5)
-    saved = hf._trainer_state(trainer, state)
+    saved = hf_trainer._trainer_state(trainer, state)
     (tmp_path / "s.json").write_text(json.dumps(saved))
     back = TrainerState.load_from_json(str(tmp_path / "s.json"))
     assert (back.global_step, back.epoch) == (7, 1.5) and "TrainerControl" in back.stateful_callbacks
@@ -106,7 +106,7 @@ def test_what_the_integration_cannot_do_is_a_clear_error(tmp_path: Path, monkeyp
     with pytest.raises(ConfigError, match="group_by_length.*batch_rebalance"):
         hf.train(grouped)
     with pytest.raises(ConfigError, match="pip install 'resilient_slurm\\[hf\\]'"):
-        hf._require("no_such_framework_here")
+        hf_common.require("no_such_framework_here")
 
     from accelerate import Accelerator
     acc = Accelerator(cpu=True)  # use_seedable_sampler left False
@@ -233,7 +233,7 @@ def test_an_iterable_dataset_read_a_second_time_is_warned_about(tmp_path: Path, 
     second pass on retrains from the start of a pass. Said once, when the second pass starts."""
     monkeypatch.setenv("RSLURM_LOCAL_DIR", str(tmp_path / "nvme"))
     monkeypatch.setenv("RSLURM_RUN_ID", "iterable")
-    with caplog.at_level(logging.WARNING, logger="resilient_slurm.integrations.hf"):
+    with caplog.at_level(logging.WARNING, logger="resilient_slurm.integrations.hf_trainer"):
         hf.train(_trainer(tmp_path, train_dataset=_OneBatch()), every_steps=1)
     assert caplog.text.count("reads its IterableDataset a second time") == 1, caplog.text
 
