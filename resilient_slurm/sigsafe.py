@@ -11,8 +11,10 @@ same Event, hung behind it (only the watch's C-level backstop ended the rank, wi
 
 :class:`WakeFlag` sets a plain attribute and writes a byte to a non-blocking pipe (``os.write``: no Python
 lock, and a full pipe already holds a wake-up); :meth:`WakeFlag.wait` selects on the pipe. Used by every
-handler the product installs: a rank's save and stop signals (checkpoint/checkpointer.py through
-control/rank.py), the launcher's trap (launcher/signals.py), the daemon's stop (daemon/service.py).
+handler the product installs that something waits on: a rank's save and stop signals
+(checkpoint/checkpointer.py through control/rank.py), the launcher's trap (launcher/signals.py), the
+daemon's stop (daemon/service.py). The console script's early trap (early_signals.py) only appends to a
+list that nothing waits on; the trap that takes over from it wakes itself for what it finds there.
 """
 
 from __future__ import annotations
