@@ -3,6 +3,7 @@ control socket), ControlState's emergency bookkeeping, and finding the newest co
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import clean_env
@@ -23,7 +25,7 @@ from resilient_slurm.control.orphan import LAUNCHER_PID_ENV, LauncherWatch, proc
 from resilient_slurm.control.rank import RankLink
 from resilient_slurm.control.server import ControlServer, ControlState
 from resilient_slurm.launcher.launch import newest_committed
-from resilient_slurm.launcher.processes import RankExit, parse_task_line
+from resilient_slurm.launcher.processes import RankExit, StreamTail, parse_task_line
 from resilient_slurm.launcher.signals import TRAPPED, SignalTrap, TrapEvent
 from resilient_slurm.manifest import ChunkEntry, Manifest, ShardEntry, step_dirname
 
@@ -97,6 +99,45 @@ def test_parse_task_line_reads_srun_task_ends(line: str, expected: list[RankExit
 ])
 def test_parse_task_line_ignores_other_lines(line: str) -> None:
     assert parse_task_line(line) == []
+
+
+# --------------------------------------------------------------------------- StreamTail
+class _Sink(io.BytesIO):
+    """A sink that says when it has received something."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.got = threading.Event()
+
+    def write(self, b: Any) -> int:
+        n = super().write(b)
+        self.got.set()
+        return n
+
+
+def test_a_childs_output_without_a_line_end_reaches_the_terminal_at_once_and_is_bounded() -> None:
+    """A progress bar redraws with carriage returns and no newline (tqdm, the HF Trainer's bar, on stderr).
+    A reader of lines showed none of it until the line ended and held all of it meanwhile: the tee copies
+    bytes as they come, keeps only the tail, and still parses srun's lines, split across reads or not."""
+    r, w = os.pipe()
+    sink, lines = _Sink(), []
+    tail = StreamTail(os.fdopen(r, "rb"), cap=100, name="test-tee", sink=sink, on_line=lines.append)
+    tail.start()
+    written = [b"epoch 1:  50%|#####     |\r", b"x" * (StreamTail.LINE_MAX + 10),  # too long for a parser
+               b"\rdone\nsrun: error: n2: ta", b"sk 1: Killed\n"]
+    try:
+        os.write(w, written[0])
+        assert sink.got.wait(5), "a redraw without a newline was held back"
+        assert sink.getvalue() == written[0] and lines == []
+        for chunk in written[1:]:
+            os.write(w, chunk)
+    finally:
+        os.close(w)
+    tail.join(5)
+    assert not tail.is_alive()
+    assert lines == [b"srun: error: n2: task 1: Killed\n"], lines
+    assert tail.tail() == (b"\rdone\nsrun: error: n2: task 1: Killed\n").rjust(100, b"x").decode()
+    assert sink.getvalue() == b"".join(written)
 
 
 # --------------------------------------------------------------------------- SignalTrap

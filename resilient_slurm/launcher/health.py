@@ -45,12 +45,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO
 
 import psutil
 
@@ -63,6 +61,7 @@ from ..slurm.client import per_node_step
 from ..telemetry import Event
 from ..terminal import printable
 from .context import LaunchContext, launch_log
+from .processes import StreamTail
 from .rank_env import allocation_nodes, srun_options
 from .stopping import ending
 
@@ -82,32 +81,6 @@ class CheckInterrupted(Exception):
 
 def _never() -> bool:
     return False
-
-
-class _Tail:
-    """A thread that reads a pipe to its end and keeps the last ``cap`` bytes (a check that prints without
-    end must not fill the launcher's memory)."""
-
-    def __init__(self, pipe: IO[bytes], cap: int) -> None:
-        self.cap = cap
-        self.buf = bytearray()
-        self.thread = threading.Thread(target=self._read, args=(pipe,), name="rslurm-health-output", daemon=True)
-        self.thread.start()
-
-    def _read(self, pipe: IO[bytes]) -> None:
-        try:
-            while chunk := os.read(pipe.fileno(), 1 << 16):
-                self.buf += chunk
-                if len(self.buf) > 2 * self.cap:
-                    del self.buf[:-self.cap]
-        except OSError:
-            pass
-        finally:
-            pipe.close()
-
-    def text(self, wait: float) -> str:
-        self.thread.join(wait)
-        return bytes(self.buf[-self.cap:]).decode(errors="replace")  # a command's bytes are not always UTF-8
 
 
 class _Tree:
@@ -186,7 +159,10 @@ def run_check(cmd: Sequence[str], env: Mapping[str, str], timeout: float,
     proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**env, CHECK_MARK_VAR: mark})
     assert proc.stdout is not None and proc.stderr is not None
-    out, err = _Tail(proc.stdout, cap), _Tail(proc.stderr, cap)
+    out = StreamTail(proc.stdout, cap=cap, name="rslurm-health-stdout")
+    err = StreamTail(proc.stderr, cap=cap, name="rslurm-health-stderr")
+    out.start()
+    err.start()
     tree = _Tree(proc.pid, mark)
     deadline = time.monotonic() + timeout
     ended = False

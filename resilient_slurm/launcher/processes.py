@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -100,36 +100,76 @@ def parse_task_line(line: str) -> list[RankExit]:
     return [RankExit(r, None, sig, m["node"], oom=said == "out of memory") for r in ranks]
 
 
-class _Tee(threading.Thread):
-    """Copies a child's stderr to ``sink`` line by line, keeps the tail, and parses srun task lines."""
+class StreamTail(threading.Thread):
+    """Reads a child's pipe to its end as the bytes come, not line by line: a rank's progress bar (tqdm, the
+    Trainer's) redraws with ``\\r`` and no ``\\n``, and a reader of lines would show nothing of it until the
+    line ends, holding all of it in memory meanwhile. Copies the bytes to ``sink`` when given, keeps the
+    last ``cap`` bytes, and hands each complete line to ``on_line`` (a line longer than ``LINE_MAX`` is not
+    handed on: the parsers want srun's short lines)."""
 
-    def __init__(self, src: IO[bytes], sink: IO[bytes], name: str, parse_tasks: bool) -> None:
+    LINE_MAX = 64 << 10
+
+    def __init__(self, src: IO[bytes], *, cap: int, name: str, sink: IO[bytes] | None = None,
+                 on_line: Callable[[bytes], None] | None = None) -> None:
         super().__init__(name=name, daemon=True)
         self._src = src
         self._sink = sink
-        self._parse = parse_tasks
+        self._on_line = on_line
+        self.cap = cap
         self._lock = threading.Lock()
-        self._tail = bytearray()
-        self.task_exits: list[RankExit] = []
+        self._buf = bytearray()
 
     def run(self) -> None:
-        for line in iter(self._src.readline, b""):
-            try:
-                self._sink.write(line)
-                self._sink.flush()
-            except (OSError, ValueError):  # our stderr is gone; keep draining so the child never blocks
-                pass
-            with self._lock:
-                self._tail += line
-                if len(self._tail) > TAIL_BYTES:
-                    del self._tail[: len(self._tail) - TAIL_BYTES]
-                if self._parse:
-                    self.task_exits.extend(parse_task_line(line.decode(errors="replace")))
-        self._src.close()
+        partial, skipping = bytearray(), False
+        try:
+            while chunk := os.read(self._src.fileno(), 1 << 16):
+                if self._sink is not None:
+                    try:
+                        self._sink.write(chunk)
+                        self._sink.flush()
+                    except (OSError, ValueError):  # our stderr is gone; keep draining so the child never blocks
+                        pass
+                with self._lock:
+                    self._buf += chunk
+                    if len(self._buf) > 2 * self.cap:
+                        del self._buf[:-self.cap]
+                if self._on_line is None:
+                    continue
+                partial += chunk
+                while (nl := partial.find(b"\n")) >= 0:
+                    line = bytes(partial[:nl + 1])
+                    del partial[:nl + 1]
+                    if not skipping:
+                        self._on_line(line)
+                    skipping = False
+                if len(partial) > self.LINE_MAX:  # no end in sight: not a line a parser wants
+                    partial.clear()
+                    skipping = True
+        except OSError:
+            pass
+        finally:
+            self._src.close()
 
     def tail(self) -> str:
+        """The last ``cap`` bytes read, decoded leniently (a program's bytes are not always UTF-8)."""
         with self._lock:
-            return self._tail.decode(errors="replace")
+            return bytes(self._buf[-self.cap:]).decode(errors="replace")
+
+    def text(self, wait: float) -> str:
+        """:meth:`tail` once the pipe has ended, or after ``wait`` seconds."""
+        self.join(wait)
+        return self.tail()
+
+
+class _Tee(StreamTail):
+    """A child's stderr copied to ours, its last ``TAIL_BYTES`` kept, srun's task lines parsed."""
+
+    def __init__(self, src: IO[bytes], sink: IO[bytes], name: str, parse_tasks: bool) -> None:
+        super().__init__(src, cap=TAIL_BYTES, name=name, sink=sink, on_line=self._parse if parse_tasks else None)
+        self.task_exits: list[RankExit] = []
+
+    def _parse(self, line: bytes) -> None:
+        self.task_exits.extend(parse_task_line(line.decode(errors="replace")))
 
 
 _PR_SET_PDEATHSIG = 1
