@@ -83,6 +83,7 @@ class Event(StrEnum):
     ORPHAN_TIMEOUT = "orphan_timeout"
     PEER_REPLICA = "peer_replica"
     RANKS_EXITED = "ranks_exited"
+    RANKS_NOT_STARTED = "ranks_not_started"
     REPLICA_MISMATCH = "replica_mismatch"
     REQUEUE_CALL = "requeue_call"
     RESTORE = "restore"

@@ -194,13 +194,15 @@ def test_a_stop_during_the_health_check_is_a_stop_not_a_bad_node(tmp_path: Path,
     """A stop while ``health_check_command`` runs: Ctrl-C to the launcher's whole process group (the check
     used to die of it, the node was called unhealthy and the launcher exited 75, not 130), or SIGTERM to the
     launcher alone (acted on only when the check ended, up to ``health_timeout`` later). Now the check is
-    ended at once, blames no node, and the stop ends the run as a stop."""
-    pid_file = tmp_path / "check.pid"
+    ended at once, blames no node, and the stop ends the run as a stop, without starting the ranks (they
+    would only restore the step they would save again, inside the stop's deadline)."""
+    pid_file, started = tmp_path / "check.pid", tmp_path / "started"
     env = clean_env({"RSLURM_LOCAL_DIR": str(tmp_path / "nvme"), "RSLURM_RUN_ID": "h", "RSLURM_NODE_NAME": "n1",
                      "RSLURM_HEALTH_TIMEOUT": "600",
                      "RSLURM_HEALTH_CHECK_COMMAND": f"sleep 600 & echo $! > {pid_file}; wait"})
     p = subprocess.Popen([sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", sys.executable,
-                          "-c", "import time; time.sleep(600)"], env=env, stdin=subprocess.DEVNULL,
+                          "-c", f"open({str(started)!r}, 'a').close(); import time; time.sleep(600)"], env=env,
+                         stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         check = int(_wait_file(pid_file))
@@ -223,6 +225,9 @@ def test_a_stop_during_the_health_check_is_a_stop_not_a_bad_node(tmp_path: Path,
     assert not [e for e in events if e["event"] == "node_unhealthy"], events
     assert [e["signal"] for e in events if e["event"] == "signal"] == \
         ["SIGINT" if how == "ctrl-c-to-the-group" else "SIGTERM"], events
+    assert [(e["signal"], e["restored_step"]) for e in events if e["event"] == "ranks_not_started"] == \
+        [("SIGINT" if how == "ctrl-c-to-the-group" else "SIGTERM", None)], events
+    assert not started.exists(), "a rank was started after the stop"
 
 
 @pytest.mark.proc

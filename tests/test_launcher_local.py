@@ -371,9 +371,9 @@ SIGNAL_AT_START = textwrap.dedent("""
 def test_a_stop_signal_in_the_launchers_first_instants_is_kept_not_fatal(sandbox: Sandbox, when: str) -> None:
     """A preemption SIGTERM or a time-limit USR1 in the launcher's first instants (Slurm may send ``--signal``
     up to a minute early, so a short job gets it at its start) is trapped from the start of ``rslurm launch``
-    and acted on once the ranks are started: the launcher exits 75 (requeue) with its records, instead of
-    dying of the signal's default action unrecorded and not requeued (seen in CI, as a time-limit USR1). The
-    ranks, still starting, get SIGTERM (docs/launcher.md) and end with nothing trained; a rerun resumes."""
+    and acted on before the ranks start: the launcher exits 75 (requeue) with its records, instead of dying
+    of the signal's default action unrecorded and not requeued (seen in CI, as a time-limit USR1). The ranks
+    are not started (they would only restore and save again: docs/launcher.md); a rerun resumes."""
     sb = sandbox
     err = sb.root / "setup.err"
     cmd = [sys.executable, "-c", SIGNAL_AT_START, when, "launch", "-n", "2", "--", *sb.toy()]
@@ -386,7 +386,8 @@ def test_a_stop_signal_in_the_launchers_first_instants_is_kept_not_fatal(sandbox
     assert_nothing_survives(sb, run)
     events = [e for e in read_jsonl(sb.run_dir / "events.jsonl") if e["source"] == "launcher"]
     assert [e["signal"] for e in events if e["event"] == "signal"] == ["SIGTERM"], events
-    assert [e["event"] for e in events][-1] == "ranks_exited", events
+    assert [e["event"] for e in events][-1] == "ranks_not_started", events
+    assert not list(sb.root.glob("log.*.jsonl")), "a rank was started after the stop"
     assert "run the same command again to resume" in run.stderr()
 
 

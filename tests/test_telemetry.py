@@ -66,9 +66,10 @@ SLURM_STARTUP_ONLY = {"save_signal_deferred"}
 # A hung or crashed run of the ranks: tests/test_hang.py writes these (and checks their fields against
 # docs/telemetry.md with check_records).
 HANG_ONLY = {"hang", "in_job_restart"}
-# A node that fails its health check: tests/test_health.py (local) and test_launcher_slurm.py write it,
-# test_health checks its fields against docs/telemetry.md.
-HEALTH_ONLY = {"node_unhealthy"}
+# A node that fails its health check, and a stop during the check (the ranks are then not started):
+# tests/test_health.py (local) and test_launcher_slurm.py write them, test_health checks their fields against
+# docs/telemetry.md.
+HEALTH_ONLY = {"node_unhealthy", "ranks_not_started"}
 # A start that never gets there, on Slurm: test_launcher_slurm's
 # test_a_rendezvous_that_cannot_work_ends_within_the_startup_bound writes startup_failed, and
 # tests/test_startup.py a launcher's startup_not_judged; both check them against these docs.

@@ -254,10 +254,14 @@ class Launcher:
             self.restored = baseline  # what the incarnation restored: its progress is measured from there
             children: Children | None = None
             while True:
-                # A stop during the check ends it unjudged; the loop below acts on the stop.
+                self._new_run_of_ranks()
+                # A stop during the check ends it unjudged; the ranks are then not started.
                 self.unhealthy = self.gate.check(self._rank_env, trap.pending, lambda: trap.notify("slurm"))
                 if self.unhealthy:
                     break  # no spare nodes: the incarnation ends as a node failure, the job is requeued
+                if self.stopping.before_start(trap, server, baseline):
+                    children = None  # the stop is the outcome
+                    break
                 children = self._start_ranks()
                 self._loop(trap, children, server)
                 children.finish()
@@ -298,7 +302,6 @@ class Launcher:
     def _start_ranks(self) -> Children:
         """Start one run of the ranks (a new srun step, or new local processes)."""
         clear_heartbeats(self.socket_path)  # records of ranks killed in an earlier run would look hung
-        self._new_run_of_ranks()
         env = self._rank_env()
         self._runs += 1
         if self.srun:

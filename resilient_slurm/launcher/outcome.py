@@ -95,12 +95,11 @@ def classify_outcome(run: RanksView, children: Children | None, baseline: int | 
         run.emergency_seen = True
     base = Outcome(Reason.COMPLETED, committed_step=committed, restored_step=baseline,
                    restart_count=run.restart_count, job_id=run.job_id)
-    if run.unhealthy or children is None:
+    stop = run.stopping.stop
+    if run.unhealthy or (children is None and stop is None):
         bad = run.unhealthy
         return replace(base, reason=Reason.NODE_FAILURE, node=",".join(h.node for h in bad) or None,
                        evidence=f"node health check: {health_summary(bad)}", detail=health_summary(bad))
-    exits = children.exits()
-    stop = run.stopping.stop
     if run.hang is not None:
         cause = run.hang_cause or HangCause(Reason.HANG, run.hang.describe())
         detail = run.hang.describe() if cause.reason is Reason.HANG else cause.evidence
@@ -110,11 +109,13 @@ def classify_outcome(run: RanksView, children: Children | None, baseline: int | 
         where = f"{f.addr}:{f.port}" if f.addr and f.port else "an unknown address"
         return replace(base, reason=Reason.STARTUP, node=f.node, evidence=f.message(),
                        detail=f"no rank started within {f.bound_s:.0f} s; rendezvous at {where}")
-    if stop is not None:
-        # We asked the ranks to stop (or tore them down): whatever their exit codes, the job was
-        # stopped from outside and can go on from the last commit.
+    if stop is not None or children is None:
+        # We asked the ranks to stop (or tore them down, or did not start them): whatever their exit codes,
+        # the job was stopped from outside and can go on from the last commit.
+        assert stop is not None
         return replace(base, reason=stop.reason, detail=f"stopped by {stop.source}",
                        evidence=stop_evidence(stop, run.cfg.cloud_notice))
+    exits = children.exits()
     failed = failed_in_order(children, exits, run.root_failures)
     if run.emergency_seen and not any(e.exit_code not in (None, 0) for e in exits):
         # Slurm signalled the ranks directly (preemption without --signal): they saved and left.

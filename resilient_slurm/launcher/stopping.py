@@ -30,7 +30,7 @@ from .context import launch_log as log
 from .durability import DAEMON_STEP_NAME
 from .policy import Reason
 from .processes import Children
-from .signals import TrapEvent
+from .signals import SignalTrap, TrapEvent
 
 # A stop signal with the job's end this close is the time limit (USR1 from --signal, or SIGTERM at the
 # end); further away it is a preemption or an operator's request.
@@ -113,7 +113,24 @@ class StopControl:
         self._deferred_check_at = 0.0
         self._kill_wait_s: float | None = None
 
-    def on_event(self, ev: TrapEvent, children: Children, server: ControlServer) -> None:
+    def before_start(self, trap: SignalTrap, server: ControlServer, restored: int | None) -> bool:
+        """A stop that came before a run of the ranks starts (during the health check, an in-job restart's
+        backoff, the set-up) is taken now, and True says not to start the ranks: they would only restore
+        ``restored`` and save it again, inside the stop's deadline (where a preemption's grace ends in a
+        SIGKILL, and a large model takes minutes to load). The run then ends as the stop says."""
+        if not trap.pending():
+            return False
+        events = trap.pop()
+        for ev in events:
+            self.on_event(ev, None, server)
+        if self.stop is None:
+            return False
+        log.warning("%s before the ranks started: not starting them (the run goes on from %s)", self.stop.source,
+                    f"step {restored}" if restored is not None else "its start")
+        self.ctx.event(Event.RANKS_NOT_STARTED, signal=self.stop.source, restored_step=restored)
+        return True
+
+    def on_event(self, ev: TrapEvent, children: Children | None, server: ControlServer) -> None:
         """A trapped signal (or cloud notice): the stop request, or an earlier deadline for the one made."""
         ctx = self.ctx
         log.warning("received %s", ev.source)
@@ -161,7 +178,7 @@ class StopControl:
                     ctx.event(Event.SAVE_SIGNAL_DEFERRED, signal=f"SIG{sig_name}")
                 else:
                     self.send_save_signal(sig)
-            elif not ctx.srun and not registered:
+            elif not ctx.srun and not registered and children is not None:
                 # No rank registered on the socket (still starting, socket off, or a program without a
                 # Checkpointer): forward SIGTERM, which a Checkpointer traps like the save signal and
                 # which means "stop" to any other program (a rank still importing torch just ends,
