@@ -584,3 +584,18 @@ def test_with_a_durable_tier_the_emergency_step_is_durable_before_exit_and_a_los
         assert [e["step"] for e in s] == [0, step], f"rank {r} did not resume from the emergency step: {s}"
     assert_same_as_reference(sb, reference)
     assert (durable / "toy" / step_dirname(STEPS) / "manifest.json").exists(), "the final step is not durable"
+
+
+def test_a_launcher_started_without_stderr_starts_every_rank(tmp_path: Path) -> None:
+    """``rslurm launch ... 2>&-`` (a cron line, a daemon): Python then has no sys.stderr. The launcher used to
+    fail on it after starting rank 0 (AttributeError), and rank 1 never started. The ranks' stderr is now
+    read, kept and parsed as always, and shown nowhere."""
+    started = tmp_path / "started."
+    prog = "import os, sys; open(sys.argv[1] + os.environ['RANK'], 'w').close(); print('to stderr', file=sys.stderr)"
+    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", sys.executable, "-c",
+                        prog, str(started)],
+                       env=clean_env({"RSLURM_LOCAL_DIR": str(tmp_path / "nvme"), "RSLURM_RUN_ID": "nostderr"}),
+                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=120,
+                       preexec_fn=lambda: os.close(2))
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("started.*")) == ["started.0", "started.1"]

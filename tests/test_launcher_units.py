@@ -25,7 +25,7 @@ from resilient_slurm.control.orphan import LAUNCHER_PID_ENV, LauncherWatch, proc
 from resilient_slurm.control.rank import RankLink
 from resilient_slurm.control.server import ControlServer, ControlState
 from resilient_slurm.launcher.launch import newest_committed
-from resilient_slurm.launcher.processes import RankExit, StreamTail, parse_task_line
+from resilient_slurm.launcher.processes import RankExit, StreamTail, _Tee, parse_task_line
 from resilient_slurm.launcher.signals import TRAPPED, SignalTrap, TrapEvent
 from resilient_slurm.manifest import ChunkEntry, Manifest, ShardEntry, step_dirname
 
@@ -115,16 +115,23 @@ class _Sink(io.BytesIO):
         return n
 
 
+def _tail(sink: io.BytesIO | None, lines: list[bytes] | None = None) -> tuple[StreamTail, int]:
+    r, w = os.pipe()
+    tail = StreamTail(os.fdopen(r, "rb"), cap=100, name="test-tee", sink=sink,
+                      on_line=lines.append if lines is not None else None)
+    tail.start()
+    return tail, w
+
+
 def test_a_childs_output_without_a_line_end_reaches_the_terminal_at_once_and_is_bounded() -> None:
     """A progress bar redraws with carriage returns and no newline (tqdm, the HF Trainer's bar, on stderr).
-    A reader of lines showed none of it until the line ended and held all of it meanwhile: the tee copies
-    bytes as they come, keeps only the tail, and still parses srun's lines, split across reads or not."""
-    r, w = os.pipe()
+    A reader of lines showed none of it until the line ended and held all of it meanwhile: the tee relays
+    each redraw as it comes, keeps only the tail, and still parses srun's lines, split across reads or not,
+    the last one without its newline too."""
     sink, lines = _Sink(), []
-    tail = StreamTail(os.fdopen(r, "rb"), cap=100, name="test-tee", sink=sink, on_line=lines.append)
-    tail.start()
-    written = [b"epoch 1:  50%|#####     |\r", b"x" * (StreamTail.LINE_MAX + 10),  # too long for a parser
-               b"\rdone\nsrun: error: n2: ta", b"sk 1: Killed\n"]
+    tail, w = _tail(sink, lines)
+    written = [b"epoch 1:  50%|#####     |\r", b"x" * (StreamTail.LINE_MAX + 10),  # too long to hold back
+               b"\rdone\nsrun: error: n2: ta", b"sk 1: Killed\n", b"srun: error: n1: task 0: Killed"]
     try:
         os.write(w, written[0])
         assert sink.got.wait(5), "a redraw without a newline was held back"
@@ -135,9 +142,48 @@ def test_a_childs_output_without_a_line_end_reaches_the_terminal_at_once_and_is_
         os.close(w)
     tail.join(5)
     assert not tail.is_alive()
-    assert lines == [b"srun: error: n2: task 1: Killed\n"], lines
-    assert tail.tail() == (b"\rdone\nsrun: error: n2: task 1: Killed\n").rjust(100, b"x").decode()
+    assert lines[-2:] == [b"srun: error: n2: task 1: Killed\n", b"srun: error: n1: task 0: Killed"], lines
+    assert all(len(line) <= StreamTail.LINE_MAX + 6 for line in lines)
+    assert tail.tail() == b"".join(written)[-100:].decode()
     assert sink.getvalue() == b"".join(written)
+
+
+def test_srun_s_line_after_a_killed_ranks_endless_progress_bar_is_still_parsed() -> None:
+    """A killed task never ends its bar's line, and srun writes its verdict right after it: the line is
+    megabytes long, and the verdict at its end must still be read (a killed rank, not a user error)."""
+    r, w = os.pipe()
+    tee = _Tee(os.fdopen(r, "rb"), None, "test-tee", True)
+    tee.start()
+    try:
+        for i in range(2000):
+            os.write(w, f"\rstep {i}: {'#' * 60}|".encode())
+        os.write(w, b"srun: error: n2: task 1: Killed\n")
+    finally:
+        os.close(w)
+    tee.join(5)
+    assert tee.task_exits == [RankExit(1, None, signal.SIGKILL, "n2")], tee.task_exits
+
+
+def test_the_lines_of_ranks_sharing_the_terminal_never_mix_mid_line() -> None:
+    """Two ranks write their lines in pieces (unbuffered C++ streams, print() of several values): each tee
+    relays whole lines, so the launcher's stderr shows every line as a rank wrote it."""
+    sink = _Sink()
+    tees = [_tail(sink) for _ in range(2)]
+    try:
+        for i in range(200):
+            for r, (_, w) in enumerate(tees):
+                os.write(w, f"rank{r} ".encode())
+            for _, w in tees:
+                os.write(w, f"step {i} ".encode())
+            for r, (_, w) in enumerate(tees):
+                os.write(w, f"loss {r}.{i}\n".encode())
+    finally:
+        for _, w in tees:
+            os.close(w)
+    for t, _ in tees:
+        t.join(5)
+    got = sink.getvalue().decode().splitlines()
+    assert sorted(got) == sorted(f"rank{r} step {i} loss {r}.{i}" for r in range(2) for i in range(200)), got[:10]
 
 
 # --------------------------------------------------------------------------- SignalTrap

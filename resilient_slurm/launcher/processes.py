@@ -18,6 +18,7 @@ import ctypes
 import logging
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -103,11 +104,18 @@ def parse_task_line(line: str) -> list[RankExit]:
 class StreamTail(threading.Thread):
     """Reads a child's pipe to its end as the bytes come, not line by line: a rank's progress bar (tqdm, the
     Trainer's) redraws with ``\\r`` and no ``\\n``, and a reader of lines would show nothing of it until the
-    line ends, holding all of it in memory meanwhile. Copies the bytes to ``sink`` when given, keeps the
-    last ``cap`` bytes, and hands each complete line to ``on_line`` (a line longer than ``LINE_MAX`` is not
-    handed on: the parsers want srun's short lines)."""
+    line ends, holding all of it in memory meanwhile.
+
+    - ``sink`` (when given) gets whole lines and redraws: what was read up to its last ``\\n`` or ``\\r``,
+      in one write, so that the lines of ranks sharing the launcher's stderr never mix mid-line. The rest
+      waits for its end, at most ``HOLD_S`` seconds or ``LINE_MAX`` bytes, then goes as it is.
+    - The last ``cap`` bytes are kept (:meth:`tail`).
+    - ``on_line`` gets each line (``\\n``-ended, or the last one at the end of the pipe); of a line longer
+      than ``LINE_MAX``, its last ``LINE_MAX`` bytes, where srun's message after a killed rank's progress
+      bar is."""
 
     LINE_MAX = 64 << 10
+    HOLD_S = 0.2
 
     def __init__(self, src: IO[bytes], *, cap: int, name: str, sink: IO[bytes] | None = None,
                  on_line: Callable[[bytes], None] | None = None) -> None:
@@ -118,37 +126,59 @@ class StreamTail(threading.Thread):
         self.cap = cap
         self._lock = threading.Lock()
         self._buf = bytearray()
+        self._held = bytearray()  # read, not yet given to the sink: a line's start
+        self._line = bytearray()  # read, not yet given to on_line
 
     def run(self) -> None:
-        partial, skipping = bytearray(), False
+        fd = self._src.fileno()
         try:
-            while chunk := os.read(self._src.fileno(), 1 << 16):
-                if self._sink is not None:
-                    try:
-                        self._sink.write(chunk)
-                        self._sink.flush()
-                    except (OSError, ValueError):  # our stderr is gone; keep draining so the child never blocks
-                        pass
-                with self._lock:
-                    self._buf += chunk
-                    if len(self._buf) > 2 * self.cap:
-                        del self._buf[:-self.cap]
-                if self._on_line is None:
+            while True:
+                if self._held and not select.select([fd], [], [], self.HOLD_S)[0]:
+                    self._relay(bytes(self._held))  # a line's start that waited long enough: shown as it is
+                    self._held.clear()
                     continue
-                partial += chunk
-                while (nl := partial.find(b"\n")) >= 0:
-                    line = bytes(partial[:nl + 1])
-                    del partial[:nl + 1]
-                    if not skipping:
-                        self._on_line(line)
-                    skipping = False
-                if len(partial) > self.LINE_MAX:  # no end in sight: not a line a parser wants
-                    partial.clear()
-                    skipping = True
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                self._take(chunk)
         except OSError:
             pass
         finally:
+            if self._held:
+                self._relay(bytes(self._held))
+            if self._line and self._on_line is not None:
+                self._on_line(bytes(self._line))
             self._src.close()
+
+    def _take(self, chunk: bytes) -> None:
+        with self._lock:
+            self._buf += chunk
+            if len(self._buf) > 2 * self.cap:
+                del self._buf[:-self.cap]
+        if self._sink is not None:
+            self._held += chunk
+            cut = max(self._held.rfind(b"\n"), self._held.rfind(b"\r")) + 1
+            if cut == 0 and len(self._held) > self.LINE_MAX:
+                cut = len(self._held)
+            if cut:
+                self._relay(bytes(self._held[:cut]))
+                del self._held[:cut]
+        if self._on_line is not None:
+            self._line += chunk
+            while (nl := self._line.find(b"\n")) >= 0:
+                line = bytes(self._line[:nl + 1])
+                del self._line[:nl + 1]
+                self._on_line(line)
+            if len(self._line) > self.LINE_MAX:
+                del self._line[:-self.LINE_MAX]
+
+    def _relay(self, data: bytes) -> None:
+        assert self._sink is not None
+        try:
+            self._sink.write(data)
+            self._sink.flush()
+        except (OSError, ValueError):  # our stderr is gone; keep draining so the child never blocks
+            pass
 
     def tail(self) -> str:
         """The last ``cap`` bytes read, decoded leniently (a program's bytes are not always UTF-8)."""
@@ -164,7 +194,7 @@ class StreamTail(threading.Thread):
 class _Tee(StreamTail):
     """A child's stderr copied to ours, its last ``TAIL_BYTES`` kept, srun's task lines parsed."""
 
-    def __init__(self, src: IO[bytes], sink: IO[bytes], name: str, parse_tasks: bool) -> None:
+    def __init__(self, src: IO[bytes], sink: IO[bytes] | None, name: str, parse_tasks: bool) -> None:
         super().__init__(src, cap=TAIL_BYTES, name=name, sink=sink, on_line=self._parse if parse_tasks else None)
         self.task_exits: list[RankExit] = []
 
@@ -238,7 +268,8 @@ class Children:
                                 # turns it into an emergency save instead of a KeyboardInterrupt mid-step.
                                 start_new_session=True, preexec_fn=_die_with_parent)
         assert proc.stderr is not None
-        tee = _Tee(proc.stderr, sys.stderr.buffer, f"rslurm-tee:{name}", parse_tasks)
+        # No stderr (started with 2>&-): the ranks' output is still read, kept and parsed, not shown.
+        tee = _Tee(proc.stderr, getattr(sys.stderr, "buffer", None), f"rslurm-tee:{name}", parse_tasks)
         tee.start()
         self._procs.append(proc)
         self._tees.append(tee)
