@@ -123,11 +123,13 @@ sys.path.insert(0, str(REPO / "tests" / "workers"))
 import hf_trainer_worker  # noqa: E402
 
 
-def _fit_trainer(tmp_path: Path, *, stop_at: int = 0, grad_accum: int = 1) -> tuple[dict[int, tuple], dict, object]:
+def _fit_trainer(tmp_path: Path, *, stop_at: int = 0, grad_accum: int = 1,
+                 eval_train: bool = False) -> tuple[dict[int, tuple], dict, object]:
     """One process trains 2 epochs of 6 steps, batches read with random draws in the main process (the
     dataset's augmentation from Python's RNG, the collator's masking from torch's), dropout on; with
     ``stop_at``, an emergency save is asked for during that step (what the signal handler does). Returns each
-    step's (input sum, labels masked, loss) and the final weights."""
+    step's (input sum, labels masked, loss) and the final weights. ``eval_train``: evaluate every 2 steps on
+    the train dataset itself (its reads go through the same hook)."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     steps: dict[int, tuple] = {}
@@ -151,10 +153,12 @@ def _fit_trainer(tmp_path: Path, *, stop_at: int = 0, grad_accum: int = 1) -> tu
                                        embd_pdrop=0.2, attn_pdrop=0.2, bos_token_id=0, eos_token_id=0))
     args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no",
                              per_device_train_batch_size=2, gradient_accumulation_steps=grad_accum,
-                             num_train_epochs=2, learning_rate=1e-3, logging_steps=1, seed=7, disable_tqdm=True)
-    trainer = Recording(model=model, args=args, callbacks=[callback, StopAt()],
-                        train_dataset=hf_trainer_worker.Tokens(12 * grad_accum, 16, 64, augment=True),
-                        data_collator=hf_trainer_worker.masking_collator)
+                             num_train_epochs=2, learning_rate=1e-3, logging_steps=1, seed=7, disable_tqdm=True,
+                             eval_strategy="steps" if eval_train else "no", eval_steps=2 if eval_train else None,
+                             per_device_eval_batch_size=2)
+    data = hf_trainer_worker.Tokens(12 * grad_accum, 16, 64, augment=True)
+    trainer = Recording(model=model, args=args, callbacks=[callback, StopAt()], train_dataset=data,
+                        eval_dataset=data if eval_train else None, data_collator=hf_trainer_worker.masking_collator)
     hf.train(trainer)
     assert callback.should_stop == bool(stop_at) and trainer.state.global_step == (stop_at or 12), trainer.state
     assert "__getitems__" not in vars(trainer.train_dataset), "the read hook outlived training"
@@ -162,31 +166,36 @@ def _fit_trainer(tmp_path: Path, *, stop_at: int = 0, grad_accum: int = 1) -> tu
 
 
 @pytest.fixture(scope="module")
-def random_reads_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[dict, dict]]:
-    runs: dict[int, tuple[dict, dict]] = {}
+def random_reads_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, bool], tuple[dict, dict]]:
+    runs: dict[tuple[int, bool], tuple[dict, dict]] = {}
 
-    def reference(grad_accum: int) -> tuple[dict, dict]:
-        if grad_accum not in runs:
-            steps, weights, _ = _fit_trainer(tmp_path_factory.mktemp("hf-reads-ref"), grad_accum=grad_accum)
-            runs[grad_accum] = (steps, weights)
-        return runs[grad_accum]
+    def reference(grad_accum: int, eval_train: bool) -> tuple[dict, dict]:
+        if (grad_accum, eval_train) not in runs:
+            steps, weights, _ = _fit_trainer(tmp_path_factory.mktemp("hf-reads-ref"), grad_accum=grad_accum,
+                                             eval_train=eval_train)
+            runs[grad_accum, eval_train] = (steps, weights)
+        return runs[grad_accum, eval_train]
 
     return reference
 
 
-@pytest.mark.parametrize(("stop_at", "grad_accum"), [(3, 1), (5, 1), (6, 1), (4, 2)],
-                         ids=["mid-epoch", "one-batch-left", "epoch-end", "mid-epoch-accumulating"])
+@pytest.mark.parametrize(("stop_at", "grad_accum", "eval_train"),
+                         [(3, 1, False), (5, 1, False), (6, 1, False), (4, 2, False), (4, 1, True)],
+                         ids=["mid-epoch", "one-batch-left", "epoch-end", "mid-epoch-accumulating",
+                              "after-an-evaluation-on-the-train-dataset"])
 def test_random_reads_in_the_main_process_resume_bitwise(tmp_path: Path, stop_at: int, grad_accum: int,
-                                                         random_reads_reference: Callable[[int], tuple[dict, dict]]):
+                                                         eval_train: bool, random_reads_reference: Callable[
+                                                             [int, bool], tuple[dict, dict]]):
     """Accelerate's loader reads one batch ahead, so the step saved holds the RNG after the next step's first
     read: the resume reads that batch from the state saved from before it (``fetch_rng``), the next from the
     step's own, and skips the Trainer's own RNG restore. Every step's batch, masked labels and loss, and the
     final weights, are those of the run never stopped; mid-epoch, with one batch left in the epoch (no second
     read before the Trainer's restore), at an epoch's end (the Trainer's own path) and with two micro-batches
-    a step. Without the fetch RNG the resumed run's first step differs (its masks and augmentation)."""
-    want_steps, want_weights = random_reads_reference(grad_accum)
-    first, _, _ = _fit_trainer(tmp_path, stop_at=stop_at, grad_accum=grad_accum)
-    second, weights, callback = _fit_trainer(tmp_path, grad_accum=grad_accum)
+    a step, and after an evaluation that read the train dataset itself (its reads go through the hook too).
+    Without the fetch RNG the resumed run's first step differs (its masks and augmentation)."""
+    want_steps, want_weights = random_reads_reference(grad_accum, eval_train)
+    first, _, _ = _fit_trainer(tmp_path, stop_at=stop_at, grad_accum=grad_accum, eval_train=eval_train)
+    second, weights, callback = _fit_trainer(tmp_path, grad_accum=grad_accum, eval_train=eval_train)
     assert callback.restored_step == stop_at  # type: ignore[attr-defined]
     got = {**first, **second}
     assert sorted(got) == sorted(want_steps)

@@ -280,6 +280,7 @@ class RslurmCallback:
                         "pass (loop over the data inside __iter__) to resume exactly")
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._fetch.stale()  # this step's batches are read: a step saved now has no pre-read state
         self._save(control)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -350,9 +351,8 @@ class _FetchRng:
 
     def __init__(self) -> None:
         self.dataset: Any = None
-        self.fetches = 0  # batches read in this process (train loader, and an eval loader over the same dataset)
         self.last: tuple[Any, ...] | None = None  # the raw RNG state before the last read
-        self.kept: tuple[int, tuple[Any, ...]] | None = None  # (fetches, last) when the last step ended
+        self.kept: tuple[Any, ...] | None = None  # ``last`` when the last step ended
         self.loaded: Mapping[str, Any] | None = None
         self.resume: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None  # (before the read, the step's own)
         self.resumed_reads = 0
@@ -363,10 +363,14 @@ class _FetchRng:
         data_loader = require("accelerate.data_loader")
         base = getattr(loader, "base_dataloader", loader)
         dataset = getattr(base, "dataset", None)
-        if (not isinstance(loader, data_loader.DataLoaderShard) or getattr(base, "num_workers", 1) != 0
-                or dataset is None or isinstance(dataset, torch.utils.data.IterableDataset)
+        if getattr(base, "num_workers", 1) != 0 or dataset is None:
+            return  # read in worker processes: nothing drawn in this one
+        if (not isinstance(loader, data_loader.DataLoaderShard) or isinstance(dataset, torch.utils.data.IterableDataset)
                 or not hasattr(dataset, "__dict__") or "__getitems__" in vars(dataset)):
-            return  # read in worker processes, streamed, or a loader whose reads this cannot follow
+            log.info("the Trainer's train loader (%s over %s) is read in this process in a way rslurm does not "
+                     "follow: random draws made while a batch is read will not resume exactly (docs/integration.md)",
+                     type(loader).__name__, type(dataset).__name__)
+            return
         own = getattr(dataset, "__getitems__", None)
 
         def getitems(indices: Any) -> Any:
@@ -376,6 +380,8 @@ class _FetchRng:
         try:
             dataset.__getitems__ = getitems
         except (AttributeError, TypeError):  # a class that refuses new attributes: its reads are not followed
+            log.info("cannot follow the reads of %s (it refuses new attributes): random draws made while a batch "
+                     "is read will not resume exactly (docs/integration.md)", type(dataset).__name__)
             return
         self.dataset = dataset
 
@@ -392,18 +398,23 @@ class _FetchRng:
             self.resumed_reads += 1
             if self.resumed_reads == 2:
                 self.resume = None
-        self.fetches += 1
         self.last = rng.raw_rng_state()
 
     def keep(self) -> None:
-        """A step ended: its save (now, or after its log or evaluation) saves the state from before the last
-        read, the look-ahead one."""
-        self.kept = (self.fetches, self.last) if self.last is not None else None
+        """A step ended: its save (now, or after its log or evaluation, whose reads of an eval dataset that is
+        the train dataset go through the hook too) saves the state from before the last read of the train
+        loader, the look-ahead one."""
+        self.kept = self.last
+
+    def stale(self) -> None:
+        """The next step's batches are read: a step still pending (saved now, late) has no state from
+        before its look-ahead read; it resumes as the Trainer alone resumes."""
+        self.kept = None
 
     def state_dict(self) -> dict[str, Any]:
-        kept = self.kept if self.kept is not None and self.kept[0] == self.fetches else None  # no read since
+        kept = self.kept
         return {"recorded": int(kept is not None),
-                "rng": rng.pack_rng_state(kept[1]) if kept is not None else rng.capture_rng_state()}
+                "rng": rng.pack_rng_state(kept) if kept is not None else rng.capture_rng_state()}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         self.loaded = sd
