@@ -321,6 +321,10 @@ class Settings:
                 "(also between domains of one node), off")
     free_space_margin: int = _key(_count(0), 64 << 20, "checkpoint",
                 'bytes that must stay free after a save')
+    staging_memory_limit: int = _key(_SIZE, 0, "checkpoint",
+                'host memory a rank may hold to stage its tensor state for a save; when the state is larger, the '
+                'save copies and writes it in waves of this size while training waits (the stall grows, the memory '
+                'does not); 0: no limit (the whole state is staged at once and written in the background)')
     control_socket: str | None = _key(str, None, "rank",
                 "control socket of this node's launcher; `rslurm launch` sets it for its ranks, 'off' disables it "
                 '(ranks then rely on signals alone)')

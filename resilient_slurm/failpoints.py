@@ -19,6 +19,7 @@ ENV = "RSLURM_FAILPOINTS"
 
 POINTS = (
     "before_shard_write",  # tmp dir created, nothing written
+    "during_waves",  # a save staged in waves (staging_memory_limit): the first window written, the rest not
     "after_shard_write",  # this rank's shard fsynced, before the gather
     "after_dcp_metadata",  # leader: .metadata written in the tmp dir
     "after_manifest",  # leader: manifest.json written in the tmp dir, not yet renamed

@@ -29,6 +29,7 @@ RUN = "crash"
 # Step restored after a SIGKILL at each point during the save of step 2 (step 1 committed before).
 EXPECTED_AFTER_KILL = {
     "before_shard_write": 1,
+    "during_waves": 1,  # saved under staging_memory_limit: part of the shard written in the temp directory
     "after_shard_write": 1,
     "after_dcp_metadata": 1,
     "after_manifest": 1,  # complete-looking manifest, but still in the temp directory: not committed
@@ -41,7 +42,7 @@ ELSEWHERE = {"during_peer_send": "tests/test_peer_replicas.py (a replica round n
              "gc_before_age": "tests/test_hostile_round2.py (rslurm gc measuring a temp directory, not a save)"}
 SAVE_POINTS = tuple(p for p in POINTS if p not in ELSEWHERE)
 # Points after which an in-progress directory (temp or retention-doomed) is necessarily left behind.
-LEAVES_TMP = {"before_shard_write", "after_shard_write", "after_dcp_metadata", "after_manifest", "during_retention"}
+LEAVES_TMP = {"before_shard_write", "during_waves", "after_shard_write", "after_dcp_metadata", "after_manifest", "during_retention"}
 
 
 @dataclass
@@ -141,9 +142,10 @@ def killed_at_every_point(
     results = {}
     for pt in SAVE_POINTS:
         root = tmp_path_factory.mktemp(pt) / "nvme"
-        killed = zygote.run(root, *common, "--arm", f"{pt}=kill", "--arm-at", "2", steps=2)
+        waves = ("--staging-memory-limit", "256KiB") if pt == "during_waves" else ()  # the point's only path
+        killed = zygote.run(root, *common, *waves, "--arm", f"{pt}=kill", "--arm-at", "2", steps=2)
         after_kill = run_dir_entries(root)
-        resumed = zygote.run(root, *common, steps=4)
+        resumed = zygote.run(root, *common, *waves, steps=4)
         results[pt] = (root, killed, after_kill, resumed)
     return results
 

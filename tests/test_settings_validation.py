@@ -38,7 +38,7 @@ def test_the_numeric_settings_are_the_expected_ones() -> None:
     bare = [n for n, s in SETTINGS.items() if s.parse in (int, float)]
     assert not bare, f"settings parsed without a range check: {bare}"
     assert set(POSITIVE) <= set(NUMERIC)
-    assert len(NUMERIC) == 29, NUMERIC
+    assert len(NUMERIC) == 30, NUMERIC
 
 
 @pytest.mark.parametrize("name", NUMERIC)

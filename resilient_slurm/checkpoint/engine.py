@@ -74,6 +74,8 @@ from ..manifest import (
 from ..rundir import RunDir
 from ..storage.fileio import (
     BLOCK,
+    ShardFile,
+    WrittenFile,
     aligned_buffer,
     as_memoryview,
     atomic_write,
@@ -110,7 +112,7 @@ from .replication import (
     mismatch_from_digests,
 )
 from .restore import RestoreOutcome, Restorer
-from .staging import ShardLayout, StagingBuffer
+from .staging import ShardLayout, StagingBuffer, WaveWriter
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +132,14 @@ class PendingSave:
     created_at: float
     bytes_items: list[tuple[WriteItem, bytes]]
     plan: GlobalSavePlan
-    staging: StagingBuffer
+    staging: StagingBuffer | WaveWriter
     stall_s: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
     mismatches: tuple[ReplicaMismatch, ...] = ()  # replicas found unequal while staging
     empty: dict[str, str] = field(default_factory=dict)  # top-level keys whose state is empty (no items)
+    # Saved in waves (staging_memory_limit): the shard file with its tensor region written, and each slot's
+    # checksum; or what stopped the waves, raised in the write phase so that every rank learns of it.
+    waved: tuple[ShardFile, tuple[str, ...]] | BaseException | None = None
 
     @property
     def tensor_bytes(self) -> int:
@@ -183,8 +188,10 @@ class Engine:
         restore_fallback: str = "fail",
         provenance: Mapping[str, Any] | None = None,
         peer_replicas: str = "off",
+        staging_memory_limit: int = 0,
     ) -> None:
         self.topo = topo
+        self.staging_memory_limit = staging_memory_limit  # 0: none
         self.provenance = provenance  # written into every manifest (provenance.py); None: not recorded
         self.coord = coord
         self.run_id = run_id
@@ -204,7 +211,7 @@ class Engine:
         self._cached_global: GlobalSavePlan | None = None
         self._cached_layout: ShardLayout | None = None
         self._originals: dict[MetadataIndex, WriteItem] = {}  # per-rank item -> the item under its own key
-        self._staging: StagingBuffer | None = None
+        self._staging: StagingBuffer | WaveWriter | None = None
         self._pin = torch.cuda.is_available()
         self.replicas = ReplicaTracker(replica_check, replica_check_bytes)
         self.replicated = replicated  # state keys the program declares replicated
@@ -232,14 +239,22 @@ class Engine:
         layout, so the staging buffer can be allocated ahead of the first save. Collective (foreground)."""
         return self._plan(state).layout
 
-    def ensure_staging(self, layout: ShardLayout) -> StagingBuffer:
-        """The staging buffer for ``layout``, allocated and pre-faulted if it is not there yet.
+    def ensure_staging(self, layout: ShardLayout) -> StagingBuffer | WaveWriter:
+        """The staging buffer for ``layout``, allocated and pre-faulted if it is not there yet: the file's
+        image, or a window of ``staging_memory_limit`` bytes when the tensor region is larger (waves).
 
         Thread-safe with respect to :meth:`stage` only if the caller waits for it before staging (the
         Checkpointer runs it on its writer thread after a restore and waits before the next save)."""
         if self._staging is None or self._staging.layout.key != layout.key:
             self._staging = None  # drop the old buffer before allocating the new one
-            self._staging = StagingBuffer(layout, pin=self._pin)
+            limit = self.staging_memory_limit
+            if limit and layout.tensor_region > limit:
+                self._staging = WaveWriter(layout, limit, pin=self._pin)
+                log.info("rank %d: the tensor state (%d bytes) is larger than staging_memory_limit (%d): saves "
+                         "stage and write it in %d waves while training waits", self.topo.rank,
+                         layout.tensor_region, limit, -(-layout.tensor_region // self._staging.window))
+            else:
+                self._staging = StagingBuffer(layout, pin=self._pin)
         return self._staging
 
     def _plan(self, state: Mapping[str, Any]) -> _Plan:
@@ -381,7 +396,6 @@ class Engine:
         originals = self._originals
         resolve: Callable[[WriteItem], Any] = (
             (lambda it: planner.resolve_data(originals.get(it.index, it))) if originals else planner.resolve_data)
-        staging.stage(resolve)
         bytes_items = []
         for it in mine:
             if it.type == WriteItemType.BYTE_IO:
@@ -389,20 +403,37 @@ class Engine:
                 assert isinstance(data, io.BytesIO)
                 bytes_items.append((it, data.getvalue()))
         self._seq += 1
+        p = PendingSave(step=step, reason=reason, token=f"{self.topo.nonce}-{self._seq}", created_at=time.time(),
+                        bytes_items=bytes_items, plan=plan, staging=staging, mismatches=pl.mismatches,
+                        empty=pl.empty)
+        if isinstance(staging, WaveWriter):
+            p.waved = self._write_waves(p, staging, resolve)
+        else:
+            staging.stage(resolve)
         t1 = time.perf_counter()
-        return PendingSave(
-            step=step,
-            reason=reason,
-            token=f"{self.topo.nonce}-{self._seq}",
-            created_at=time.time(),
-            bytes_items=bytes_items,
-            plan=plan,
-            staging=staging,
-            stall_s=t1 - t0,
-            stats={"plan_s": t_plan - t0, "copy_s": t1 - t_plan, **pl.timing},
-            mismatches=pl.mismatches,
-            empty=pl.empty,
-        )
+        p.stall_s = t1 - t0
+        p.stats = {"plan_s": t_plan - t0, "copy_s": t1 - t_plan, **pl.timing}
+        return p
+
+    def _write_waves(self, p: PendingSave, waves: WaveWriter, resolve: Callable[[WriteItem], Any],
+                     ) -> tuple[ShardFile, tuple[str, ...]] | BaseException:
+        """The tensor region written to the shard file through the window, now (the stall). A failure is
+        kept, not raised: the write phase raises it, so that no rank waits for this one."""
+        tmp = RunDir.at(self.run_dir).file(temp_dirname(p.step, TempKind.SAVE, p.token))
+        path = os.path.join(tmp, shard_filename(self.topo.rank))
+        out: ShardFile | None = None
+        try:
+            os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+            os.makedirs(tmp, mode=0o700, exist_ok=True)
+            need = p.shard_bytes * len(self.topo.domain_ranks) + self.free_space_margin
+            check_free_space(tmp, need, what=f"step {p.step} shard of rank {self.topo.rank}")
+            out = ShardFile(path)
+            return out, waves.write(resolve, out, p.tensor_bytes)
+        except Exception as exc:
+            if out is not None:
+                out.close()
+            log.error("step %d: rank %d could not write its shard %s in waves: %s", p.step, self.topo.rank, path, exc)
+            return exc
 
     # ------------------------------------------------------------------ save, background
     def write_and_commit(self, p: PendingSave) -> SaveOutcome:
@@ -499,7 +530,10 @@ class Engine:
         chunks: list[tuple[int, int]] = []
         infos: dict[MetadataIndex, tuple[str, int, int]] = {}
         tensor_len = p.tensor_bytes
-        if tensor_len:
+        if isinstance(p.waved, BaseException):
+            raise p.waved
+        if tensor_len and p.waved is None:
+            assert isinstance(p.staging, StagingBuffer)
             segments.append((p.staging.memoryview(), tensor_len))
         for s in layout.slots:
             chunks.append((s.offset, s.length))
@@ -526,12 +560,23 @@ class Engine:
                 infos[it.index] = (fname, tensor_len + off, len(b))
                 off += len(b)
             segments.append((mv, total_b))
-        size = sum(n for _, n in segments)
-        # Ranks of a domain write at the same time into the same filesystem: check for all of them.
-        need = size * len(self.topo.domain_ranks) + self.free_space_margin
-        check_free_space(tmp, need, what=f"step {p.step} shard of rank {self.topo.rank}")
         path = os.path.join(tmp, fname)
-        written = write_file(path, segments, chunks, threads=self.io_threads)
+        if p.waved is not None:  # the tensor region is written: the plain values follow, then the checksums
+            out, slot_sums = p.waved
+            try:
+                for mv, n in segments:
+                    out.put(mv, n)
+                total = out.finish()
+            finally:
+                out.close()
+            sums = (*slot_sums, *(checksum(b) for _, b in p.bytes_items))
+            written = WrittenFile(size=out.size, checksum=total, chunk_checksums=sums)
+        else:
+            size = sum(n for _, n in segments)
+            # Ranks of a domain write at the same time into the same filesystem: check for all of them.
+            need = size * len(self.topo.domain_ranks) + self.free_space_margin
+            check_free_space(tmp, need, what=f"step {p.step} shard of rank {self.topo.rank}")
+            written = write_file(path, segments, chunks, threads=self.io_threads)
         entry = ShardEntry(
             path=fname,
             rank=self.topo.rank,

@@ -11,6 +11,10 @@ after the tensor region.
 Call order (all on the training thread except ``write``): ``ShardLayout.build`` (when the plan
 changes) -> ``StagingBuffer.for_layout`` (allocates once, reused while the layout is unchanged) ->
 ``stage`` (the stall) -> background ``write``.
+
+Under a host-memory budget (``staging_memory_limit``) smaller than the tensor region, :class:`WaveWriter`
+takes the buffer's place: one window of the budget's size, through which the region is staged and
+written to the shard file in waves while training waits (the stall grows, the memory does not).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from typing import IO, cast
 
 import torch
 import torch.serialization
+import xxhash
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ..storage.fileio import BLOCK, aligned_buffer, as_memoryview, round_up
+from .. import failpoints
+from ..storage.fileio import BLOCK, ShardFile, aligned_buffer, as_memoryview, round_up
 
 _ALIGN = 64  # blob start alignment: keeps each data region 64-byte aligned in memory and on disk
 
@@ -201,3 +207,67 @@ class StagingBuffer:
     def memoryview(self) -> memoryview:
         """The buffer as a writable memoryview (for pwrite)."""
         return as_memoryview(self.buf)
+
+
+class WaveWriter:
+    """The tensor region of a shard file staged and written through one window of ``window`` bytes, for a
+    state larger than the staging memory budget. :meth:`write` copies each window's part of the file image
+    (framing, tensor bytes, zero padding) from the tensors, checksums it and writes it, window after window,
+    before it returns: training waits for the whole region's write, and memory stays one window (plus a
+    contiguous copy of a non-contiguous tensor while it is copied)."""
+
+    def __init__(self, layout: ShardLayout, window: int, *, pin: bool) -> None:
+        self.layout = layout
+        self.window = max(BLOCK, window - window % BLOCK)
+        self.buf = aligned_buffer(self.window, pin=pin)
+        self._framing = [(torch.frombuffer(bytearray(fr.prefix), dtype=torch.uint8) if fr.prefix else None,
+                          torch.frombuffer(bytearray(fr.suffix), dtype=torch.uint8) if fr.suffix else None)
+                         for fr in (framing_for(s.dtype, s.shape) for s in layout.slots)]
+
+    @property
+    def nbytes(self) -> int:
+        """The memory it holds: one window."""
+        return self.window
+
+    def write(self, resolve: Callable[[WriteItem], torch.Tensor], out: ShardFile, total: int) -> tuple[str, ...]:
+        """Write bytes ``[0, total)`` of the file image (``total``: the tensor region, padded to a block when
+        plain values follow) to ``out``; return each slot's checksum, in slot order."""
+        slots = self.layout.slots
+        hashes = [xxhash.xxh3_64() for _ in slots]
+        flat: dict[int, torch.Tensor] = {}  # slot -> its tensor's bytes, while the slot spans windows
+        mv = as_memoryview(self.buf)
+        first = 0  # slots before it are written
+        for w in range(0, total, self.window):
+            n = min(self.window, total - w)
+            self.buf[:n].zero_()  # alignment gaps and the padding are zeros, as in a staging buffer
+            for i in range(first, len(slots)):
+                s = slots[i]
+                if s.offset >= w + n:
+                    break
+                a, b = max(s.offset, w), min(s.offset + s.length, w + n)
+                if a < b:
+                    self._copy(i, s, a - s.offset, b - s.offset, self.buf[a - w:b - w], resolve, flat)
+                    hashes[i].update(mv[a - w:b - w])
+                if s.offset + s.length <= w + n:
+                    flat.pop(i, None)
+                    first = i + 1
+            out.put(mv, n)
+            failpoints.hit("during_waves", out.path)
+        return tuple(h.hexdigest() for h in hashes)
+
+    def _copy(self, i: int, s: TensorSlot, a: int, b: int, dst: torch.Tensor,
+              resolve: Callable[[WriteItem], torch.Tensor], flat: dict[int, torch.Tensor]) -> None:
+        """Bytes ``[a, b)`` of slot ``s``'s blob (prefix, tensor bytes, suffix) into ``dst``."""
+        prefix, suffix = self._framing[i]
+        p = 0 if prefix is None else prefix.numel()
+        parts = ((0, p, prefix), (p, p + s.nbytes, None), (p + s.nbytes, s.length, suffix))
+        for lo, hi, src in parts:
+            x, y = max(a, lo), min(b, hi)
+            if x >= y:
+                continue
+            if src is None:  # the tensor's own bytes
+                if i not in flat:
+                    t = resolve(s.item).detach()
+                    flat[i] = t.contiguous().reshape(-1).view(torch.uint8)
+                src = flat[i]
+            dst[x - a:y - a].copy_(src[x - lo:y - lo])

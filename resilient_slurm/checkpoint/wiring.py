@@ -107,6 +107,7 @@ def build(args: dict[str, Any], *, config_path: str | None, replicated: Sequence
         restore_fallback=cfg.restore_fallback,
         provenance=provenance,
         peer_replicas=cfg.peer_replicas,
+        staging_memory_limit=cfg.staging_memory_limit,
     )
     events = EventLog(
         topology.root, run_id, source="rank", node=topology.node,

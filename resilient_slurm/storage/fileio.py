@@ -206,6 +206,56 @@ def write_file(
     return WrittenFile(size=size, checksum=file_sum, chunk_checksums=chunk_sums)
 
 
+class ShardFile:
+    """A file written in parts, one after another from its start (a save staged in waves under a memory
+    budget, checkpoint/staging.py): each part is checksummed as it is written, so the file's checksum is
+    :func:`write_file`'s. With O_DIRECT every part but the last must have a block-multiple length, in a
+    buffer with room for ``round_up(n)`` bytes; :meth:`finish` truncates the last part's padding away and
+    fsyncs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd, self.direct = _open_for_write(path)
+        self.size = 0
+        self._hash = xxhash.xxh3_64()
+
+    def put(self, buf: memoryview, n: int) -> None:
+        """Write ``buf[:n]`` at the end of what is written."""
+        span = round_up(n) if self.direct else n
+        v = buf[:span]
+        try:
+            done = 0
+            while done < span:
+                done += os.pwrite(self.fd, v[done:], self.size + done)
+        except OSError as exc:
+            raise self._error(exc) from exc
+        self._hash.update(buf[:n])
+        self.size += n
+
+    def finish(self) -> str:
+        """Truncate, fsync and close; the file's checksum."""
+        try:
+            if self.direct and round_up(self.size) != self.size:
+                os.ftruncate(self.fd, self.size)
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise self._error(exc) from exc
+        finally:
+            self.close()
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _error(self, exc: OSError) -> Exception:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return InsufficientSpaceError(f"{self.path}: the filesystem filled up while writing ({exc.strerror}); "
+                                          "free space there. Older checkpoints were left intact.")
+        return storage_error(f"{self.path}: write failed: {exc}", exc)
+
+
 def read_file_into(
     path: str,
     buf: memoryview,

@@ -89,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-last", type=int, default=3)
     ap.add_argument("--arm", default=None, help="failpoint spec, e.g. after_manifest=kill")
     ap.add_argument("--arm-at", type=int, default=2)
+    ap.add_argument("--staging-memory-limit", default=None, help="save in waves through a window of this size")
     a = ap.parse_args(argv)
+    if a.staging_memory_limit:  # a forked worker: the zygote's environment stays as it was
+        os.environ["RSLURM_STAGING_MEMORY_LIMIT"] = a.staging_memory_limit
 
     state = build_state(a.tensors, a.tensor_mb)
     ckpt = Checkpointer(local_dir=a.local_dir, run_id=a.run_id, keep_last=a.keep_last)
