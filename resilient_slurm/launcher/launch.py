@@ -254,13 +254,10 @@ class Launcher:
             self.restored = baseline  # what the incarnation restored: its progress is measured from there
             children: Children | None = None
             while True:
-                self._new_run_of_ranks()
-                # A stop during the check ends it unjudged; the ranks are then not started.
+                self._new_run_of_ranks()  # a stop during the check ends it unjudged, and no rank starts:
                 self.unhealthy = self.gate.check(self._rank_env, trap.pending, lambda: trap.notify("slurm"))
-                if self.unhealthy:
-                    break  # no spare nodes: the incarnation ends as a node failure, the job is requeued
-                if self.stopping.before_start(trap, server, baseline):
-                    children = None  # the stop is the outcome
+                if self.unhealthy or self.stopping.before_start(trap, server, baseline):
+                    children = None  # no spare node (a node failure: requeued), or the stop is the outcome
                     break
                 children = self._start_ranks()
                 self._loop(trap, children, server)
