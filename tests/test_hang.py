@@ -11,7 +11,9 @@ its own limit is not a hang. The heartbeat record and the adaptive timeout are t
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, assert_same, clean_env, read_jsonl
+from conftest import REPO, assert_same, clean_env, read_jsonl, run_rslurm
 from test_telemetry import check_records, read_docs
 
 from resilient_slurm.control.heartbeat import Heartbeat, HeartbeatWriter, heartbeat_path, read_heartbeats
@@ -152,6 +154,53 @@ def test_a_crashed_rank_is_restarted_in_job_and_ends_bitwise(tmp_path: Path, sig
     assert f"SIG{sig}" in restart["detail"], restart
     assert _restored_steps(work) == [restart["committed_step"]]
     _assert_like(ref, out)
+
+
+@pytest.mark.proc
+def test_a_stop_during_the_backoff_starts_no_rank_and_the_report_shows_one_run(tmp_path: Path) -> None:
+    """Rank 1 dies by SIGKILL after step 7 and the launcher waits out its in-job restart's backoff; a SIGTERM
+    then comes. The ranks are not started again, the stop says so (ranks_not_started, restoring the step the
+    restart would have), the run that died is in the history, and `rslurm report` shows one run of the
+    ranks, ended by the stop, not a second one that never began."""
+    work, out = tmp_path / "work", tmp_path / "work" / "out"
+    out.mkdir(parents=True)
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if d and not os.path.exists(os.path.join(d, "py-spy")))
+    env = clean_env({"RSLURM_LOCAL_DIR": str(work / "nvme"), "RSLURM_RUN_ID": "hang", "RSLURM_NODE_NAME": "n1",
+                     "RSLURM_CONTROL_DIR": str(work / "ctl"), "RSLURM_DAEMON": "off", "PATH": path})
+    p = subprocess.Popen([sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", *WORKER, "--steps",
+                          str(STEPS), "--out", str(out), "--crash-at", "7", "--crash-rank", "1", "--crash-signal",
+                          "KILL"], env=env, cwd=work, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (work / "nvme" / "hang" / "events.jsonl").exists() or not [
+                e for e in _events(work) if e["event"] == "in_job_restart"]:
+            assert time.monotonic() < deadline and p.poll() is None, "no in-job restart"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)  # within the backoff (2 s for the first restart)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == REQUEUE, err[-4000:]
+    events = [e for e in _events(work) if e["source"] == "launcher"]
+    [restart] = [e for e in events if e["event"] == "in_job_restart"]
+    after = [e["event"] for e in events[events.index(restart) + 1:]]
+    assert after[:3] == ["signal", "save_requested", "ranks_not_started"], after
+    [skipped] = [e for e in events if e["event"] == "ranks_not_started"]
+    assert skipped["signal"] == "SIGTERM" and skipped["restored_step"] == restart["committed_step"], skipped
+    assert len([e for e in _events(work) if e["event"] in ("restore", "restore_none") and e.get("rank") == 0]) == 1
+    report = json.loads(run_rslurm("report", "--json", env={"RSLURM_LOCAL_DIR": str(work / "nvme"),
+                                                             "RSLURM_RUN_ID": "hang"}).stdout)
+    [incarnation] = report["incarnations"]
+    runs = incarnation["runs_of_ranks"]
+    assert len(runs) == 1 and runs[0]["end_reason"] == "preempted", runs
+    assert all(v >= 0 for v in report["losses_s"].values()), report["losses_s"]
+    history = json.loads(run_rslurm("history", "--json", env={"RSLURM_LOCAL_DIR": str(work / "nvme"),
+                                                               "RSLURM_RUN_ID": "hang"}).stdout)
+    assert "killed_by_signal" in json.dumps(history), history
 
 
 @pytest.mark.proc

@@ -6,13 +6,15 @@ failure while writing the waves fails the save on every rank, with no hang and t
 from __future__ import annotations
 
 import json
+import os
+import tracemalloc
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, run_ranks
 
-from resilient_slurm import Checkpointer
+from resilient_slurm import Checkpointer, SaveError
 from resilient_slurm.checkpoint.staging import StagingBuffer, WaveWriter
 from resilient_slurm.manifest import step_dirname
 from resilient_slurm.storage.fileio import BLOCK
@@ -27,6 +29,7 @@ def _state(plain: bool) -> dict[str, object]:
         "ids": torch.arange(777, dtype=torch.int64),
         "flag": torch.tensor(True),
         "empty": torch.empty(0),
+        "conj": torch.randn(300, dtype=torch.complex64, generator=g).conj(),  # a view with the conjugate bit
         "model": torch.nn.Linear(33, 7),
     }
     if plain:  # plain values follow the tensor region in the file, after its padding to a block
@@ -85,6 +88,60 @@ def test_a_save_in_waves_writes_the_same_file_and_restores_bitwise(tmp_path: Pat
                 assert torch.equal(a, b), n
         else:
             assert back[k] == v
+
+
+def test_the_framing_of_a_large_tensor_takes_no_memory_of_its_size() -> None:
+    """A budget is set for tensors larger than the node can copy: finding a tensor's torch.save framing must
+    not build an image of the whole blob (it touched the tensor's size in zeroed memory)."""
+    from resilient_slurm.checkpoint.staging import _FRAMING_CACHE, _FramingSink, framing_for
+
+    _FRAMING_CACHE.pop((torch.float32, (50_000_000,)), None)
+    tracemalloc.start()
+    try:
+        fr = framing_for(torch.float32, (50_000_000,))  # 200 MB of data
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes traced for the framing of a 200 MB tensor"
+    assert len(fr.prefix) < 4096 and len(fr.suffix) < 4096
+    for dtype, shape in ((torch.float32, (1000,)), (torch.bfloat16, (7, 3)), (torch.int64, ()), (torch.bool, (0,))):
+        # what the framing was before: the writes placed in an image of the whole blob, the data hole cut out
+        sink = _FramingSink()
+        with torch.serialization.skip_data():
+            torch.save(torch.empty(shape, dtype=dtype), sink)
+        img = bytearray(sink.end)
+        for pos, data in sink.parts:
+            img[pos:pos + len(data)] = data
+        small = framing_for(dtype, shape)
+        nbytes = torch.empty(shape, dtype=dtype).nbytes
+        assert len(small.prefix) + nbytes + len(small.suffix) == sink.end, (dtype, shape)
+        assert (small.prefix, small.suffix) == (bytes(img[:len(small.prefix)]),
+                                                bytes(img[len(small.prefix) + nbytes:])), (dtype, shape)
+
+
+def test_a_save_in_waves_that_fails_closes_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save refused in the write phase (a plain value the restore could not load) closes the shard file the
+    waves opened: an open descriptor kept a deleted file's space until the process ended, and a full disk
+    refused the next save."""
+    import numpy as np
+
+    monkeypatch.setenv("RSLURM_STAGING_MEMORY_LIMIT", "16KiB")
+    def shard_fds() -> list[str]:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # closed meanwhile (the listing's own)
+                continue
+        return [link for link in links if ".distcp" in link]
+
+    with Checkpointer(local_dir=str(tmp_path), run_id="refused", capture_rng=False) as ck:
+        for step in (1, 2, 3):
+            with pytest.raises(SaveError, match="cannot be restored safely"):
+                ck.save(step, {"w": torch.randn(20_000), "bad": np.float32(1.0)})
+        assert shard_fds() == []
+        ck.save(4, {"w": torch.randn(20_000), "fine": 1.0})
+        assert shard_fds() == []
 
 
 @pytest.mark.proc

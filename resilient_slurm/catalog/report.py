@@ -269,13 +269,17 @@ def _boundaries(records: Sequence[dict[str, Any]], history: ProgressHistory, mis
     """Where each run of the ranks starts, oldest first, from the launcher's ``start`` and
     ``in_job_restart`` events; without them from the history; without either from the ranks' restores."""
     out: list[Bound] = []
-    launcher = _by(records, "start", "in_job_restart", source="launcher")
+    launcher = _by(records, "start", "in_job_restart", "ranks_not_started", source="launcher")
     if any(r["event"] == "start" for r in launcher):
         inc, attempt = -1, 0
         for r in launcher:
             if r["event"] == "start":
                 inc, attempt = inc + 1, 0
                 out.append(Bound(float(r["t"]), inc, 0, 0.0, "launcher start event"))
+            elif r["event"] == "ranks_not_started":
+                if out and out[-1].attempt:  # a stop in the backoff: that restart's run never began
+                    out.pop()
+                    attempt -= 1
             elif inc >= 0:
                 attempt += 1
                 backoff = max(0.0, _f(r.get("backoff_s")))
@@ -384,6 +388,8 @@ def _fill(seg: Segment, recs: Sequence[dict[str, Any]], nxt: Bound | None, entry
     elif ranks:
         seg.train_start = seg.restore_begin = seg.start
         seg.notes.append("no restore event of its ranks: startup and restore are counted as training")
+    elif _by(launcher, "ranks_not_started"):
+        seg.notes.append("no rank started: a stop came first (ranks_not_started); its time is counted as startup")
     else:
         seg.notes.append("no event of its ranks: all of it is counted as startup")
     # Saves: per step, the largest stall of its ranks, ending when the last rank went on training.

@@ -428,7 +428,7 @@ class Engine:
             need = p.shard_bytes * len(self.topo.domain_ranks) + self.free_space_margin
             check_free_space(tmp, need, what=f"step {p.step} shard of rank {self.topo.rank}")
             out = ShardFile(path)
-            return out, waves.write(resolve, out, p.tensor_bytes)
+            return out, waves.write(resolve, out, p.tensor_bytes, threads=self.io_threads)
         except Exception as exc:
             if out is not None:
                 out.close()
@@ -460,6 +460,9 @@ class Engine:
                           os.path.join(tmp, fname), exc)
                 cls = InsufficientSpaceError if isinstance(exc, InsufficientSpaceError) else SaveError
                 raise cls(f"rank {topo.rank} could not write {os.path.join(tmp, fname)}: {exc}") from exc
+            finally:
+                if isinstance(p.waved, tuple):  # written in waves: its file is closed whatever happened
+                    p.waved[0].close()
             return result
 
         def failed(name: str, errors: list[RankError]) -> Exception:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, cast
 
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from .. import failpoints
 from ..storage.fileio import BLOCK, ShardFile, aligned_buffer, as_memoryview, round_up
 
+_PIECE = 16 << 20  # bytes per pwrite of a wave: as write_file's, large enough for NVMe, small enough to spread
 _ALIGN = 64  # blob start alignment: keeps each data region 64-byte aligned in memory and on disk
 
 
@@ -86,9 +88,6 @@ def framing_for(dtype: torch.dtype, shape: Sequence[int]) -> Framing:
             torch.save(torch.empty(shape, dtype=dtype), cast(IO[bytes], sink))  # untouched pages: no cost
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         # Find the data hole: the gap skipped by seek between two writes.
-        img = bytearray(sink.end)
-        for pos, data in sink.parts:
-            img[pos : pos + len(data)] = data
         covered = sorted((p, p + len(d)) for p, d in sink.parts)
         hole = next(
             (a_end for (_, a_end), (b_start, _) in zip(covered, covered[1:]) if b_start - a_end == nbytes),
@@ -98,8 +97,16 @@ def framing_for(dtype: torch.dtype, shape: Sequence[int]) -> Framing:
             if nbytes != 0:
                 raise RuntimeError(f"cannot locate tensor data in torch.save framing for {dtype}{list(shape)}")
             # Empty tensor: no hole; any split works since there is no data.
-            hole = len(img)
-        fr = Framing(prefix=bytes(img[:hole]), suffix=bytes(img[hole + nbytes :]))
+            hole = sink.end
+        # The bytes before and after the hole, never the hole itself: an image of the whole blob would touch
+        # as much memory as the tensor (a staging budget is set for tensors larger than the node can copy).
+        prefix, suffix, after = bytearray(hole), bytearray(max(0, sink.end - hole - nbytes)), hole + nbytes
+        for pos, data in sink.parts:  # in write order: a later write (a patched header) wins
+            if pos < hole:
+                prefix[pos : pos + len(data)] = data[: hole - pos]
+            elif pos >= after:
+                suffix[pos - after : pos - after + len(data)] = data
+        fr = Framing(prefix=bytes(prefix), suffix=bytes(suffix))
         _FRAMING_CACHE[key] = fr
     return fr
 
@@ -229,30 +236,51 @@ class WaveWriter:
         """The memory it holds: one window."""
         return self.window
 
-    def write(self, resolve: Callable[[WriteItem], torch.Tensor], out: ShardFile, total: int) -> tuple[str, ...]:
+    def write(self, resolve: Callable[[WriteItem], torch.Tensor], out: ShardFile, total: int, *,
+              threads: int = 4) -> tuple[str, ...]:
         """Write bytes ``[0, total)`` of the file image (``total``: the tensor region, padded to a block when
-        plain values follow) to ``out``; return each slot's checksum, in slot order."""
+        plain values follow) to ``out``; return each slot's checksum, in slot order. The window's two halves
+        take turns: one is written (``threads`` parallel pwrites of at most 16 MiB, which release the GIL)
+        while the next part is copied into the other and checksummed."""
         slots = self.layout.slots
         hashes = [xxhash.xxh3_64() for _ in slots]
-        flat: dict[int, torch.Tensor] = {}  # slot -> its tensor's bytes, while the slot spans windows
-        mv = as_memoryview(self.buf)
+        flat: dict[int, torch.Tensor] = {}  # slot -> its tensor's bytes, while the slot spans parts
+        half = self.window // 2 - (self.window // 2) % BLOCK
+        size = half if half >= BLOCK else self.window
+        halves = [self.buf[i * size:(i + 1) * size] for i in range(self.window // size)][:2]
         first = 0  # slots before it are written
-        for w in range(0, total, self.window):
-            n = min(self.window, total - w)
-            self.buf[:n].zero_()  # alignment gaps and the padding are zeros, as in a staging buffer
-            for i in range(first, len(slots)):
-                s = slots[i]
-                if s.offset >= w + n:
-                    break
-                a, b = max(s.offset, w), min(s.offset + s.length, w + n)
-                if a < b:
-                    self._copy(i, s, a - s.offset, b - s.offset, self.buf[a - w:b - w], resolve, flat)
-                    hashes[i].update(mv[a - w:b - w])
-                if s.offset + s.length <= w + n:
-                    flat.pop(i, None)
-                    first = i + 1
-            out.put(mv, n)
-            failpoints.hit("during_waves", out.path)
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rslurm-waves") as pool:
+            writing: list[Future[None]] = []
+
+            def wait() -> None:
+                for f in writing:
+                    f.result()
+                writing.clear()
+
+            for k, w in enumerate(range(0, total, size)):
+                n = min(size, total - w)
+                buf = halves[k % len(halves)]
+                if len(halves) == 1:
+                    wait()  # one buffer (a one-block window): its write first
+                mv = as_memoryview(buf)
+                buf[:n].zero_()  # alignment gaps and the padding are zeros, as in a staging buffer
+                for i in range(first, len(slots)):
+                    s = slots[i]
+                    if s.offset >= w + n:
+                        break
+                    a, b = max(s.offset, w), min(s.offset + s.length, w + n)
+                    if a < b:
+                        self._copy(i, s, a - s.offset, b - s.offset, buf[a - w:b - w], resolve, flat)
+                        hashes[i].update(mv[a - w:b - w])
+                    if s.offset + s.length <= w + n:
+                        flat.pop(i, None)
+                        first = i + 1
+                out.hash(mv[:n])
+                if k:
+                    wait()  # the other half's write: done before this one starts
+                    failpoints.hit("during_waves", out.path)
+                writing += [pool.submit(out.write_at, mv[o:], min(_PIECE, n - o), w + o) for o in range(0, n, _PIECE)]
+            wait()
         return tuple(h.hexdigest() for h in hashes)
 
     def _copy(self, i: int, s: TensorSlot, a: int, b: int, dst: torch.Tensor,
@@ -266,8 +294,8 @@ class WaveWriter:
             if x >= y:
                 continue
             if src is None:  # the tensor's own bytes
-                if i not in flat:
-                    t = resolve(s.item).detach()
+                if i not in flat:  # a conjugate or negative view's bit is resolved, as copy_() resolves it
+                    t = resolve(s.item).detach().resolve_conj().resolve_neg()
                     flat[i] = t.contiguous().reshape(-1).view(torch.uint8)
                 src = flat[i]
             dst[x - a:y - a].copy_(src[x - lo:y - lo])

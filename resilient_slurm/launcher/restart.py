@@ -40,7 +40,8 @@ class InJobRestarts:
         self.stopping = stopping
         self.restarts = 0
         self.stalled = 0  # restarts in a row whose run committed nothing new
-        self.runs: list[RankRun] = []  # runs of the ranks that ended in an in-job restart
+        self.runs: list[RankRun] = []  # runs of the ranks that ended in an in-job restart (or a stop in its backoff)
+        self._backoff_stopped = False
 
     def restart(self, outcome: Outcome, baseline: int | None, trap: SignalTrap,
                 on_event: Callable[[TrapEvent], None]) -> bool:
@@ -48,6 +49,9 @@ class InJobRestarts:
         the step it restored, is then recorded); False when the requeue path decides. Trapped signals
         during the backoff go to ``on_event``."""
         if not self._wait(outcome, baseline, trap, on_event):
+            if self.stopping.stop is not None and self._backoff_stopped:  # the run ended, its restart did not come
+                self.runs.append(RankRun(outcome.reason.value, outcome.evidence or outcome.detail,
+                                         outcome.committed_step, time.time()))
             return False
         self.runs.append(RankRun(outcome.reason.value, outcome.evidence or outcome.detail,
                                  outcome.committed_step, time.time()))
@@ -83,6 +87,9 @@ class InJobRestarts:
                 for ev in trap.pop():
                     on_event(ev)
             if stopping.stop is not None or stopping.interrupts:
+                if stopping.stop is not None:
+                    self._backoff_stopped = True
+                    stopping.not_started(outcome.committed_step)
                 return False
         return True
 

@@ -125,10 +125,15 @@ class StopControl:
             self.on_event(ev, None, server)
         if self.stop is None:
             return False
+        self.not_started(restored)
+        return True
+
+    def not_started(self, restored: int | None) -> None:
+        """Say that the ranks are not started for the stop (here, or in an in-job restart's backoff)."""
+        assert self.stop is not None
         log.warning("%s before the ranks started: not starting them (the run goes on from %s)", self.stop.source,
                     f"step {restored}" if restored is not None else "its start")
         self.ctx.event(Event.RANKS_NOT_STARTED, signal=self.stop.source, restored_step=restored)
-        return True
 
     def on_event(self, ev: TrapEvent, children: Children | None, server: ControlServer) -> None:
         """A trapped signal (or cloud notice): the stop request, or an earlier deadline for the one made."""

@@ -221,16 +221,25 @@ class ShardFile:
 
     def put(self, buf: memoryview, n: int) -> None:
         """Write ``buf[:n]`` at the end of what is written."""
+        self.hash(buf[:n])
+        self.write_at(buf, n, self.size - n)
+
+    def hash(self, data: memoryview) -> None:
+        """Count ``data`` as the next bytes of the file (its checksum, its size); :meth:`write_at` writes
+        them, on any thread, while the caller prepares the next part."""
+        self._hash.update(data)
+        self.size += len(data)
+
+    def write_at(self, buf: memoryview, n: int, offset: int) -> None:
+        """Write ``buf[:n]`` at ``offset`` (a pwrite: any thread)."""
         span = round_up(n) if self.direct else n
         v = buf[:span]
         try:
             done = 0
             while done < span:
-                done += os.pwrite(self.fd, v[done:], self.size + done)
+                done += os.pwrite(self.fd, v[done:], offset + done)
         except OSError as exc:
             raise self._error(exc) from exc
-        self._hash.update(buf[:n])
-        self.size += n
 
     def finish(self) -> str:
         """Truncate, fsync and close; the file's checksum."""
