@@ -240,47 +240,62 @@ class WaveWriter:
               threads: int = 4) -> tuple[str, ...]:
         """Write bytes ``[0, total)`` of the file image (``total``: the tensor region, padded to a block when
         plain values follow) to ``out``; return each slot's checksum, in slot order. The window's two halves
-        take turns: one is written (``threads`` parallel pwrites of at most 16 MiB, which release the GIL)
-        while the next part is copied into the other and checksummed."""
+        take turns: while one is checksummed (the file's and its items', a thread each, in file order) and
+        written (``threads`` parallel pwrites of at most 16 MiB; all release the GIL), the next part is copied
+        into the other."""
         slots = self.layout.slots
         hashes = [xxhash.xxh3_64() for _ in slots]
         flat: dict[int, torch.Tensor] = {}  # slot -> its tensor's bytes, while the slot spans parts
         half = self.window // 2 - (self.window // 2) % BLOCK
         size = half if half >= BLOCK else self.window
         halves = [self.buf[i * size:(i + 1) * size] for i in range(self.window // size)][:2]
+        pending: list[list[Future[None]]] = [[] for _ in halves]  # each half's checksum and writes in flight
+
+        def checksum(mv: memoryview, ranges: list[tuple[int, int, int]]) -> None:
+            for i, a, b in ranges:
+                hashes[i].update(mv[a:b])
+
         first = 0  # slots before it are written
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rslurm-waves") as pool:
-            writing: list[Future[None]] = []
-
-            def wait() -> None:
-                for f in writing:
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rslurm-waves") as pool, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-waves-file-sum") as file_sum, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-waves-item-sum") as item_sum:
+            try:
+                for k, w in enumerate(range(0, total, size)):
+                    n = min(size, total - w)
+                    h = k % len(halves)
+                    for f in pending[h]:  # this half's last part: checksummed and written
+                        f.result()
+                    if pending[h]:
+                        failpoints.hit("during_waves", out.path)
+                    buf, mv = halves[h], as_memoryview(halves[h])
+                    ranges: list[tuple[int, int, int]] = []
+                    cursor = w  # bytes before it are in the buffer
+                    for i in range(first, len(slots)):
+                        s = slots[i]
+                        if s.offset >= w + n:
+                            break
+                        a, b = max(s.offset, w), min(s.offset + s.length, w + n)
+                        if a < b:
+                            if a > cursor:
+                                buf[cursor - w:a - w].zero_()  # an alignment gap
+                            self._copy(i, s, a - s.offset, b - s.offset, buf[a - w:b - w], resolve, flat)
+                            ranges.append((i, a - w, b - w))
+                            cursor = b
+                        if s.offset + s.length <= w + n:
+                            flat.pop(i, None)
+                            first = i + 1
+                    if cursor < w + n:
+                        buf[cursor - w:n].zero_()  # the padding after the last slot
+                    pending[h] = [file_sum.submit(out.hash, mv[:n]), item_sum.submit(checksum, mv, ranges),
+                                  *(pool.submit(out.write_at, mv[o:], min(_PIECE, n - o), w + o)
+                                    for o in range(0, n, _PIECE))]
+            finally:
+                for fs in pending:
+                    for f in fs:
+                        f.exception()  # wait: the buffers are in use until then
+            for fs in pending:
+                for f in fs:
                     f.result()
-                writing.clear()
-
-            for k, w in enumerate(range(0, total, size)):
-                n = min(size, total - w)
-                buf = halves[k % len(halves)]
-                if len(halves) == 1:
-                    wait()  # one buffer (a one-block window): its write first
-                mv = as_memoryview(buf)
-                buf[:n].zero_()  # alignment gaps and the padding are zeros, as in a staging buffer
-                for i in range(first, len(slots)):
-                    s = slots[i]
-                    if s.offset >= w + n:
-                        break
-                    a, b = max(s.offset, w), min(s.offset + s.length, w + n)
-                    if a < b:
-                        self._copy(i, s, a - s.offset, b - s.offset, buf[a - w:b - w], resolve, flat)
-                        hashes[i].update(mv[a - w:b - w])
-                    if s.offset + s.length <= w + n:
-                        flat.pop(i, None)
-                        first = i + 1
-                out.hash(mv[:n])
-                if k:
-                    wait()  # the other half's write: done before this one starts
-                    failpoints.hit("during_waves", out.path)
-                writing += [pool.submit(out.write_at, mv[o:], min(_PIECE, n - o), w + o) for o in range(0, n, _PIECE)]
-            wait()
         return tuple(h.hexdigest() for h in hashes)
 
     def _copy(self, i: int, s: TensorSlot, a: int, b: int, dst: torch.Tensor,
