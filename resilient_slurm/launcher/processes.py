@@ -111,8 +111,8 @@ class StreamTail(threading.Thread):
       waits for its end, at most ``HOLD_S`` seconds or ``LINE_MAX`` bytes, then goes as it is.
     - The last ``cap`` bytes are kept (:meth:`tail`).
     - ``on_line`` gets each line (``\\n``-ended, or the last one at the end of the pipe); of a line longer
-      than ``LINE_MAX``, its last ``LINE_MAX`` bytes, where srun's message after a killed rank's progress
-      bar is."""
+      than ``LINE_MAX``, its end (at most ``LINE_MAX`` kept from before the read that ended it), where
+      srun's message after a killed rank's progress bar is."""
 
     LINE_MAX = 64 << 10
     HOLD_S = 0.2
