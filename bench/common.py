@@ -28,7 +28,6 @@ import mmap
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -154,9 +153,12 @@ def remove(path: str) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port outside the kernel's ephemeral range (the product's rule for its own listeners)."""
+    from resilient_slurm.rendezvous import (
+        free_port as product_free_port,  # the caller has put the repo on sys.path
+    )
+
+    return product_free_port(range(8000, 15000))
 
 
 def fs_type(path: str) -> str:

@@ -6,7 +6,7 @@ mapped. The rendezvous address is ``MASTER_ADDR`` when set, else an address of t
 ``SLURM_STEP_NODELIST`` (or ``SLURM_JOB_NODELIST``), where task 0 runs, as Slurm knows it: its
 ``NodeAddr`` (``scontrol show node``), else its name where the name resolves (the rule of
 :mod:`resilient_slurm.rendezvous`, the launcher's too: Slurm's node names need not be host names). The
-port is ``MASTER_PORT`` when set, else ``15000 + SLURM_JOB_ID % 20000``, so every task of a job derives
+port is ``MASTER_PORT`` when set, else ``15000 + SLURM_JOB_ID % 17000``, so every task of a job derives
 the same port without talking.
 
 Before the group is created, the address must resolve here; and a rendezvous that fails (nothing
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from resilient_slurm.errors import ConfigError, RendezvousError
 from resilient_slurm.jobenv import PORT_BASE, PORT_SPAN, JobEnv, job_master_port, tasks_on_node
-from resilient_slurm.rendezvous import resolve_error, slurm_node_addr
+from resilient_slurm.rendezvous import free_port, resolve_error, slurm_node_addr
 
 logger = logging.getLogger(__name__)
 
@@ -209,12 +209,6 @@ def _port_var(env: Mapping[str, str], name: str) -> int:
     return port
 
 
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def resolve_distributed_env(
     env: Mapping[str, str],
     *,
@@ -295,7 +289,7 @@ def resolve_distributed_env(
     elif job.job_id:
         master_port = job_master_port(_int_var(raw, "SLURM_JOB_ID", minimum=0))
     elif world_size == 1:
-        master_port = _free_loopback_port()
+        master_port = free_port(range(PORT_BASE, PORT_BASE + PORT_SPAN))
     else:
         raise ConfigError(
             "MASTER_PORT is not set and SLURM_JOB_ID is not there to derive one from; set MASTER_PORT to a "

@@ -38,13 +38,13 @@ NODE_COUNT_VARS = ("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
 
 # The rendezvous port derived from a job id (``distributed.py``, and the launcher for its srun steps): every
 # task of a job finds the same port without talking. Clear of the privileged range and of Linux's default
-# ephemeral range (32768-60999), where outgoing connections could already hold the port.
+# ephemeral range (32768-60999), where outgoing connections could already hold the port: 15000-31999.
 PORT_BASE = 15000
-PORT_SPAN = 20000
+PORT_SPAN = 17000
 
 
 def job_master_port(job_id: int) -> int:
-    """The rendezvous port of job ``job_id``: ``15000 + job_id % 20000``."""
+    """The rendezvous port of job ``job_id``: ``15000 + job_id % 17000``."""
     return PORT_BASE + job_id % PORT_SPAN
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import random
 import re
 import socket
 import subprocess
@@ -164,6 +165,36 @@ _HOST_PORT = (re.compile(r"\((?P<host>[^,()\s]+), (?P<port>\d+)\)"),
               re.compile(r"\bhost (?P<host>[^\s:]+):(?P<port>\d+)"))
 
 
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> range:
+    """The kernel's ephemeral port range, from which outgoing connections take their local port (Linux's
+    default 32768-60999 where ``path`` cannot be read)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            lo, hi = (int(x) for x in f.read().split()[:2])
+        return range(lo, hi + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
+def free_port(ports: range, *, host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A TCP port of ``ports``, outside the kernel's ephemeral range, that ``host`` lets this process bind
+    now; tried in random order. Binding port 0 would give an ephemeral port, which any outgoing connection
+    (a gloo pair, an HTTP request) may take between the check and the listener's own bind: the listener then
+    fails with EADDRINUSE, or its clients meet a stranger. OSError when no port of ``ports`` is free."""
+    ephemeral = ephemeral_ports()
+    candidates = [p for p in ports if not ephemeral.start <= p < ephemeral.stop and 0 < p < 65536]
+    (rng or random.Random()).shuffle(candidates)
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(errno.EADDRINUSE, f"no free TCP port on {host} in {ports.start}-{ports.stop - 1} outside "
+                  f"the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
+
+
 def rendezvous_failure_line(texts: Iterable[str]) -> tuple[str, str | None, int | None] | None:
     """The last line of torch's c10d that says a rank could not reach the store, in the first of ``texts``
     that has one (ranks' stderr), with the host and port it names; None when there is none."""
@@ -181,6 +212,6 @@ def rendezvous_failure_line(texts: Iterable[str]) -> tuple[str, str | None, int 
     return None
 
 
-__all__ = ["NODE_ADDRS_MAX", "NODE_ADDRS_VAR", "decode_node_addresses", "encode_node_addresses",
-           "node_addrs_from_records", "probe", "rendezvous_address", "rendezvous_failure_line", "resolve_error",
+__all__ = ["NODE_ADDRS_MAX", "NODE_ADDRS_VAR", "decode_node_addresses", "encode_node_addresses", "ephemeral_ports",
+           "free_port", "node_addrs_from_records", "probe", "rendezvous_address", "rendezvous_failure_line", "resolve_error",
            "slurm_node_addr"]

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import check_tier
 import psutil
 import pytest
+from ports import free_port
 from slurm_cluster import SlurmCluster, missing_tools
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,13 +110,6 @@ def process_stacks(pids: Sequence[int], timeout: float = 30) -> str:
         except (OSError, subprocess.TimeoutExpired) as e:
             parts.append(f"(py-spy dump failed: {e})")
     return "\n".join(parts) or "(no processes)"
-
-
-def free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -31,6 +31,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from ports import free_ports
+
 NODES = ("n1", "n2")
 REQUIRED_TOOLS = ("slurmctld", "slurmd", "munged", "mungekey", "munge", "unmunge", "sbatch", "srun",
                   "scontrol", "squeue", "sinfo", "scancel")
@@ -58,20 +60,6 @@ def _search_path(path: str) -> str:
     root shell or CI runner may lack them)."""
     parts = [p for p in path.split(os.pathsep) if p]
     return os.pathsep.join(parts + [d for d in ("/usr/sbin", "/sbin", "/usr/bin", "/bin") if d not in parts])
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports that are free on 127.0.0.1 right now (all held open until all are chosen)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def parse_scontrol_record(line: str) -> dict[str, str]:
@@ -218,7 +206,7 @@ class SlurmCluster:
         self.reaped_pids: list[int] = []  # processes of stale clusters that start() killed
 
     def _pick_ports(self) -> None:
-        self.ctld_port, *node_ports = _free_ports(1 + len(NODES))
+        self.ctld_port, *node_ports = free_ports(1 + len(NODES))
         self.node_ports = dict(zip(NODES, node_ports))
 
     # ------------------------------------------------------------------ configuration
@@ -294,7 +282,7 @@ PreemptMode=REQUEUE
 JobRequeue=1
 # Job ids as a real cluster's: large, and different from those of another test cluster running at the same
 # time. Numbered from 1 on every test cluster, two clusters' jobs would derive the same rendezvous port
-# (15000 + job id % 20000) on this one host at the same time.
+# (15000 + job id % 17000) on this one host at the same time.
 FirstJobId={self.first_job_id}
 # Seconds between SIGTERM and SIGKILL at a time limit or at the end of GraceTime (default 30).
 KillWait={self.kill_wait}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import stat
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from ports import free_port
 
 from resilient_slurm.distributed import (
     DistributedEnv,
@@ -111,7 +111,7 @@ SLURM_ENV = {
 @pytest.mark.proc
 def test_slurm_variables_are_mapped() -> None:
     resolved = resolve_distributed_env(SLURM_ENV, expand=_hosts_of)
-    assert resolved == DistributedEnv(3, 8, 1, "gpu-07", 15000 + 123456 % 20000, "slurm")
+    assert resolved == DistributedEnv(3, 8, 1, "gpu-07", 15000 + 123456 % 17000, "slurm")
 
 
 @pytest.mark.proc
@@ -232,7 +232,7 @@ def test_an_address_that_does_not_resolve_is_said_at_once(monkeypatch: pytest.Mo
 def test_a_rendezvous_where_nothing_answers_is_a_rendezvous_error() -> None:
     """Rank 1 of 2 and nothing listening at the port: torch's store gives up after the timeout, and the
     error says where it tried and what to set (a real process, a real socket)."""
-    port = _free_port()
+    port = free_port()
     env = _clean_env()
     env.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     code = ("from resilient_slurm.distributed import init_distributed\n"
@@ -273,12 +273,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS and not k.startswith("SLURM_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -308,7 +302,7 @@ def _run_ranks(envs: list[dict[str, str]]) -> list[dict[str, object]]:
 
 @pytest.mark.proc
 def test_two_slurm_tasks_form_a_gloo_group() -> None:
-    port = _free_port()
+    port = free_port()
     job_id = str(random.randint(1, 10**7))
     envs = []
     for rank in range(2):
@@ -335,7 +329,7 @@ def test_two_slurm_tasks_form_a_gloo_group() -> None:
 
 @pytest.mark.proc
 def test_torchrun_variables_win_in_a_real_group() -> None:
-    port = _free_port()
+    port = free_port()
     envs = []
     for rank in range(2):
         env = _clean_env()

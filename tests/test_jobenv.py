@@ -212,3 +212,40 @@ def test_the_reader_check_sees_reads_and_ignores_writes() -> None:
     assert sorted(h.split(": ", 1)[1] for h in direct_reads(src)) == sorted([
         "get('SLURM_JOB_ID')", "getenv('RANK')", "['WORLD_SIZE']", "'MASTER_PORT' in ...",
         "get('SLURM_RESTART_COUNT')"])
+
+
+def test_every_derived_job_port_is_clear_of_the_ephemeral_range() -> None:
+    """The job port and a launcher's own port are never ones an outgoing connection may already hold
+    (Linux's default ephemeral range 32768-60999): a rank 0 would fail with EADDRINUSE, or its peers meet a
+    stranger at that port."""
+    from resilient_slurm.jobenv import PORT_BASE, PORT_SPAN, job_master_port
+
+    ports = {job_master_port(j) for j in range(0, 2 * PORT_SPAN + 7)}
+    assert min(ports) == PORT_BASE and max(ports) == PORT_BASE + PORT_SPAN - 1 < 32768
+    assert len(ports) == PORT_SPAN
+
+
+def test_free_port_skips_the_ephemeral_range_and_ports_in_use(tmp_path: Path) -> None:
+    import contextlib
+    import random
+    import socket
+
+    from resilient_slurm.rendezvous import ephemeral_ports, free_port
+
+    ephemeral = ephemeral_ports()
+    assert ephemeral.start > 1024 and ephemeral.stop <= 65536
+    bad = tmp_path / "range"
+    bad.write_text("garbage\n")
+    assert ephemeral_ports(str(bad)) == range(32768, 61000)  # unreadable: Linux's default
+    # A range that lies wholly in the ephemeral range has no port to give.
+    with pytest.raises(OSError, match="no free TCP port"):
+        free_port(range(ephemeral.start, ephemeral.start + 50))
+    port = free_port(range(9000, 15000))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        with pytest.raises(OSError, match="no free TCP port"):
+            free_port(range(port, port + 1))
+        for seed in range(20):  # the held port is never given, whatever the order
+            with contextlib.suppress(OSError):  # port + 1 may be someone else's just now
+                assert free_port(range(port - 1, port + 2), rng=random.Random(seed)) != port

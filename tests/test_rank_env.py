@@ -18,13 +18,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, free_port
 from slurm_cluster import SlurmCluster
 
 from resilient_slurm.errors import ConfigError, PermanentSlurmError
@@ -372,12 +371,6 @@ print(json.dumps({k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RA
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _init_in_two_processes(per_rank: list[dict[str, str]]) -> list[dict[str, str]]:
     procs = [subprocess.Popen([PY, "-c", CHILD], env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for env in per_rank]
@@ -397,7 +390,7 @@ def _init_in_two_processes(per_rank: list[dict[str, str]]) -> list[dict[str, str
 
 @pytest.mark.proc
 def test_init_distributed_exports_local_world_size_from_slurm() -> None:
-    port = str(_free_port())
+    port = str(free_port())
     job = str(random.randint(1, 10**6))
     seen = _init_in_two_processes([
         {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": str(r),
@@ -410,7 +403,7 @@ def test_init_distributed_exports_local_world_size_from_slurm() -> None:
 
 @pytest.mark.proc
 def test_init_distributed_keeps_a_set_local_world_size() -> None:
-    port = str(_free_port())
+    port = str(free_port())
     seen = _init_in_two_processes([
         {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
          "MASTER_PORT": port, "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "0"} for r in range(2)])

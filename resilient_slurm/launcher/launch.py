@@ -41,7 +41,6 @@ the outside. The ranks and the drain daemon on this node append to the same file
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -52,9 +51,10 @@ from ..control import ControlServer, default_socket_path
 from ..control.heartbeat import clear_heartbeats, read_heartbeats
 from ..control.rank import CONTROL_NODE_ENV
 from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError, SlurmJobNotFoundError
-from ..jobenv import JobEnv
+from ..jobenv import PORT_BASE, PORT_SPAN, JobEnv
 from ..layout import WRITER_ENV, RunWriter, claim_run
 from ..paths import default_local_dir, default_run_id, expand_local_dir, node_name
+from ..rendezvous import free_port
 from ..rundir import RunDir
 from ..slurm import JobInfo, SlurmClient, slurm_client
 from ..slurm.client import expand_hostlist
@@ -311,7 +311,7 @@ class Launcher:
                                         expected=addrs or {})
             children: Children = SrunStep(self.command, env, addrs)
         elif self.nprocs is not None:
-            children = LocalRanks(self.command, self.nprocs, env, _free_port())
+            children = LocalRanks(self.command, self.nprocs, env, free_port(range(PORT_BASE, PORT_BASE + PORT_SPAN)))
         else:
             children = LocalRanks(self.command, 1, env, 0, dist_env=False)
         try:
@@ -406,12 +406,6 @@ def job_num_nodes(env: Mapping[str, str]) -> int:
     both callers go on with the next source: one node count, never two different guesses
     (:meth:`JobEnv.node_count <resilient_slurm.jobenv.JobEnv.node_count>`)."""
     return JobEnv.from_env(env).node_count(expand_hostlist)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 __all__ = ["HISTORY_FILE", "HOLD_EXIT_CODE", "LaunchResult", "Launcher", "StopRequest", "job_num_nodes",

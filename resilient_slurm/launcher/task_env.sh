@@ -17,7 +17,7 @@
 #                     node names to their NodeAddr ("n1=10.0.0.1 n2=10.0.0.2"; only nodes whose address is
 #                     not their name are listed; an empty entry, "n3=", means no address works: no export);
 #                     the host's name when it is not listed (resilient_slurm/rendezvous.py has the rule)
-# MASTER_PORT comes from the launcher, in srun's environment (15000 + SLURM_JOB_ID % 20000).
+# MASTER_PORT comes from the launcher, in srun's environment (15000 + SLURM_JOB_ID % 17000).
 #
 # A variable the task already has (not empty) is left alone: one the user set for the step. The launcher
 # takes the per-task ones it inherited from the batch script out of srun's environment first (one value
