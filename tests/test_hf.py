@@ -476,3 +476,23 @@ def test_preempted_on_slurm_requeues_and_resumes_bitwise(slurm: SlurmCluster, tm
             reference.communicate(timeout=120)
     assert reference.returncode == 0, out[-5000:]
     assert_identical_to(ref, work)
+
+
+def test_a_malformed_fetch_rng_is_refused_when_the_step_is_restored_naming_it() -> None:
+    """The RNG state from before the look-ahead read is checked when the step is restored, not at the first
+    read of the resumed run (by then the step's own state has been applied and training has begun)."""
+    for bad in ({"torch_cpu": torch.zeros(3)}, "not a mapping", {"python": (3, "x")}):
+        fetch = hf_trainer._FetchRng()
+        fetch.load_state_dict({"recorded": 1, "rng": bad})
+        with pytest.raises(hf_trainer.IncompatibleCheckpointError, match=r"step 7: fetch_rng\.rng.*earlier one"):
+            fetch.restored(7, {})
+        assert fetch.resume is None
+    fetch = hf_trainer._FetchRng()
+    good = hf_trainer.rng.capture_rng_state()
+    fetch.load_state_dict({"recorded": 1, "rng": good})
+    fetch.restored(7, {})
+    assert fetch.resume == (good, {})
+    fetch.load_state_dict({"recorded": 0, "rng": "anything"})  # nothing recorded: the Trainer's own resume
+    fetch.resume = None
+    fetch.restored(8, {})
+    assert fetch.resume is None

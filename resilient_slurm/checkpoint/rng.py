@@ -30,7 +30,7 @@ except ImportError:  # NumPy is optional: without it there is no NumPy generator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["capture_rng_state", "pack_rng_state", "raw_rng_state", "restore_rng_state"]
+__all__ = ["capture_rng_state", "pack_rng_state", "plan_rng_state", "raw_rng_state", "restore_rng_state"]
 
 PYTHON_KEY = "python"
 NUMPY_KEY = "numpy"
@@ -207,6 +207,12 @@ def _plan_torch_cuda(value: object) -> Callable[[], None] | None:
 
 def restore_rng_state(state: Mapping[str, object]) -> None:
     """Restore every generator present in ``state`` (as produced by :func:`capture_rng_state`)."""
+    plan_rng_state(state)()
+
+
+def plan_rng_state(state: Mapping[str, object]) -> Callable[[], None]:
+    """Check every entry of ``state`` now (IncompatibleCheckpointError naming the one that is malformed) and
+    return what restores them all, for a caller that restores later than it loads."""
     if not isinstance(state, Mapping):
         raise IncompatibleCheckpointError(
             f"RNG state must be a mapping, got {type(state).__name__}; the checkpoint is damaged"
@@ -229,5 +235,9 @@ def restore_rng_state(state: Mapping[str, object]) -> None:
         action = planner(value)
         if action is not None:
             actions.append(action)
-    for action in actions:
-        action()
+
+    def apply() -> None:
+        for action in actions:
+            action()
+
+    return apply

@@ -18,7 +18,7 @@ import torch
 from ..checkpoint import rng
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.workers import protect_dataloader
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from .hf_common import given_checkpointer, inner, require
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class RslurmCallback:
         self.restored_step = step
         if step == 0:
             return None
-        self._fetch.restored(rng.capture_rng_state())  # the step's own RNG, as the Checkpointer just set it
+        self._fetch.restored(step, rng.capture_rng_state())  # the step's own RNG, as the Checkpointer just set it
         saved = self._snapshot.loaded
         if not saved or saved.get("version") != STATE_VERSION or saved.get("trainer_state") is None:
             raise CheckpointError(f"step {step} was not saved by the Trainer integration (no Trainer state under "
@@ -420,11 +420,19 @@ class _FetchRng:
         self.loaded = sd
 
     # ---------------------------------------------------------------------------------- resuming
-    def restored(self, own: Mapping[str, Any]) -> None:
-        """A step was restored; ``own`` is its RNG state (the one the Trainer's folder holds)."""
+    def restored(self, step: int, own: Mapping[str, Any]) -> None:
+        """Step ``step`` was restored; ``own`` is its RNG state (the one the Trainer's folder holds). A saved
+        state that cannot be applied is refused now, before training goes on, not at the first read."""
         loaded, self.loaded = self.loaded, None
-        if loaded is not None and loaded.get("recorded") == 1 and isinstance(loaded.get("rng"), Mapping):
-            self.resume = (loaded["rng"], own)
+        if loaded is None or loaded.get("recorded") != 1:
+            return
+        try:
+            rng.plan_rng_state(loaded.get("rng"))  # type: ignore[arg-type]  # not a mapping: the error says so
+        except IncompatibleCheckpointError as exc:
+            raise IncompatibleCheckpointError(
+                f"step {step}: {FETCH_RNG_KEY}.rng, the RNG state from before the look-ahead read, is malformed "
+                f"({exc}); this step cannot resume exactly: restore an earlier one (rslurm ls lists them)") from exc
+        self.resume = (loaded["rng"], own)
 
     def arm(self, trainer: Any) -> None:
         """The resumed run's first epoch begins: follow its first reads, and take over the Trainer's RNG
