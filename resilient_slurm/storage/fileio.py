@@ -167,10 +167,7 @@ def write_file(
             off, n = piece
             if before_piece is not None:  # e.g. a bandwidth cap: runs on the writer thread
                 before_piece(n)
-            v = view(off, n)
-            done = 0
-            while done < n:
-                done += os.pwrite(fd, v[done:], off + done)
+            pwrite_all(fd, view(off, n), off)
 
         def digest() -> tuple[str, tuple[str, ...]]:
             h = xxhash.xxh3_64()
@@ -195,15 +192,26 @@ def write_file(
             os.ftruncate(fd, size)
         os.fsync(fd)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise InsufficientSpaceError(
-                f"{path}: the filesystem filled up while writing ({exc.strerror}); free space there. "
-                "Older checkpoints were left intact."
-            ) from exc
-        raise storage_error(f"{path}: write failed: {exc}", exc) from exc
+        raise write_error(path, exc) from exc
     finally:
         os.close(fd)
     return WrittenFile(size=size, checksum=file_sum, chunk_checksums=chunk_sums)
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (pwrite may write less than asked)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def write_error(path: str, exc: OSError) -> Exception:
+    """The error to raise for a failed write of ``path``: a full filesystem or quota is
+    InsufficientSpaceError (older checkpoints are intact), anything else a storage error."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientSpaceError(f"{path}: the filesystem filled up while writing ({exc.strerror}); "
+                                      "free space there. Older checkpoints were left intact.")
+    return storage_error(f"{path}: write failed: {exc}", exc)
 
 
 class ShardFile:
@@ -232,14 +240,10 @@ class ShardFile:
 
     def write_at(self, buf: memoryview, n: int, offset: int) -> None:
         """Write ``buf[:n]`` at ``offset`` (a pwrite: any thread)."""
-        span = round_up(n) if self.direct else n
-        v = buf[:span]
         try:
-            done = 0
-            while done < span:
-                done += os.pwrite(self.fd, v[done:], offset + done)
+            pwrite_all(self.fd, buf[:round_up(n) if self.direct else n], offset)
         except OSError as exc:
-            raise self._error(exc) from exc
+            raise write_error(self.path, exc) from exc
 
     def finish(self) -> str:
         """Truncate, fsync and close; the file's checksum."""
@@ -248,7 +252,7 @@ class ShardFile:
                 os.ftruncate(self.fd, self.size)
             os.fsync(self.fd)
         except OSError as exc:
-            raise self._error(exc) from exc
+            raise write_error(self.path, exc) from exc
         finally:
             self.close()
         return self._hash.hexdigest()
@@ -257,12 +261,6 @@ class ShardFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-    def _error(self, exc: OSError) -> Exception:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return InsufficientSpaceError(f"{self.path}: the filesystem filled up while writing ({exc.strerror}); "
-                                          "free space there. Older checkpoints were left intact.")
-        return storage_error(f"{self.path}: write failed: {exc}", exc)
 
 
 def read_file_into(
