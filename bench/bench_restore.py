@@ -20,7 +20,11 @@ is dropped, and the methods take turns round by round, so drift in the disk's sp
 Each child checks that what it restored equals the saved state (a digest of every tensor) and reports its
 time; building the fresh model is not timed. Usage::
 
-    .venv/bin/python bench/bench_restore.py [--size-gib 1] [--repeats 5] [--device cpu|cuda] [--json out.json]
+    .venv/bin/python bench/bench_restore.py [--size-gib 1] [--repeats 5] [--device cpu|cuda] [--hog] [--json out.json]
+
+``--hog`` measures every method twice a round: on the quiet machine, and with a CPU hog (a process spinning in
+a loop, started before the child and killed after it) on one core, as on a node where data loading or another
+job shares the cores. Both tables and both sets of ratios are printed.
 
 With ``--device cuda`` the model and Adam live on the GPU: ours reads into pinned memory and copies on a side
 stream, torch.load maps to the GPU, dcp.load loads into GPU tensors; each time includes the final
@@ -192,23 +196,34 @@ def prepare(args: argparse.Namespace, root: str) -> str:
     return digest(sd)
 
 
+HOG = "import os\nwhile True:\n    os.getpid()\n"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     base = args.dir or tempfile.gettempdir()
     root = tempfile.mkdtemp(prefix="rslurm-bench-restore-", dir=base)
+    modes = [(m, False) for m in args.modes] + ([(m, True) for m in args.modes] if args.hog else [])
     r: dict[str, Any] = {"machine": machine_facts(root), "size_gib": args.size_gib, "io_threads": args.io_threads,
-                         "device": args.device,
-                         "times": {m: [] for m in args.modes}, "errors": [], "adopted_bytes": []}
+                         "device": args.device, "times": {m: [] for m in args.modes},
+                         "hog_times": {m: [] for m in args.modes} if args.hog else {}, "errors": [],
+                         "adopted_bytes": []}
     try:
         log(f"saving the state ({args.size_gib} GiB) with rslurm, torch.save and dcp.save (untimed) ...")
         expect = prepare(args, root)
         r["bytes"] = sum(os.path.getsize(f) for f in shard_files(root))
         for i in range(args.repeats):
-            for mode in args.modes:
+            for mode, hogged in modes:
                 if args.wait_quiet > 0:
                     wait_quiet(args.wait_quiet)
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", root, "--expect", expect,
                        "--size-gib", str(args.size_gib), "--io-threads", str(args.io_threads), "--device", args.device]
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                hog = subprocess.Popen([sys.executable, "-c", HOG]) if hogged else None
+                try:
+                    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                finally:
+                    if hog is not None:
+                        hog.kill()
+                        hog.wait()
                 if p.returncode != 0:
                     r["errors"].append(f"{mode}: exit {p.returncode}: {p.stderr.strip()[-2000:]}")
                     log(r["errors"][-1])
@@ -216,20 +231,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 res = json.loads(p.stdout.strip().splitlines()[-1])
                 if res["equal"] is False:
                     r["errors"].append(f"{mode}: restored state differs from the saved one")
-                r["times"][mode].append(res["s"])
+                r["hog_times" if hogged else "times"][mode].append(res["s"])
                 if "adopted_bytes" in res and mode == "ours":
                     r["adopted_bytes"].append(res["adopted_bytes"])
-                log(f"round {i + 1}: {mode} {res['s']:.3f} s")
+                log(f"round {i + 1}: {mode}{' (CPU hog)' if hogged else ''} {res['s']:.3f} s")
     finally:
         remove(root)
     return r
 
 
 def report(r: dict[str, Any]) -> None:
+    report_times(r, r["times"], "")
+    if r.get("hog_times"):
+        report_times(r, r["hog_times"], ", a CPU hog on one core")
+    if r["adopted_bytes"]:
+        print(f"\nbytes that became live memory without a copy: {r['adopted_bytes'][0]} of {r.get('bytes', 0)}")
+    for e in r["errors"]:
+        print("ERROR:", e)
+    if not r["errors"]:
+        print("every restore returned state equal to what was saved")
+
+
+def report_times(r: dict[str, Any], times: dict[str, list[float]], what: str) -> None:
     n = r.get("bytes", 0)
-    t = {m: med(v) for m, v in r["times"].items()}
-    print(f"\nCold restore of {n / 2**30:.2f} GiB of shards (fresh process, page cache dropped; "
-          f"median of {max(len(v) for v in r['times'].values())}); io_threads={r['io_threads']}\n")
+    t = {m: med(v) for m, v in times.items()}
+    print(f"\nCold restore of {n / 2**30:.2f} GiB of shards (fresh process, page cache dropped{what}; "
+          f"median of {max(len(v) for v in times.values())}); io_threads={r['io_threads']}\n")
     print("| method | time | throughput |\n|---|---|---|")
     for m, s in t.items():
         print(f"| {LABELS[m]} | {fmt(s, '.3f', ' s')} | {fmt(ratio(n, s) and n / s / 1e9, '.2f', ' GB/s')} |")
@@ -243,12 +270,6 @@ def report(r: dict[str, Any]) -> None:
     ]
     for name, v, target in rows:
         print(f"| {name} | {fmt(v, '.2f')} | {target} |")
-    if r["adopted_bytes"]:
-        print(f"\nbytes that became live memory without a copy: {r['adopted_bytes'][0]} of {n}")
-    for e in r["errors"]:
-        print("ERROR:", e)
-    if not r["errors"]:
-        print("every restore returned state equal to what was saved")
 
 
 def main() -> None:
@@ -262,6 +283,7 @@ def main() -> None:
                          "bytes are read into pinned memory and copied on a side stream); the raw reads stay host reads")
     ap.add_argument("--modes", type=lambda s: tuple(s.split(",")), default=MODES)
     ap.add_argument("--dir", default=None, help="where to write (default: the temporary directory)")
+    ap.add_argument("--hog", action="store_true", help="also measure each method with a CPU hog on one core")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--expect", default="", help=argparse.SUPPRESS)
