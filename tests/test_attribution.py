@@ -77,12 +77,15 @@ def _work(tmp_path: Path) -> tuple[Path, Path]:
 @pytest.mark.proc
 def test_a_stopped_peer_is_a_communicator_error_restarted_in_job(tmp_path: Path) -> None:
     """Rank 1 stops itself after step 7; rank 0's next all_reduce times out after 5 s (gloo): a
-    communicator error on rank 0, not a user error. The stopped rank is torn down, both restart in-job from
+    communicator error on rank 0, not a user error. The stopped rank is torn down (at once: it cannot exit by
+    itself, and its SIGTERM is followed by SIGCONT), both restart in-job from
     the last commit and end bitwise; the history and status name the class and gloo's line."""
     ref = _reference(tmp_path)
     work, out = _work(tmp_path)
     r = _launch(work, out, "--crash-at", "7", "--crash-rank", "1", "--crash-signal", "STOP", "--pg-timeout", "5")
     assert r.returncode == 0, r.stderr[-4000:]
+    # The stopped rank cannot exit by itself: it is torn down once seen stopped, not after the 30 s wait.
+    assert "rank 1 stopped (SIGSTOP) after a rank failed" in r.stderr, r.stderr[-4000:]
     [restart] = [e for e in _events(work) if e["event"] == "in_job_restart"]
     assert restart["outcome"] == "communicator_error", restart
     assert "rank 0" in restart["detail"] or "Timed out" in restart["detail"], restart

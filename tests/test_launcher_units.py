@@ -25,7 +25,16 @@ from resilient_slurm.control.orphan import LAUNCHER_PID_ENV, LauncherWatch, proc
 from resilient_slurm.control.rank import RankLink
 from resilient_slurm.control.server import ControlServer, ControlState
 from resilient_slurm.launcher.launch import newest_committed
-from resilient_slurm.launcher.processes import RankExit, StreamTail, _Tee, parse_task_line
+from resilient_slurm.launcher.processes import (
+    STOPPED_WAIT,
+    Lingering,
+    LocalRanks,
+    RankExit,
+    StreamTail,
+    _Tee,
+    kill_trees,
+    parse_task_line,
+)
 from resilient_slurm.launcher.signals import TRAPPED, SignalTrap, TrapEvent
 from resilient_slurm.manifest import ChunkEntry, Manifest, ShardEntry, step_dirname
 
@@ -593,3 +602,65 @@ def test_a_task_on_another_slurm_node_than_the_launchers_uses_signals_only() -> 
     assert socket_for_this_node(sock, {"SLURMD_NODENAME": "n2"}) == sock  # a local launcher names no node
     assert socket_for_this_node(sock, {"RSLURM_CONTROL_NODE": "n1"}) == sock  # not a Slurm task
     assert socket_for_this_node(None, {"RSLURM_CONTROL_NODE": "n1", "SLURMD_NODENAME": "n2"}) is None
+
+
+def _stopped(pid: int) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.proc
+def test_a_teardown_reaches_a_stopped_process_with_its_sigterm() -> None:
+    """A stopped process (SIGSTOP) takes no signal but SIGKILL and SIGCONT until it runs again: the teardown
+    follows SIGTERM with SIGCONT, so a stopped rank ends on the SIGTERM (its handler runs) within the grace."""
+    code = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: (print('term', flush=True), sys.exit(7)))\n"
+            "print('up', flush=True)\ntime.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "up"
+        os.kill(p.pid, signal.SIGSTOP)
+        assert _stopped(p.pid)
+        assert kill_trees([p.pid], grace=20) == 0  # no SIGKILL needed (psutil reaped it: no exit code here)
+        assert p.stdout.read().strip() == "term"  # the SIGTERM handler ran
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.proc
+def test_ranks_left_after_a_failure_are_given_up_on_once_one_is_stopped() -> None:
+    """After a rank failed, the others get PEER_EXIT_WAIT s to exit; a rank stopped meanwhile cannot, so the
+    wait ends STOPPED_WAIT s after it is seen stopped, naming it."""
+    ranks = LocalRanks([sys.executable, "-c", "import os, sys, time\nif os.environ['RANK'] == '0': sys.exit(3)\n"
+                        "print('up', flush=True)\ntime.sleep(60)\n"], 2, clean_env(), 1, dist_env=True)
+    ranks.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not ranks.failures():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        lingering = Lingering()
+        [failed] = lingering.begin(ranks, time.time())
+        assert failed.rank == 0 and ranks.stopped_ranks() == []
+        assert lingering.over(ranks, time.time()) is None  # rank 1 runs: it may still exit
+        os.kill(ranks.pids[1], signal.SIGSTOP)
+        assert _stopped(ranks.pids[1])
+        seen = time.time()
+        assert ranks.stopped_ranks() == [1] and lingering.over(ranks, seen) is None  # just seen stopped
+        why = lingering.over(ranks, seen + STOPPED_WAIT)
+        assert why is not None and why.startswith("rank 1 stopped (SIGSTOP)"), why
+        os.kill(ranks.pids[1], signal.SIGCONT)  # running again: the wait goes on
+        deadline = time.monotonic() + 10
+        while ranks.stopped_ranks():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert lingering.over(ranks, seen + STOPPED_WAIT + 1) is None
+    finally:
+        ranks.teardown(1)
+        ranks.finish()

@@ -19,7 +19,7 @@ Call order (one ``Launcher`` per job incarnation, on the batch host; or one per 
    * when Slurm is already ending the job (a cancel, the end of a preemption's grace), the end is
      decided and recorded (:func:`~.requeue.record_ending`) at the commit, or at the deadline, before
      the ranks are waited for: Slurm's SIGKILL follows KillWait after its SIGTERM;
-   * a rank that failed on its own bounds how long the others may linger (``PEER_EXIT_WAIT``);
+   * a rank that failed on its own bounds how long the others may linger (``processes.Lingering``);
    * a hang (:mod:`.hang`) or a start that never got past the rendezvous (:mod:`.startup`) ends the run
      of the ranks, which may be restarted inside the allocation (:mod:`.restart`).
 
@@ -68,17 +68,13 @@ from .health import HealthGate, NodeHealth
 from .history_io import ObservedFailures
 from .outcome import classify_outcome, newest_committed
 from .policy import HISTORY_FILE, HOLD_EXIT_CODE, RequeuePolicy
-from .processes import Children, LocalRanks, RankExit, SrunStep
+from .processes import Children, Lingering, LocalRanks, RankExit, SrunStep
 from .rank_env import rendezvous_addresses
 from .requeue import LaunchResult, RecordedEnd, act_on_outcome, record_ending
 from .restart import InJobRestarts
 from .signals import SignalTrap, warn_if_not_exec
 from .startup import RANKS_MARKER_VAR, StartupFailure, StartupWatch, judge_start, startup_bound
 from .stopping import StopControl, StopRequest, teardown
-
-# After one rank failed on its own, how long the others may take to notice (a collective error) and
-# exit before the launcher tears them down.
-PEER_EXIT_WAIT = 30.0
 
 
 def _check_command(command: Sequence[str], nprocs: int | None, job_id: str | None) -> bool:
@@ -336,7 +332,7 @@ class Launcher:
         self.startup_failure = judge_start(self, self.startup, children)
 
     def _loop(self, trap: SignalTrap, children: Children, server: ControlServer) -> None:
-        first_failure: float | None = None
+        lingering = Lingering()
         committed_at: float | None = None
         while not children.poll():
             if trap.wait(0.05):
@@ -371,23 +367,21 @@ class Launcher:
                             "them down", self.cfg.term_grace)
                 teardown(self, children, grace=min(2.0, max(0.0, stop.deadline - now)) if stop else 2.0)
                 break
-            if stop is None and first_failure is None and (hang := self.hang_watch.check(now)) is not None:
+            if stop is None and lingering.since is None and (hang := self.hang_watch.check(now)) is not None:
                 self.hang, self.hang_cause = respond_to_hang(self, self.hang_watch, hang, children)
                 break
             if not self.ranks_seen and now >= self._ranks_seen_check:
                 self._ranks_seen_check = now + 1.0
                 self._ranks_started(server)
-            if (stop is None and first_failure is None and self.startup is not None
+            if (stop is None and lingering.since is None and self.startup is not None
                     and self.startup.due(now, lambda: self._ranks_started(server))):
                 self._on_startup_timeout(children)
                 if self.startup_failure is not None:
                     break
-            if first_failure is None and children.failures():
-                first_failure = now
-                self.root_failures = list(children.failures())
-                log.warning("%s; the others get %.0f s to exit", children.failures()[0].describe(), PEER_EXIT_WAIT)
-            if first_failure is not None and now >= first_failure + PEER_EXIT_WAIT:
-                log.error("ranks still running %.0f s after a rank failed: tearing them down", PEER_EXIT_WAIT)
+            if lingering.since is None and children.failures():
+                self.root_failures = lingering.begin(children, now)
+            if lingering.since is not None and (why := lingering.over(children, now)):
+                log.error("%s: tearing them down", why)
                 teardown(self, children, grace=self.cfg.term_grace)
                 break
         self._record_if_ending(children)  # the ranks left before the launcher saw a commit

@@ -240,6 +240,8 @@ def kill_trees(pids: Sequence[int], grace: float, *, first: int = signal.SIGTERM
     for p in procs:
         try:
             p.send_signal(first)
+            if first != signal.SIGKILL:  # a stopped process (SIGSTOP) takes the signal only once it runs
+                p.send_signal(signal.SIGCONT)
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(procs, timeout=max(0.0, grace)) if grace > 0 and first != signal.SIGKILL else ([], procs)
@@ -252,6 +254,42 @@ def kill_trees(pids: Sequence[int], grace: float, *, first: int = signal.SIGTERM
             pass
     psutil.wait_procs(alive, timeout=5)
     return killed
+
+
+# After one rank failed on its own, how long the others may take to notice (a collective error) and exit
+# before the launcher tears them down; and how long a rank stopped meanwhile (SIGSTOP: it cannot exit by
+# itself, and the others wait for it in their collectives) is given before that happens at once.
+PEER_EXIT_WAIT = 30.0
+STOPPED_WAIT = 2.0
+
+
+class Lingering:
+    """The ranks left after one failed on its own (:meth:`begin`): :meth:`over` says when to stop waiting for
+    them, and why."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # when the first failure was seen
+        self._stopped_since: float | None = None
+
+    def begin(self, children: Children, now: float) -> list[RankExit]:
+        self.since = now
+        failures = list(children.failures())
+        log.warning("%s; the others get %.0f s to exit", failures[0].describe(), PEER_EXIT_WAIT)
+        return failures
+
+    def over(self, children: Children, now: float) -> str | None:
+        assert self.since is not None
+        if now >= self.since + PEER_EXIT_WAIT:
+            return f"ranks still running {PEER_EXIT_WAIT:.0f} s after a rank failed"
+        stopped = children.stopped_ranks()
+        if not stopped:
+            self._stopped_since = None
+            return None
+        self._stopped_since = self._stopped_since or now
+        if now - self._stopped_since < STOPPED_WAIT:
+            return None
+        return (f"rank {', '.join(map(str, stopped))} stopped (SIGSTOP) after a rank failed: it cannot exit by itself "
+                "and the others wait for it")
 
 
 class Children:
@@ -336,6 +374,10 @@ class Children:
         """Send ``sig`` to the ranks this launcher started directly (not to remote ones)."""
         raise NotImplementedError
 
+    def stopped_ranks(self) -> list[int]:
+        """The ranks alive here and stopped by SIGSTOP (none known for ranks under srun, on their nodes)."""
+        return []
+
 
 class LocalRanks(Children):
     """``nprocs`` ranks of ``argv`` on this machine, with torch.distributed variables set (unless
@@ -377,6 +419,17 @@ class LocalRanks(Children):
     def exits(self) -> list[RankExit]:
         return [self._exit_of(r, p.returncode if p.returncode is not None else -int(signal.SIGKILL))
                 for r, p in enumerate(self._procs)]
+
+    def stopped_ranks(self) -> list[int]:
+        """The ranks alive and stopped (SIGSTOP, not a debugger's ptrace stop)."""
+        out = []
+        for r, p in enumerate(self._procs):
+            try:
+                if p.poll() is None and psutil.Process(p.pid).status() == psutil.STATUS_STOPPED:
+                    out.append(r)
+            except psutil.Error:
+                pass
+        return out
 
     def signal_ranks(self, sig: int) -> None:
         for p in self._procs:
