@@ -54,7 +54,8 @@ def parse_size(v: str) -> int:
         raise ValueError(f"expected a finite size such as 1048576, 64M or 1.5G, got {v!r}")
     if n < 0:
         raise ValueError(f"expected a size >= 0, got {v!r}")
-    if 0 < n < 1:  # would be 0, which a setting reads as "off" or "no limit"
+    if 0 < n < 1 or (n == 0 and any(c in "123456789" for c in num.partition("e")[0])):  # 1e-400 underflows
+        # would be 0, which a setting reads as "off" or "no limit"
         raise ValueError(f"{v!r} is less than one byte: give a unit (512M, 0.5G), or 0 for none")
     return int(n)
 

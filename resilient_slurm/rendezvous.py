@@ -176,23 +176,35 @@ def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> ran
         return range(32768, 61000)
 
 
-def free_port(ports: range, *, host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
-    """A TCP port of ``ports``, outside the kernel's ephemeral range, that ``host`` lets this process bind
-    now; tried in random order. Binding port 0 would give an ephemeral port, which any outgoing connection
-    (a gloo pair, an HTTP request) may take between the check and the listener's own bind: the listener then
-    fails with EADDRINUSE, or its clients meet a stranger. OSError when no port of ``ports`` is free."""
+def free_port(ports: range, *, host: str = "", rng: random.Random | None = None) -> int:
+    """A TCP port of ``ports`` that this process may bind on ``host`` now (``""``: every address, as
+    torch's TCPStore listens), tried in random order, those outside the kernel's ephemeral range first.
+
+    Binding port 0 would give an ephemeral port, which any outgoing connection (a gloo pair, an HTTP request)
+    may take between the check and the listener's own bind: the listener then fails with EADDRINUSE, or its
+    clients meet a stranger. A host whose ephemeral range covers all of ``ports`` (``1024 65535`` is a
+    common tuning) still gets a port of ``ports``, and failing that one the kernel picks (port 0), with a
+    warning: a start that may race is better than none."""
     ephemeral = ephemeral_ports()
-    candidates = [p for p in ports if not ephemeral.start <= p < ephemeral.stop and 0 < p < 65536]
-    (rng or random.Random()).shuffle(candidates)
-    for port in candidates:
+    valid = [p for p in ports if 0 < p < 65536]
+    chooser = rng or random.Random()
+    clear = [p for p in valid if not ephemeral.start <= p < ephemeral.stop]
+    inside = [p for p in valid if ephemeral.start <= p < ephemeral.stop]
+    chooser.shuffle(clear)
+    chooser.shuffle(inside)
+    for port in [*clear, *inside, 0]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return port
-    raise OSError(errno.EADDRINUSE, f"no free TCP port on {host} in {ports.start}-{ports.stop - 1} outside "
-                  f"the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
+            chosen = int(sock.getsockname()[1])
+        if port == 0 or port in inside:
+            log.warning("no free TCP port in %d-%d outside the kernel's ephemeral range %d-%d: using %d, which an "
+                        "outgoing connection may take before it is listened on", ports.start, ports.stop - 1,
+                        ephemeral.start, ephemeral.stop - 1, chosen)
+        return chosen
+    raise OSError(errno.EADDRINUSE, f"no TCP port can be bound on {host or 'any address'}")
 
 
 def rendezvous_failure_line(texts: Iterable[str]) -> tuple[str, str | None, int | None] | None:

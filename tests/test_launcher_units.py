@@ -646,21 +646,30 @@ def test_ranks_left_after_a_failure_are_given_up_on_once_one_is_stopped() -> Non
             assert time.monotonic() < deadline
             time.sleep(0.05)
         lingering = Lingering()
-        [failed] = lingering.begin(ranks, time.time())
+        t = 1000.0  # the launcher's clock, as its loop passes it: looks 0.5 s apart
+        [failed] = lingering.begin(ranks, t)
         assert failed.rank == 0 and ranks.stopped_ranks() == []
-        assert lingering.over(ranks, time.time()) is None  # rank 1 runs: it may still exit
+        assert lingering.over(ranks, t + 0.5) is None  # rank 1 runs: it may still exit
         os.kill(ranks.pids[1], signal.SIGSTOP)
         assert _stopped(ranks.pids[1])
-        seen = time.time()
-        assert ranks.stopped_ranks() == [1] and lingering.over(ranks, seen) is None  # just seen stopped
-        why = lingering.over(ranks, seen + STOPPED_WAIT)
+        t += 0.5
+        for _ in range(int(STOPPED_WAIT / 0.5)):  # seen stopped, but not yet for STOPPED_WAIT s
+            t += 0.5
+            assert ranks.stopped_ranks() == [1] and lingering.over(ranks, t) is None
+        why = lingering.over(ranks, t + 0.5)
         assert why is not None and why.startswith("rank 1 stopped (SIGSTOP)"), why
+        # A fresh wait: one gap between looks (the launcher itself stopped, as a suspended job is) counts
+        # at most LOOK_GAP s, so a rank stopped across the gap is not given up on at the first look after it.
+        lingering = Lingering()
+        lingering.begin(ranks, t)
+        assert lingering.over(ranks, t + 0.1) is None
+        assert lingering.over(ranks, t + 60) is None  # neither the 30 s wait nor the 2 s one passed
         os.kill(ranks.pids[1], signal.SIGCONT)  # running again: the wait goes on
         deadline = time.monotonic() + 10
         while ranks.stopped_ranks():
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert lingering.over(ranks, seen + STOPPED_WAIT + 1) is None
+        assert lingering.over(ranks, t + 60.5) is None
     finally:
         ranks.teardown(1)
         ranks.finish()

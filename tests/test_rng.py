@@ -125,6 +125,14 @@ def _bad(key: str, value: object) -> dict[str, object]:
         ("torch_cpu", torch.zeros(7, dtype=torch.uint8), "torch_cpu"),
         ("torch_cpu", torch.zeros(5056, dtype=torch.float32), "torch_cpu"),
         ("torch_cuda", "not a list", "torch_cuda"),
+        # NumPy's own set_state takes these, then reads and writes outside its key array (a crash later).
+        ("numpy.pos", 100000, "numpy.pos"),
+        ("numpy.pos", -5, "numpy.pos"),
+        ("numpy.has_gauss", 7, "numpy"),
+        ("numpy.cached_gaussian", "x", "numpy"),
+        # Python's setstate takes any gauss_next; random.gauss would return it, or fail mid-training.
+        ("python.gauss_next", "abc", "python.gauss_next"),
+        ("python.gauss_next", torch.tensor([1.0, 2.0]), "python.gauss_next"),
     ],
 )
 def test_malformed_entries_raise_naming_the_key(key: str, value: object, named: str) -> None:

@@ -121,10 +121,11 @@ def test_parse_size_refuses_non_finite_sizes() -> None:
 
 def test_a_size_below_one_byte_is_refused_not_read_as_zero() -> None:
     """``0.5`` (no unit) would truncate to 0, which ``staging_memory_limit`` reads as "no limit"."""
-    for bad in ("0.5", "0.9b", "1e-3"):
+    for bad in ("0.5", "0.9b", "1e-3", "1e-400", "1e-400G"):
         with pytest.raises(ValueError, match="less than one byte"):
             cfgmod.parse_size(bad)
     assert (cfgmod.parse_size("0.5G"), cfgmod.parse_size("0"), cfgmod.parse_size("1.5")) == (1 << 29, 0, 1)
+    assert (cfgmod.parse_size("0.0"), cfgmod.parse_size("-0"), cfgmod.parse_size("0e5")) == (0, 0, 0)
     with pytest.raises(ConfigError, match="RSLURM_STAGING_MEMORY_LIMIT"):
         cfgmod.validate({"RSLURM_STAGING_MEMORY_LIMIT": "0.5"})
 

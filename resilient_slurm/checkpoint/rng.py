@@ -15,6 +15,7 @@ Layout of the state (every key is optional on restore)::
 from __future__ import annotations
 
 import logging
+import numbers
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -135,7 +136,11 @@ def _plan_python(value: object) -> Callable[[], None]:
     version = _require_field(PYTHON_KEY, entry, "version")
     words = _require_int_tensor(PYTHON_KEY, _require_field(PYTHON_KEY, entry, "state"), 625)
     gauss_next = _require_field(PYTHON_KEY, entry, "gauss_next")
-    py_state = (version, tuple(words), gauss_next)
+    # setstate takes any object here, and random.gauss would return it (or fail) mid-training.
+    if gauss_next is not None and (isinstance(gauss_next, bool) or not isinstance(gauss_next, numbers.Real)):
+        raise IncompatibleCheckpointError(f"RNG state entry {PYTHON_KEY}.gauss_next must be None or a float, got "
+                                          f"{type(gauss_next).__name__}")
+    py_state = (version, tuple(words), None if gauss_next is None else float(gauss_next))
     try:
         # A scratch generator validates everything setstate checks without touching the global one.
         random.Random().setstate(py_state)
@@ -156,7 +161,14 @@ def _plan_numpy(value: object) -> Callable[[], None] | None:
         return None
     if any(k < 0 or k >= 2**32 for k in keys):
         raise IncompatibleCheckpointError(f"RNG state entry {NUMPY_KEY!r} holds key words outside uint32")
-    np_state = (bit_generator, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian)
+    # NumPy's legacy set_state checks neither: a position past the key array reads (and later writes)
+    # outside it, and has_gauss is a flag.
+    if isinstance(pos, bool) or not isinstance(pos, numbers.Integral) or not 0 <= int(pos) <= 624:
+        raise IncompatibleCheckpointError(f"RNG state entry {NUMPY_KEY}.pos must be an integer in 0..624, got {pos!r}")
+    if has_gauss not in (0, 1) or isinstance(cached_gaussian, bool) or not isinstance(cached_gaussian, numbers.Real):
+        raise IncompatibleCheckpointError(f"RNG state entry {NUMPY_KEY!r} has a malformed cached gaussian "
+                                          f"(has_gauss={has_gauss!r}, cached_gaussian={cached_gaussian!r})")
+    np_state = (bit_generator, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached_gaussian))
     try:
         np.random.RandomState().set_state(np_state)
     except (TypeError, ValueError, OverflowError) as exc:

@@ -263,30 +263,42 @@ PEER_EXIT_WAIT = 30.0
 STOPPED_WAIT = 2.0
 
 
+# The most one gap between two looks counts toward those waits: when the launcher itself was stopped (a job
+# suspended with `scontrol suspend` stops every process of it, then resumes them all), the ranks were
+# stopped too, and that time was not theirs to exit in.
+LOOK_GAP = 1.0
+
+
 class Lingering:
-    """The ranks left after one failed on its own (:meth:`begin`): :meth:`over` says when to stop waiting for
-    them, and why."""
+    """The ranks left after one failed on its own (:meth:`begin`): :meth:`over`, called at every look of the
+    launcher's loop, says when to stop waiting for them, and why. The waits count the time seen between
+    looks, each gap at most :data:`LOOK_GAP`."""
 
     def __init__(self) -> None:
         self.since: float | None = None  # when the first failure was seen
-        self._stopped_since: float | None = None
+        self._last = 0.0
+        self._waited = 0.0
+        self._stopped_for: float | None = None  # seen stopped for this long (None: not stopped at the last look)
 
     def begin(self, children: Children, now: float) -> list[RankExit]:
-        self.since = now
+        self.since = self._last = now
         failures = list(children.failures())
         log.warning("%s; the others get %.0f s to exit", failures[0].describe(), PEER_EXIT_WAIT)
         return failures
 
     def over(self, children: Children, now: float) -> str | None:
         assert self.since is not None
-        if now >= self.since + PEER_EXIT_WAIT:
+        step = min(max(0.0, now - self._last), LOOK_GAP)
+        self._last = now
+        self._waited += step
+        if self._waited >= PEER_EXIT_WAIT:
             return f"ranks still running {PEER_EXIT_WAIT:.0f} s after a rank failed"
         stopped = children.stopped_ranks()
         if not stopped:
-            self._stopped_since = None
+            self._stopped_for = None
             return None
-        self._stopped_since = self._stopped_since or now
-        if now - self._stopped_since < STOPPED_WAIT:
+        self._stopped_for = 0.0 if self._stopped_for is None else self._stopped_for + step
+        if self._stopped_for < STOPPED_WAIT:
             return None
         return (f"rank {', '.join(map(str, stopped))} stopped (SIGSTOP) after a rank failed: it cannot exit by itself "
                 "and the others wait for it")
