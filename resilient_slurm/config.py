@@ -413,6 +413,11 @@ class Settings:
                 'job step (srun --overlap) or a local process; off: never')
     drain_threads: int = _key(_count(), 8, "storage",
                 'parallel transfers (file pieces, S3 parts) per node to and from the durable tier')
+    durable_compression: str = _key(_choice("auto", "zstd", "off"), "auto", "storage",
+                "how the daemon stores shards on the durable tier: zstd = compressed where a sample of the file "
+                "shrinks by 3% or more (zstd level 1 over bytes grouped by element, so exponents compress), as "
+                "it is otherwise; off = as they are; auto = zstd on S3, off on a POSIX path. Restore, verify and "
+                "export read either kind whatever this says")
     drain_bandwidth: int | None = _key(_BANDWIDTH, None, "storage",
                 "cap on the daemon's upload bandwidth in bytes/s (e.g. 200M), to protect shared storage; unset = no "
                 'cap')

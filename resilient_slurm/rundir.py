@@ -15,6 +15,7 @@ the daemon's status) and the writer never disagree on it::
     <root>/<run_id>/metrics/rank<R>.jsonl             METRICS_DIR: training metrics for the resume check
     <root>/<run_id>/replicas/<domain>/                REPLICAS_DIR: a partner domain's steps (peer replicas)
     <root>/.rslurm/run-<run_id>.lock                  the one-writer lock of the run (layout.claim_run)
+    <root>/.rslurm/encode-<pid>/                      the daemon's compressed copies on their way (storage.encoding)
 
 Pure names: nothing here touches the file system, so any layer may use it.
 """
@@ -35,6 +36,7 @@ STACKS_DIR = "stacks"
 METRICS_DIR = "metrics"
 REPLICAS_DIR = "replicas"
 WRITER_LOCK = "run-{}.lock"  # in the root's state directory, formatted with the run id
+ENCODE_SCRATCH = "encode-"  # + a daemon's pid, in the root's state directory: shards being compressed
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,10 @@ class RunDir:
         """The root's state directory (private; the daemon's lock and status, the runs' writer locks)."""
         return os.path.join(self.root, STATE_DIR)
 
+    def encode_scratch(self, pid: int) -> str:
+        """Where daemon ``pid`` writes the compressed copies of shards it uploads (removed after each step)."""
+        return os.path.join(self.state_dir, f"{ENCODE_SCRATCH}{pid}")
+
     @property
     def writer_lock_name(self) -> str:
         return WRITER_LOCK.format(self.run_id)
@@ -124,5 +130,5 @@ class RunDir:
         return durable_step_key(self.run_id, step, *names)
 
 
-__all__ = ["EVENTS_FILE", "HISTORY_FILE", "METRICS_DIR", "REPLICAS_DIR", "STACKS_DIR", "STRAGGLERS_FILE", "TAGS_FILE",
+__all__ = ["ENCODE_SCRATCH", "EVENTS_FILE", "HISTORY_FILE", "METRICS_DIR", "REPLICAS_DIR", "STACKS_DIR", "STRAGGLERS_FILE", "TAGS_FILE",
            "WRITER_LOCK", "RunDir"]

@@ -4,7 +4,7 @@ Who calls what: ``show`` and ``export`` call :func:`open_source` with a :class:`
 and the tier :meth:`~.inventory.Catalog.choose_tier` picked, then read :meth:`StepSource.metadata`
 (checked against the manifest) and each shard through :meth:`StepSource.file` (a context manager that
 yields a local path): local copies and POSIX durable tiers are read in place, other durable tiers (S3)
-are downloaded into a scratch directory (size and xxh3 checked on arrival) and deleted on exit, one
+and compressed objects (:mod:`~resilient_slurm.storage.encoding`) are downloaded (decoded) into a scratch directory (size and xxh3 checked on arrival) and deleted on exit, one
 file at a time. :meth:`StepSource.copy` puts a verified copy of a shard at a given path instead.
 
 The metadata used is the first domain's (the lowest rank's): the same bytes the durable tier's root
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CorruptCheckpointError, ObjectNotFoundError
 from ..manifest import DCP_METADATA_NAME, Manifest, ShardEntry, durable_step_key
+from ..storage.encoding import get_shard, is_compressed
 from ..storage.fileio import checksum
 from ..storage.tier import StorageTier
 from .inventory import Catalog, StepView
@@ -69,7 +70,8 @@ class StepSource:
             return os.path.join(d, rel) if d else None
         from ..storage.posix import PosixTier
 
-        if isinstance(self.durable, PosixTier):
+        if isinstance(self.durable, PosixTier) and not is_compressed(self.durable, self._key(rel),
+                                                                     self.shards[rel].size):
             return os.path.join(self.durable.root, self._key(rel))
         return None
 
@@ -105,7 +107,7 @@ class StepSource:
             return
         assert self.durable is not None
         try:
-            self.durable.get_file(self._key(rel), dest, size=e.size, checksum=e.checksum, progress=progress)
+            get_shard(self.durable, self._key(rel), dest, size=e.size, checksum=e.checksum, progress=progress)
         except ObjectNotFoundError as exc:
             raise CorruptCheckpointError(f"{self.name(rel)}: rank {e.rank}'s shard is missing") from exc
 

@@ -65,6 +65,7 @@ from ..manifest import (
     read_durable_manifest,
 )
 from ..rundir import RunDir
+from ..storage.encoding import get_shard, get_shard_ranges
 from ..storage.fileio import atomic_write, check_free_space, fsync_dir, remove_tree_quietly
 from ..storage.tier import Span, StorageTier
 from .coordination import Coordinator, Topology
@@ -264,9 +265,10 @@ class DurableFetcher:
             key = durable_step_key(self.run_id, step, e.path)
             try:
                 if spans is None:
-                    tier.get_file(key, os.path.join(tmp, e.path), size=e.size, checksum=e.checksum)
+                    get_shard(tier, key, os.path.join(tmp, e.path), size=e.size, checksum=e.checksum)
                     return e.size
-                return tier.get_ranges(key, os.path.join(tmp, e.path + PARTIAL_SUFFIX), size=e.size, spans=spans).bytes
+                return get_shard_ranges(tier, key, os.path.join(tmp, e.path + PARTIAL_SUFFIX), size=e.size,
+                                        spans=spans).bytes
             except BaseException:
                 failed.set()
                 raise

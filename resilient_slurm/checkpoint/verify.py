@@ -63,6 +63,7 @@ from ..manifest import (
     read_manifest_file,
     read_regular_file,
 )
+from ..storage.encoding import get_shard, is_compressed
 from ..storage.fileio import check_free_space, checksum, open_regular
 from ..storage.tier import StorageTier
 
@@ -304,18 +305,19 @@ def _posix_root(tier: StorageTier) -> str | None:
 def durable_file(tier: StorageTier, key: str, entry: ShardEntry, *, scratch: str | None = None,
                  progress: Progress | None = None) -> Iterator[tuple[str, bool]]:
     """A local path holding durable object ``key``, and whether its whole-file checksum was checked on the
-    way. A POSIX tier's file is used in place (not checked yet); anything else is downloaded with
-    ``get_file`` (size and xxh3 checked) into a fresh directory under ``scratch`` that is removed on exit.
+    way. A POSIX tier's file stored as it is is used in place (not checked yet); anything else (S3, a
+    compressed object) is downloaded with :func:`~resilient_slurm.storage.encoding.get_shard` (decoded,
+    size and xxh3 checked) into a fresh directory under ``scratch`` that is removed on exit.
     Raises what ``get_file`` raises: CorruptCheckpointError, ObjectNotFoundError, StorageError."""
     root = _posix_root(tier)
-    if root is not None:
+    if root is not None and not is_compressed(tier, key, entry.size):
         yield os.path.join(root, key), False
         return
     d = tempfile.mkdtemp(prefix="rslurm-fetch-", dir=scratch)
     try:
         check_free_space(d, entry.size, what=f"downloading {tier.url}/{key} (scratch directory {d})")
         path = os.path.join(d, os.path.basename(key))
-        tier.get_file(key, path, size=entry.size, checksum=entry.checksum, progress=progress)
+        get_shard(tier, key, path, size=entry.size, checksum=entry.checksum, progress=progress)
         yield path, True
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -13,9 +13,11 @@ pieces on the tier's threads):
       to (e);
    c. this domain's commit markers of *other* saves of the step are deleted first (a re-save of the step
       overwrites this domain's files, so an older save's marker must stop counting), then every shard of
-      this domain: skipped if the tier already holds it with the same size and recorded checksum (a
-      restarted daemon does not re-send verified data), else ``put_file`` (verified against the
-      manifest's xxh3 as it is read);
+      this domain: skipped if the tier already holds it with the same size and recorded checksum, or
+      compressed from the same bytes (a restarted daemon does not re-send verified data), else sent with
+      :func:`~resilient_slurm.storage.encoding.put_shard` (``put_file``, compressed first when the tier's
+      ``compression`` is zstd and the file's sample pays; verified against the manifest's xxh3 as it is
+      read);
    d. this domain's ``.metadata``, its ``manifest.json`` (what fetch and ``rslurm ls`` read), then its
       commit marker (an empty object: "my shards of this save are there");
    e. :meth:`StepDrainer.try_commit`: one paginated LIST of ``commits/<save token>/``; if every domain of
@@ -58,6 +60,7 @@ from ..manifest import (
     save_token,
 )
 from ..rundir import RunDir
+from ..storage.encoding import holds, put_shard, remove_scratch
 from ..storage.fileio import checksum, reading_step
 from ..storage.tier import StorageTier
 
@@ -181,27 +184,9 @@ class StepDrainer:
             marker = commit_marker_key(ls.run_id, ls.step, save_token(m), ls.domain)
             if self.tier.stat(marker) is None:
                 self._forget_other_saves(ls.run_id, ls.step, m, ls.domain)
-                progress = self._progress(ls)
-                for s in m.shards_of_node(ls.domain):
-                    if self.should_yield is not None and self.should_yield(ls):
-                        res.state = "preempted"
-                        res.seconds = time.perf_counter() - t0
-                        return res
-                    key = f"{durable_step_key(ls.run_id, ls.step)}/{s.path}"
-                    info = self.tier.stat(key)
-                    if info is not None and info.size == s.size and info.checksum == s.checksum:
-                        res.bytes_reused += s.size
-                        continue
-                    try:
-                        st = self.tier.put_file(os.path.join(ls.path, s.path), key, size=s.size,
-                                                checksum=s.checksum, progress=progress)
-                    except DrainPreempted:
-                        res.state = "preempted"
-                        res.seconds = time.perf_counter() - t0
-                        return res
-                    res.bytes_sent += st.bytes - st.reused_bytes
-                    res.bytes_reused += st.reused_bytes
-                    res.retries += st.retries
+                if not self._send_shards(ls, m, res):
+                    res.seconds = time.perf_counter() - t0
+                    return res
                 md = read_checked_metadata(os.path.join(ls.path, DCP_METADATA_NAME), m.dcp_metadata)
                 self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, DCP_METADATA_NAME), md)
                 self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, MANIFEST_NAME), m.to_json().encode())
@@ -211,6 +196,33 @@ class StepDrainer:
         res.state = "durable" if not res.missing_domains else "waiting"
         res.seconds = time.perf_counter() - t0
         return res
+
+    def _send_shards(self, ls: LocalStep, m: Manifest, res: DrainResult) -> bool:
+        """Step (c): every shard of this domain that the tier does not hold yet, compressed where the tier's
+        compression says (:mod:`~resilient_slurm.storage.encoding`); False when told to yield."""
+        progress = self._progress(ls)
+        scratch = RunDir.at(os.path.dirname(ls.path)).encode_scratch(os.getpid())
+        try:
+            for s in m.shards_of_node(ls.domain):
+                if self.should_yield is not None and self.should_yield(ls):
+                    res.state = "preempted"
+                    return False
+                key = f"{durable_step_key(ls.run_id, ls.step)}/{s.path}"
+                if holds(self.tier, key, size=s.size, checksum=s.checksum):
+                    res.bytes_reused += s.size
+                    continue
+                try:
+                    st = put_shard(self.tier, os.path.join(ls.path, s.path), key, size=s.size,
+                                   checksum=s.checksum, scratch=scratch, progress=progress)
+                except DrainPreempted:
+                    res.state = "preempted"
+                    return False
+                res.bytes_sent += st.bytes - st.reused_bytes
+                res.bytes_reused += st.reused_bytes
+                res.retries += st.retries
+            return True
+        finally:
+            remove_scratch(scratch)
 
     def _progress(self, ls: LocalStep) -> Callable[[int], None]:
         """The progress callback for ``ls``'s transfers: reports bytes, and every ``YIELD_CHECK_S``

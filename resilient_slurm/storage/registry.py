@@ -83,8 +83,18 @@ def open_durable(cfg: Settings, *, upload_cap: bool = True) -> StorageTier | Non
     if scheme == "s3":  # part size and attempts are range-checked by their settings' parsers
         options = {"endpoint_url": cfg.s3_endpoint_url, "region": cfg.s3_region, "part_size": cfg.s3_part_size,
                    "max_attempts": cfg.s3_max_attempts}
-    return open_tier(cfg.durable, threads=cfg.drain_threads, bandwidth=cfg.drain_bandwidth if upload_cap else None,
+    tier = open_tier(cfg.durable, threads=cfg.drain_threads, bandwidth=cfg.drain_bandwidth if upload_cap else None,
                      **options)
+    tier.compression = compression_for(cfg.durable_compression, scheme)
+    return tier
+
+
+def compression_for(setting: str, scheme: str) -> str:
+    """What ``durable_compression`` means on a tier of ``scheme``: "zstd" or "off" (auto: zstd on S3, where
+    the bytes are paid for and the network is slower than encoding; off on POSIX, see docs/benchmarks.md)."""
+    if setting == "auto":
+        return "zstd" if scheme == "s3" else "off"
+    return setting
 
 
 __all__ = ["open_durable", "open_tier", "parse_url", "register"]

@@ -173,6 +173,9 @@ class StorageTier(abc.ABC):
 
     #: The URL the tier was opened with (for messages).
     url: str
+    #: How the drain stores shards here: "off" (as they are) or "zstd" (compressed where it pays;
+    #: :mod:`resilient_slurm.storage.encoding`). Readers read either kind whatever this says.
+    compression: str = "off"
 
     @abc.abstractmethod
     def put_file(self, src: str, key: str, *, size: int, checksum: str,
@@ -197,14 +200,16 @@ class StorageTier(abc.ABC):
         bytes."""
 
     def get_ranges(self, key: str, dest: str, *, size: int, spans: Sequence[Span],
-                   progress: Progress | None = None) -> TransferStats:
+                   progress: Progress | None = None,
+                   reader: Callable[[], contextlib.AbstractContextManager[ReadRange]] | None = None) -> TransferStats:
         """Download only ``spans`` of ``key`` into a new local file ``dest`` of ``size`` bytes, each at its
         own offset (the rest of the file is a hole), fsynced. Spans are fetched in parallel, nearby ones
         in one request (:func:`coalesce`); each is checked against its own checksum as it arrives, and a
         request whose bytes do not match is made once more (a bad transfer) before the object is declared
         corrupt (:class:`~resilient_slurm.errors.CorruptCheckpointError`, naming the bytes). ``dest`` is
         removed on any failure. ``stats.bytes``: bytes requested from the store (spans and the gaps
-        between the spans of one request)."""
+        between the spans of one request). ``reader``: opens the byte ranges to read instead of
+        :meth:`open_ranges` (a compressed object's decoded bytes, :mod:`~resilient_slurm.storage.encoding`)."""
         t0 = time.perf_counter()
         stats = TransferStats(key=key)
         spans = sorted(spans, key=lambda sp: sp.offset)
@@ -217,7 +222,7 @@ class StorageTier(abc.ABC):
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
-            with self.open_ranges(key, size) as read:
+            with (reader() if reader is not None else self.open_ranges(key, size)) as read:
 
                 failed = threading.Event()
 

@@ -1,0 +1,239 @@
+"""Compressed shards on the durable tier (resilient_slurm.storage.encoding), on every tier kind.
+
+A shard of trained-like floating-point state is stored compressed (smaller than the file) and read back
+bitwise, whole and by items across frames, on a POSIX directory, on S3 (moto over real HTTP on loopback)
+and on S3 through a proxy that injects 503s and connection resets; a file that does not compress is
+stored as it is; a compressed object damaged anywhere (a frame, the index, the footer, a truncation) is
+refused with its key named; a local file that does not match its manifest checksum publishes nothing; a
+frame that claims more bytes than it may hold is refused before it is decoded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import s3_support
+import torch
+import xxhash
+import zstandard
+from s3_support import RESET_REQUEST, RESET_RESPONSE, SLOWDOWN, FaultProxy, MotoServer
+
+from resilient_slurm.errors import CorruptCheckpointError, ObjectNotFoundError
+from resilient_slurm.storage import encoding
+from resilient_slurm.storage.encoding import (
+    FRAME,
+    decode_frame,
+    get_shard,
+    get_shard_ranges,
+    holds,
+    is_compressed,
+    put_shard,
+    read_layout,
+)
+from resilient_slurm.storage.posix import PosixTier
+from resilient_slurm.storage.registry import compression_for
+from resilient_slurm.storage.s3 import S3Tier
+from resilient_slurm.storage.tier import Span, StorageTier
+
+moto_server = s3_support.moto_server
+fault_proxy = s3_support.fault_proxy
+
+PART = 5 << 20
+PREFIX = "ckpt/run"
+FAST_RETRY = {"backoff": 0.01, "max_backoff": 0.05, "connect_timeout": 2}
+KEY = "run/step_000000000010/__0_0.distcp"
+
+
+def trained_like(n_bytes: int, seed: int = 0) -> bytes:
+    """Bytes like a shard of trained state: fp32 weights of small magnitude, bf16 weights, Adam's second
+    moments (tiny positive numbers), and 3 bytes of framing at the end (not a whole element)."""
+    g = torch.Generator().manual_seed(seed)
+    quarter = n_bytes // 4 // 3 + 1
+    w32 = (torch.randn(quarter, generator=g) * 0.02).numpy().tobytes()
+    w16 = (torch.randn(quarter, generator=g) * 0.02).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    v = (torch.rand(quarter, generator=g) * 1e-6).numpy().tobytes()
+    body = w32 + w16 + v
+    body = (body * (n_bytes // len(body) + 1))[:n_bytes - 3]
+    return body + b"\x01\x02\x03"
+
+
+def xxh(data: bytes) -> str:
+    return xxhash.xxh3_64(data).hexdigest()
+
+
+@pytest.fixture(params=["posix", "s3", "s3-faulty"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorageTier]:
+    t: StorageTier
+    if request.param == "posix":
+        t = PosixTier(str(tmp_path / "durable"), piece_size=PART)
+    else:
+        server: MotoServer = request.getfixturevalue("moto_server")
+        bucket = server.new_bucket()
+        endpoint = server.endpoint
+        if request.param == "s3-faulty":
+            proxy: FaultProxy = request.getfixturevalue("fault_proxy")
+            proxy.inject(SLOWDOWN, every=13)
+            proxy.inject(RESET_REQUEST, every=15)
+            proxy.inject(RESET_RESPONSE, every=17)
+            endpoint = proxy.endpoint
+        t = S3Tier(f"{bucket}/{PREFIX}", endpoint_url=endpoint, part_size=PART, threads=4, **FAST_RETRY)
+        t._test_server = server  # type: ignore[attr-defined]  # to damage objects behind the tier's back
+    t.compression = "zstd"
+    yield t
+    t.close()
+
+
+def stored_bytes(t: StorageTier, key: str) -> bytes:
+    info = t.stat(key)
+    assert info is not None
+    with t.open_ranges(key, info.size) as read:
+        return read(0, info.size)
+
+
+def replace_object(t: StorageTier, key: str, data: bytes) -> None:
+    """Put ``data`` at ``key`` behind the tier's back (a damaged object), keeping nothing of the old one."""
+    if isinstance(t, PosixTier):
+        path = Path(t.root) / key
+        path.write_bytes(data)
+        return
+    assert isinstance(t, S3Tier)
+    t._test_server.client().put_object(Bucket=t.bucket, Key=f"{PREFIX}/{key}", Body=data)  # type: ignore[attr-defined]
+
+
+def put(t: StorageTier, tmp_path: Path, data: bytes, key: str = KEY) -> int:
+    src = tmp_path / "local" / "shard"
+    src.parent.mkdir(parents=True, exist_ok=True)
+    src.write_bytes(data)
+    st = put_shard(t, str(src), key, size=len(data), checksum=xxh(data), scratch=str(tmp_path / "scratch"))
+    assert not (tmp_path / "scratch").exists() or not os.listdir(tmp_path / "scratch"), "scratch left behind"
+    return st.bytes
+
+
+# ------------------------------------------------------------------------------------------ every tier
+def test_a_trained_like_shard_is_stored_smaller_and_read_back_bitwise(tier: StorageTier, tmp_path: Path) -> None:
+    data = trained_like(3 * FRAME + 12345)
+    sent = put(tier, tmp_path, data)
+    info = tier.stat(KEY)
+    assert info is not None and info.size == sent < 0.95 * len(data)
+    assert is_compressed(tier, KEY, len(data))
+    assert holds(tier, KEY, size=len(data), checksum=xxh(data))
+    assert not holds(tier, KEY, size=len(data), checksum=xxh(data + b"x")[:16])
+    out = tmp_path / "out"
+    st = get_shard(tier, KEY, str(out), size=len(data), checksum=xxh(data))
+    assert out.read_bytes() == data
+    assert st.bytes == info.size  # the stored bytes crossed the wire, not the file's
+
+
+def test_items_across_frames_are_read_from_a_compressed_shard(tier: StorageTier, tmp_path: Path) -> None:
+    data = trained_like(3 * FRAME + 999, seed=1)
+    put(tier, tmp_path, data)
+    rng = random.Random(0)
+    spans = [Span(0, 10, ""), Span(FRAME - 5, 10, ""), Span(2 * FRAME + 7, FRAME // 3, ""),
+             Span(len(data) - 4, 4, "")]
+    spans += [Span(o, 100, "") for o in sorted(rng.sample(range(11, FRAME - 200), 3))]
+    spans = sorted((Span(s.offset, s.length, xxh(data[s.offset:s.end])) for s in spans), key=lambda s: s.offset)
+    dest = tmp_path / "partial"
+    get_shard_ranges(tier, KEY, str(dest), size=len(data), spans=spans)
+    got = dest.read_bytes()
+    assert len(got) == len(data)
+    for s in spans:
+        assert got[s.offset:s.end] == data[s.offset:s.end]
+    bad = [Span(spans[0].offset, spans[0].length, "0" * 16)]
+    with pytest.raises(CorruptCheckpointError, match="do not match their checksum"):
+        get_shard_ranges(tier, KEY, str(tmp_path / "partial2"), size=len(data), spans=bad)
+    assert not (tmp_path / "partial2").exists()
+
+
+def test_a_file_that_does_not_compress_is_stored_as_it_is(tier: StorageTier, tmp_path: Path) -> None:
+    data = random.Random(3).randbytes(FRAME + 77)
+    assert put(tier, tmp_path, data) == len(data)
+    info = tier.stat(KEY)
+    assert info is not None and info.size == len(data) and info.checksum == xxh(data)
+    assert not is_compressed(tier, KEY, len(data))
+    get_shard(tier, KEY, str(tmp_path / "out"), size=len(data), checksum=xxh(data))
+    assert (tmp_path / "out").read_bytes() == data
+
+
+@pytest.mark.parametrize("damage", ["frame", "index", "footer", "truncated", "appended"])
+def test_a_damaged_compressed_object_is_refused_naming_it(tier: StorageTier, tmp_path: Path, damage: str) -> None:
+    data = trained_like(2 * FRAME + 5, seed=2)
+    put(tier, tmp_path, data)
+    blob = bytearray(stored_bytes(tier, KEY))
+    with tier.open_ranges(KEY, len(blob)) as read:
+        layout = read_layout(read, len(blob), KEY)
+    assert layout is not None
+    if damage == "frame":
+        blob[layout.offsets[1] + (layout.offsets[2] - layout.offsets[1]) // 2] ^= 0x40
+    elif damage == "index":
+        blob[layout.offsets[-1] + 1] ^= 0x01
+    elif damage == "footer":
+        blob[-20] ^= 0x01
+    elif damage == "truncated":
+        del blob[len(blob) // 2:]
+    else:
+        blob += b"\0" * 100
+    replace_object(tier, KEY, bytes(blob))
+    with pytest.raises(CorruptCheckpointError, match=KEY.split("/")[-1]):
+        get_shard(tier, KEY, str(tmp_path / "out"), size=len(data), checksum=xxh(data))
+    assert not (tmp_path / "out").exists()
+    assert not holds(tier, KEY, size=len(data), checksum=xxh(data)) or damage == "frame"
+    if damage == "frame":  # the frame's items are refused too; the others are still readable
+        with pytest.raises(CorruptCheckpointError, match=KEY.split("/")[-1]):
+            get_shard_ranges(tier, KEY, str(tmp_path / "p"), size=len(data),
+                             spans=[Span(FRAME + 1, 10, xxh(data[FRAME + 1:FRAME + 11]))])
+
+
+def test_a_local_file_that_does_not_match_its_manifest_publishes_nothing(tier: StorageTier, tmp_path: Path) -> None:
+    data = trained_like(FRAME + 5, seed=4)
+    src = tmp_path / "shard"
+    src.write_bytes(data)
+    with pytest.raises(CorruptCheckpointError, match="does not match"):
+        put_shard(tier, str(src), KEY, size=len(data), checksum=xxh(data[:-1] + b"\xff"),
+                  scratch=str(tmp_path / "scratch"))
+    assert tier.stat(KEY) is None
+    assert not (tmp_path / "scratch").exists() or not os.listdir(tmp_path / "scratch")
+    with pytest.raises(ObjectNotFoundError):
+        get_shard(tier, KEY, str(tmp_path / "out"), size=len(data), checksum=xxh(data))
+
+
+# ------------------------------------------------------------------------------------------ the codec
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 4099])
+def test_grouping_round_trips(k: int, n: int) -> None:
+    data = random.Random(n * 10 + k).randbytes(n)
+    blob, mode = encoding.encode_frame(data, k)
+    assert decode_frame(blob, mode, n, "x") == data
+
+
+def test_a_frame_that_claims_more_bytes_is_refused_before_it_is_decoded() -> None:
+    bomb = zstandard.ZstdCompressor(write_checksum=True).compress(b"\0" * (64 << 20))
+    assert len(bomb) < 64 << 10
+    with pytest.raises(CorruptCheckpointError, match="holds 67108864 bytes, not 4096"):
+        decode_frame(bomb, 1, 4096, "obj")
+    with pytest.raises(CorruptCheckpointError, match="cannot be decoded"):
+        decode_frame(b"garbage" * 10, 2, 70, "obj")
+
+
+def test_compression_is_off_unless_asked_and_auto_means_s3(tmp_path: Path) -> None:
+    data = trained_like(FRAME, seed=5)
+    with PosixTier(str(tmp_path / "d")) as t:
+        assert t.compression == "off"
+        assert put(t, tmp_path, data) == len(data)
+        assert not is_compressed(t, KEY, len(data))
+    assert compression_for("auto", "s3") == "zstd" and compression_for("auto", "file") == "off"
+    assert compression_for("off", "s3") == "off" and compression_for("zstd", "file") == "zstd"
+
+
+def test_a_full_scratch_disk_uploads_the_file_as_it_is(tmp_path: Path) -> None:
+    data = trained_like(FRAME, seed=6)
+    (tmp_path / "scratch").write_text("a file where the scratch directory goes")
+    with PosixTier(str(tmp_path / "d")) as t:
+        t.compression = "zstd"
+        src = tmp_path / "shard"
+        src.write_bytes(data)
+        st = put_shard(t, str(src), KEY, size=len(data), checksum=xxh(data), scratch=str(tmp_path / "scratch"))
+        assert st.bytes == len(data) and not is_compressed(t, KEY, len(data))
