@@ -1,7 +1,7 @@
 """Drain benchmark: our daemon's drain of a committed step to the durable tier (POSIX, S3) against the usual
 copy tools, and restore from the durable tier against a local restore, all in one run on this machine.
 
-    .venv/bin/python bench/bench_drain.py [--size-mib 512] [--repeats 3] [--posix] [--s3] [--json OUT]
+    .venv/bin/python bench/bench_drain.py [--size-mib 512] [--repeats 3] [--posix] [--s3] [--zstd] [--json OUT]
 
 With neither --posix nor --s3, both run. The state (a transformer-shaped model + Adam, as in
 bench/common.py) is saved once by the real engine (``Checkpointer.save``, world size 1) into a fresh
@@ -18,6 +18,9 @@ S3, against a moto server in its own process, over HTTP on loopback (one endpoin
   boto3   ``upload_file`` with ``TransferConfig(multipart_chunksize=P, max_concurrency=T)``
   ours    ``StepDrainer(S3Tier(...)).drain(step)``: xxh3 of the source, Content-MD5 and a CRC32 flexible
           checksum on every part, each returned ETag compared with the part's MD5, markers, durable commit
+With --zstd, each section also drains with the tier's compression on (``ours_zstd``: the same drain, each
+shard sampled and, where it pays, compressed into a scratch file before its upload), and restore reads
+those copies too: the time, the throughput in the step's raw bytes, and the share of the bytes stored.
 Restore: ``Checkpointer.restore`` into a fresh model + optimizer, with the page cache dropped first, (a) from
 the local tier, (b) with the local run directory deleted, from the durable POSIX directory and from S3
 (list, fetch + verify into the local tier, then the local read). Checkpointer construction is not timed.
@@ -198,6 +201,7 @@ class Bench(BenchBase):
         self.moto: Moto | None = None
         self.s3_restore_url: str | None = None
         self.posix_restore_dir: str | None = None
+        self.zstd_restore: dict[str, str] = {}  # durable_posix_zstd / durable_s3_zstd -> where restore reads
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -268,6 +272,8 @@ class Bench(BenchBase):
             ("raw", self.posix_raw), ("cp", self.posix_cp), ("ours", self.posix_ours)]
         if self.threads != 1:  # how much the tier's thread count matters on this filesystem
             methods.append(("ours_t1", lambda i: self.posix_ours(i, threads=1)))
+        if self.args.zstd:
+            methods.append(("ours_zstd", lambda i: self.posix_ours(i, compression="zstd")))
         for i in range(self.repeats):
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             log(f"POSIX round {i + 1}/{self.repeats}: {', '.join(n for n, _ in order)}")
@@ -315,10 +321,12 @@ class Bench(BenchBase):
         self.measure("posix", "cp", run)
         remove(d)
 
-    def posix_ours(self, i: int, threads: int | None = None) -> None:
+    def posix_ours(self, i: int, threads: int | None = None, compression: str = "off") -> None:
         name = "ours" if threads is None else f"ours_t{threads}"
+        name += "_zstd" if compression == "zstd" else ""
         d = self._fresh_dir(f"posix-{name}-{i}")
         tier = PosixTier(d, threads=threads or self.threads)
+        tier.compression = compression
         timed = TimedTier(tier)
         warm([p for p, _, _ in self.shards])
         self.settle()
@@ -327,14 +335,15 @@ class Bench(BenchBase):
             t0 = now()
             res = StepDrainer(timed).drain(self.step)  # type: ignore[arg-type]
             t = now() - t0
-            if res.state != "durable" or res.bytes_sent != self.nbytes:
-                raise RuntimeError(f"drain ended {res.state} after sending {res.bytes_sent} of {self.nbytes} bytes")
+            check_sent(res, self.nbytes, compression)
             return {"seconds": t, "put_file_s": round(timed.parts.get("put_file", 0.0), 3),
-                    "rest_s": round(t - timed.parts.get("put_file", 0.0), 3)}
+                    "rest_s": round(t - timed.parts.get("put_file", 0.0), 3), "stored_bytes": res.bytes_sent}
 
         self.measure("posix", name, run)
         tier.close()
-        if i == self.repeats - 1 and threads is None:
+        if i == self.repeats - 1 and threads is None and compression == "zstd":
+            self.zstd_restore["durable_posix_zstd"] = d
+        elif i == self.repeats - 1 and threads is None:
             self.posix_restore_dir = d  # the last drain stays: restore reads it
         else:
             remove(d)
@@ -373,6 +382,8 @@ class Bench(BenchBase):
             ("s5cmd", self.s3_s5cmd), ("boto3", self.s3_boto3), ("ours", self.s3_ours)]
         if self.s5cmd is None:
             methods = methods[1:]
+        if self.args.zstd:
+            methods.append(("ours_zstd", lambda i: self.s3_ours(i, compression="zstd")))
         for i in range(self.repeats):
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             log(f"S3 round {i + 1}/{self.repeats}: {', '.join(n for n, _ in order)}")
@@ -443,13 +454,15 @@ class Bench(BenchBase):
         self._s3_clear(prefix)
         client.close()
 
-    def s3_ours(self, i: int) -> None:
+    def s3_ours(self, i: int, compression: str = "off") -> None:
         from resilient_slurm.storage.registry import open_tier
 
         assert self.moto is not None
-        prefix = f"ours-{i}"
+        name = "ours_zstd" if compression == "zstd" else "ours"
+        prefix = f"{name}-{i}"
         tier = open_tier(f"s3://{BUCKET}/{prefix}", threads=self.threads, endpoint_url=self.moto.url,
                          part_size=self.part)
+        tier.compression = compression
         timed = TimedTier(tier)
         warm([p for p, _, _ in self.shards])
         self.settle()
@@ -458,14 +471,16 @@ class Bench(BenchBase):
             t0 = now()
             res = StepDrainer(timed).drain(self.step)  # type: ignore[arg-type]
             t = now() - t0
-            if res.state != "durable" or res.bytes_sent != self.nbytes:
-                raise RuntimeError(f"drain ended {res.state} after sending {res.bytes_sent} of {self.nbytes} bytes")
+            check_sent(res, self.nbytes, compression)
             return {"seconds": t, "put_file_s": round(timed.parts.get("put_file", 0.0), 3),
-                    "rest_s": round(t - timed.parts.get("put_file", 0.0), 3), "retries": res.retries}
+                    "rest_s": round(t - timed.parts.get("put_file", 0.0), 3), "retries": res.retries,
+                    "stored_bytes": res.bytes_sent}
 
-        self.measure("s3", "ours", run)
+        self.measure("s3", name, run)
         tier.close()
-        if i == self.repeats - 1:
+        if i == self.repeats - 1 and compression == "zstd":
+            self.zstd_restore["durable_s3_zstd"] = f"s3://{BUCKET}/{prefix}"
+        elif i == self.repeats - 1:
             self.s3_restore_url = f"s3://{BUCKET}/{prefix}"  # kept: restore reads it
         else:
             self._s3_clear(prefix)
@@ -477,6 +492,7 @@ class Bench(BenchBase):
             kinds.append(("durable_posix", self.posix_restore_dir))
         if self.s3_restore_url:
             kinds.append(("durable_s3", self.s3_restore_url))
+        kinds += sorted(self.zstd_restore.items())
         handler = FetchLog()
         eng_log = logging.getLogger("resilient_slurm.checkpoint.fetch")
         eng_log.addHandler(handler)
@@ -592,6 +608,26 @@ def _version(dist: str) -> str | None:
 # --------------------------------------------------------------------------------------------- report
 
 
+def check_sent(res: Any, nbytes: int, compression: str) -> None:
+    """The drain committed and sent the whole step (compressed: at most its size)."""
+    ok = res.bytes_sent == nbytes if compression == "off" else 0 < res.bytes_sent <= nbytes
+    if res.state != "durable" or not ok:
+        raise RuntimeError(f"drain ended {res.state} after sending {res.bytes_sent} of {nbytes} bytes")
+
+
+def zstd_summary(section: dict[str, Any], base: str, nbytes: int, zt: list[float], base_s: float | None
+                 ) -> dict[str, Any] | None:
+    """The compressed drain beside the uncompressed one: its time, throughput in the step's raw bytes, the
+    stored share, and its throughput over the uncompressed drain's (> 1 = faster)."""
+    xs = section.get(f"{base}_zstd", [])
+    if not xs:
+        return None
+    t = med(zt)
+    stored = med([x["stored_bytes"] for x in xs])
+    return {"s": t, "mibps": nbytes / MiB / t if t else None, "stored_ratio": ratio(stored, nbytes),
+            "client_cpu_s": med([x["client_cpu_s"] for x in xs]), "ratio_to_uncompressed": ratio(base_s, t)}
+
+
 def summarize(r: dict[str, Any], nbytes: int) -> dict[str, Any]:
     s: dict[str, Any] = {"bytes": nbytes}
 
@@ -617,6 +653,7 @@ def summarize(r: dict[str, Any], nbytes: int) -> dict[str, Any]:
         p["ratio_ours_cp"] = ratio(ours, p["cp"]["mibps"])
         p["ratio_ours_t1_raw"] = ratio(p["ours_t1"]["mibps"], mibps(raw.get(best))) if best else None
         p["target_met"] = None if p["ratio_ours_raw"] is None else p["ratio_ours_raw"] >= POSIX_TARGET
+        p["ours_zstd"] = zstd_summary(posix, "ours", nbytes, times("posix", "ours_zstd"), p["ours"]["s"])
         samples = posix.get("ours", [])
         p["ours_put_file_s"] = med([x["put_file_s"] for x in samples])
         p["ours_rest_s"] = med([x["rest_s"] for x in samples])
@@ -632,6 +669,7 @@ def summarize(r: dict[str, Any], nbytes: int) -> dict[str, Any]:
         q["ratio_ours_s5cmd"] = ratio(q["ours"]["mibps"], q["s5cmd"]["mibps"])
         q["ratio_ours_boto3"] = ratio(q["ours"]["mibps"], q["boto3"]["mibps"])
         q["target_met"] = None if q["ratio_ours_s5cmd"] is None else q["ratio_ours_s5cmd"] >= S3_TARGET
+        q["ours_zstd"] = zstd_summary(s3, "ours", nbytes, times("s3", "ours_zstd"), q["ours"]["s"])
         xs = s3.get("ours", [])
         q["ours_put_file_s"] = med([x["put_file_s"] for x in xs])
         q["ours_rest_s"] = med([x["rest_s"] for x in xs])
@@ -639,13 +677,16 @@ def summarize(r: dict[str, Any], nbytes: int) -> dict[str, Any]:
     rs = r.get("restore", {})
     if rs:
         x: dict[str, Any] = {}
-        for k in ("local", "durable_posix", "durable_s3"):
+        for k in ("local", "durable_posix", "durable_s3", "durable_posix_zstd", "durable_s3_zstd"):
             if k in rs:
                 x[k] = {"s": med(times("restore", k)), "fetch_s": med([y.get("fetch_s") for y in rs[k]])}
         loc = x.get("local", {}).get("s")
-        for k in ("durable_posix", "durable_s3"):
+        for k in ("durable_posix", "durable_s3", "durable_posix_zstd", "durable_s3_zstd"):
             if k in x:
                 x[k]["ratio_to_local"] = ratio(x[k]["s"], loc)
+        for k in ("durable_posix", "durable_s3"):
+            if k in x and f"{k}_zstd" in x:  # > 1: the compressed restore is faster
+                x[f"{k}_zstd"]["ratio_to_uncompressed"] = ratio(x[k]["s"], x[f"{k}_zstd"]["s"])
         s["restore"] = x
     return s
 
@@ -680,6 +721,13 @@ def print_report(r: dict[str, Any]) -> None:
     def line(label: str, t: float | None, mibps: float | None, extra: str = "") -> None:
         print(f"{label:60s} {fmt(t, '8.3f'):>8s} s {fmt(mibps, '8.0f'):>8s} MiB/s  {extra}")
 
+
+    def zstd_line(v: dict[str, Any] | None) -> None:
+        if v:
+            line("ours, durable_compression=zstd (MiB/s of the step's raw bytes)", v["s"], v["mibps"],
+                 f"stored {fmt(v['stored_ratio'], '.3f')} of the bytes; {fmt(v['ratio_to_uncompressed'], '.2f')} x "
+                 f"uncompressed drain; client CPU {fmt(v['client_cpu_s'], '.1f')} s")
+
     if "posix" in s:
         p = s["posix"]
         print()
@@ -696,6 +744,7 @@ def print_report(r: dict[str, Any]) -> None:
         if p["ours_t1"]["s"] is not None:
             line("ours, PosixTier(threads=1) (not the default; for comparison)", p["ours_t1"]["s"], p["ours_t1"]["mibps"],
                  f"{fmt(p['ratio_ours_t1_raw'], '.2f')} x raw")
+        zstd_line(p.get("ours_zstd"))
         print(f"  ours / raw (best) throughput: {fmt(p['ratio_ours_raw'], '.2f')}; ours / raw buffered: "
               f"{fmt(p['ratio_ours_raw_buffered'], '.2f')}; ours / cp: {fmt(p['ratio_ours_cp'], '.2f')}  (> 1 = ours faster)")
     if "s3" in s:
@@ -707,6 +756,7 @@ def print_report(r: dict[str, Any]) -> None:
             v = q[name]
             line(label, v["s"], v["mibps"],
                  f"client CPU {fmt(v['client_cpu_s'], '.1f')} s, moto CPU {fmt(v['server_cpu_s'], '.1f')} s")
+        zstd_line(q.get("ours_zstd"))
         print(f"{'    of which put_file (xxh3, MD5, multipart upload)':60s} {fmt(q['ours_put_file_s'], '8.3f'):>8s} s")
         print(f"{'    of which markers + durable commit':60s} {fmt(q['ours_rest_s'], '8.3f'):>8s} s")
         print(f"  ours / s5cmd throughput: {fmt(q['ratio_ours_s5cmd'], '.2f')}; ours / boto3: "
@@ -723,11 +773,14 @@ def print_report(r: dict[str, Any]) -> None:
         if "local" in x:
             line("from the local tier", x["local"]["s"], s["bytes"] / MiB / x["local"]["s"] if x["local"]["s"] else None)
         for k, label in (("durable_posix", "local run dir deleted: from the durable POSIX dir"),
-                         ("durable_s3", "local run dir deleted: from S3 (moto)")):
+                         ("durable_posix_zstd", "  the same, stored compressed (zstd)"),
+                         ("durable_s3", "local run dir deleted: from S3 (moto)"),
+                         ("durable_s3_zstd", "  the same, stored compressed (zstd)")):
             if k in x:
                 v = x[k]
+                extra = f"; {fmt(v['ratio_to_uncompressed'], '.2f')} x uncompressed" if "zstd" in k else ""
                 line(label, v["s"], s["bytes"] / MiB / v["s"] if v["s"] else None,
-                     f"fetch {fmt(v['fetch_s'], '.3f')} s; {fmt(v['ratio_to_local'], '.1f')}x local")
+                     f"fetch {fmt(v['fetch_s'], '.3f')} s; {fmt(v['ratio_to_local'], '.1f')}x local{extra}")
         if "verified" in r:
             print("  restored state equals saved state: "
                   + ", ".join(f"{k} {all(v)}" for k, v in r["verified"].items()))
@@ -754,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--posix", action="store_true", help="measure the POSIX drain (default: POSIX and S3)")
     ap.add_argument("--s3", action="store_true", help="measure the S3 drain (default: POSIX and S3)")
     ap.add_argument("--no-restore", dest="restore", action="store_false", help="skip the restore measurements")
+    ap.add_argument("--zstd", action="store_true", help="also drain (and restore) with durable_compression=zstd")
     ap.add_argument("--threads", type=int, default=8, help="drain_threads, raw writer threads, s5cmd/boto3 concurrency")
     ap.add_argument("--part-size-mib", type=int, default=64, help="S3 part size for every S3 method")
     ap.add_argument("--dir", default=None, help="where the local and durable dirs go (default /tmp; removed at the end)")

@@ -24,6 +24,7 @@ import pytest
 import s3_support
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from conftest import (
     REPO,
     checkpoint_entries,
@@ -41,7 +42,9 @@ from resilient_slurm import Checkpointer
 from resilient_slurm.catalog.inventory import read_durable_copy
 from resilient_slurm.daemon import daemon_running
 from resilient_slurm.manifest import Manifest
+from resilient_slurm.storage.encoding import choose_stride, encode_file, get_shard
 from resilient_slurm.storage.posix import PosixTier
+from resilient_slurm.storage.s3 import S3Tier
 from resilient_slurm.telemetry import EVENTS_FILE
 
 RUN = "drain"
@@ -546,14 +549,20 @@ def s3_durable(server: MotoServer, bucket: str) -> set[int]:
     return {int(k.split("/")[2][5:]) for k in keys if k.count("/") == 3 and k.endswith("/manifest.json")}
 
 
-def assert_same_bytes_s3(server: MotoServer, bucket: str, local_step: Path) -> None:
-    """Every shard of the local step's domain is in S3 with the same bytes and its recorded xxh3."""
+def assert_same_bytes_s3(server: MotoServer, bucket: str, local_step: Path, tmp: Path) -> None:
+    """Every shard of the local step's domain is in S3 with the same bytes (decoded, where it was stored
+    compressed) and the xxh3 of what is stored recorded with it."""
     m = Manifest.from_json((local_step / "manifest.json").read_bytes())
-    for s in m.shards_of_node(m.node):
-        obj = server.client().get_object(Bucket=bucket, Key=s3_key(m.step, s.path))
-        data = obj["Body"].read()
-        assert data == (local_step / s.path).read_bytes(), f"{s3_key(m.step, s.path)} differs from the local shard"
-        assert obj["Metadata"].get("xxh3") == s.checksum
+    with S3Tier(f"{bucket}/{PREFIX}", endpoint_url=server.endpoint) as tier:
+        for s in m.shards_of_node(m.node):
+            obj = server.client().get_object(Bucket=bucket, Key=s3_key(m.step, s.path))
+            data = obj["Body"].read()
+            assert obj["Metadata"].get("xxh3") == xxhash.xxh3_64(data).hexdigest()
+            if len(data) != s.size:  # stored compressed (durable_compression auto: zstd on S3)
+                get_shard(tier, s3_key(m.step, s.path)[len(PREFIX) + 1:], str(tmp / "decoded"), size=s.size,
+                          checksum=s.checksum)
+                data = (tmp / "decoded").read_bytes()
+            assert data == (local_step / s.path).read_bytes(), f"{s3_key(m.step, s.path)} differs from the local shard"
     dm = Manifest.from_json(server.client().get_object(Bucket=bucket, Key=s3_key(m.step, "manifest.json"))["Body"]
                             .read())
     assert dm.save_id == m.save_id
@@ -569,14 +578,28 @@ def sent_mib(err: str, what: str) -> float:
     return total
 
 
+@pytest.mark.parametrize("compression", ["off", "zstd"])
 def test_kill9_mid_drain_then_restart_s3_resumes_parts(tmp_path: Path, n1: str, moto_server: MotoServer,
-                                                       s3_bucket: str, fault_proxy: FaultProxy) -> None:
+                                                       s3_bucket: str, fault_proxy: FaultProxy,
+                                                       compression: str) -> None:
+    """Compressed, the restarted daemon encodes the shard again into the same bytes (the encoding is
+    deterministic), so the parts already uploaded are reused just the same."""
     local, url = tmp_path / "nvme", f"s3://{s3_bucket}/{PREFIX}"
     save_steps(local, [5], 24 * MiB)
     m = Manifest.from_json((local / RUN / sdir(5) / "manifest.json").read_bytes())
-    nparts = -(-m.shards[0].size // (5 * MiB))
-    assert nparts == 5
-    env = s3_env(fault_proxy.endpoint)
+    size = m.shards[0].size
+    if compression == "zstd":
+        shard = str(local / RUN / sdir(5) / m.shards[0].path)
+        fd = os.open(shard, os.O_RDONLY)
+        stride = choose_stride(fd, size)[0]
+        os.close(fd)
+        assert stride is not None
+        got = encode_file(shard, str(tmp_path / "encoded"), size=size, checksum=m.shards[0].checksum, stride=stride)
+        assert got is not None
+        size = got[0]
+    nparts = -(-size // (5 * MiB))
+    assert nparts == 5 if compression == "off" else 3 <= nparts <= 5, (nparts, size)
+    env = s3_env(fault_proxy.endpoint, RSLURM_DURABLE_COMPRESSION=compression)
     log = tmp_path / "daemon.log"
     proc = start_daemon(local, url, log, "--drain-bandwidth", "4M", "--drain-threads", "1", env=env)
     cur = wait_progress(local, proc, log)
@@ -594,7 +617,7 @@ def test_kill9_mid_drain_then_restart_s3_resumes_parts(tmp_path: Path, n1: str, 
     since = len(fault_proxy.requests)
     err = ok(drain(local, url, env=env))
     assert s3_durable(moto_server, s3_bucket) == {5}, err
-    assert_same_bytes_s3(moto_server, s3_bucket, local / RUN / sdir(5))
+    assert_same_bytes_s3(moto_server, s3_bucket, local / RUN / sdir(5), tmp_path)
     # The restart sent only the parts that were not there; the log says so.
     assert fault_proxy.count("UploadPart", since=since) == nparts - len(there), err
     assert fault_proxy.count("CreateMultipartUpload", since=since) == 0
@@ -654,7 +677,7 @@ def test_s3_drain_through_503s_and_resets(tmp_path: Path, n1: str, moto_server: 
         assert all(r.injected == r.times for r in rules), (fault, [(r.injected, r.times) for r in rules], err)
     assert s3_durable(moto_server, s3_bucket) == {1, 2}, err
     for s in (1, 2):
-        assert_same_bytes_s3(moto_server, s3_bucket, local / RUN / sdir(s))
+        assert_same_bytes_s3(moto_server, s3_bucket, local / RUN / sdir(s), tmp_path)
     assert moto_server.uploads(s3_bucket) == []
     daemon_status = json.loads((local / ".rslurm" / "daemon.json").read_text())
     assert sum(s["retries"] for s in daemon_status["steps"]) >= 3, daemon_status

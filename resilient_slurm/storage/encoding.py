@@ -43,12 +43,12 @@ precisely. A decoded frame larger than it should be is refused before it is allo
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -76,7 +76,7 @@ SAMPLE_BYTES = 1 << 20  # bytes of each sampled frame
 MIN_SAVING = 0.03  # a file is compressed only when its sample shrinks by at least this share
 MIN_SIZE = 64 << 10  # smaller files are stored as they are
 ENCODE_THREADS = 4  # frames encoded (or decoded) at once by one transfer
-READ_BATCH = 32 << 20  # stored bytes one ranged read of a whole-file decode asks for
+READ_BATCH = 16 << 20  # stored bytes one ranged read of a whole-file decode asks for (ENCODE_THREADS at once)
 SCRATCH_PREFIX = ".rslurm-encode-"
 COMPRESSIONS = ("off", "zstd")
 
@@ -229,10 +229,12 @@ def choose_stride(fd: int, size: int) -> tuple[int | None, float]:
 
 
 def encode_file(src: str, dst: str, *, size: int, checksum: str, stride: int,
-                threads: int = ENCODE_THREADS) -> tuple[int, str] | None:
+                threads: int = ENCODE_THREADS, progress: Progress | None = None) -> tuple[int, str] | None:
     """Encode local file ``src`` into new file ``dst``; return (stored size, stored xxh3), or None (dst
     removed) when the encoding is not smaller than the file. The raw bytes are checked against ``size``
-    and ``checksum`` as they are read: a mismatch raises CorruptCheckpointError and nothing is kept."""
+    and ``checksum`` as they are read: a mismatch raises CorruptCheckpointError and nothing is kept.
+    ``progress(0)`` is called after every frame (nothing is transferred yet): a drain that must yield to
+    a more urgent step raises from it, and ``dst`` is removed."""
     raw_h, stored_h = xxhash.xxh3_64(), xxhash.xxh3_64()
     fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -251,12 +253,11 @@ def encode_file(src: str, dst: str, *, size: int, checksum: str, stride: int,
 
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="rslurm-encode") as pool:
             window = max(1, threads) * 2
-            futures = [pool.submit(one, i) for i in range(min(window, n))]
+            pending = deque(pool.submit(one, i) for i in range(min(window, n)))
             for i in range(n):
-                raw, blob, mode = futures[i].result()
+                raw, blob, mode = pending.popleft().result()
                 if i + window < n:
-                    futures.append(pool.submit(one, i + window))
-                futures[i] = None  # type: ignore[call-overload]  # free the frame
+                    pending.append(pool.submit(one, i + window))
                 if len(raw) != min(FRAME, size - i * FRAME):
                     raise CorruptCheckpointError(f"{src}: local shard changed while it was read; not published")
                 raw_h.update(raw)
@@ -264,6 +265,8 @@ def encode_file(src: str, dst: str, *, size: int, checksum: str, stride: int,
                 _write_all(fout, blob, pos)
                 pos += len(blob)
                 index += INDEX_ENTRY.pack(len(blob), mode)
+                if progress:
+                    progress(0)
                 if pos >= size:
                     return None
         if raw_h.hexdigest() != checksum:
@@ -328,7 +331,7 @@ def put_shard(tier: StorageTier, src: str, key: str, *, size: int, checksum: str
     try:
         try:
             os.makedirs(scratch, mode=0o700, exist_ok=True)
-            got = encode_file(src, tmp, size=size, checksum=checksum, stride=stride)
+            got = encode_file(src, tmp, size=size, checksum=checksum, stride=stride, progress=progress)
         except OSError as exc:  # a full local disk: upload as it is rather than not at all
             log.warning("%s: cannot write its compressed copy under %s (%s); uploading it uncompressed", src,
                         scratch, exc)
@@ -392,24 +395,34 @@ def get_shard(tier: StorageTier, key: str, dest: str, *, size: int, checksum: st
     h = xxhash.xxh3_64()
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
+        n, batches, i = len(layout.modes), [], 0
+        while i < n:  # runs of whole frames of at most READ_BATCH stored bytes (or one larger frame)
+            j = i + 1
+            while j < n and layout.offsets[j + 1] - layout.offsets[i] <= READ_BATCH:
+                j += 1
+            batches.append((i, j))
+            i = j
         with tier.open_ranges(key, info.size) as read, \
                 ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="rslurm-decode") as pool:
-            n = len(layout.modes)
-            i = 0
-            while i < n:
-                j = i + 1
-                while j < n and layout.offsets[j + 1] - layout.offsets[i] <= READ_BATCH:
-                    j += 1
+
+            def fetch(i: int, j: int) -> tuple[int, list[bytes]]:
                 lo = layout.offsets[i]
                 chunk = read(lo, layout.offsets[j] - lo)
-                stats.bytes += len(chunk)
+                return len(chunk), [_frame_of(chunk, lo, layout, where, f) for f in range(i, j)]
+
+            # Batches are read and decoded ENCODE_THREADS at a time (ranged reads in parallel, as get_file
+            # makes them), and hashed and written in order here.
+            pending = deque(pool.submit(fetch, *b) for b in batches[:ENCODE_THREADS])
+            for k, (i, _j) in enumerate(batches):
+                got, raws = pending.popleft().result()
+                if k + ENCODE_THREADS < len(batches):
+                    pending.append(pool.submit(fetch, *batches[k + ENCODE_THREADS]))
+                stats.bytes += got
                 if progress:
-                    progress(len(chunk))
-                parts = pool.map(functools.partial(_frame_of, chunk, lo, layout, where), range(i, j))
-                for f, raw in zip(range(i, j), parts):
+                    progress(got)
+                for f, raw in enumerate(raws, start=i):
                     h.update(raw)
                     _write_all(fd, raw, f * layout.frame_size)
-                i = j
         if h.hexdigest() != checksum:
             raise CorruptCheckpointError(f"{where}: decoded bytes do not match the manifest's checksum; the durable "
                                          "object is corrupt")
