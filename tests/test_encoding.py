@@ -164,7 +164,7 @@ def test_a_damaged_compressed_object_is_refused_naming_it(tier: StorageTier, tmp
     put(tier, tmp_path, data)
     blob = bytearray(stored_bytes(tier, KEY))
     with tier.open_ranges(KEY, len(blob)) as read:
-        layout = read_layout(read, len(blob), KEY)
+        layout = read_layout(read, len(blob), KEY, len(data))
     assert layout is not None
     if damage == "frame":
         blob[layout.offsets[1] + (layout.offsets[2] - layout.offsets[1]) // 2] ^= 0x40
@@ -309,3 +309,54 @@ def test_a_drain_told_to_yield_stops_while_it_compresses_and_leaves_nothing(tmp_
                       progress=progress)
         assert t.stat(KEY) is None and calls == [0, 0]
     assert not os.listdir(tmp_path / "scratch")
+
+
+@pytest.mark.parametrize("case", ["tiny frames", "other size", "index past the start"])
+def test_a_forged_footer_is_refused_before_its_index_is_read(tmp_path: Path, case: str) -> None:
+    """A footer with valid checksums that asks for a huge index, or names another file, is refused from the
+    footer alone: a damaged or hostile object cannot make a reader allocate more than the file is worth."""
+    size = 10 << 20
+    frame, n, said = {"tiny frames": (16, -(-size // 16), size), "other size": (FRAME, 3, size + 1),
+                      "index past the start": (FRAME, 3, size)}[case]
+    body = b"\0" * (100 if case != "index past the start" else 5)
+    obj = body + encoding._footer(said, frame, n, "0" * 16, b"")
+    reads: list[tuple[int, int]] = []
+
+    def read(offset: int, k: int) -> bytes:
+        reads.append((offset, k))
+        return obj[offset:offset + k]
+
+    with pytest.raises(CorruptCheckpointError, match="obj"):
+        read_layout(read, len(obj), "obj", size)
+    assert reads == [(len(obj) - encoding.FOOTER.size, encoding.FOOTER.size)]
+
+
+def test_decodes_of_many_files_share_a_small_budget_without_waiting_on_each_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight files decoded at once (as a fetch does) with room for two batches in the whole process, each
+    batch one frame: every file arrives bitwise, and a file that fails gives its share back."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(encoding, "_DECODE_BUDGET", threading.BoundedSemaphore(2))
+    monkeypatch.setattr(encoding, "READ_BATCH", 1)
+    datas = [trained_like(3 * FRAME + i, seed=10 + i) for i in range(8)]
+    with PosixTier(str(tmp_path / "d")) as t:
+        t.compression = "zstd"
+        for i, d in enumerate(datas):
+            put(t, tmp_path, d, key=f"f{i}")
+        bad = bytearray(stored_bytes(t, "f7"))
+        bad[100] ^= 1
+        replace_object(t, "f7", bytes(bad))
+
+        def one(i: int) -> bool:
+            try:
+                get_shard(t, f"f{i}", str(tmp_path / f"o{i}"), size=len(datas[i]), checksum=xxh(datas[i]))
+            except CorruptCheckpointError:
+                return False
+            return (tmp_path / f"o{i}").read_bytes() == datas[i]
+
+        with ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(one, range(8)))
+    assert got == [True] * 7 + [False]
+    assert encoding._DECODE_BUDGET.acquire(blocking=False) and encoding._DECODE_BUDGET.acquire(blocking=False)

@@ -50,7 +50,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +68,7 @@ FOOTER = struct.Struct("<8sQII16sQQ")
 INDEX_ENTRY = struct.Struct("<IB")
 FRAME = 4 << 20  # raw bytes per frame: the unit of random access (a ranged read decodes whole frames)
 MAX_FRAME = 64 << 20  # the largest frame size a reader accepts
+MIN_FRAME = 64 << 10  # and the smallest (so an index is at most 5 bytes per 64 KiB of the file)
 LEVEL = 1  # zstd level: level 3 saved no more on trained state and encodes slower (docs/benchmarks.md)
 STRIDES = (1, 2, 4)  # the groupings tried: plain, 16-bit and 32-bit elements
 MODES = (0, 1, 2, 4, 8)
@@ -76,7 +77,10 @@ SAMPLE_BYTES = 1 << 20  # bytes of each sampled frame
 MIN_SAVING = 0.03  # a file is compressed only when its sample shrinks by at least this share
 MIN_SIZE = 64 << 10  # smaller files are stored as they are
 ENCODE_THREADS = 4  # frames encoded (or decoded) at once by one transfer
-READ_BATCH = 16 << 20  # stored bytes one ranged read of a whole-file decode asks for (ENCODE_THREADS at once)
+READ_BATCH = 64 << 20  # stored bytes one ranged read of a whole-file decode asks for (S3's default part size:
+# fewer, larger requests; on moto a request costs time in proportion to the object, and 16 MiB batches made
+# a restore 2.6 times slower)
+DECODE_BUDGET = 8  # batches being read or decoded at once in this process, over every file it fetches
 SCRATCH_PREFIX = ".rslurm-encode-"
 COMPRESSIONS = ("off", "zstd")
 
@@ -106,6 +110,7 @@ def _ungroup(data: bytes, k: int) -> bytes:
     return out.tobytes()
 
 
+_DECODE_BUDGET = threading.BoundedSemaphore(DECODE_BUDGET)
 _local = threading.local()
 
 
@@ -175,18 +180,23 @@ def _footer(raw_size: int, frame_size: int, n: int, raw_checksum: str, index: by
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
 
-def read_layout(read: ReadRange, stored_size: int, where: str) -> Layout | None:
-    """The layout of a stored object of ``stored_size`` bytes, or None when it has no footer of this
-    format (it is not compressed). Raises CorruptCheckpointError when the footer is there but damaged."""
+def read_layout(read: ReadRange, stored_size: int, where: str, raw_size: int) -> Layout | None:
+    """The layout of a stored object of ``stored_size`` bytes, the encoding of a ``raw_size``-byte file, or
+    None when it has no footer of this format (it is not compressed). Raises CorruptCheckpointError when
+    the footer is there but damaged or names another size (checked before the index is read: a footer
+    cannot make a reader read or allocate more than a small share of the file's size)."""
     if stored_size < FOOTER.size:
         return None
     tail = read(stored_size - FOOTER.size, FOOTER.size)
-    magic, raw_size, frame_size, n, raw_ck, index_ck, own_ck = FOOTER.unpack(tail)
+    magic, said_size, frame_size, n, raw_ck, index_ck, own_ck = FOOTER.unpack(tail)
     if magic != MAGIC:
         return None
     if xxhash.xxh3_64_intdigest(tail[:-8]) != own_ck:
         raise CorruptCheckpointError(f"{where}: the compressed object's footer is damaged")
-    if not (0 < frame_size <= MAX_FRAME) or n != -(-raw_size // frame_size):
+    if said_size != raw_size:
+        raise CorruptCheckpointError(f"{where}: compressed object of a {said_size}-byte file, the manifest says "
+                                     f"{raw_size}")
+    if not (MIN_FRAME <= frame_size <= MAX_FRAME) or n != -(-raw_size // frame_size):
         raise CorruptCheckpointError(f"{where}: the compressed object's footer is inconsistent "
                                      f"({raw_size} bytes in {n} frames of {frame_size})")
     index_at = stored_size - FOOTER.size - n * INDEX_ENTRY.size
@@ -305,7 +315,7 @@ def holds(tier: StorageTier, key: str, *, size: int, checksum: str) -> bool:
         return info.checksum == checksum
     try:
         with tier.open_ranges(key, info.size) as read:
-            layout = read_layout(read, info.size, f"{tier.url}/{key}")
+            layout = read_layout(read, info.size, f"{tier.url}/{key}", size)
     except (CorruptCheckpointError, ObjectNotFoundError):
         return False
     return layout is not None and layout.raw_size == size and layout.raw_checksum == checksum \
@@ -367,12 +377,9 @@ def _stored(tier: StorageTier, key: str, size: int) -> tuple[ObjectInfo, Layout 
     if info.size == size:
         return info, None
     with tier.open_ranges(key, info.size) as read:
-        layout = read_layout(read, info.size, where)
+        layout = read_layout(read, info.size, where, size)
     if layout is None:
         raise CorruptCheckpointError(f"{where}: durable object is {info.size} bytes, the manifest says {size}")
-    if layout.raw_size != size:
-        raise CorruptCheckpointError(f"{where}: compressed object of a {layout.raw_size}-byte file, the manifest "
-                                     f"says {size}")
     return info, layout
 
 
@@ -393,6 +400,7 @@ def get_shard(tier: StorageTier, key: str, dest: str, *, size: int, checksum: st
     where = f"{tier.url}/{key}"
     stats = TransferStats(key=key, bytes=info.size - layout.offsets[-1])  # the index and footer read
     h = xxhash.xxh3_64()
+    held = 0  # batches of the decode budget this call holds
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         n, batches, i = len(layout.modes), [], 0
@@ -410,13 +418,28 @@ def get_shard(tier: StorageTier, key: str, dest: str, *, size: int, checksum: st
                 chunk = read(lo, layout.offsets[j] - lo)
                 return len(chunk), [_frame_of(chunk, lo, layout, where, f) for f in range(i, j)]
 
-            # Batches are read and decoded ENCODE_THREADS at a time (ranged reads in parallel, as get_file
-            # makes them), and hashed and written in order here.
-            pending = deque(pool.submit(fetch, *b) for b in batches[:ENCODE_THREADS])
-            for k, (i, _j) in enumerate(batches):
+            # Batches are read and decoded up to ENCODE_THREADS at a time (ranged reads in parallel, as
+            # get_file makes them) within the process's DECODE_BUDGET, and hashed and written in order here.
+            # A decode waits for the budget only when it holds none of it, so decodes of several files
+            # cannot wait for each other.
+            pending: deque[Future[tuple[int, list[bytes]]]] = deque()
+            nxt = 0
+
+            def fill() -> None:
+                nonlocal nxt, held
+                while nxt < len(batches) and len(pending) < ENCODE_THREADS:
+                    if not _DECODE_BUDGET.acquire(blocking=not pending):
+                        return
+                    held += 1
+                    pending.append(pool.submit(fetch, *batches[nxt]))
+                    nxt += 1
+
+            fill()
+            for i, _j in batches:
                 got, raws = pending.popleft().result()
-                if k + ENCODE_THREADS < len(batches):
-                    pending.append(pool.submit(fetch, *batches[k + ENCODE_THREADS]))
+                _DECODE_BUDGET.release()
+                held -= 1
+                fill()
                 stats.bytes += got
                 if progress:
                     progress(got)
@@ -432,6 +455,9 @@ def get_shard(tier: StorageTier, key: str, dest: str, *, size: int, checksum: st
         with contextlib.suppress(OSError):
             os.unlink(dest)
         raise
+    finally:
+        for _ in range(held):
+            _DECODE_BUDGET.release()
     os.close(fd)
     stats.seconds = time.perf_counter() - t0
     return stats
