@@ -623,6 +623,18 @@ def test_kill9_mid_drain_then_restart_s3_resumes_parts(tmp_path: Path, n1: str, 
     assert fault_proxy.count("CreateMultipartUpload", since=since) == 0
     assert sent_mib(err, "already") >= 5 * len(there) - 0.1, err
     assert moto_server.uploads(s3_bucket) == []
+    if compression == "zstd":  # `rslurm verify` reads the compressed shard, and names it once a byte flips
+        verify = ("verify", "--json", "--tier", "durable", "--local-dir", str(local), "--durable", url, "5")
+        ok(rslurm(*verify, env=env))
+        key = s3_key(5, m.shards[0].path)
+        blob = bytearray(moto_server.client().get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+        assert len(blob) == size
+        blob[len(blob) // 2] ^= 0x20
+        moto_server.client().put_object(Bucket=s3_bucket, Key=key, Body=bytes(blob))
+        r = rslurm(*verify, env=env)
+        assert r.returncode == 1, r.stdout + r.stderr
+        faults = [f for rep in json.loads(r.stdout)["reports"] for f in rep["faults"]]
+        assert [(f["where"].endswith(key), f["kind"]) for f in faults] == [(True, "corrupt")], faults
     assert status(local, url, env=env)[5]["durable"] == "durable"
 
 
