@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from resilient_slurm.errors import ConfigError, RendezvousError
-from resilient_slurm.jobenv import PORT_BASE, PORT_SPAN, JobEnv, job_master_port, tasks_on_node
+from resilient_slurm.jobenv import JOB_PORTS, PORT_BASE, PORT_SPAN, JobEnv, job_master_port, tasks_on_node
 from resilient_slurm.rendezvous import free_port, resolve_error, slurm_node_addr
 
 logger = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ def resolve_distributed_env(
     elif job.job_id:
         master_port = job_master_port(_int_var(raw, "SLURM_JOB_ID", minimum=0))
     elif world_size == 1:
-        master_port = free_port(range(PORT_BASE, PORT_BASE + PORT_SPAN))
+        master_port = free_port(JOB_PORTS)
     else:
         raise ConfigError(
             "MASTER_PORT is not set and SLURM_JOB_ID is not there to derive one from; set MASTER_PORT to a "

@@ -41,6 +41,7 @@ NODE_COUNT_VARS = ("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
 # ephemeral range (32768-60999), where outgoing connections could already hold the port: 15000-31999.
 PORT_BASE = 15000
 PORT_SPAN = 17000
+JOB_PORTS = range(PORT_BASE, PORT_BASE + PORT_SPAN)  # also where a local launch or a world of one picks a free port
 
 
 def job_master_port(job_id: int) -> int:
@@ -217,4 +218,4 @@ class JobEnv:
         return max(1, len(hosts))
 
 
-__all__ = ["NODE_COUNT_VARS", "PORT_BASE", "PORT_SPAN", "VARIABLES", "JobEnv", "job_master_port", "tasks_on_node"]
+__all__ = ["JOB_PORTS", "NODE_COUNT_VARS", "PORT_BASE", "PORT_SPAN", "VARIABLES", "JobEnv", "job_master_port", "tasks_on_node"]

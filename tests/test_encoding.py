@@ -360,3 +360,15 @@ def test_decodes_of_many_files_share_a_small_budget_without_waiting_on_each_othe
             got = list(ex.map(one, range(8)))
     assert got == [True] * 7 + [False]
     assert encoding._DECODE_BUDGET.acquire(blocking=False) and encoding._DECODE_BUDGET.acquire(blocking=False)
+
+
+def test_progress_of_a_compressed_upload_counts_the_files_raw_bytes(tmp_path: Path) -> None:
+    data = trained_like(3 * FRAME + 1, seed=8)
+    src = tmp_path / "shard"
+    src.write_bytes(data)
+    told: list[int] = []
+    with PosixTier(str(tmp_path / "d"), piece_size=1 << 20) as t:
+        t.compression = "zstd"
+        st = put_shard(t, str(src), KEY, size=len(data), checksum=xxh(data), scratch=str(tmp_path / "s"),
+                       progress=told.append)
+    assert st.bytes < len(data) and sum(told) == len(data) and all(n >= 0 for n in told) and len(told) > 3

@@ -51,7 +51,7 @@ from ..control import ControlServer, default_socket_path
 from ..control.heartbeat import clear_heartbeats, read_heartbeats
 from ..control.rank import CONTROL_NODE_ENV
 from ..errors import ConfigError, ControlSetupError, ResilientSlurmError, SlurmError, SlurmJobNotFoundError
-from ..jobenv import PORT_BASE, PORT_SPAN, JobEnv
+from ..jobenv import JOB_PORTS, JobEnv
 from ..layout import WRITER_ENV, RunWriter, claim_run
 from ..paths import default_local_dir, default_run_id, expand_local_dir, node_name
 from ..rendezvous import free_port
@@ -307,7 +307,7 @@ class Launcher:
                                         expected=addrs or {})
             children: Children = SrunStep(self.command, env, addrs)
         elif self.nprocs is not None:
-            children = LocalRanks(self.command, self.nprocs, env, free_port(range(PORT_BASE, PORT_BASE + PORT_SPAN)))
+            children = LocalRanks(self.command, self.nprocs, env, free_port(JOB_PORTS))
         else:
             children = LocalRanks(self.command, 1, env, 0, dist_env=False)
         try:

@@ -349,10 +349,26 @@ def put_shard(tier: StorageTier, src: str, key: str, *, size: int, checksum: str
         if got is None:
             return tier.put_file(src, key, size=size, checksum=checksum, progress=progress)
         stored, stored_ck = got
-        return tier.put_file(tmp, key, size=stored, checksum=stored_ck, progress=progress)
+        return tier.put_file(tmp, key, size=stored, checksum=stored_ck,
+                             progress=_in_raw_bytes(progress, size, stored) if progress else None)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def _in_raw_bytes(progress: Progress, raw: int, stored: int) -> Progress:
+    """``progress`` told of the file's raw bytes while ``stored`` compressed bytes are sent: a drain's
+    "done of total" (the step's raw bytes) then ends at its total, whichever way each file is stored."""
+    sent = told = 0
+
+    def scaled(n: int) -> None:
+        nonlocal sent, told
+        sent += n
+        now = raw if sent >= stored else sent * raw // stored
+        progress(now - told)
+        told = now
+
+    return scaled
 
 
 def remove_scratch(scratch: str) -> None:
