@@ -141,7 +141,8 @@ class DrainResult:
     run_id: str
     step: int
     state: str  # durable | waiting (other nodes' shards missing) | preempted (a more urgent step) | superseded
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # bytes stored (compressed ones as compressed)
+    file_bytes: int = 0  # the size of the files those bytes hold (bytes_sent / file_bytes: the compression)
     bytes_reused: int = 0
     seconds: float = 0.0
     retries: int = 0
@@ -218,6 +219,7 @@ class StepDrainer:
                     res.state = "preempted"
                     return False
                 res.bytes_sent += st.bytes - st.reused_bytes
+                res.file_bytes += s.size
                 res.bytes_reused += st.reused_bytes
                 res.retries += st.retries
             return True

@@ -580,7 +580,7 @@ class Daemon:
             mismatches = ls.manifest.extra.get("replica_mismatch")
             self.counters["rslurm_replica_mismatches_total"] += len(mismatches) if isinstance(mismatches, list) else 0
             events.emit(Event.DRAINED, step=ls.step, state=result.state, bytes=result.bytes_sent,
-                        reused_bytes=result.bytes_reused, seconds=result.seconds,
+                        file_bytes=result.file_bytes, reused_bytes=result.bytes_reused, seconds=result.seconds,
                         throughput_bytes_s=result.throughput, retries=result.retries)
         if result.committed:
             self.counters["rslurm_durable_commits_total"] += 1
@@ -592,9 +592,11 @@ class Daemon:
             return result
         if result.bytes_sent or result.bytes_reused:
             st.drain_s, st.throughput = result.seconds, result.throughput
-            log.info("run %s step %d (%s): %.1f MiB sent, %.1f MiB already there, %.2f s, %.1f MiB/s, %d retries",
+            packed = (f"; the files sent hold {result.file_bytes / 2**20:.1f} MiB, compressed"
+                      if result.bytes_sent < result.file_bytes else "")
+            log.info("run %s step %d (%s): %.1f MiB sent, %.1f MiB already there, %.2f s, %.1f MiB/s, %d retries%s",
                      ls.run_id, ls.step, ls.manifest.reason, result.bytes_sent / 2**20, result.bytes_reused / 2**20,
-                     result.seconds, result.throughput / 2**20, result.retries)
+                     result.seconds, result.throughput / 2**20, result.retries, packed)
         if result.state == "durable":
             st.state, st.waiting_for = "durable", []
             st.durable_at = self.clock()
