@@ -372,3 +372,114 @@ def test_progress_of_a_compressed_upload_counts_the_files_raw_bytes(tmp_path: Pa
         st = put_shard(t, str(src), KEY, size=len(data), checksum=xxh(data), scratch=str(tmp_path / "s"),
                        progress=told.append)
     assert st.bytes < len(data) and sum(told) == len(data) and all(n >= 0 for n in told) and len(told) > 3
+
+
+# ------------------------------------------------------------------------------------------ after an attack
+def test_a_link_where_a_scratch_directory_goes_is_never_followed(tmp_path: Path) -> None:
+    """A link named like a daemon's scratch directory (to a directory of someone's files) is left alone by
+    the clean-up, and a drain that finds one there uploads the shard as it is instead of writing through it."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "model.pt").write_bytes(b"precious")
+    (tmp_path / "encode-1").symlink_to(victim)
+    encoding.remove_scratch(str(tmp_path / "encode-1"))
+    assert (victim / "model.pt").read_bytes() == b"precious" and (tmp_path / "encode-1").is_symlink()
+    data = trained_like(FRAME, seed=9)
+    src = tmp_path / "shard"
+    src.write_bytes(data)
+    with PosixTier(str(tmp_path / "d")) as t:
+        t.compression = "zstd"
+        st = put_shard(t, str(src), KEY, size=len(data), checksum=xxh(data), scratch=str(tmp_path / "encode-1"))
+    assert st.bytes == len(data) and os.listdir(victim) == ["model.pt"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_a_local_shard_that_is_not_a_regular_file_is_refused_when_compressing(tmp_path: Path, kind: str) -> None:
+    from resilient_slurm.errors import UnsafePathError
+
+    real = tmp_path / "real"
+    real.write_bytes(trained_like(FRAME, seed=3))
+    src = tmp_path / "shard"
+    if kind == "fifo":
+        os.mkfifo(src)
+    else:
+        src.symlink_to(real)
+    with PosixTier(str(tmp_path / "d")) as t:
+        t.compression = "zstd"
+        with pytest.raises(UnsafePathError, match="shard"):
+            put_shard(t, str(src), KEY, size=FRAME, checksum="0" * 16, scratch=str(tmp_path / "s"))
+        assert t.stat(KEY) is None
+
+
+def test_a_stale_copy_in_the_scratch_directory_leaks_nothing(tmp_path: Path) -> None:
+    data = trained_like(FRAME, seed=4)
+    src = tmp_path / "shard"
+    src.write_bytes(data)
+    scratch = tmp_path / "s"
+    with PosixTier(str(tmp_path / "d")) as t:
+        t.compression = "zstd"
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            scratch.mkdir(exist_ok=True)
+            import threading
+
+            (scratch / f"shard.{os.getpid()}.{threading.get_ident()}").write_bytes(b"left by a killed daemon")
+            st = put_shard(t, str(src), KEY, size=len(data), checksum=xxh(data), scratch=str(scratch))
+            assert st.bytes < len(data)
+        assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_zeros_decode_in_batches_of_bounded_raw_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard that compresses to almost nothing is not decoded whole: each batch holds at most READ_BATCH
+    of decoded bytes."""
+    data = b"\0" * (10 * FRAME)
+    with PosixTier(str(tmp_path / "d")) as t:
+        t.compression = "zstd"
+        put(t, tmp_path, data)
+        assert t.stat(KEY).size < FRAME // 100  # type: ignore[union-attr]
+        monkeypatch.setattr(encoding, "READ_BATCH", 2 * FRAME)
+        decoded: list[int] = []
+        real = encoding._frame_of
+        monkeypatch.setattr(encoding, "_frame_of", lambda *a: decoded.append(a[-1]) or real(*a))
+        got: list[int] = []
+        real_fetch_reads = t.open_ranges
+
+        @__import__("contextlib").contextmanager
+        def spy(key: str, size: int):  # type: ignore[no-untyped-def]
+            with real_fetch_reads(key, size) as read:
+                yield lambda o, n: (got.append(n), read(o, n))[1]
+
+        monkeypatch.setattr(t, "open_ranges", spy)
+        get_shard(t, KEY, str(tmp_path / "out"), size=len(data), checksum=xxh(data))
+    assert (tmp_path / "out").read_bytes() == data and sorted(decoded) == list(range(10))
+    assert len(got) >= 5 + 2  # footer, index, then at least 5 batches of at most 2 frames
+
+
+def test_a_padded_object_is_refused(tmp_path: Path) -> None:
+    """An object no smaller than the file it encodes, or a frame no smaller than its bytes, was not written by
+    rslurm: refused, so no reader fetches or holds more than the file is worth."""
+    data = trained_like(2 * FRAME, seed=5)
+    with PosixTier(str(tmp_path / "d")) as t:
+        t.compression = "zstd"
+        put(t, tmp_path, data)
+        blob = stored_bytes(t, KEY)
+        with t.open_ranges(KEY, len(blob)) as read:
+            lay = read_layout(read, len(blob), KEY, len(data))
+        assert lay is not None
+        first = blob[:lay.offsets[1]] + b"\0" * (FRAME + 10)  # frame 0 padded past its raw size
+        index = encoding.INDEX_ENTRY.pack(lay.offsets[1] + FRAME + 10, lay.modes[0]) + \
+            encoding.INDEX_ENTRY.pack(lay.offsets[2] - lay.offsets[1], lay.modes[1])
+        forged = first + blob[lay.offsets[1]:lay.offsets[2]] + index + encoding._footer(len(data), FRAME, 2, xxh(data),
+                                                                                        index)
+        replace_object(t, KEY, forged)
+        with pytest.raises(CorruptCheckpointError, match=KEY.split("/")[-1]):
+            get_shard(t, KEY, str(tmp_path / "out"), size=len(data), checksum=xxh(data))
+
+
+def test_the_sample_covers_the_end_of_a_small_file(tmp_path: Path) -> None:
+    """Random bytes then zeros (the compressible part at the end) are compressed, as zeros then random are."""
+    rnd = random.Random(1).randbytes(2 * FRAME)
+    for data in (rnd + b"\0" * (2 * FRAME), b"\0" * (2 * FRAME) + rnd):
+        with PosixTier(str(tmp_path / "d")) as t:
+            t.compression = "zstd"
+            assert put(t, tmp_path, data) < 0.6 * len(data)

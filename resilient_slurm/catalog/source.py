@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import CorruptCheckpointError, ObjectNotFoundError
+from ..errors import CorruptCheckpointError, ObjectNotFoundError, ResilientSlurmError
 from ..manifest import DCP_METADATA_NAME, Manifest, ShardEntry, durable_step_key
 from ..storage.encoding import get_shard, is_compressed
 from ..storage.fileio import checksum
@@ -70,10 +70,18 @@ class StepSource:
             return os.path.join(d, rel) if d else None
         from ..storage.posix import PosixTier
 
-        if isinstance(self.durable, PosixTier) and not is_compressed(self.durable, self._key(rel),
-                                                                     self.shards[rel].size):
+        if isinstance(self.durable, PosixTier) and not self._compressed(rel):
             return os.path.join(self.durable.root, self._key(rel))
         return None
+
+    def _compressed(self, rel: str) -> bool:
+        """A POSIX durable shard is stored compressed (then it is decoded, not read in place). A shard that is
+        missing or damaged is read in place as before: the checks that follow name what is wrong with it."""
+        assert self.durable is not None
+        try:
+            return is_compressed(self.durable, self._key(rel), self.shards[rel].size)
+        except ResilientSlurmError:
+            return False
 
     @contextlib.contextmanager
     def file(self, rel: str, progress: Progress | None = None) -> Iterator[tuple[str, bool]]:
@@ -88,9 +96,12 @@ class StepSource:
                                          "from here")
         from ..checkpoint.verify import durable_file
 
-        with durable_file(self.durable, self._key(rel), self.shards[rel], scratch=self.scratch,
-                          progress=progress) as got:
-            yield got
+        try:
+            with durable_file(self.durable, self._key(rel), self.shards[rel], scratch=self.scratch,
+                              progress=progress) as got:
+                yield got
+        except ObjectNotFoundError as exc:
+            raise CorruptCheckpointError(f"{self.name(rel)}: rank {self.shards[rel].rank}'s shard is missing") from exc
 
     def copy(self, rel: str, dest: str, progress: Progress | None = None) -> None:
         """Copy shard ``rel`` to local file ``dest`` (atomic, fsynced), checking its size and xxh3 as it

@@ -43,8 +43,10 @@ precisely. A decoded frame larger than it should be is refused before it is allo
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 import struct
 import threading
 import time
@@ -58,7 +60,7 @@ import xxhash
 import zstandard
 
 from ..errors import CorruptCheckpointError, ObjectNotFoundError
-from ..storage.fileio import fsync_dir
+from ..storage.fileio import fsync_dir, open_regular
 from .tier import ObjectInfo, Progress, ReadRange, Span, StorageTier, TransferStats
 
 log = logging.getLogger(__name__)
@@ -188,6 +190,9 @@ def read_layout(read: ReadRange, stored_size: int, where: str, raw_size: int) ->
     if stored_size < FOOTER.size:
         return None
     tail = read(stored_size - FOOTER.size, FOOTER.size)
+    if len(tail) != FOOTER.size:
+        raise CorruptCheckpointError(f"{where}: the object's last {FOOTER.size} bytes came back {len(tail)} bytes "
+                                     "long (it shrank while it was read)")
     magic, said_size, frame_size, n, raw_ck, index_ck, own_ck = FOOTER.unpack(tail)
     if magic != MAGIC:
         return None
@@ -196,6 +201,9 @@ def read_layout(read: ReadRange, stored_size: int, where: str, raw_size: int) ->
     if said_size != raw_size:
         raise CorruptCheckpointError(f"{where}: compressed object of a {said_size}-byte file, the manifest says "
                                      f"{raw_size}")
+    if stored_size >= raw_size:  # the encoder keeps an encoding only when it is smaller
+        raise CorruptCheckpointError(f"{where}: a compressed object of {stored_size} bytes for a {raw_size}-byte "
+                                     "file; it was not written by rslurm")
     if not (MIN_FRAME <= frame_size <= MAX_FRAME) or n != -(-raw_size // frame_size):
         raise CorruptCheckpointError(f"{where}: the compressed object's footer is inconsistent "
                                      f"({raw_size} bytes in {n} frames of {frame_size})")
@@ -208,7 +216,7 @@ def read_layout(read: ReadRange, stored_size: int, where: str, raw_size: int) ->
     offsets, modes, pos = [], [], 0
     for i, (length, mode) in enumerate(INDEX_ENTRY.iter_unpack(index)):
         raw_len = min(frame_size, raw_size - i * frame_size)
-        if mode not in MODES or (mode == 0 and length != raw_len):
+        if mode not in MODES or (mode == 0 and length != raw_len) or (mode != 0 and length >= raw_len):
             raise CorruptCheckpointError(f"{where}: frame {i} of the compressed object has a bad index entry")
         offsets.append(pos)
         modes.append(mode)
@@ -226,7 +234,8 @@ def choose_stride(fd: int, size: int) -> tuple[int | None, float]:
     if size < MIN_SIZE:
         return None, 1.0
     frames = -(-size // FRAME)
-    picks = sorted({i * frames // SAMPLE_FRAMES for i in range(min(SAMPLE_FRAMES, frames))})
+    n = min(SAMPLE_FRAMES, frames)  # spread over the file, the first and the last frame included
+    picks = sorted({i * (frames - 1) // max(1, n - 1) for i in range(n)})
     sample = [os.pread(fd, min(SAMPLE_BYTES, size - i * FRAME), i * FRAME) for i in picks]
     total = sum(len(s) for s in sample)
     best, best_size = None, total
@@ -246,10 +255,13 @@ def encode_file(src: str, dst: str, *, size: int, checksum: str, stride: int,
     ``progress(0)`` is called after every frame (nothing is transferred yet): a drain that must yield to
     a more urgent step raises from it, and ``dst`` is removed."""
     raw_h, stored_h = xxhash.xxh3_64(), xxhash.xxh3_64()
-    fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
-    fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fin = open_regular(src, what="a local shard")
+    fout = -1
     ok = False
     try:
+        with contextlib.suppress(FileNotFoundError):  # a stale copy (the scratch is this process's)
+            os.unlink(dst)
+        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         if os.fstat(fin).st_size != size:
             raise CorruptCheckpointError(f"{src}: local shard is {os.fstat(fin).st_size} bytes, the manifest says "
                                          f"{size}; not published")
@@ -292,10 +304,11 @@ def encode_file(src: str, dst: str, *, size: int, checksum: str, stride: int,
         return pos + len(tail), stored_h.hexdigest()
     finally:
         os.close(fin)
-        os.close(fout)
-        if not ok:
-            with contextlib.suppress(OSError):
-                os.unlink(dst)
+        if fout >= 0:
+            os.close(fout)
+            if not ok:
+                with contextlib.suppress(OSError):
+                    os.unlink(dst)
 
 
 def _write_all(fd: int, data: bytes, pos: int) -> None:
@@ -329,7 +342,7 @@ def put_shard(tier: StorageTier, src: str, key: str, *, size: int, checksum: str
     and removed here). ``stats.bytes`` counts the bytes stored."""
     if tier.compression != "zstd" or size < MIN_SIZE or len(checksum.encode()) != 16:
         return tier.put_file(src, key, size=size, checksum=checksum, progress=progress)
-    fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_regular(src, what="a local shard")  # never a link, never blocking on a FIFO
     try:
         stride, ratio = choose_stride(fd, size)
     finally:
@@ -340,7 +353,7 @@ def put_shard(tier: StorageTier, src: str, key: str, *, size: int, checksum: str
     tmp = os.path.join(scratch, f"{os.path.basename(src)}.{os.getpid()}.{threading.get_ident()}")
     try:
         try:
-            os.makedirs(scratch, mode=0o700, exist_ok=True)
+            _make_scratch(scratch)
             got = encode_file(src, tmp, size=size, checksum=checksum, stride=stride, progress=progress)
         except OSError as exc:  # a full local disk: upload as it is rather than not at all
             log.warning("%s: cannot write its compressed copy under %s (%s); uploading it uncompressed", src,
@@ -371,12 +384,36 @@ def _in_raw_bytes(progress: Progress, raw: int, stored: int) -> Progress:
     return scaled
 
 
+def _make_scratch(scratch: str) -> None:
+    """Create ``scratch`` (a directory of this user's, not a link); OSError when something else is there."""
+    os.makedirs(os.path.dirname(scratch), mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(scratch, 0o700)
+    st = os.lstat(scratch)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise OSError(errno.EEXIST, "not a directory of this user's (a link or another file is there)", scratch)
+
+
 def remove_scratch(scratch: str) -> None:
-    """Remove a scratch directory of :func:`put_shard` (and what a killed daemon left in it)."""
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(scratch):
+    """Remove a scratch directory of :func:`put_shard` (and what a killed daemon left in it). Never through a
+    link: a link or file where the directory goes is left alone (with a warning), and only the directory's
+    own entries are unlinked (a link inside it is removed, not followed)."""
+    try:
+        dfd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.warning("%s: not removed: not a directory of rslurm's (%s); remove it yourself if it is not needed",
+                    scratch, exc.strerror)
+        return
+    try:
+        for e in os.scandir(dfd):
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(scratch, name))
+                if e.is_dir(follow_symlinks=False):
+                    continue  # rslurm makes no directories in it
+                os.unlink(e.name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
     with contextlib.suppress(OSError):
         os.rmdir(scratch)
         fsync_dir(os.path.dirname(scratch))
@@ -422,7 +459,8 @@ def get_shard(tier: StorageTier, key: str, dest: str, *, size: int, checksum: st
         n, batches, i = len(layout.modes), [], 0
         while i < n:  # runs of whole frames of at most READ_BATCH stored bytes (or one larger frame)
             j = i + 1
-            while j < n and layout.offsets[j + 1] - layout.offsets[i] <= READ_BATCH:
+            while (j < n and layout.offsets[j + 1] - layout.offsets[i] <= READ_BATCH
+                   and (j + 1 - i) * layout.frame_size <= READ_BATCH):  # and at most READ_BATCH decoded
                 j += 1
             batches.append((i, j))
             i = j

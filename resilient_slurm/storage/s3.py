@@ -63,7 +63,7 @@ from ..errors import (
     StorageError,
     TransientStorageError,
 )
-from .fileio import fsync_dir, unpublished_on_error
+from .fileio import fsync_dir, open_regular, unpublished_on_error
 from .posix import TMP_MARK
 from .tier import (
     IncompleteTransfer,
@@ -482,7 +482,7 @@ class S3Tier(StorageTier):
         t0 = time.perf_counter()
         stats = TransferStats(key=key)
         try:
-            fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_regular(src, what="a local shard")  # never a link, never blocking on a FIFO
         except FileNotFoundError as exc:
             raise ObjectNotFoundError(f"{src}: does not exist") from exc
         except OSError as exc:
