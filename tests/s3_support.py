@@ -282,6 +282,13 @@ class FaultProxy:
         self._server.server_close()
         self._thread.join(timeout=10)
 
+    def trickle(self) -> None:
+        """A steady trickle of faults, as a busy store and a lossy network give: about one request in six
+        fails (503 SlowDown, a reset while sending the request, a reset while reading the response)."""
+        self.inject(SLOWDOWN, every=13)
+        self.inject(RESET_REQUEST, every=15)
+        self.inject(RESET_RESPONSE, every=17)
+
     def inject(self, fault: str, *, times: int | None = None, every: int = 1, op: str | None = None,
                match: Callable[[Request], bool] | None = None, status: int = 503,
                code: str = "SlowDown") -> Rule:

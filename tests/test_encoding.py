@@ -20,7 +20,7 @@ import s3_support
 import torch
 import xxhash
 import zstandard
-from s3_support import RESET_REQUEST, RESET_RESPONSE, SLOWDOWN, FaultProxy, MotoServer
+from s3_support import FaultProxy, MotoServer
 
 from resilient_slurm.errors import CorruptCheckpointError, ObjectNotFoundError
 from resilient_slurm.storage import encoding
@@ -76,9 +76,7 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorageTier
         endpoint = server.endpoint
         if request.param == "s3-faulty":
             proxy: FaultProxy = request.getfixturevalue("fault_proxy")
-            proxy.inject(SLOWDOWN, every=13)
-            proxy.inject(RESET_REQUEST, every=15)
-            proxy.inject(RESET_RESPONSE, every=17)
+            proxy.trickle()
             endpoint = proxy.endpoint
         t = S3Tier(f"{bucket}/{PREFIX}", endpoint_url=endpoint, part_size=PART, threads=4, **FAST_RETRY)
         t._test_server = server  # type: ignore[attr-defined]  # to damage objects behind the tier's back
@@ -483,3 +481,24 @@ def test_the_sample_covers_the_end_of_a_small_file(tmp_path: Path) -> None:
         with PosixTier(str(tmp_path / "d")) as t:
             t.compression = "zstd"
             assert put(t, tmp_path, data) < 0.6 * len(data)
+
+
+def test_an_object_replaced_between_its_stat_and_its_read_is_named_as_such(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = trained_like(2 * FRAME, seed=6)
+    with PosixTier(str(tmp_path / "d")) as t:
+        t.compression = "zstd"
+        put(t, tmp_path, data)
+        old = t.stat(KEY)
+        shorter = stored_bytes(t, KEY)[:-1]
+        real_stat = t.stat
+
+        def stale_then_replaced(key: str):  # type: ignore[no-untyped-def]
+            info = real_stat(key)
+            replace_object(t, KEY, shorter)  # replaced after it was measured
+            monkeypatch.setattr(t, "stat", real_stat)
+            return info
+
+        monkeypatch.setattr(t, "stat", stale_then_replaced)
+        with pytest.raises(CorruptCheckpointError, match=f"changed while it was read \\(it was {old.size} bytes"):  # type: ignore[union-attr]
+            get_shard(t, KEY, str(tmp_path / "out"), size=len(data), checksum=xxh(data))

@@ -419,10 +419,7 @@ class TestTierContract(TierContract):
             endpoint = server.endpoint
             if request.param == "s3-faulty":
                 proxy: FaultProxy = request.getfixturevalue("fault_proxy")
-                # A steady trickle of faults: about one request in six fails in some way.
-                proxy.inject(SLOWDOWN, every=13)
-                proxy.inject(RESET_REQUEST, every=15)
-                proxy.inject(RESET_RESPONSE, every=17)
+                proxy.trickle()
                 endpoint = proxy.endpoint
             backend = s3_backend(request.param, server, bucket, endpoint, threads=4, **FAST_RETRY)
         yield backend

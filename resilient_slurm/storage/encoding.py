@@ -429,7 +429,7 @@ def _stored(tier: StorageTier, key: str, size: int) -> tuple[ObjectInfo, Layout 
         raise ObjectNotFoundError(f"{where}: does not exist")
     if info.size == size:
         return info, None
-    with tier.open_ranges(key, info.size) as read:
+    with _open_stored(tier, key, info) as read:
         layout = read_layout(read, info.size, where, size)
     if layout is None:
         raise CorruptCheckpointError(f"{where}: durable object is {info.size} bytes, the manifest says {size}")
@@ -464,7 +464,7 @@ def get_shard(tier: StorageTier, key: str, dest: str, *, size: int, checksum: st
                 j += 1
             batches.append((i, j))
             i = j
-        with tier.open_ranges(key, info.size) as read, \
+        with _open_stored(tier, key, info) as read, \
                 ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="rslurm-decode") as pool:
 
             def fetch(i: int, j: int) -> tuple[int, list[bytes]]:
@@ -517,6 +517,19 @@ def get_shard(tier: StorageTier, key: str, dest: str, *, size: int, checksum: st
     return stats
 
 
+@contextlib.contextmanager
+def _open_stored(tier: StorageTier, key: str, info: ObjectInfo) -> Iterator[ReadRange]:
+    """``open_ranges`` of the object measured as ``info``; one replaced since then is named as such (the tier's
+    own message would compare it with the stored size, not the manifest's)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            read = stack.enter_context(tier.open_ranges(key, info.size))
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{tier.url}/{key}: the object changed while it was read (it was "
+                                         f"{info.size} bytes): {exc}") from exc
+        yield read
+
+
 def _frame_of(chunk: bytes, lo: int, layout: Layout, where: str, f: int) -> bytes:
     """Frame ``f`` decoded, from ``chunk``: the stored bytes that start at stored offset ``lo``."""
     return decode_frame(chunk[layout.offsets[f] - lo:layout.offsets[f + 1] - lo], layout.modes[f], layout.raw_len(f),
@@ -526,7 +539,7 @@ def _frame_of(chunk: bytes, lo: int, layout: Layout, where: str, f: int) -> byte
 @contextlib.contextmanager
 def _decoded_reader(tier: StorageTier, key: str, info: ObjectInfo, layout: Layout) -> Iterator[ReadRange]:
     where = f"{tier.url}/{key}"
-    with tier.open_ranges(key, info.size) as read:
+    with _open_stored(tier, key, info) as read:
 
         def read_raw(offset: int, n: int) -> bytes:
             if n <= 0:
