@@ -502,3 +502,18 @@ def test_an_object_replaced_between_its_stat_and_its_read_is_named_as_such(
         monkeypatch.setattr(t, "stat", stale_then_replaced)
         with pytest.raises(CorruptCheckpointError, match=f"changed while it was read \\(it was {old.size} bytes"):  # type: ignore[union-attr]
             get_shard(t, KEY, str(tmp_path / "out"), size=len(data), checksum=xxh(data))
+
+
+def test_a_starting_daemon_removes_every_scratch_directory_but_never_through_a_link(tmp_path: Path) -> None:
+    state = tmp_path / ".rslurm"
+    (state / "encode-123").mkdir(parents=True)
+    (state / "encode-123" / "shard.123.1").write_bytes(b"left by a killed daemon")
+    (state / f"encode-{os.getpid()}").mkdir()  # a daemon before this one had this pid (a container)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "model.pt").write_bytes(b"precious")
+    (state / "encode-99").symlink_to(victim)
+    (state / "daemon.json").write_text("{}")
+    encoding.remove_stale_scratch(str(state))
+    assert sorted(os.listdir(state)) == ["daemon.json", "encode-99"]
+    assert (victim / "model.pt").read_bytes() == b"precious"

@@ -33,7 +33,6 @@ that as a counter reset; ``rslurm_daemon_start_time_seconds`` shows when), and a
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import json
@@ -64,9 +63,9 @@ from ..flocks import close_locked_fd, open_locked_fd
 from ..layout import StepBusy, StepTagged, TempKind, delete_durable_step, delete_step, list_runs
 from ..manifest import MANIFEST_NAME, durable_step_key, parse_step_dirname
 from ..paths import STATE_DIR, load_json, open_state_file
-from ..rundir import ENCODE_SCRATCH, RunDir
+from ..rundir import RunDir
 from ..sigsafe import WakeFlag
-from ..storage.encoding import remove_scratch
+from ..storage.encoding import remove_stale_scratch
 from ..storage.fileio import atomic_write
 from ..storage.tier import StorageTier
 from ..tags import (
@@ -622,11 +621,7 @@ class Daemon:
     # ------------------------------------------------------------------ cleanup, retention, eviction
     def _cleanup_incomplete(self) -> None:
         # Compressed copies a killed daemon left (the root's lock says no other daemon drains here).
-        state = os.path.join(self.root, STATE_DIR)
-        with contextlib.suppress(OSError):
-            for name in os.listdir(state):
-                if name.startswith(ENCODE_SCRATCH) and name != f"{ENCODE_SCRATCH}{os.getpid()}":
-                    remove_scratch(os.path.join(state, name))
+        remove_stale_scratch(os.path.join(self.root, STATE_DIR))
         steps = scan_local(self.root, self.run_ids)
         mine = {f"{durable_step_key(s.run_id, s.step)}/{sh.path}" for s in steps
                 for sh in s.manifest.shards_of_node(s.domain)}

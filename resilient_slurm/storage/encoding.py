@@ -60,6 +60,7 @@ import xxhash
 import zstandard
 
 from ..errors import CorruptCheckpointError, ObjectNotFoundError
+from ..rundir import ENCODE_SCRATCH
 from ..storage.fileio import fsync_dir, open_regular
 from .tier import ObjectInfo, Progress, ReadRange, Span, StorageTier, TransferStats
 
@@ -382,6 +383,18 @@ def _in_raw_bytes(progress: Progress, raw: int, stored: int) -> Progress:
         told = now
 
     return scaled
+
+
+def remove_stale_scratch(state_dir: str) -> None:
+    """Remove every daemon's scratch directory in a root's ``state_dir`` (``encode-<pid>``: what a killed
+    daemon left; called by the one daemon that drains the root, before it drains anything)."""
+    try:
+        names = os.listdir(state_dir)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(ENCODE_SCRATCH):
+            remove_scratch(os.path.join(state_dir, name))
 
 
 def _make_scratch(scratch: str) -> None:
