@@ -489,13 +489,14 @@ def test_daemon_events_and_metrics_match_the_drained_steps(scenario: Scenario) -
     assert jm["rslurm_drained_steps_total"] == len(drained_list) >= 4
     assert check_prom(docs, scenario.prom("job2"))["rslurm_daemon_up"] == 0  # the resumed run's daemon
 
-    # S3, --once, bandwidth cap: every kept step drained; the bytes are the manifests' (these shards are under
-    # encoding.MIN_SIZE: stored as they are, though durable_compression is on for S3)
+    # S3, --once, bandwidth cap: every kept step drained; the files are the manifests', sent compressed
+    # (durable_compression auto is zstd on S3: these shards of trained weights shrink to about 0.6)
     s3 = scenario.during("s3", source="daemon")
     drained = {r["step"]: r for r in s3 if r["event"] == "drained"}
     assert sorted(drained) == steps and sorted(r["step"] for r in s3 if r["event"] == "drain_started") == steps
     for s, r in drained.items():
-        assert r["bytes"] == r["file_bytes"] == sum(shard_sizes(scenario.s3_manifests[s], "n1").values())
+        assert r["file_bytes"] == sum(shard_sizes(scenario.s3_manifests[s], "n1").values())
+        assert 0 < r["bytes"] < r["file_bytes"], r
         assert r["reused_bytes"] == 0
         assert r["state"] == "durable" and r["throughput_bytes_s"] == pytest.approx(r["bytes"] / r["seconds"], rel=1e-2)
     assert sorted(r["step"] for r in s3 if r["event"] == "durable_commit") == steps

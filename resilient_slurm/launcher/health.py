@@ -158,15 +158,16 @@ def run_check(cmd: Sequence[str], env: Mapping[str, str], timeout: float,
     mark = uuid.uuid4().hex
     proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**env, CHECK_MARK_VAR: mark})
-    assert proc.stdout is not None and proc.stderr is not None
-    out = StreamTail(proc.stdout, cap=cap, name="rslurm-health-stdout")
-    err = StreamTail(proc.stderr, cap=cap, name="rslurm-health-stderr")
-    out.start()
-    err.start()
-    tree = _Tree(proc.pid, mark)
-    deadline = time.monotonic() + timeout
+    tree: _Tree | None = None
     ended = False
-    try:
+    try:  # from here on, a SIGTERM (`rslurm health` ended by Slurm) ends the command and what it started
+        assert proc.stdout is not None and proc.stderr is not None
+        out = StreamTail(proc.stdout, cap=cap, name="rslurm-health-stdout")
+        err = StreamTail(proc.stderr, cap=cap, name="rslurm-health-stderr")
+        out.start()
+        err.start()
+        tree = _Tree(proc.pid, mark)
+        deadline = time.monotonic() + timeout
         while True:
             try:
                 code: int | None = proc.wait(max(0.0, min(CHECK_POLL_S, deadline - time.monotonic())))
@@ -186,7 +187,7 @@ def run_check(cmd: Sequence[str], env: Mapping[str, str], timeout: float,
         return code, out.text(_PIPE_WAIT_S), err.text(_PIPE_WAIT_S)
     except BaseException:  # Ctrl-C or SIGTERM (cli_main) in `rslurm health`, or the stop above
         if not ended:
-            tree.end(CHECK_TERM_GRACE_S)
+            (tree or _Tree(proc.pid, mark)).end(CHECK_TERM_GRACE_S)
         raise
     finally:
         with contextlib.suppress(subprocess.TimeoutExpired):
