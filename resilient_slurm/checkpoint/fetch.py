@@ -65,7 +65,6 @@ from ..manifest import (
     read_durable_manifest,
 )
 from ..rundir import RunDir
-from ..storage.encoding import get_shard, get_shard_ranges
 from ..storage.fileio import atomic_write, check_free_space, fsync_dir, remove_tree_quietly
 from ..storage.tier import Span, StorageTier
 from .coordination import Coordinator, Topology
@@ -254,6 +253,8 @@ class DurableFetcher:
         not bandwidth). Everything is checked as it arrives (``get_file``, ``get_ranges``); after a failure
         no new file starts, and the first failure is raised once the files under way have ended. Returns
         the bytes fetched."""
+        from ..storage.encoding import get_shard, get_shard_ranges  # zstandard: only when a step is fetched
+
         tier = self.tier
         assert tier is not None
         failed = threading.Event()
