@@ -249,11 +249,21 @@ def test_the_record_round_trips_and_is_removed_at_close(tmp_path: Path) -> None:
     w.beat(7)
     hb = read_heartbeats(sock)[3]
     assert (hb.step, hb.section) == (7, "") and abs(hb.beat_t - time.time()) < 60
+    assert hb.reached_t == hb.step_t == hb.beat_t
+    time.sleep(0.01)
     prev = w.section("eval", 90)
     hb = read_heartbeats(sock)[3]
     assert (hb.section, hb.section_timeout) == ("eval", 90)
+    time.sleep(0.01)
     w.resume(prev)
-    assert read_heartbeats(sock)[3].section == ""
+    after = read_heartbeats(sock)[3]
+    assert after.section == ""
+    # A section entered or left restarts the hang clock (beat_t) but not when step 7 was reached (a save after
+    # the step's beat made `rslurm report` count the save's time as training of that step).
+    assert after.reached_t == hb.step_t < hb.beat_t < after.beat_t
+    watch = HangWatch(sock, timeout=None, startup_timeout=50)
+    watch.observe(read_heartbeats(sock))
+    assert watch.furthest == (7, after.step_t)
     (tmp_path / "job.n1.sock.hb.x").write_text("not a rank")  # ignored
     os.symlink(tmp_path / "elsewhere", tmp_path / "job.n1.sock.hb.9")  # a link is not read
     assert set(read_heartbeats(sock)) == {3}

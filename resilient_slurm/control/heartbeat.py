@@ -34,7 +34,7 @@ from ..paths import open_regular
 from ..rundir import STACKS_DIR as STACKS_DIR  # re-exported: the launcher reads the stacks
 from ..rundir import RunDir
 
-RECORD = struct.Struct("<qqqdddd16s")  # seq, pid, step, beat_t, section_t, section_timeout, spare, name
+RECORD = struct.Struct("<qqqdddd16s")  # seq, pid, step, beat_t, section_t, section_timeout, step_t, name
 SIZE = 128
 assert RECORD.size <= SIZE
 SUFFIX = ".hb."
@@ -53,10 +53,17 @@ class Heartbeat:
     rank: int
     pid: int
     step: int               # -1: no step() yet
-    beat_t: float           # time.time() of the last beat
+    beat_t: float           # time.time() of the last write (a beat, or a section entered or left)
     section: str            # "" outside a section; "startup" until the first step()
     section_t: float        # when that section began
     section_timeout: float  # the section's own limit in seconds (0: the general hang timeout)
+    step_t: float = 0.0     # time.time() of the beat that recorded ``step`` (0: no step yet)
+
+    @property
+    def reached_t(self) -> float:
+        """When ``step`` was reached: its beat, not a later section change (a record of an older writer,
+        without it: the last write)."""
+        return self.step_t or self.beat_t
 
 
 class HeartbeatWriter:
@@ -73,6 +80,7 @@ class HeartbeatWriter:
         self._seq = 0
         self._pid = os.getpid()
         self._step = -1
+        self._step_t = 0.0
         self._section = b"startup"
         self._section_t = time.time()
         self._section_timeout = 0.0
@@ -82,7 +90,7 @@ class HeartbeatWriter:
         # A seqlock: odd while the body changes. The body is packed aside and copied in (struct.pack_into
         # would zero the whole record first, which a reader could take for a finished one with seq 0).
         mm = self._mm
-        body = RECORD.pack(0, self._pid, self._step, now, self._section_t, self._section_timeout, 0.0,
+        body = RECORD.pack(0, self._pid, self._step, now, self._section_t, self._section_timeout, self._step_t,
                            self._section)
         self._seq += 1
         mm[0:8] = _SEQ.pack(self._seq)  # odd: being written (an aligned 8-byte store)
@@ -92,10 +100,11 @@ class HeartbeatWriter:
 
     def beat(self, step: int) -> None:
         """Record that ``step`` steps are done (called by ``ckpt.step()``); ends the ``startup`` section."""
-        self._step = step
+        now = time.time()
+        self._step, self._step_t = step, now
         if self._section == b"startup":
             self._section, self._section_timeout = b"", 0.0
-        self._write(time.time())
+        self._write(now)
 
     def section(self, name: str, timeout: float | None = None) -> tuple[bytes, float, float]:
         """Enter section ``name`` (``""``: leave it) with its own time limit in seconds (None: the general
@@ -199,10 +208,10 @@ def _read_one(path: str, rank: int) -> Heartbeat | None:
             data = os.pread(fd, SIZE, 0)
             if len(data) < RECORD.size:
                 return None
-            seq, pid, step, beat_t, section_t, section_timeout, _, name = RECORD.unpack_from(data)
+            seq, pid, step, beat_t, section_t, section_timeout, step_t, name = RECORD.unpack_from(data)
             if seq > 0 and seq % 2 == 0 and _SEQ.unpack(os.pread(fd, 8, 0))[0] == seq:
                 return Heartbeat(rank, pid, step, beat_t, name.rstrip(b"\0").decode("utf-8", "replace"),
-                                 section_t, section_timeout)
+                                 section_t, section_timeout, step_t)
         return None
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ESTALE):

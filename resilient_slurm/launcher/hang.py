@@ -109,7 +109,7 @@ class HangWatch:
         self.startup_timeout = startup_timeout
         self._tracks: dict[int, _Track] = {}
         self._next_read = 0.0
-        # (step, beat time) of the furthest step any rank of this node began in this run of the ranks: kept
+        # (step, when it was reached) of the furthest step any rank of this node began in this run of the ranks: kept
         # after the rank's record is gone, for the `ranks_exited` event (how far the run got).
         self.furthest: tuple[int, float] | None = None
 
@@ -121,7 +121,7 @@ class HangWatch:
         """Take in a reading (``check`` reads for itself; tests feed this directly)."""
         for hb in beats.values():
             if hb.step >= 0 and (self.furthest is None or hb.step > self.furthest[0]):
-                self.furthest = (hb.step, hb.beat_t)
+                self.furthest = (hb.step, hb.reached_t)
         for rank, hb in beats.items():
             t = self._tracks.get(rank)
             if t is None or t.last.pid != hb.pid:
