@@ -1,7 +1,8 @@
 """Named fault-injection points for crash-consistency tests (off unless RSLURM_FAILPOINTS is set).
 
 ``RSLURM_FAILPOINTS="after_shard_write=kill,before_commit_rename=raise"`` makes the process SIGKILL
-itself (``kill``) or raise an OSError (``raise``) when it reaches that point; ``unlink`` removes the file
+itself (``kill``), stop itself with SIGSTOP (``stop``: a rank that hangs, every thread of it) or raise an
+OSError (``raise``) when it reaches that point; ``unlink`` removes the file
 the point names (``after_shard_write``: the shard just written, as if it had gone to another directory or
 been lost); ``flip`` inverts the first byte of the data the point passes (``during_range_fetch``: bytes
 damaged on the wire), once per process. ``phase:<name>=raise`` makes every cross-rank phase whose name
@@ -32,6 +33,7 @@ POINTS = (
 )
 
 
+ACTIONS = ("kill", "stop", "raise", "unlink", "flip")
 PHASE = "phase:"  # "phase:<start of a phase's name>=raise": that cross-rank phase fails on this rank (coordination.py)
 
 
@@ -42,9 +44,8 @@ def _parse(spec: str) -> dict[str, str]:
         if name.startswith(PHASE) and len(name) > len(PHASE) and action == "raise":
             out[name] = action
             continue
-        if name not in POINTS or action not in ("kill", "raise", "unlink", "flip"):
-            raise ValueError(f"{ENV}: bad entry {part!r}; points: {', '.join(POINTS)}; actions: kill, raise, unlink, "
-                             "flip")
+        if name not in POINTS or action not in ACTIONS:
+            raise ValueError(f"{ENV}: bad entry {part!r}; points: {', '.join(POINTS)}; actions: {', '.join(ACTIONS)}")
         out[name] = action
     return out
 
@@ -57,6 +58,12 @@ def hit_phase(name: str) -> None:
     for point in _ACTIVE:
         if point.startswith(PHASE) and name.startswith(point[len(PHASE):]):
             raise OSError(f"failpoint {point} triggered")
+
+
+def arm(spec: str) -> None:
+    """Arm the points of ``spec`` (the syntax of RSLURM_FAILPOINTS) in this process from now on: a test's
+    program faulting one of its ranks at one moment."""
+    _ACTIVE.update(_parse(spec))
 
 
 def armed(name: str) -> bool:
@@ -72,6 +79,8 @@ def hit(name: str, path: str | None = None, data: bytearray | None = None) -> No
         data[0] ^= 0xFF
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif action == "raise":
         raise OSError(f"failpoint {name} triggered")
     elif action == "unlink" and path is not None:

@@ -76,24 +76,26 @@ def _work(tmp_path: Path) -> tuple[Path, Path]:
 # ------------------------------------------------------------------------------------------------ real runs
 @pytest.mark.proc
 def test_a_stopped_peer_is_a_communicator_error_restarted_in_job(tmp_path: Path) -> None:
-    """Rank 1 stops itself after step 7; rank 0's next all_reduce times out after 5 s (gloo): a
-    communicator error on rank 0, not a user error. The stopped rank is torn down (at once: it cannot exit by
-    itself, and its SIGTERM is followed by SIGCONT), both restart in-job from
-    the last commit and end bitwise; the history and status name the class and gloo's line."""
+    """Rank 1 stops (SIGSTOP, every thread) while step 8's save is being committed: its shard written, the commit's
+    collective not joined. Rank 0's next all_reduce times out after 5 s (gloo): a communicator error on rank 0,
+    not a user error. Its checkpoint writer waits in the commit's collective with the stopped rank; rank 0's exit
+    waits for it at most EXIT_RANK_WAIT_S, not collective_timeout, so the run is not ended by the hang watch. The
+    stopped rank is torn down (at once: it cannot exit by itself, and its SIGTERM is followed by SIGCONT), both
+    restart in-job from the last commit (step 6) and end bitwise; the history and status name the class and
+    gloo's line."""
     ref = _reference(tmp_path)
     work, out = _work(tmp_path)
-    # After step 6's save committed. With that commit still in flight (a busy machine), rank 0's checkpoint writer
-    # waits in the commit's collective with the stopped rank (collective_timeout), the interpreter's exit joins
-    # it, and rank 0 does not exit until the hang watch ends the run: a defect of its own, open in issue 27.
-    r = _launch(work, out, "--crash-at", "7", "--crash-rank", "1", "--crash-signal", "STOP", "--pg-timeout", "5",
-                "--crash-after-commit")
+    r = _launch(work, out, "--crash-at", "7", "--crash-rank", "1", "--crash-after-commit",
+                "--failpoint", "after_shard_write=stop", "--pg-timeout", "5")
     assert r.returncode == 0, r.stderr[-4000:]
+    assert "its checkpoint writer (the save of step 8) has waited" in r.stderr, r.stderr[-4000:]
+    assert not [e for e in _events(work) if e["event"] == "hang"], r.stderr[-4000:]
     # The stopped rank cannot exit by itself: it is torn down once seen stopped, not after the 30 s wait.
     assert "rank 1 stopped (SIGSTOP) after a rank failed" in r.stderr, r.stderr[-4000:]
     [restart] = [e for e in _events(work) if e["event"] == "in_job_restart"]
     assert restart["outcome"] == "communicator_error", restart
     assert "rank 0" in restart["detail"] or "Timed out" in restart["detail"], restart
-    assert _restored_steps(work) == [restart["committed_step"]]
+    assert _restored_steps(work) == [restart["committed_step"]] == [6]
     _assert_like(ref, out)
     ends = _history(work)
     assert [(e["kind"], e["class"]) for e in ends] == [("in_job_restart", "communicator error"),

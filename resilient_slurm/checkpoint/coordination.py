@@ -14,13 +14,16 @@ shards in its directory, and replicated state is written once per directory, nev
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import secrets
 import socket
+import threading
+import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -92,6 +95,41 @@ def phase_error(name: str, errors: Sequence[RankError]) -> ResilientSlurmError:
         except TypeError:  # a class that needs more than a message
             pass
     return PhaseError(f"{name} failed: {text}", tuple(errors))
+
+
+class RankWaits:
+    """Since when each thread of this process has been waiting for other ranks (a collective, a peer
+    transfer). The checkpoint writer's exit hook (writer.py) takes a long wait as the evidence that they are
+    not coming."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: dict[int, float] = {}
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around one wait for other ranks (nested waits count from the outer one)."""
+        me = threading.get_ident()
+        with self._lock:
+            outer = me in self._since
+            if not outer:
+                self._since[me] = time.monotonic()
+        try:
+            yield
+        finally:
+            if not outer:
+                with self._lock:
+                    self._since.pop(me, None)
+
+    def longest(self) -> float:
+        """Seconds of the longest wait under way in this process (0.0: none)."""
+        with self._lock:
+            oldest = min(self._since.values(), default=None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
+
+#: This process's waits for other ranks (one per process: the exit hook asks whatever thread waits).
+RANK_WAITS = RankWaits()
 
 
 class Coordinator:
@@ -195,21 +233,24 @@ class Coordinator:
         if not self.multi:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._bg if background else self._fg)
+        with RANK_WAITS.waiting():
+            dist.all_gather_object(out, obj, group=self._bg if background else self._fg)
         return out
 
     def _all_max(self, values: list[int], *, background: bool = False) -> list[int]:
         if not self.multi:
             return list(values)
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._bg if background else self._fg)
+        with RANK_WAITS.waiting():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._bg if background else self._fg)
         return [int(v) for v in t.tolist()]
 
     def _bytes_max(self, values: bytes) -> bytes:
         if not self.multi:
             return bytes(values)
         t = torch.frombuffer(bytearray(values), dtype=torch.uint8) if values else torch.zeros(0, dtype=torch.uint8)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._fg)
+        with RANK_WAITS.waiting():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._fg)
         return bytes(t.numpy().tobytes())
 
     def group(self, *, background: bool = False) -> Any:

@@ -83,7 +83,7 @@ from ..storage.fileio import (
     remove_tree_quietly,
     round_up,
 )
-from .coordination import Coordinator, Topology
+from .coordination import RANK_WAITS, Coordinator, Topology
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,9 @@ class RoundResult:
 
 
 def _wait(works: Sequence[Any]) -> None:
-    for w in works:
-        w.wait()
+    with RANK_WAITS.waiting():
+        for w in works:
+            w.wait()
 
 
 def _swap_bytes(group: Any, to: int | None, data: bytes | None, frm: int | None) -> bytes | None:

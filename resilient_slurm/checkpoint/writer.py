@@ -7,19 +7,31 @@ thread) submits through :class:`SaveWriter` and waits on it; at most one save is
 Checkpointer waits for the previous one (:meth:`SaveWriter.finish_inflight`) before staging the next. A
 save's failure is raised where the training thread waits for it; retention, replication, pre-allocation and
 the tags' copy are best effort: their failures are logged, never raised.
+
+At the interpreter's exit, a program that did not call ``close()`` still gets its queued work done: the exit
+waits for the writer, as it did when the writer was a ``ThreadPoolExecutor``. Except when the program is
+ending on an unhandled exception and the writer has been waiting for other ranks for more than
+:data:`EXIT_RANK_WAIT_S` (a peer stopped or gone while a save was being committed): then nothing more will
+come of the save, and the rank ends at once with exit code 1, logging the step left uncommitted, instead of
+waiting in that collective for ``collective_timeout`` (600 s by default) while the launcher waits for it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import sys
+import threading
+import weakref
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from ..control.rank import RankLink
 from ..errors import ReplicaMismatchError
 from ..storage.tier import StorageTier
-from .coordination import Topology
+from .coordination import RANK_WAITS, Topology
 from .engine import Engine, PendingSave, SaveOutcome
 from .reporting import CheckpointReporter
 from .tagging import copy_to_durable
@@ -28,6 +40,81 @@ _Found = TypeVar("_Found", PendingSave, SaveOutcome)  # what a save step returns
 
 # The Checkpointer's logger, as before the writer left its module: a program's log filters keep working.
 log = logging.getLogger("resilient_slurm.checkpoint.checkpointer")
+
+#: A rank ending on an unhandled exception waits at most this long for other ranks in its writer's collective
+#: (a save's commit, a peer round) before it ends anyway (see the module docstring). Local work (writing the
+#: shards) is always waited for: it ends by itself.
+EXIT_RANK_WAIT_S = 30.0
+_T = TypeVar("_T")
+
+
+class WriterThread:
+    """One daemon thread that runs the tasks submitted to it in order, each with a future. A
+    ``ThreadPoolExecutor`` of one thread would do but for its exit: the interpreter joins it without a bound,
+    whatever the thread is waiting for (:meth:`SaveWriter._at_exit` decides instead)."""
+
+    def __init__(self, name: str) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Future[Any], str, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._queued = 0  # submitted, not finished
+        self.current = ""  # what the running task is (for the exit's log line)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, what: str, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        fut: Future[_T] = Future()
+        with self._lock:
+            self._queued += 1
+        self._tasks.put((fut, what, lambda: fn(*args)))
+        return fut
+
+    def _run(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            fut, what, call = task
+            self.current = what
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(call())
+                except BaseException as exc:  # as concurrent.futures does: the waiter re-raises it
+                    fut.set_exception(exc)
+            self.current = ""
+            with self._idle:
+                self._queued -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every task submitted has finished (at most ``timeout`` s); whether they have."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._queued == 0, timeout)
+
+    def shutdown(self) -> None:
+        """Let the tasks submitted finish, then end the thread."""
+        self._tasks.put(None)
+        self._thread.join()
+
+
+def _exception_at_exit() -> BaseException | None:
+    """The unhandled exception the interpreter is ending on (set before the exit hooks run), if any."""
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
+def _exit_hook(ref: weakref.ref[SaveWriter]) -> Callable[[], None]:
+    def hook() -> None:  # a weak reference: the hook does not keep a dropped Checkpointer's writer alive
+        writer = ref()
+        if writer is not None:
+            writer._at_exit()
+    return hook
+
+
+def _register_exit_hook(hook: Callable[[], None]) -> None:
+    # threading's exit hooks run before concurrent.futures shuts its pools (its hook is older: they run newest
+    # first), so a save finished at exit can still use them; atexit where that hook is missing.
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        (register or __import__("atexit").register)(hook)
+    except RuntimeError:  # created while the interpreter is already ending
+        pass
 
 
 class SaveWriter:
@@ -41,7 +128,10 @@ class SaveWriter:
         self._link = link
         self._durable_tier = durable_tier
         self._run_id = run_id
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-ckpt")
+        self._pool = WriterThread("rslurm-ckpt")
+        self._closed = False
+        self._exc_before = _exception_at_exit()  # an interactive session's earlier error is not this exit's
+        _register_exit_hook(_exit_hook(weakref.ref(self)))
         self.inflight: Future[SaveOutcome] | None = None
         self.retention: Future[list[int]] | None = None
         self.tags_copy: Future[None] | None = None  # rank 0: the tags' durable copy, after a tag()
@@ -56,16 +146,17 @@ class SaveWriter:
 
     def submit(self, pending: PendingSave, step: int, reason: str, t0: float) -> None:
         """Write and commit a staged save; then retention and the peer replica round, on the same thread."""
-        self.inflight = self._pool.submit(self._write_and_report, pending, step, reason, t0)
+        self.inflight = self._pool.submit(f"the save of step {step}", self._write_and_report, pending, step, reason, t0)
         if self._topology.is_leader:
             # Retention runs after the commit is reported, on the same single writer thread: deleting
             # a large step can take as long as writing one (discard-mounted filesystems), and the
             # caller waiting for the commit should not wait for it. The next save queues behind it.
-            self.retention = self._pool.submit(self._retain)
+            self.retention = self._pool.submit(f"retention after step {step}", self._retain)
         if self._engine.peers.active:
             # The partner's copy (peers.py), after the commit and retention on the same writer thread:
             # one round per save on every leader, so the rounds pair up; the next save queues behind it.
-            self.replication = self._pool.submit(self._replicate, step, reason)
+            self.replication = self._pool.submit(f"the peer replica round of step {step}", self._replicate, step,
+                                                 reason)
 
     def finish_inflight(self) -> SaveOutcome | None:
         """Wait for the save in flight; re-raises its error here, on the training thread."""
@@ -81,7 +172,7 @@ class SaveWriter:
         the moment the job is told to leave."""
         self.staging_planned = True
         layout = self._engine.plan_layout(state)
-        self.prepared = self._pool.submit(self._engine.ensure_staging, layout)
+        self.prepared = self._pool.submit("allocating the staging buffer", self._engine.ensure_staging, layout)
 
     def finish_prepared(self) -> None:
         # A failure here is not fatal: the save allocates the buffer itself, and reports a real failure.
@@ -96,7 +187,8 @@ class SaveWriter:
     def copy_tags(self) -> None:
         """Rank 0, after a tag: the tags' durable copy, in the background (tagging.py)."""
         assert self._durable_tier is not None
-        self.tags_copy = self._pool.submit(copy_to_durable, self._engine.run_dir, self._run_id, self._durable_tier)
+        self.tags_copy = self._pool.submit("copying the tags to the durable tier", copy_to_durable,
+                                           self._engine.run_dir, self._run_id, self._durable_tier)
 
     def stage(self, step: int, state: Mapping[str, Any], reason: str) -> PendingSave:
         """Training thread: the engine's staging copy of ``state`` (collective), with its replica mismatches
@@ -123,7 +215,31 @@ class SaveWriter:
         _settle(fut, "copying the tags to the durable tier")
         fut, self.replication = self.replication, None
         _settle(fut, "the peer replica of the last save")
-        self._pool.shutdown(wait=True)
+        self._closed = True
+        self._pool.shutdown()
+
+    def _at_exit(self) -> None:
+        """The interpreter is ending and ``close()`` was not called: wait for the writer's tasks, except as the
+        module docstring says."""
+        if self._closed:
+            return
+        failing = _exception_at_exit()
+        if failing is None or failing is self._exc_before:
+            self._pool.wait_idle()
+            return
+        while not self._pool.wait_idle(0.2):
+            waited = RANK_WAITS.longest()
+            if waited > EXIT_RANK_WAIT_S:
+                log.error("this rank is ending on %s while its checkpoint writer (%s) has waited %.0f s for other "
+                          "ranks, who are not coming: ending now, exit code 1. The step of a save not committed is "
+                          "lost; every step committed before it is intact.", type(failing).__name__,
+                          self._pool.current or "idle", waited)
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except (OSError, ValueError, AttributeError):
+                        pass
+                os._exit(1)  # the interpreter's teardown would wait for, or abort on, the writer's collective
 
     # ------------------------------------------------------------------ on the writer thread
     def _write_and_report(self, pending: PendingSave, step: int, reason: str, t0: float) -> SaveOutcome:

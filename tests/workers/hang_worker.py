@@ -2,6 +2,7 @@
 
     python hang_worker.py --steps N --out O [--hang-at S --hang-rank R] [--hang-startup --hang-rank R]
                           [--crash-at S --crash-rank R --crash-signal KILL|SEGV|OOM|MEMORYERROR|STOP]
+                          [--crash-at S --crash-rank R --failpoint SPEC]
                           [--always] [--step-sleep T] [--section-at S --section-timeout T] [--pg-timeout T]
 
 Each step: a random update of a small model (torch RNG, so a resume must restore it), one all_reduce of
@@ -11,7 +12,9 @@ building its Checkpointer, before the restore (a hang before the first step). ``
 kills itself with the signal after step S (SEGV: a real segmentation fault, through ctypes), or: OOM
 allocates and touches memory until the kernel's OOM killer ends it (run it in a memory-limited cgroup),
 MEMORYERROR raises MemoryError, STOP stops itself with SIGSTOP (its peers' next collective then times out
-after ``--pg-timeout`` seconds: a communicator error). Each fault
+after ``--pg-timeout`` seconds: a communicator error). With ``--failpoint SPEC`` (RSLURM_FAILPOINTS's syntax),
+rank R arms those failpoints after step S instead (``after_shard_write=stop``: it stops while its next save is
+being committed). Each fault
 happens once per output directory (a marker file ``O/fault.<rank>``) unless ``--always``, so a restart
 resumes past it. ``--section-at S``: every
 rank spends 4 s in ``ckpt.section("eval", timeout=T)`` after step S (no steps, but inside its limit).
@@ -28,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from resilient_slurm import Checkpointer, init_distributed
+from resilient_slurm import Checkpointer, failpoints, init_distributed
 
 
 def _sleep_forever(label: str) -> None:
@@ -82,6 +85,7 @@ def main() -> int:
     ap.add_argument("--crash-signal", choices=("KILL", "SEGV", "OOM", "MEMORYERROR", "STOP"), default="KILL")
     ap.add_argument("--pg-timeout", type=float, default=None, help="the process group's collective timeout")
     ap.add_argument("--always", action="store_true", help="fault at every run, not once")
+    ap.add_argument("--failpoint", default=None, help="arm these failpoints on --crash-rank after --crash-at")
     ap.add_argument("--crash-after-commit", action="store_true",
                     help="wait for the save in flight to commit before the crash (on a busy node it may not have)")
     args = ap.parse_args()
@@ -107,7 +111,10 @@ def main() -> int:
         if args.crash_at == step and rank == args.crash_rank and _fault_due(args, rank):
             if args.crash_after_commit:
                 ckpt.wait()
-            _crash(args.crash_signal)
+            if args.failpoint:
+                failpoints.arm(args.failpoint)
+            else:
+                _crash(args.crash_signal)
         if args.section_at == step:
             with ckpt.section("eval", timeout=args.section_timeout):
                 time.sleep(4)
