@@ -67,13 +67,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
     return tmp, _job("save", 4, tmp)
 
 
-def _check_restored(saved_dump: dict[str, Any], restored: dict[str, Any]) -> None:
+def _check_restored(saved_dump: dict[str, Any], restored: dict[str, Any], width: int = 1) -> None:
     ref, got = saved_dump["now"], restored["now"]
     assert got["step"] == 3
     assert got["extra"] == {"epoch": 7, "name": "fsdp-run", "lrs": [0.1, 0.01], "best": {"loss": 0.25, "at": 2}}
     # The dumps hold the full (unsharded) tensors: 4 layers x (weight, bias).
     assert len(ref["model"]) == 8
-    assert ref["model"]["0.weight"].shape == (37, 13)
+    assert ref["model"]["0.weight"].shape == (37 * width, 13 * width)
     opt_state = ref["optim"]["state"]
     assert len(opt_state) == 8
     for fqn, s in opt_state.items():
@@ -125,24 +125,24 @@ def test_exports_consolidate_the_shards(saved: tuple[Path, dict[str, Any]]) -> N
 
 
 # ------------------------------------------------------------- from the durable tier, onto other nodes
-def _node_argv(mode: str, tmp: Path) -> list[str]:
+def _node_argv(mode: str, tmp: Path, *extra: str) -> list[str]:
     out = tmp / "out"
     out.mkdir(exist_ok=True)
-    return [WORKER, mode, "--local-dir", str(tmp / "nvme" / "%n"), "--run-id", "fsdp", "--out", str(out)]
+    return [WORKER, mode, "--local-dir", str(tmp / "nvme" / "%n"), "--run-id", "fsdp", "--out", str(out), *extra]
 
 
 def _node_job(mode: str, nodes: list[str], tmp: Path, durable: Path,
-              env: dict[str, str] | None = None) -> tuple[dict[str, Any], RankJob]:
-    job = run_ranks(_node_argv(mode, tmp), len(nodes), tmp, timeout=180,
+              env: dict[str, str] | None = None, extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], RankJob]:
+    job = run_ranks(_node_argv(mode, tmp, *extra), len(nodes), tmp, timeout=180,
                     env={**ENV, "RSLURM_DURABLE": str(durable), **(env or {})},
                     per_rank_env=[{"RSLURM_NODE_NAME": n} for n in nodes])
     return {"now": torch.load(tmp / "out" / f"{mode}_w{len(nodes)}.pt", weights_only=True)}, job
 
 
-def _drain(tmp: Path, node: str, durable: Path) -> None:
+def _drain(tmp: Path, node: str, durable: Path, *args: str) -> None:
     env = clean_env({"RSLURM_LOCAL_DIR": str(tmp / "nvme" / "%n"), "RSLURM_NODE_NAME": node,
                      "RSLURM_DURABLE": str(durable)})
-    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "daemon", "--once"], env=env,
+    r = subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "daemon", "--once", *args], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
@@ -214,6 +214,40 @@ def test_fsdp_resharded_onto_other_nodes_fetches_only_the_items_each_plan_reads(
         f.write(bytes([b[0] ^ 0xFF]))
     [fault] = verify_step_dir(str(local)).faults
     assert fault.where == str(local / f"{path}.partial") and f"bytes {offset}+{length}" in fault.problem, fault
+
+
+def test_a_compressed_durable_step_is_resharded_onto_other_nodes_bitwise(tmp_path: Path) -> None:
+    """The layout of the test above with every dim 15 times wider (shards of about 1 MiB), drained with
+    `--durable-compression zstd`: every shard is stored compressed, and the restore at 2 ranks on two empty
+    nodes decodes what its plans read (whole files, and the frames that hold the items of a file read in
+    part) and is bitwise the saved state; `verify` of the durable step passes."""
+    from resilient_slurm.checkpoint.verify import verify_durable_step
+    from resilient_slurm.storage.encoding import is_compressed
+    from resilient_slurm.storage.posix import PosixTier
+
+    durable, wide = tmp_path / "lustre", ("--width", "15")
+    ref, _ = _node_job("save", ["n1", "n1", "n2", "n2"], tmp_path, durable, extra=wide)
+    for node in ("n1", "n2"):
+        _drain(tmp_path, node, durable, "--durable-compression", "zstd")
+    step_dir = durable / "fsdp" / f"step_{3:012d}"
+    raw = {f.name: f.stat().st_size for node in ("n1", "n2")
+           for f in (tmp_path / "nvme" / node / "fsdp" / f"step_{3:012d}").glob("*.distcp")}
+    assert sorted(raw) == [f"__{r}_0.distcp" for r in range(4)] and min(raw.values()) > 256 << 10, raw
+    with PosixTier(str(durable)) as tier:
+        assert all(is_compressed(tier, f"fsdp/step_{3:012d}/{name}", size) for name, size in raw.items()), raw
+        assert not verify_durable_step(tier, "fsdp", 3).faults
+    stored = sum((step_dir / name).stat().st_size for name in raw)
+    assert stored < 0.97 * sum(raw.values()), (stored, raw)
+    got, _ = _node_job("restore", ["n3", "n4"], tmp_path, durable, extra=wide)
+    _check_restored(ref, got, width=15)
+    partial: dict[str, list[str]] = {}
+    for node in ("n3", "n4"):
+        [ev] = [e for e in read_jsonl(tmp_path / "nvme" / node / "fsdp" / "events.jsonl") if e["event"] == "restore"]
+        assert ev["step"] == 3 and ev["tier"] == "durable", ev
+        local = tmp_path / "nvme" / node / "fsdp" / f"step_{3:012d}"
+        assert not verify_step_dir(str(local)).faults  # what was decoded is what the manifest's checksums say
+        partial[node] = sorted(f.name for f in local.glob("*.partial"))
+    assert partial["n3"] or partial["n4"], partial  # ranged reads of a compressed object: its frames decoded
 
 
 def test_a_damaged_range_is_fetched_again_and_a_corrupt_item_is_never_restored(tmp_path: Path) -> None:

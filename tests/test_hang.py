@@ -314,6 +314,22 @@ def test_the_adaptive_timeout_follows_the_slowest_recent_step() -> None:
     assert hang is not None and hang.stuck[0].step == 13 and "after step 13" in hang.describe()
 
 
+def test_a_rank_whose_clock_started_later_is_named_in_the_same_hang() -> None:
+    """Rank 0 hangs before its restore; rank 1, which began its start-up 2 s earlier, waits for it and passes the
+    limit first. The verdict names rank 0 too (half-way to its own limit), not only the rank that waits (a full
+    run on a busy machine once named only rank 1)."""
+    w = HangWatch("/nonexistent", timeout=4, startup_timeout=6)
+    w.observe({0: _hb(0, -1, 102.0, "startup", 102.0), 1: _hb(1, -1, 100.0, "startup", 100.0)})
+    assert w.judge(105.9) is None
+    hang = w.judge(106.5)
+    assert hang is not None and [s.rank for s in hang.stuck] == [0, 1], hang
+    assert "rank 0 before its first step (startup), idle 4 s of 6 s" in hang.describe(), hang.describe()
+    assert "rank 1 before its first step (startup), idle 6 s > 6 s" in hang.describe(), hang.describe()
+    w.observe({0: _hb(0, -1, 104.0, "startup", 104.0, pid=101), 1: _hb(1, -1, 100.0, "startup", 100.0)})
+    hang = w.judge(106.5)  # a rank not yet half-way to its limit is not named
+    assert hang is not None and [s.rank for s in hang.stuck] == [1], hang
+
+
 def test_sections_restarts_and_closed_ranks() -> None:
     w = HangWatch("/nonexistent", timeout=5, startup_timeout=50)
     w.observe({0: _hb(0, 3, 100.0, "eval", 100.0, 60.0), 1: _hb(1, 3, 100.0)})

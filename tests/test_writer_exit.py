@@ -34,6 +34,12 @@ def waiting_for_peers():  # a commit's collective whose peers stopped
         time.sleep(3600)
 
 writer._pool.submit("the save of step 8", waiting_for_peers if case.endswith("peers") else local_work)
+if case.startswith("fork"):  # a DataLoader worker forked while the save runs: it inherits the hook, not the thread
+    import multiprocessing
+    child = multiprocessing.get_context("fork").Process(target=lambda: None)
+    child.start()
+    child.join(60)
+    print("child exit code", child.exitcode)
 if case.startswith("raise"):
     raise RuntimeError("the training collective timed out")
 """
@@ -56,6 +62,13 @@ def test_the_exit_waits_for_a_save_that_writes_whatever_the_ending(tmp_path: Pat
 
 
 @pytest.mark.proc
+def test_a_forked_child_does_not_wait_for_its_parents_writer(tmp_path: Path) -> None:
+    r, out = _run(tmp_path, "fork-local")
+    assert r.returncode == 0 and "child exit code 0" in r.stdout, (r.stdout, r.stderr)
+    assert out.read_text() == "written", r.stderr
+
+
+@pytest.mark.proc
 def test_an_exit_on_an_error_stops_waiting_for_ranks_that_are_not_coming(tmp_path: Path) -> None:
     r, _ = _run(tmp_path, "raise-peers")  # the hour's task was not waited for: run()'s timeout did not fire
     assert r.returncode == 1, r.stderr
@@ -75,7 +88,10 @@ def test_the_writer_thread_runs_tasks_in_order_and_carries_their_errors() -> Non
         bad.result()
     assert wt.current == ""
     wt.shutdown()
+    wt.shutdown()
     assert not wt._thread.is_alive() and wt._thread.daemon
+    with pytest.raises(RuntimeError, match="closed"):
+        wt.submit("late", print)
 
 
 def test_rank_waits_count_from_the_oldest_wait_and_end_with_it() -> None:

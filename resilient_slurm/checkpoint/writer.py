@@ -58,6 +58,7 @@ class WriterThread:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._queued = 0  # submitted, not finished
+        self._shut = False
         self.current = ""  # what the running task is (for the exit's log line)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -65,6 +66,8 @@ class WriterThread:
     def submit(self, what: str, fn: Callable[..., _T], *args: Any) -> Future[_T]:
         fut: Future[_T] = Future()
         with self._lock:
+            if self._shut:
+                raise RuntimeError("the checkpoint writer is closed: no save after close()")
             self._queued += 1
         self._tasks.put((fut, what, lambda: fn(*args)))
         return fut
@@ -89,8 +92,11 @@ class WriterThread:
             return self._idle.wait_for(lambda: self._queued == 0, timeout)
 
     def shutdown(self) -> None:
-        """Let the tasks submitted finish, then end the thread."""
-        self._tasks.put(None)
+        """Let the tasks submitted finish, then end the thread. Idempotent."""
+        with self._lock:
+            first, self._shut = not self._shut, True
+        if first:
+            self._tasks.put(None)
         self._thread.join()
 
 
@@ -100,7 +106,11 @@ def _exception_at_exit() -> BaseException | None:
 
 
 def _exit_hook(ref: weakref.ref[SaveWriter]) -> Callable[[], None]:
+    pid = os.getpid()
+
     def hook() -> None:  # a weak reference: the hook does not keep a dropped Checkpointer's writer alive
+        if os.getpid() != pid:  # a forked child (a DataLoader worker) inherits the hook, not the thread
+            return
         writer = ref()
         if writer is not None:
             writer._at_exit()
@@ -108,8 +118,11 @@ def _exit_hook(ref: weakref.ref[SaveWriter]) -> Callable[[], None]:
 
 
 def _register_exit_hook(hook: Callable[[], None]) -> None:
-    # threading's exit hooks run before concurrent.futures shuts its pools (its hook is older: they run newest
-    # first), so a save finished at exit can still use them; atexit where that hook is missing.
+    # threading's exit hooks run newest first: registered after concurrent.futures' own (imported here so that
+    # it is), this one runs while its pools still take work, which a save finished at exit needs. atexit where
+    # threading has no such hook.
+    import concurrent.futures.thread  # noqa: F401  (registers concurrent.futures' exit hook)
+
     register = getattr(threading, "_register_atexit", None)
     try:
         (register or __import__("atexit").register)(hook)

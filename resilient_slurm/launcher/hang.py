@@ -57,7 +57,7 @@ TELLING_STATES = frozenset({"stopped", "tracing-stop", "disk-sleep", "zombie", "
 
 @dataclass(frozen=True)
 class Stuck:
-    """One rank that passed its limit."""
+    """One rank of a hang: past its limit, or half-way to it while another rank is past its own."""
 
     rank: int
     pid: int
@@ -89,7 +89,8 @@ class Hang:
             where = f"before its first step ({s.section})" if s.step < 0 else (
                 f"after step {s.step}" + (f" in section {s.section!r}" if s.section else ""))
             state = f" (process {s.state})" if s.state in TELLING_STATES else ""
-            parts.append(f"rank {s.rank} {where}{state}, idle {s.idle_s:.0f} s > {s.limit_s:.0f} s")
+            past = ">" if s.idle_s > s.limit_s else "of"
+            parts.append(f"rank {s.rank} {where}{state}, idle {s.idle_s:.0f} s {past} {s.limit_s:.0f} s")
         more = f"; and {len(self.stuck) - 8} more" if len(self.stuck) > 8 else ""
         return "; ".join(parts) + more
 
@@ -150,7 +151,7 @@ class HangWatch:
         if not self.enabled or not self._tracks:
             return None
         step_limit = self.step_limit()
-        stuck = []
+        idle: list[Stuck] = []
         for rank, t in sorted(self._tracks.items()):
             hb = t.last
             if hb.section == "startup":
@@ -159,10 +160,12 @@ class HangWatch:
                 limit, since = hb.section_timeout, hb.section_t
             else:
                 limit, since = step_limit, hb.beat_t
-            idle = now - since
-            if idle > limit:
-                stuck.append(Stuck(rank, hb.pid, hb.step, hb.section, idle, limit))
-        return Hang(tuple(stuck), len(self._tracks)) if stuck else None
+            idle.append(Stuck(rank, hb.pid, hb.step, hb.section, now - since, limit))
+        if not any(s.idle_s > s.limit_s for s in idle):
+            return None
+        # A hang holds every rank: one whose clock started later (a rank that began its start-up a second after
+        # the others, and is the one that hangs) is named too once it is half-way to its own limit.
+        return Hang(tuple(s for s in idle if s.idle_s > s.limit_s / 2), len(self._tracks))
 
     def check(self, now: float | None = None) -> Hang | None:
         """Read the heartbeats (at most once a second) and judge them (with hang detection off, only read

@@ -2,6 +2,7 @@
 
     python fsdp_worker.py save    --local-dir D --run-id R --out O   # train 3 steps, save step 3
     python fsdp_worker.py restore --local-dir D --run-id R --out O   # fresh model, restore, 1 more step
+    ... [--width K]   # every dim times K (shards large enough for the durable tier to compress)
 
 Rank 0 writes to ``O``:
 * ``<mode>_w<world>.pt``: the FULL (unsharded) model and optimizer state right after the save / the
@@ -89,7 +90,9 @@ def main() -> None:
     ap.add_argument("--local-dir", required=True)
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--width", type=int, default=1, help="every dim times this")
     args = ap.parse_args()
+    DIMS[:] = [d * args.width for d in DIMS]
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK')}] %(levelname)s %(name)s: %(message)s")
 
     init_distributed(backend="gloo", timeout=120)
