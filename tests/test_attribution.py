@@ -88,7 +88,7 @@ def test_a_stopped_peer_is_a_communicator_error_restarted_in_job(tmp_path: Path)
     r = _launch(work, out, "--crash-at", "7", "--crash-rank", "1", "--crash-after-commit",
                 "--failpoint", "after_shard_write=stop", "--pg-timeout", "5")
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "its checkpoint writer (the save of step 8) has waited" in r.stderr, r.stderr[-4000:]
+    assert "while the checkpoint writer (the save of step 8) has waited" in r.stderr, r.stderr[-4000:]
     assert not [e for e in _events(work) if e["event"] == "hang"], r.stderr[-4000:]
     # The stopped rank cannot exit by itself: it is torn down once seen stopped, not after the 30 s wait.
     assert "rank 1 stopped (SIGSTOP) after a rank failed" in r.stderr, r.stderr[-4000:]

@@ -5,9 +5,11 @@ interpreter exiting (the hooks are the interpreter's own), with the waits made s
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -40,8 +42,14 @@ if case.startswith("fork"):  # a DataLoader worker forked while the save runs: i
     child.start()
     child.join(60)
     print("child exit code", child.exitcode)
-if case.startswith("raise"):
+if case.startswith("close"):  # `with Checkpointer(...)` ending on an error: close(failed=True)
+    class Link:
+        def close(self): print("link closed")
+    print("left:", writer.left_stuck("closing after an error", Link()))
+if case.startswith(("raise", "close")):
     raise RuntimeError("the training collective timed out")
+if case.startswith("interrupt"):
+    raise KeyboardInterrupt
 """
 
 
@@ -73,8 +81,24 @@ def test_an_exit_on_an_error_stops_waiting_for_ranks_that_are_not_coming(tmp_pat
     r, _ = _run(tmp_path, "raise-peers")  # the hour's task was not waited for: run()'s timeout did not fire
     assert r.returncode == 1, r.stderr
     assert "RuntimeError: the training collective timed out" in r.stderr, r.stderr
-    assert "ending on RuntimeError while its checkpoint writer (the save of step 8) has waited 1 s" in r.stderr, r.stderr
+    assert ("this rank is ending on RuntimeError while the checkpoint writer (the save of step 8) has waited more "
+            "than 1 s for other ranks") in r.stderr, r.stderr
     assert "every step committed before it is intact" in r.stderr, r.stderr
+
+
+@pytest.mark.proc
+def test_a_close_after_an_error_leaves_a_stuck_writer_and_the_exit_does_not_wait_again(tmp_path: Path) -> None:
+    r, _ = _run(tmp_path, "close-peers")
+    assert r.returncode == 1 and "left: True" in r.stdout and "link closed" in r.stdout, (r.stdout, r.stderr)
+    assert "closing after an error while the checkpoint writer (the save of step 8) has waited" in r.stderr, r.stderr
+    assert r.stderr.count("has waited") == 1, r.stderr
+
+
+@pytest.mark.proc
+def test_an_interrupt_still_ends_the_process_by_sigint(tmp_path: Path) -> None:
+    r, _ = _run(tmp_path, "interrupt-peers")
+    assert r.returncode == -signal.SIGINT, (r.returncode, r.stderr)
+    assert "ending on KeyboardInterrupt" in r.stderr, r.stderr
 
 
 def test_the_writer_thread_runs_tasks_in_order_and_carries_their_errors() -> None:
@@ -94,11 +118,17 @@ def test_the_writer_thread_runs_tasks_in_order_and_carries_their_errors() -> Non
         wt.submit("late", print)
 
 
-def test_rank_waits_count_from_the_oldest_wait_and_end_with_it() -> None:
+def test_rank_waits_are_per_thread_count_from_the_outer_wait_and_end_with_it() -> None:
     waits = RankWaits()
-    assert waits.longest() == 0.0
+    me = threading.get_ident()
+    assert waits.waited(me) == 0.0
     with waits.waiting():
         time.sleep(0.05)
         with waits.waiting():  # nested: still the outer wait's clock
-            assert waits.longest() >= 0.05
-    assert waits.longest() == 0.0
+            assert waits.waited(me) >= 0.05
+        assert waits.waited(me, since=time.monotonic() + 10) == 0.0  # counted from `since` at the earliest
+        other = threading.Thread(target=lambda: None)
+        other.start()
+        other.join()
+        assert waits.waited(other.ident) == 0.0  # another thread's wait is its own
+    assert waits.waited(me) == 0.0

@@ -316,9 +316,11 @@ class Checkpointer:
         self._check_open()
         return self._finish_inflight()
 
-    def close(self) -> None:
-        """Wait for in-flight saves and release the writer thread. Idempotent."""
-        if self._closed:
+    def close(self, *, failed: bool = False) -> None:
+        """Wait for in-flight saves and release the writer thread. Idempotent. ``failed`` (closing on an error):
+        a writer stuck 30 s waiting for other ranks is left, with the groups and tiers it uses (writer.py)."""
+        if self._closed or (failed and self._writer.left_stuck("closing after an error", self._link)):
+            self._closed = True
             return
         try:
             self._finish_inflight()
@@ -341,7 +343,7 @@ class Checkpointer:
             self.close()
             return
         try:
-            self.close()
+            self.close(failed=True)
         except CheckpointError as inner:  # do not mask the exception that ended the block
             log.error("while closing after %s: %s", exc_type.__name__ if exc_type else "error", inner)
 

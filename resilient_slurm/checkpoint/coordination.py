@@ -99,12 +99,17 @@ def phase_error(name: str, errors: Sequence[RankError]) -> ResilientSlurmError:
 
 class RankWaits:
     """Since when each thread of this process has been waiting for other ranks (a collective, a peer
-    transfer). The checkpoint writer's exit hook (writer.py) takes a long wait as the evidence that they are
-    not coming."""
+    transfer). The checkpoint writer's exit (writer.py) takes a long wait of its thread as the evidence that
+    they are not coming."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._since: dict[int, float] = {}
+
+    def reset(self) -> None:
+        """A forked child: no thread of the parent waits here (and the lock may have been held)."""
+        self._lock = threading.Lock()
+        self._since = {}
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -121,15 +126,17 @@ class RankWaits:
                 with self._lock:
                     self._since.pop(me, None)
 
-    def longest(self) -> float:
-        """Seconds of the longest wait under way in this process (0.0: none)."""
+    def waited(self, thread: int | None, since: float = 0.0) -> float:
+        """Seconds thread ``thread`` has been waiting in its wait under way, counted from ``since`` at the
+        earliest (a ``time.monotonic()``); 0.0 when it is not waiting."""
         with self._lock:
-            oldest = min(self._since.values(), default=None)
-        return 0.0 if oldest is None else time.monotonic() - oldest
+            began = self._since.get(thread) if thread is not None else None
+        return 0.0 if began is None else max(0.0, time.monotonic() - max(began, since))
 
 
-#: This process's waits for other ranks (one per process: the exit hook asks whatever thread waits).
+#: This process's waits for other ranks, by thread.
 RANK_WAITS = RankWaits()
+os.register_at_fork(after_in_child=RANK_WAITS.reset)
 
 
 class Coordinator:

@@ -10,10 +10,12 @@ the tags' copy are best effort: their failures are logged, never raised.
 
 At the interpreter's exit, a program that did not call ``close()`` still gets its queued work done: the exit
 waits for the writer, as it did when the writer was a ``ThreadPoolExecutor``. Except when the program is
-ending on an unhandled exception and the writer has been waiting for other ranks for more than
-:data:`EXIT_RANK_WAIT_S` (a peer stopped or gone while a save was being committed): then nothing more will
-come of the save, and the rank ends at once with exit code 1, logging the step left uncommitted, instead of
-waiting in that collective for ``collective_timeout`` (600 s by default) while the launcher waits for it.
+ending on an unhandled exception, or closes the Checkpointer because of one (``close(failed=True)``, which
+``with Checkpointer(...)`` and the integrations do), and the writer's thread then spends more than
+:data:`EXIT_RANK_WAIT_S` waiting for other ranks (a peer stopped or gone while a save was being committed):
+nothing more will come of the save. The writer is left, the log names its task, and the rank ends at once
+(exit code 1) instead of waiting in that collective for ``collective_timeout`` (600 s by default) while the
+launcher waits for it.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -63,28 +67,39 @@ class WriterThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def ident(self) -> int | None:
+        """The thread's id (for :data:`~.coordination.RANK_WAITS`)."""
+        return self._thread.ident
+
     def submit(self, what: str, fn: Callable[..., _T], *args: Any) -> Future[_T]:
         fut: Future[_T] = Future()
-        with self._lock:
+        with self._lock:  # the put too: a shutdown between the check and the put would strand the task
             if self._shut:
                 raise RuntimeError("the checkpoint writer is closed: no save after close()")
             self._queued += 1
-        self._tasks.put((fut, what, lambda: fn(*args)))
+            self._tasks.put((fut, what, lambda: fn(*args)))
         return fut
 
     def _run(self) -> None:
         while (task := self._tasks.get()) is not None:
             fut, what, call = task
+            del task
             self.current = what
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(call())
-                except BaseException as exc:  # as concurrent.futures does: the waiter re-raises it
-                    fut.set_exception(exc)
-            self.current = ""
-            with self._idle:
-                self._queued -= 1
-                self._idle.notify_all()
+            try:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(call())
+                    except BaseException as exc:  # as concurrent.futures does: the waiter re-raises it
+                        fut.set_exception(exc)
+            finally:
+                # Drop the task before waiting for the next: its arguments (a save's staging buffer) must not
+                # outlive it while the thread idles.
+                del fut, call
+                self.current = ""
+                with self._idle:
+                    self._queued -= 1
+                    self._idle.notify_all()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every task submitted has finished (at most ``timeout`` s); whether they have."""
@@ -103,6 +118,20 @@ class WriterThread:
 def _exception_at_exit() -> BaseException | None:
     """The unhandled exception the interpreter is ending on (set before the exit hooks run), if any."""
     return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
+def _end_now(failing: BaseException | None) -> None:
+    """End the process now, without the interpreter's teardown, which would wait for (or abort on) the
+    collective the writer's thread is in: exit code 1, or death by SIGINT for an interrupt, as Python's."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    if isinstance(failing, KeyboardInterrupt):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(1)
 
 
 def _exit_hook(ref: weakref.ref[SaveWriter]) -> Callable[[], None]:
@@ -143,6 +172,7 @@ class SaveWriter:
         self._run_id = run_id
         self._pool = WriterThread("rslurm-ckpt")
         self._closed = False
+        self._abandoned = False  # closed after an error with its thread still waiting for other ranks
         self._exc_before = _exception_at_exit()  # an interactive session's earlier error is not this exit's
         _register_exit_hook(_exit_hook(weakref.ref(self)))
         self.inflight: Future[SaveOutcome] | None = None
@@ -231,29 +261,48 @@ class SaveWriter:
         self._closed = True
         self._pool.shutdown()
 
+    def settle(self, *, bounded: bool) -> bool:
+        """Wait for every task submitted. ``bounded`` (the program is ending on an error): stop waiting once the
+        writer's thread has spent :data:`EXIT_RANK_WAIT_S` since this call waiting for other ranks. Whether
+        every task finished."""
+        start = time.monotonic()
+        if not bounded:
+            return self._pool.wait_idle()
+        while not self._pool.wait_idle(0.2):
+            if RANK_WAITS.waited(self._pool.ident, start) > EXIT_RANK_WAIT_S:
+                return False
+        return True
+
+    def left_stuck(self, why: str, link: RankLink) -> bool:
+        """``Checkpointer.close(failed=True)``: :meth:`settle`, bounded; when it gives up, :meth:`abandon` the
+        writer and close the rank's link (what does not wait for the writer). Whether it was left."""
+        if self.settle(bounded=True):
+            return False
+        self.abandon(why)
+        link.close()
+        return True
+
+    def abandon(self, why: str) -> None:
+        """Leave the writer's thread where it waits (``close(failed=True)``, or the exit, after :meth:`settle`
+        gave up): nothing more will come of its task."""
+        self._closed = self._abandoned = True
+        log.error("%s while the checkpoint writer (%s) has waited more than %.0f s for other ranks, who are not "
+                  "coming: it is left. The step of a save not committed is lost; every step committed before it is "
+                  "intact.", why, self._pool.current or "idle", EXIT_RANK_WAIT_S)
+
     def _at_exit(self) -> None:
-        """The interpreter is ending and ``close()`` was not called: wait for the writer's tasks, except as the
-        module docstring says."""
-        if self._closed:
+        """The interpreter is ending: wait for the writer's tasks unless ``close()`` did, except as the module
+        docstring says. A writer left by ``close(failed=True)`` still waiting ends the process at once."""
+        if self._closed and not (self._abandoned and not self._pool.wait_idle(0)):
             return
         failing = _exception_at_exit()
-        if failing is None or failing is self._exc_before:
-            self._pool.wait_idle()
-            return
-        while not self._pool.wait_idle(0.2):
-            waited = RANK_WAITS.longest()
-            if waited > EXIT_RANK_WAIT_S:
-                log.error("this rank is ending on %s while its checkpoint writer (%s) has waited %.0f s for other "
-                          "ranks, who are not coming: ending now, exit code 1. The step of a save not committed is "
-                          "lost; every step committed before it is intact.", type(failing).__name__,
-                          self._pool.current or "idle", waited)
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except (OSError, ValueError, AttributeError):
-                        pass
-                os._exit(1)  # the interpreter's teardown would wait for, or abort on, the writer's collective
-
+        if failing is self._exc_before:
+            failing = None
+        if not self._abandoned:
+            if self.settle(bounded=failing is not None):
+                return
+            self.abandon(f"this rank is ending on {type(failing).__name__}")
+        _end_now(failing)
     # ------------------------------------------------------------------ on the writer thread
     def _write_and_report(self, pending: PendingSave, step: int, reason: str, t0: float) -> SaveOutcome:
         """Write and commit, then tell the launcher (if any) the step is committed."""

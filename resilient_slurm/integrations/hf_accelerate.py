@@ -135,10 +135,11 @@ class AcceleratorCheckpointer:
         """``Checkpointer.save`` with this state."""
         self.ckpt.save(step, self.state(), blocking, reason=reason)
 
-    def close(self) -> None:
-        """Close the Checkpointer (unless it was given: then its owner closes it)."""
+    def close(self, *, failed: bool = False) -> None:
+        """Close the Checkpointer (unless it was given: then its owner closes it); ``failed`` as
+        :meth:`Checkpointer.close`."""
         if self._given is None:
-            self.ckpt.close()
+            self.ckpt.close(failed=failed)
 
     def __enter__(self) -> AcceleratorCheckpointer:
         return self
@@ -149,7 +150,7 @@ class AcceleratorCheckpointer:
             self.close()
             return
         with contextlib.suppress(CheckpointError):
-            self.close()
+            self.close(failed=True)
 
 
 _END = object()

@@ -100,7 +100,7 @@ class RslurmCallback:
             self._fetch.uninstall()
             if self._given is None:
                 with contextlib.suppress(CheckpointError):
-                    self.ckpt.close()
+                    self.ckpt.close(failed=True)
             raise
         self._remove_folder()
         self._fetch.uninstall()

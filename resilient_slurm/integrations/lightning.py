@@ -455,16 +455,16 @@ class ResilientSlurm(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
-            self._close()
+            self._close(failed=True)
         except Exception as inner:  # do not mask the exception that ended fit()
             log.error("rslurm: while closing the Checkpointer after %s: %s", type(exception).__name__, inner)
 
-    def _close(self, *, finished: bool = False) -> None:
+    def _close(self, *, finished: bool = False, failed: bool = False) -> None:
         self._sections.close()
         if self.ckpt is not None:
             ckpt, self.ckpt = self.ckpt, None
             self._stopped = ckpt.should_stop
-            ckpt.close()
+            ckpt.close(failed=failed)
             if finished and not self._stopped:
                 _FINISHED.add(ckpt.run_dir)
 

@@ -85,7 +85,8 @@ class Hang:
 
     def describe(self) -> str:
         parts = []
-        for s in self.stuck[:8]:
+        # The ranks past their limit first: the text (and the evidence made of it) is cut at 8.
+        for s in sorted(self.stuck, key=lambda s: s.idle_s <= s.limit_s)[:8]:
             where = f"before its first step ({s.section})" if s.step < 0 else (
                 f"after step {s.step}" + (f" in section {s.section!r}" if s.section else ""))
             state = f" (process {s.state})" if s.state in TELLING_STATES else ""
