@@ -35,13 +35,14 @@ check: $(STAMP)
 
 # The launcher, attribution, orphan and Slurm tests with a CPU and an I/O hog on every core beside them
 # (tests/under_load.py), LOAD_RUNS times in a row, stopping at the first failure: races that only a busy
-# node shows. Run it before a change to the launcher lands (docs/testing.md). Not part of `make test` or CI:
-# it takes hours.
+# node shows. The files run on two workers as in `make test` (the Slurm tests on one, the rest on the other),
+# so the hogs share the cores with both. Run it before a change to the launcher lands (docs/testing.md). Not
+# part of `make test` or CI: it takes hours.
 LOAD_TESTS ?= tests/test_launcher_local.py tests/test_attribution.py tests/test_launcher_orphans.py tests/test_launcher_slurm.py
 LOAD_RUNS  ?= 3
 test-load: $(STAMP)
 	bash tests/slurm/install.sh
-	RSLURMTEST_REQUIRE_SLURM=1 $(PY) tests/under_load.py --runs $(LOAD_RUNS) -- $(PY) -m pytest -q -rs -x $(LOAD_TESTS)
+	RSLURMTEST_REQUIRE_SLURM=1 $(PY) tests/under_load.py --runs $(LOAD_RUNS) -- $(PY) -m pytest -q -rs -x -n 2 --dist loadgroup --durations=20 -p no:cacheprovider $(LOAD_TESTS)
 
 bench: $(STAMP)
 	$(PY) bench/bench_checkpoint.py

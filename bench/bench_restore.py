@@ -9,9 +9,10 @@ is dropped, and the methods take turns round by round, so drift in the disk's sp
 - ``raw read, fresh buffer``: the same into a fresh transparent-huge-page buffer, which a fresh process must
   also fault in: the floor for any restore that does not already own the memory;
 - ``ours``: ``Checkpointer.restore`` into a freshly built model + Adam (verification included: every item's
-  xxh3 checked before anything live is touched);
-- ``ours, copying``: the same with the zero-copy path off (every tensor copied out of the read buffer, as
-  before it existed);
+  xxh3 checked; the large tensors read straight into the model's and the optimizer's own, already faulted
+  memory: docs/architecture.md, "In-place restore");
+- ``ours, copying``: the same with nothing read in place (every item read into a buffer, verified, then
+  copied into the tensors: what ``restore_fallback="fresh"`` does);
 - ``torch.load + load_state_dict``: ``torch.load(weights_only=True, mmap=False)`` of a ``torch.save`` file of
   the same state, then ``model.load_state_dict`` and ``optimizer.load_state_dict``;
 - ``dcp.load``: ``torch.distributed.checkpoint.load`` of a ``dcp.save`` of the same state, then the optimizer's
@@ -74,7 +75,7 @@ LABELS = {
     "raw_prefaulted": "raw O_DIRECT read, prefaulted buffer",
     "raw_fresh": "raw O_DIRECT read, fresh buffer",
     "ours": "ours: Checkpointer.restore (verified)",
-    "ours_copying": "ours, zero-copy off (verified)",
+    "ours_copying": "ours, nothing in place (restore_fallback=fresh; verified)",
     "ours_pinned": "ours, pinned read buffers (verified)",
     "torch_load": "torch.load + load_state_dict",
     "dcp_load": "dcp.load + optimizer.load_state_dict",
@@ -135,15 +136,12 @@ def child(args: argparse.Namespace) -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if mode in ("ours", "ours_copying", "ours_pinned"):
         from resilient_slurm import Checkpointer
-        from resilient_slurm.checkpoint import apply as apply_mod
         from resilient_slurm.checkpoint import restore_round as round_mod
 
-        if mode == "ours_copying":
-            apply_mod.ADOPT_MIN_BYTES = 1 << 62
         round_mod.PIN_FOR_CUDA = mode == "ours_pinned"
         cache.drop(os.path.join(root, "ours"))
         ck = Checkpointer(local_dir=os.path.join(root, "ours"), run_id="bench", keep_last=1,
-                          io_threads=args.io_threads)
+                          io_threads=args.io_threads, restore_fallback="fresh" if mode == "ours_copying" else "fail")
         t0 = now()
         step = ck.restore({"model": model, "optim": opt})
         sync()
@@ -152,7 +150,7 @@ def child(args: argparse.Namespace) -> None:
         from common import read_jsonl
 
         ev = [e for e in read_jsonl(os.path.join(root, "ours", "bench", "events.jsonl")) if e.get("event") == "restore"]
-        out["adopted_bytes"] = ev[-1].get("adopted_bytes", 0) if ev else 0
+        out["placed_bytes"] = ev[-1].get("placed_bytes", 0) if ev else 0
         assert step == 1, step
     elif mode == "torch_load":
         path = os.path.join(root, "state.pt")
@@ -206,7 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     r: dict[str, Any] = {"machine": machine_facts(root), "size_gib": args.size_gib, "io_threads": args.io_threads,
                          "device": args.device, "times": {m: [] for m in args.modes},
                          "hog_times": {m: [] for m in args.modes} if args.hog else {}, "errors": [],
-                         "adopted_bytes": []}
+                         "placed_bytes": []}
     try:
         log(f"saving the state ({args.size_gib} GiB) with rslurm, torch.save and dcp.save (untimed) ...")
         expect = prepare(args, root)
@@ -232,8 +230,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if res["equal"] is False:
                     r["errors"].append(f"{mode}: restored state differs from the saved one")
                 r["hog_times" if hogged else "times"][mode].append(res["s"])
-                if "adopted_bytes" in res and mode == "ours":
-                    r["adopted_bytes"].append(res["adopted_bytes"])
+                if "placed_bytes" in res and mode == "ours":
+                    r["placed_bytes"].append(res["placed_bytes"])
                 log(f"round {i + 1}: {mode}{' (CPU hog)' if hogged else ''} {res['s']:.3f} s")
     finally:
         remove(root)
@@ -244,8 +242,8 @@ def report(r: dict[str, Any]) -> None:
     report_times(r, r["times"], "")
     if r.get("hog_times"):
         report_times(r, r["hog_times"], ", a CPU hog on one core")
-    if r["adopted_bytes"]:
-        print(f"\nbytes that became live memory without a copy: {r['adopted_bytes'][0]} of {r.get('bytes', 0)}")
+    if r["placed_bytes"]:
+        print(f"\nbytes read straight into the live tensors: {r['placed_bytes'][0]} of {r.get('bytes', 0)}")
     for e in r["errors"]:
         print("ERROR:", e)
     if not r["errors"]:
@@ -266,7 +264,7 @@ def report_times(r: dict[str, Any], times: dict[str, list[float]], what: str) ->
         ("restore throughput / raw read (fresh buffer)", ratio(t.get("raw_fresh"), t.get("ours")), ""),
         ("restore time / (torch.load + load_state_dict)", ratio(t.get("ours"), t.get("torch_load")), "< 1"),
         ("restore time / dcp.load", ratio(t.get("ours"), t.get("dcp_load")), ""),
-        ("zero-copy restore time / copying restore time", ratio(t.get("ours"), t.get("ours_copying")), ""),
+        ("in-place restore time / copying restore time", ratio(t.get("ours"), t.get("ours_copying")), ""),
     ]
     for name, v, target in rows:
         print(f"| {name} | {fmt(v, '.2f')} | {target} |")

@@ -1,17 +1,17 @@
-"""Apply: verified bytes of a step put into the live state, a large tensor's by taking its buffer over.
+"""Apply: verified bytes of a step put into the live state; a large tensor's bytes read straight into it.
 
-Who calls what: :class:`~.restore_round.StepReader` (restore_round.py) asks :class:`_Owners` which live
-tensor each read item may become (zero-copy restore), reads into the buffers it picks and returns a
-:class:`_Loaded`; the :class:`~.restore.Restorer` calls :meth:`_Loaded.apply` only once every rank has
-verified everything it read. Nothing here reads files or talks to other ranks.
+Who calls what: :class:`~.restore_round.StepReader` (restore_round.py) asks :func:`place_into` which read
+items can be read straight into the live tensor they restore (in-place restore), reads those through a
+:class:`Placing` sink (storage/fileio.py: :func:`~resilient_slurm.storage.fileio.read_through`) and the rest
+into buffers, and returns a :class:`_Loaded`; the :class:`~.restore.Restorer` calls :meth:`_Loaded.apply`
+only once every rank has verified everything it read. Nothing here reads files or talks to other ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
-import itertools
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +25,7 @@ from ..errors import IncompatibleCheckpointError
 from .planning import SafeLoadPlanner
 from .staging import framing_for
 
-ADOPT_MIN_BYTES = 1 << 20  # smaller tensors are copied: a buffer of their own would cost more than the copy
+PLACE_MIN_BYTES = 1 << 20  # smaller tensors are read with their neighbours into one buffer and copied
 
 
 def _on_cuda(obj: Any, depth: int = 0) -> bool:
@@ -41,12 +41,6 @@ def _on_cuda(obj: Any, depth: int = 0) -> bool:
     return False
 
 
-def _release(storages: list[torch.UntypedStorage]) -> None:
-    """Drop the references one by one (the interpreter may switch threads between two frees)."""
-    while storages:
-        storages.pop()
-
-
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Sorted, non-overlapping cover of ``[a, b)`` spans (touching ones joined)."""
     out: list[tuple[int, int]] = []
@@ -58,82 +52,83 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _sole_owner(t: torch.Tensor) -> bool:
-    """Whether ``t`` can be given new memory without anyone noticing: a plain CPU tensor that is not a view,
-    covers the whole of its storage, and is neither shared with other processes nor pinned."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu" or t.layout != torch.strided:
-        return False
-    if t._is_view() or not t.is_contiguous() or t.storage_offset() != 0 or (t.requires_grad and not t.is_leaf):
-        return False
-    try:
-        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            return False
-        return not (t.is_shared() or t.is_pinned())
-    except RuntimeError:  # no storage of its own
-        return False
+def memory_of(t: torch.Tensor) -> tuple[int, int]:
+    """The host memory from a CPU tensor's first element to its last, as ``[start, end)`` addresses."""
+    size = t.element_size()
+    start = int(t.untyped_storage().data_ptr() + t.storage_offset() * size)
+    if t.numel() == 0:
+        return start, start
+    return start, start + (sum(int(n - 1) * int(st) for n, st in zip(t.shape, t.stride())) + 1) * size
 
 
-def _storage_ptr(t: Any) -> int | None:
-    """Address of a plain CPU tensor's storage; None for anything else (a DTensor or other wrapper has no
-    storage of its own, FSDP2 frees an unsharded parameter's)."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu":
+@dataclass
+class Placement:
+    """A read item whose tensor bytes go straight into the live tensor they restore."""
+
+    fqn: str
+    dest: torch.Tensor  # the live tensor (or the alias its owner's load_state_dict reads)
+    raw: torch.Tensor  # ``dest``'s bytes, flat uint8
+    prefix: bytes  # the item's framing before the tensor bytes (torch.save's), checked as it arrives
+    nbytes: int
+    length: int  # the item's bytes in the file: prefix, tensor bytes, suffix
+    foreign: torch.Tensor | None = None  # the item's bytes, when they were not in our framing after all
+
+
+def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int) -> Placement | None:
+    """How read item ``ri`` (``length`` bytes in the file) can be read straight into the tensor it restores,
+    or None (it is read into a buffer and copied at apply): a stored chunk that is the whole destination, a
+    contiguous CPU tensor of the same dtype and shape, of at least PLACE_MIN_BYTES, stored in our framing."""
+    if ri.type != LoadItemType.TENSOR or any(ri.storage_offsets) or any(ri.dest_offsets):
         return None
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except RuntimeError:
+    tmd = md.state_dict_metadata.get(ri.storage_index.fqn)
+    if not isinstance(tmd, TensorStorageMetadata):
         return None
+    sizes = next((tuple(c.sizes) for c in tmd.chunks if tuple(c.offsets) == tuple(ri.storage_index.offset)), None)
+    if sizes is None or tuple(ri.lengths) != sizes:
+        return None
+    dest = planner.resolve_tensor(ri)
+    if (type(dest) not in (torch.Tensor, torch.nn.Parameter) or dest.device.type != "cpu"
+            or dest.layout != torch.strided or dest.is_quantized or not dest.is_contiguous()
+            or tuple(dest.shape) != sizes or dest.dtype != tmd.properties.dtype):
+        return None
+    nbytes = dest.numel() * dest.element_size()
+    fr = framing_for(dest.dtype, sizes)
+    if nbytes < PLACE_MIN_BYTES or length != len(fr.prefix) + nbytes + len(fr.suffix):
+        return None
+    raw = dest.detach().reshape(-1).view(torch.uint8)
+    return Placement(ri.dest_index.fqn, dest, raw, fr.prefix, nbytes, length)
 
 
-class _Owners:
-    """Which live tensor owns the memory of each tensor in a load target (zero-copy restore).
+class Placing:
+    """The sink of :func:`~resilient_slurm.storage.fileio.read_through` for a file's placed items: checks each
+    item's framing as it arrives and copies its tensor bytes into the live tensor. ``touched`` records (by
+    memory range, with the key) every live tensor a byte was written into, before the write, so a round that
+    fails afterwards still names it. An item whose framing is not ours (a step written by plain DCP) is
+    collected into a buffer of its own instead (:attr:`Placement.foreign`) and decoded at apply."""
 
-    A module's ``state_dict()`` holds detached aliases of its parameters and buffers, so an alias is traced
-    back to the parameter or buffer that owns its storage; other target tensors (optimizer moments, tensors
-    in ``state``) are the live ones, or copies that their owner's ``load_state_dict`` reads. A storage that
-    two target tensors point into (tied weights), or that two live tensors share, is never taken over.
-    """
+    def __init__(self, items: list[Placement], touched: dict[tuple[int, int], str]) -> None:
+        self.items = items
+        self.touched = touched
 
-    def __init__(self, state: Mapping[str, Any], planner: SafeLoadPlanner) -> None:
-        self.live: dict[int, torch.Tensor | None] = {}
-        for v in state.values():
-            if isinstance(v, torch.nn.Module):
-                for t in itertools.chain(v.parameters(), v.buffers()):
-                    ptr = _storage_ptr(t)
-                    if ptr and self.live.setdefault(ptr, t) is not t:
-                        self.live[ptr] = None
-        self.claims: dict[int, set[int]] = {}
-        for t in getattr(planner, "state_dict", {}).values():
-            ptr = _storage_ptr(t)
-            if ptr:
-                self.claims.setdefault(ptr, set()).add(id(t))
-
-    def adoptable(self, planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int) -> torch.Tensor | None:
-        """The live tensor whose memory the bytes of read item ``ri`` may become, or None (copy them)."""
-        if ri.type != LoadItemType.TENSOR or length < ADOPT_MIN_BYTES:
-            return None
-        tmd = md.state_dict_metadata.get(ri.storage_index.fqn)
-        if not isinstance(tmd, TensorStorageMetadata):
-            return None
-        sizes = next((tuple(c.sizes) for c in tmd.chunks if tuple(c.offsets) == tuple(ri.storage_index.offset)), None)
-        if sizes is None or tuple(ri.lengths) != sizes or any(ri.storage_offsets) or any(ri.dest_offsets):
-            return None  # only a stored chunk that is the whole destination tensor
-        dest = planner.resolve_tensor(ri)
-        if tuple(dest.shape) != sizes or dest.dtype != tmd.properties.dtype or not _sole_owner(dest):
-            return None
-        ptr = _storage_ptr(dest)
-        if not ptr or len(self.claims.get(ptr, ())) != 1:
-            return None
-        live = self.live.get(ptr, dest)
-        if live is None or (live is not dest and not (_sole_owner(live) and live.shape == dest.shape
-                                                       and live.dtype == dest.dtype)):
-            return None
-        # Nothing else may hold this memory: a view the program keeps, a flat parameter whose pieces the
-        # parameters are, a compiled graph's alias. Each holds a reference to the storage; the tensors
-        # known here hold one each, and the temporary storage object asked about holds one more.
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
-        if use_count is None or use_count(dest.untyped_storage()._cdata) != 2 + (live is not dest):
-            return None
-        return live
+    def __call__(self, k: int, at: int, view: memoryview) -> None:
+        p = self.items[k]
+        n, end = len(p.prefix), at + len(view)
+        if p.foreign is not None:
+            p.foreign[at:end].copy_(torch.frombuffer(view, dtype=torch.uint8))
+            return
+        if at < n and bytes(view[: min(n, end) - at]) != p.prefix[at : min(n, end)]:
+            p.foreign = torch.empty(p.length, dtype=torch.uint8)
+            if at:  # what arrived before matched the framing
+                p.foreign[:at].copy_(torch.frombuffer(bytearray(p.prefix[:at]), dtype=torch.uint8))
+            p.foreign[at:end].copy_(torch.frombuffer(view, dtype=torch.uint8))
+            return
+        a, b = max(at, n), min(end, n + p.nbytes)
+        if b > a:
+            self.touched.setdefault(memory_of(p.dest), p.fqn)
+            # One thread's memcpy with the GIL released: torch's copy_ spreads it over the intra-op threads,
+            # which then spin against the reads in flight (5 to 10 times slower on a busy node, measured).
+            src = ctypes.addressof(ctypes.c_char.from_buffer(view, a - at))
+            ctypes.memmove(p.raw.data_ptr() + (a - n), src, b - a)
 
 
 @dataclass
@@ -145,57 +140,60 @@ class _Loaded:
     md: Metadata
     needed: dict[str, list[Any]]
     where: dict[tuple[str, int], tuple[torch.Tensor, int]]  # item -> (buffer, offset of its bytes in it)
-    adopt: dict[tuple[str, int], torch.Tensor]  # item -> live tensor whose memory its own buffer becomes
+    placed: dict[tuple[str, int], Placement]  # item -> the live tensor its bytes were read into
     decoded: dict[tuple[str, int], Any] = field(default_factory=dict)
     bytes_read: int = 0
-    adopted_bytes: int = 0  # bytes that became live memory without a copy
-    cuda: bool = False  # some of the state is on a GPU: copies go on a side stream (buffers pinned)
+    placed_bytes: int = 0  # bytes read straight into the live tensors (no buffer, no copy)
+    cuda: bool = False  # some of the state is on a GPU: copies go on a side stream
+
+    def covers(self) -> list[tuple[int, int]]:
+        """The host memory of the CPU tensors this step writes (read in place, or copied at apply): the
+        Restorer checks, before applying, that it covers every tensor an earlier, failed round wrote into."""
+        out = []
+        for rel, reqs in self.needed.items():
+            for ri, info in reqs:
+                if ri.type == LoadItemType.BYTE_IO:
+                    continue
+                p = self.placed.get((rel, info.offset))
+                dest = p.dest if p is not None else self.planner.resolve_tensor(ri)
+                if isinstance(dest, torch.Tensor) and dest.device.type == "cpu" and type(dest) in (
+                        torch.Tensor, torch.nn.Parameter):
+                    out.append(memory_of(dest))
+        return out
 
     def apply(self) -> None:
-        """Put every verified item into the live state. A large tensor read into a buffer of its own takes
-        that buffer as its memory (``.data``: the same tensor object, new storage; no copy); the rest is
-        copied in place. Called only after every rank verified everything it read.
-
-        The memory a tensor gave up is freed on a background thread, one tensor at a time: unmapping
-        1 GiB of 4 KiB pages costs about 0.1 s, which the restore need not wait for."""
-        given_up: list[torch.UntypedStorage] = []
+        """Put every verified item into the live state: the bytes read in place are there already; the rest
+        is copied in place. Called only after every rank verified everything it read."""
         stream = torch.cuda.Stream() if self.cuda else None
         if stream is not None:
             # The side stream writes tensors the program's stream may still be using: it waits for that
             # stream first; at the end the host waits for the side stream, so the buffers outlive the copies.
             stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self._apply(given_up)
+            self._apply()
         if stream is not None:
             stream.synchronize()
-        if given_up:
-            threading.Thread(target=_release, args=(given_up,), name="rslurm-release", daemon=True).start()
 
-    def _apply(self, given_up: list[torch.UntypedStorage]) -> None:
+    def _apply(self) -> None:
         for rel, reqs in self.needed.items():
             for ri, info in reqs:
-                buf, at = self.where[(rel, info.offset)]
+                key = (rel, info.offset)
                 if ri.type == LoadItemType.BYTE_IO:
-                    self.planner.set_value(ri, self.decoded[(rel, info.offset)])
+                    self.planner.set_value(ri, self.decoded[key])
                     continue
-                stored = self._stored_tensor(ri, buf[at : at + info.length])
-                part = narrow_tensor_by_index(stored, ri.storage_offsets, ri.lengths)
-                dest = self.planner.resolve_tensor(ri)
-                if dest.size() != part.size():
-                    raise IncompatibleCheckpointError(
-                        f"{ri.dest_index.fqn}: checkpoint has size {tuple(part.size())}, state has {tuple(dest.size())}"
-                    )
-                live = self.adopt.get((rel, info.offset))
-                with torch.no_grad():
-                    if (live is not None and part.dtype == dest.dtype
-                            and part.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()):
-                        given_up.append(live.untyped_storage())
-                        live.data = part
-                        if dest is not live:
-                            dest.data = part  # the alias a module's load_state_dict may still read
-                        self.adopted_bytes += part.numel() * part.element_size()
-                    else:
-                        # To a GPU from pinned memory: asynchronous on the side stream (apply's caller waits).
+                p = self.placed.get(key)
+                if p is not None and p.foreign is None:
+                    dest = p.dest  # its bytes are there
+                else:
+                    buf, at = (p.foreign, 0) if p is not None and p.foreign is not None else self.where[key]
+                    stored = self._stored_tensor(ri, buf[at : at + info.length])
+                    part = narrow_tensor_by_index(stored, ri.storage_offsets, ri.lengths)
+                    dest = self.planner.resolve_tensor(ri)
+                    if dest.size() != part.size():
+                        raise IncompatibleCheckpointError(
+                            f"{ri.dest_index.fqn}: checkpoint has size {tuple(part.size())}, state has "
+                            f"{tuple(dest.size())}")
+                    with torch.no_grad():
                         dest.detach().copy_(part, non_blocking=dest.device.type == "cuda")
                 self.planner.commit_tensor(ri, dest)
 
@@ -214,4 +212,16 @@ class _Loaded:
         return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=True)
 
 
-__all__ = ["ADOPT_MIN_BYTES"]
+def uncovered(touched: Mapping[tuple[int, int], str], written: list[tuple[int, int]]) -> list[str]:
+    """The keys of tensors an earlier round wrote into (``touched``: memory range -> key) that the ranges the
+    restored step wrote (``written``) do not cover whole."""
+    cover = _merged(written)
+    out = []
+    for (a, b), key in touched.items():
+        i = next((i for i, (x, y) in enumerate(cover) if x <= a < y), None)
+        if i is None or cover[i][1] < b:
+            out.append(key)
+    return sorted(out)
+
+
+__all__ = ["PLACE_MIN_BYTES", "Placement", "Placing", "memory_of", "place_into", "uncovered"]

@@ -27,8 +27,8 @@ engine's :meth:`Engine.committed_steps` and :meth:`Engine.clean_stale`, and reac
 through a :class:`~.fetch.DurableFetcher` (fetch.py), which commits a fetched step with the same
 rename as a save (:meth:`Engine._install`). Domain leaders list committed steps; ranks try the newest
 common step (or a durable one, fetched by the domains that lack it), each reading and verifying
-(per-item checksums) the byte ranges it needs *before touching any live tensor*; only when every rank
-verified does anyone copy into the model. A corrupt or partial step is skipped with a warning naming
+(per-item checksums) the byte ranges it needs, the large tensors straight into the live ones; only
+when every rank verified does anyone apply the step (restore.py says what a failed step leaves). A corrupt or partial step is skipped with a warning naming
 the file and the reason. What a save or restore did (bytes, times, where a restore read from, replica
 mismatches) is returned (:class:`SaveOutcome`, :class:`PendingSave`) or kept
 (:attr:`Engine.last_restore`, a :class:`~.restore.RestoreOutcome`) for the caller's event log; the

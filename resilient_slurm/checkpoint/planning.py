@@ -75,9 +75,10 @@ def check_metadata(data: bytes, expected: ChunkEntry, *, source: str) -> Metadat
 
 
 def read_metadata_file(path: str, expected: ChunkEntry) -> Metadata:
-    """:func:`~.metadata_pickle.read_checked_metadata` of a local ``.metadata`` file, then the restricted
-    unpickler."""
-    return load_metadata(read_checked_metadata(path, expected), source=path)
+    """:func:`~.metadata_pickle.read_checked_metadata` of a local ``.metadata`` file (regular file, size,
+    checksum), then the restricted unpickler, which refuses every global off the allow-list as it meets it
+    (the static scan, for readers without torch, would check the same list a second time)."""
+    return load_metadata(read_checked_metadata(path, expected, scanned=False), source=path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,7 +104,7 @@ class CheckpointReporter:
             return
         if r.step:
             self.events.emit(Event.RESTORE, step=r.step, tier=r.tier, seconds=r.seconds, bytes=r.bytes_read,
-                             fetched_bytes=r.fetched_bytes, skipped=list(r.skipped), adopted_bytes=r.adopted_bytes,
+                             fetched_bytes=r.fetched_bytes, skipped=list(r.skipped), placed_bytes=r.placed_bytes,
                              peer_bytes=r.peer_bytes, integration=(self.provenance or {}).get("integration"))
             self.code_version(r.step, r.provenance)
         else:

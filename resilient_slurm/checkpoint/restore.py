@@ -26,18 +26,25 @@ Call order of :meth:`Restorer.restore` (collective, foreground group, every rank
    one all_gather says whether every rank could, and where every rank has saved keys it does not hold
    (pipeline stages), one all_reduce finds those no rank holds; then it decides (every missing,
    unexpected and reshaped key of this rank in one error), makes a DCP load plan against the live state,
-   reads the byte ranges it needs into fresh buffers and checks them item by item against the manifest's
-   xxh3, plain values decoded with ``weights_only=True``) *before touching any live tensor*, under a
-   shared lock on the step so retention cannot delete it; an all_gather of the verdicts follows.
+   reads the byte ranges it needs and checks them item by item against the manifest's xxh3: small items
+   and plain values (decoded with ``weights_only=True``) into a buffer before any live tensor is written,
+   then each large CPU tensor straight into itself (in place, apply.py), under a shared lock on the step
+   so retention cannot delete it; an all_gather of the verdicts follows.
    A copy that failed verification is fetched again from the durable tier when the step is there, and
    every rank reads again.
 3. an incompatibility anywhere (missing key, shape, per-rank state at another world size without
    ``rank_map``) raises on every rank, each with its own differences and the ranks refused named; corruption anywhere skips the step on every rank, with a warning
-   naming the file and the reason; only when every rank verified does each copy into its live state
+   naming the file and the reason; only when every rank verified does each copy the rest into its live state
    (:meth:`_Loaded.apply <.apply._Loaded.apply>`, then ``state.apply_loaded``) and hand DDP's recorded
    layout to the tracker.
 4. nothing restored although checkpoints exist (or the durable tier could not be read): every rank raises
    (:func:`~.restore_plan.no_restore`) unless ``restore_fallback`` is ``fresh``.
+
+What a failed round leaves: its large tensors may already hold some of its bytes. Every tensor written in
+place is recorded (:attr:`StepReader.touched <.restore_round.StepReader.touched>`); the step restored
+instead must write every one of them, or it is refused (:meth:`Restorer._apply`); a restore that raises
+names them on each rank (:meth:`Restorer._say_touched`). ``restore_fallback=fresh`` reads nothing in place,
+so that a restore that finds nothing leaves the program's state as it was.
 
 What the restore did is kept in :attr:`Restorer.last_restore` (:class:`RestoreOutcome`) for the caller's
 event log; nothing here writes events.
@@ -53,11 +60,11 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import ConfigError, IncompatibleCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 from ..manifest import read_manifest_file
 from ..rundir import RunDir
 from . import state as state_mod
-from .apply import ADOPT_MIN_BYTES, _Loaded, _merged, _Owners, _release, _sole_owner, _storage_ptr
+from .apply import PLACE_MIN_BYTES, _Loaded, uncovered
 from .compat import CompatReport
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY, DDPTracker
@@ -82,7 +89,7 @@ class RestoreOutcome:
     skipped: tuple[int, ...] = ()  # steps tried and found unusable
     provenance: Mapping[str, Any] | None = None  # the restored step's manifest provenance (provenance.py)
     compat: CompatReport | None = None  # what the restore left out on purpose (allow_missing/allow_unexpected)
-    adopted_bytes: int = 0  # bytes that became live tensors' memory without a copy (_Loaded.apply)
+    placed_bytes: int = 0  # bytes read straight into the live tensors (apply.py: place_into)
     peer_bytes: int = 0  # bytes this rank's domain received from a partner's replica (domain leaders only)
 
 
@@ -142,6 +149,9 @@ class Restorer:
         """
         topo, reader = self.topo, self.reader
         reader.allow_missing, reader.allow_unexpected = allow_missing, allow_unexpected
+        # Large tensors are read straight into the live state, so a failed candidate can leave bytes there:
+        # not where a failed restore must leave the program's own state (restore_fallback=fresh).
+        reader.in_place, reader.touched = self.restore_fallback != "fresh", {}
         tier = self.fetcher.tier
         reader.source_rank = topo.rank
         reader.rank_mapped = rank_map is not None
@@ -245,19 +255,48 @@ class Restorer:
                 self.last_restore = RestoreOutcome(
                     step, tier_used, time.perf_counter() - t0, loaded.bytes_read,
                     (here or 0) if topo.is_leader else 0, tuple(skipped), reader.provenance, report,
-                    loaded.adopted_bytes, (peer or 0) if topo.is_leader else 0)
+                    loaded.placed_bytes, (peer or 0) if topo.is_leader else 0)
                 return step
+        except Exception as exc:
+            self._say_touched(exc)
+            raise
         finally:
             for opt in initialized:  # nothing restored: give back a pristine optimizer
                 opt.state.clear()
         where = self.run_dir + (f" or {tier.url}" if tier is not None else "")
         self.last_restore = RestoreOutcome(0, None, time.perf_counter() - t0, 0, 0, tuple(skipped))
-        self._no_restore(where, list(plan.existing), unreachable)
+        try:
+            self._no_restore(where, list(plan.existing), unreachable)
+        except Exception as exc:
+            self._say_touched(exc)
+            raise
         return 0
+
+    def _say_touched(self, exc: BaseException) -> None:
+        """A restore that raises after a failed round wrote into live tensors: say which, on this rank."""
+        touched = sorted(set(self.reader.touched.values()))
+        if not touched:
+            return
+        shown = ", ".join(touched[:8]) + (f" and {len(touched) - 8} more" if len(touched) > 8 else "")
+        note = (f"rank {self.topo.rank}: the state's tensors {shown} hold bytes of a step that failed (read into "
+                "them in place before the step was refused): build the state again before using it (a "
+                "requeued or restarted job does, in its new process)")
+        exc.add_note(note)
+        log.error("%s", note)
 
     def _apply(self, step: int, state: MutableMapping[str, Any], loaded: _Loaded) -> None:
         """Every rank verified ``step``: put what this rank read into its live state, hand DDP's recorded
-        layout to the tracker, and (rank 0) log what the restore left out on purpose."""
+        layout to the tracker, and (rank 0) log what the restore left out on purpose. A tensor an earlier,
+        failed round wrote into that this step does not write (a key the step lacks, kept by
+        ``allow_missing``) would leave the state mixed: CorruptCheckpointError instead."""
+        left = uncovered(self.reader.touched, loaded.covers())
+        if left:
+            shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+            raise CorruptCheckpointError(
+                f"step {step} verified, but it does not hold {shown}, which a newer step that failed verification "
+                f"(skipped: see the warnings above) had already been read into; restoring step {step} would leave "
+                "them holding that step's bytes. Move the failed step aside (rslurm verify names what is wrong "
+                "with it) and restore again")
         loaded.apply()
         state_mod.apply_loaded(state, loaded.target, rank=self.reader.source_rank)
         self.ddp.expect(state, loaded.target.get(DDP_KEY))
@@ -319,5 +358,4 @@ def _log_compat(step: int, report: CompatReport) -> None:
 
 # Moved to restore_round.py, restore_plan.py and apply.py; importable from here as before.
 _Listing = Listing
-__all__ = ["ADOPT_MIN_BYTES", "PIN_FOR_CUDA", "LocalSteps", "RestoreOutcome", "Restorer", "_Loaded", "_Owners",
-           "_merged", "_release", "_sole_owner", "_storage_ptr"]
+__all__ = ["PIN_FOR_CUDA", "PLACE_MIN_BYTES", "LocalSteps", "RestoreOutcome", "Restorer", "_Loaded"]

@@ -6,8 +6,10 @@ domain fetches the step (fetch.py) and :meth:`StepReader.read_round` to read it 
 group: the phases "opening step N", "comparing the keys of step N" and "verifying step N" through the
 :class:`~.coordination.Coordinator`). :meth:`StepReader._open_step` reads the manifest and ``.metadata``,
 makes the per-rank check and compares the state with the step (compat.py); :meth:`StepReader._load_step`
-decides, plans against the live state and reads the byte ranges it needs into fresh buffers, checking
-each item against the manifest's xxh3 before any live tensor is touched. What it read comes back as an
+decides, plans against the live state and reads the byte ranges it needs, checking each item against the
+manifest's xxh3: small items and plain values into a buffer, decoded before any live tensor is written,
+then each large CPU tensor's bytes straight into that tensor (apply.py: :func:`~.apply.place_into`; what a
+failed round leaves there is the Restorer's to handle, restore.py). What it read comes back as an
 :class:`~.apply._Loaded` (apply.py), which the Restorer applies once every rank verified.
 """
 
@@ -38,10 +40,18 @@ from ..manifest import (
     split_per_rank_fqn,
 )
 from ..rundir import RunDir
-from ..storage.fileio import BLOCK, aligned_buffer, as_memoryview, read_spans, reading_step, round_up
+from ..storage.fileio import (
+    BLOCK,
+    aligned_buffer,
+    as_memoryview,
+    read_spans,
+    read_through,
+    reading_step,
+    round_up,
+)
 from . import compat as compat_mod
 from . import state as state_mod
-from .apply import _Loaded, _merged, _on_cuda, _Owners
+from .apply import Placement, Placing, _Loaded, _merged, _on_cuda, place_into
 from .compat import CompatReport
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY
@@ -77,6 +87,11 @@ class StepReader:
         self.allow_unexpected: tuple[str, ...] = ()
         self.compat: CompatReport | None = None  # of the step last read on this rank
         self.provenance: Mapping[str, Any] | None = None
+        # Large CPU tensors are read straight into the live state (apply.py: place_into); the Restorer turns
+        # it off where a failed restore must leave the state as it was (restore_fallback=fresh).
+        self.in_place = True
+        # Live tensors written into during this restore: memory range -> key (apply.py: Placing).
+        self.touched: dict[tuple[int, int], str] = {}
 
     def _check_per_rank(self, step: int, step_dir: str, manifest: Manifest, md: Metadata,
                         state: Mapping[str, Any]) -> None:
@@ -266,7 +281,9 @@ class StepReader:
         return self._setup(step, step_dir, manifest, md, state)
 
     def _load_step(self, prep: _Prepared, state: MutableMapping[str, Any], unheld: frozenset[str]) -> _Loaded:
-        """Decide, plan and read every item this rank loads into fresh buffers, checked against the manifest."""
+        """Decide, plan and read every item this rank loads, each checked against the manifest's xxh3: first
+        the small items and plain values into one buffer per file (decoded, and the optimizer's parameters
+        checked, before a live tensor is written into), then each large CPU tensor straight into itself."""
         plan = self._finish_plan(prep, state, unheld)
         step_dir, manifest, md, target, planner = prep.where, prep.manifest, prep.md, prep.target, prep.planner
         shards = {s.path: s for s in manifest.shards_of_node(manifest.node)}
@@ -285,15 +302,20 @@ class StepReader:
                     f"this node ({self.topo.domain}); it must come from another node or the durable tier"
                 )
             needed.setdefault(rel, []).append((ri, info))
-        owners = _Owners(state, planner)
-        # State on a GPU: the bytes are read into pinned memory, so that the copies to the device are DMA
-        # transfers queued on a side stream (_Loaded.apply), not synchronous copies from pageable memory.
+        # State on a GPU: the bytes are read into host buffers and copied to the device on a side stream
+        # (_Loaded.apply). A large CPU tensor's bytes are read straight into it (apply.py: place_into).
         cuda = torch.cuda.is_available() and _on_cuda(target)
+        placed: dict[tuple[str, int], Placement] = {}
+        if self.in_place:
+            for rel, reqs in needed.items():
+                for ri, info in reqs:
+                    if (p := place_into(planner, md, ri, info.length)) is not None:
+                        placed[(rel, info.offset)] = p
         where: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}  # item -> (buffer, offset of its bytes)
-        adopt: dict[tuple[str, int], torch.Tensor] = {}  # item -> the live tensor its buffer may become
         decoded: dict[tuple[str, int], Any] = {}
+        paths: dict[str, str] = {}
         for rel, reqs in needed.items():
-            path = os.path.join(step_dir, rel if rel in shards else rel + PARTIAL_SUFFIX)
+            path = paths[rel] = os.path.join(step_dir, rel if rel in shards else rel + PARTIAL_SUFFIX)
             entry = entries[rel]
             try:
                 st = os.stat(path)
@@ -307,62 +329,63 @@ class StepReader:
                 c = chunk_sums.get((rel, info.offset))
                 if c is None or c.length != info.length:
                     raise CorruptCheckpointError(f"{path}: no checksum recorded for bytes {info.offset}+{info.length}")
-            # A large tensor that its owner can take over is read into a buffer of its own; the rest shares
-            # one buffer at the file's own offsets (pages it never reads cost nothing).
-            spans: list[tuple[int, memoryview]] = []
-            ranges: dict[int, tuple[int, int, int]] = {}  # item offset -> (span, offset in span, length)
-            shared: list[tuple[int, int]] = []
-            for ri, info in reqs:
-                live = owners.adoptable(planner, md, ri, info.length)
-                lo = info.offset // BLOCK * BLOCK
-                if live is None:
-                    shared.append((lo, round_up(info.offset + info.length)))
-                    continue
-                own = aligned_buffer(round_up(info.offset + info.length) - lo, prefault=False)
-                where[(rel, info.offset)] = (own, info.offset - lo)
-                adopt[(rel, info.offset)] = live
-                ranges[info.offset] = (len(spans), info.offset - lo, info.length)
-                spans.append((lo, as_memoryview(own)))
-            if shared:
-                regions = _merged(shared)
-                # Pages it never reads cost nothing (pinned memory is all allocated and locked: only for CUDA).
-                buf = aligned_buffer(regions[-1][1], prefault=False, pin=cuda and PIN_FOR_CUDA)
-                mv = as_memoryview(buf)
-                first = len(spans)
-                spans.extend((a, mv[a:b]) for a, b in regions)
-                for _, info in reqs:
-                    if (rel, info.offset) in where:
-                        continue
-                    where[(rel, info.offset)] = (buf, info.offset)
-                    k = bisect.bisect_right(regions, (info.offset, 1 << 62)) - 1
-                    ranges[info.offset] = (first + k, info.offset - regions[k][0], info.length)
-            sums = read_spans(path, spans, entry.size, threads=self.io_threads,
-                              ranges=[ranges[info.offset] for _, info in reqs])
-            for (ri, info), got in zip(reqs, sums):
-                if got != chunk_sums[(rel, info.offset)].checksum:
-                    raise CorruptCheckpointError(
-                        f"{path}: checksum mismatch in {ri.storage_index.fqn} (bytes {info.offset}+{info.length}): "
-                        "the file is corrupt"
-                    )
+            # First what is not read in place: one buffer at the file's own offsets (pages it never reads
+            # cost nothing), every item verified and every plain value decoded before a live tensor is
+            # written into.
+            rest = [(ri, info) for ri, info in reqs if (rel, info.offset) not in placed]
+            if not rest:
+                continue
+            regions = _merged([(info.offset // BLOCK * BLOCK, round_up(info.offset + info.length)) for _, info in rest])
+            # Pinned memory is all allocated and locked: only for CUDA, and off by default (PIN_FOR_CUDA).
+            buf = aligned_buffer(regions[-1][1], prefault=False, pin=cuda and PIN_FOR_CUDA)
+            mv = as_memoryview(buf)
+            ranges = []
+            for _, info in rest:
+                where[(rel, info.offset)] = (buf, info.offset)
+                k = bisect.bisect_right(regions, (info.offset, 1 << 62)) - 1
+                ranges.append((k, info.offset - regions[k][0], info.length))
+            sums = read_spans(path, [(a, mv[a:b]) for a, b in regions], entry.size, threads=self.io_threads,
+                              ranges=ranges)
+            for (ri, info), got in zip(rest, sums):
+                self._check_sum(path, ri, info, got, chunk_sums[(rel, info.offset)].checksum)
                 if ri.type == LoadItemType.BYTE_IO:
                     # Decode plain values now, before anything live is touched: a value the safe loader
                     # refuses makes the step unusable; it must not half-restore the state.
-                    b, at = where[(rel, info.offset)]
                     try:
                         decoded[(rel, info.offset)] = torch.load(
-                            io.BytesIO(bytes(as_memoryview(b)[at : at + info.length])),
+                            io.BytesIO(bytes(mv[info.offset : info.offset + info.length])),
                             map_location="cpu",
                             weights_only=True,
                         )
                     except Exception as exc:
                         last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
                         raise CorruptCheckpointError(
-                            f"{path}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
+                            f"{paths[rel]}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
                         ) from exc
         self._check_optimizer_params(prep, state, needed, decoded)
+        # Then the large tensors, straight into the live ones (checked against the manifest as they arrive;
+        # a round that fails after this leaves them written: the Restorer's rule, restore.py).
+        for rel, reqs in needed.items():
+            mine = [(ri, info) for ri, info in reqs if (rel, info.offset) in placed]
+            if not mine:
+                continue
+            sink = Placing([placed[(rel, info.offset)] for _, info in mine], self.touched)
+            sums = read_through(paths[rel], entries[rel].size, [(info.offset, info.length) for _, info in mine], sink,
+                                threads=self.io_threads)
+            for (ri, info), got in zip(mine, sums):
+                self._check_sum(paths[rel], ri, info, got, chunk_sums[(rel, info.offset)].checksum)
         read = sum(info.length for reqs in needed.values() for _, info in reqs)
-        return _Loaded(planner=planner, target=target, md=md, needed=needed, where=where, adopt=adopt, cuda=cuda,
-                       decoded=decoded, bytes_read=read)
+        in_place = sum(p.nbytes for rel, reqs in needed.items() for _, info in reqs
+                       if (p := placed.get((rel, info.offset))) is not None and p.foreign is None)
+        return _Loaded(planner=planner, target=target, md=md, needed=needed, where=where, placed=placed, cuda=cuda,
+                       decoded=decoded, bytes_read=read, placed_bytes=in_place)
+
+    @staticmethod
+    def _check_sum(path: str, ri: Any, info: Any, got: str, want: str) -> None:
+        if got != want:
+            raise CorruptCheckpointError(
+                f"{path}: checksum mismatch in {ri.storage_index.fqn} (bytes {info.offset}+{info.length}): "
+                "the file is corrupt")
 
 
 @dataclass(frozen=True)

@@ -358,6 +358,88 @@ def read_spans(
         os.close(fd)
 
 
+RING_PIECE = 8 << 20  # bytes per read of read_through: a ring slot
+RING_SLOTS = 8  # reads in flight or waiting for the caller: 64 MiB of ring in all
+
+
+def read_through(
+    path: str,
+    size: int,
+    items: Sequence[tuple[int, int]],
+    sink: Callable[[int, int, memoryview], None],
+    *,
+    threads: int = 4,
+    piece: int = RING_PIECE,
+    slots: int = RING_SLOTS,
+) -> list[str]:
+    """Read byte ranges of file ``path`` (``size`` bytes long) through a small ring of page-aligned buffers,
+    handing each range's bytes to ``sink`` in order, and return each range's checksum.
+
+    ``items`` are ``(file offset, length)``; for each, ``sink(k, at, view)`` is called with its index, the
+    offset in the item and a view of the next bytes of it (valid only during the call), from the calling
+    thread, in file order within an item and item after item. The reads are O_DIRECT where the file allows
+    (a block-aligned request into a ring slot), ``threads`` of them in flight, and the ring (``slots`` of
+    ``piece`` bytes) is reused, so the memory the caller places the bytes into is the only
+    memory a large read touches: restore reads a tensor's bytes straight into the program's own tensor
+    (checkpoint/restore_round.py). Each checksum is computed while the next pieces are read. A range that
+    ends past what the file holds raises StorageError (the file is truncated); an exception of ``sink``
+    ends the read and propagates.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    direct = bool(_O_DIRECT)
+    try:
+        fd = os.open(path, flags | _O_DIRECT) if direct else os.open(path, flags)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        direct, fd = False, os.open(path, flags)
+    try:
+        plan: list[tuple[int, int, int]] = []  # (item, file offset of the read, bytes asked)
+        for k, (off, n) in enumerate(items):
+            if off < 0 or n < 0 or off + n > size:
+                raise StorageError(f"{path}: bytes {off}+{n} lie past its end ({size} bytes): the file is truncated")
+            lo, hi = (off // BLOCK * BLOCK, round_up(off + n)) if direct else (off, off + n)
+            plan.extend((k, a, min(piece, hi - a)) for a in range(lo, max(hi, lo + 1), piece))
+        # 4 KiB pages, faulted in by the first read into each slot (as for any O_DIRECT read buffer).
+        ring = aligned_buffer(piece * max(1, min(slots, len(plan))), prefault=False) if plan else None
+        views = [as_memoryview(ring)[s * piece : (s + 1) * piece]
+                 for s in range(len(ring) // piece)] if ring is not None else []
+
+        def get(idx: int) -> int:
+            _, at, n = plan[idx]
+            buf = views[idx % len(views)]
+            got = 0
+            while got < n:
+                r = os.preadv(fd, [buf[got:n]], at + got)
+                if r == 0:
+                    break
+                got += r
+            return got
+
+        hashes = [xxhash.xxh3_64() for _ in items]
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rslurm-read") as readers:
+            pending = {i: readers.submit(get, i) for i in range(min(len(views), len(plan)))}
+            try:
+                for idx, (k, at, _) in enumerate(plan):
+                    got = pending.pop(idx).result()
+                    off, n = items[k]
+                    a, b = max(off, at), min(off + n, at + got)
+                    if b < min(off + n, at + plan[idx][2]):
+                        raise StorageError(f"{path}: short read ({at + got} of {size} bytes): the file is truncated")
+                    if b > a:
+                        view = views[idx % len(views)][a - at : b - at]
+                        hashes[k].update(view)
+                        sink(k, a - off, view)
+                    if idx + len(views) < len(plan):  # the slot is free again
+                        pending[idx + len(views)] = readers.submit(get, idx + len(views))
+            finally:
+                for f in pending.values():
+                    f.cancel()
+        return [h.hexdigest() for h in hashes]
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     """fsync a directory so that renames and creations inside it are durable."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -1,0 +1,256 @@
+"""In-place restore: a large CPU tensor's bytes are read straight into the live tensor they restore, through a
+small ring of aligned buffers, checked against the manifest's xxh3 as they arrive; a step that fails verification
+never leaves the state silently mixed.
+
+What must hold, on real files with real Checkpointers (one process, no process group): values equal to what was
+saved, in the same memory; every object the program holds (parameters, the optimizer's references and moments,
+tied weights, a view it keeps, shared memory) stays what it was and trains on bitwise like the original; a
+corrupt newest step is overwritten whole by the older step restored instead; where nothing restores, the restore
+raises and names the tensors the failed step was read into, and ``restore_fallback="fresh"`` (which reads into
+buffers first) leaves the state as it was; an older step that lacks a tensor the failed one was read into is
+refused rather than restored over it. ``read_through`` itself: checksums, order, truncation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+from resilient_slurm import Checkpointer
+from resilient_slurm.checkpoint import restore as restore_mod
+from resilient_slurm.errors import CorruptCheckpointError, StorageError
+from resilient_slurm.storage.fileio import BLOCK, read_through
+
+RUN = "z"
+BIG = 1024  # Linear(BIG, BIG): 4 MiB of float32, over restore_mod.PLACE_MIN_BYTES
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(BIG, BIG)
+        self.b = torch.nn.Linear(BIG, 8)
+        self.register_buffer("scale", torch.ones(BIG, 512))  # a 2 MiB buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)) * self.scale[:, 0])
+
+
+def trained(seed: int, steps: int = 2) -> tuple[Net, torch.optim.Adam]:
+    torch.manual_seed(seed)
+    net = Net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for _ in range(steps):
+        net(torch.randn(4, BIG)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        net.scale.mul_(1.0 + seed)
+    return net, opt
+
+
+def save(root: Path, step: int, state: dict[str, Any]) -> None:
+    with Checkpointer(local_dir=str(root), run_id=RUN, keep_last=5) as ck:
+        ck.save(step, state)
+        ck.wait()
+
+
+def restore(root: Path, state: dict[str, Any], fallback: str = "fail", **kw: Any) -> tuple[int, dict[str, Any]]:
+    with Checkpointer(local_dir=str(root), run_id=RUN, keep_last=5, restore_fallback=fallback) as ck:
+        step = ck.restore(state, **kw)
+    events = [json.loads(line) for line in (root / RUN / "events.jsonl").read_text().splitlines()]
+    return step, [e for e in events if e["event"] in ("restore", "restore_none")][-1]
+
+
+def tensors(net: Net, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = list(net.state_dict().values())
+    for st in opt.state_dict()["state"].values():
+        out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def one_step(net: Net, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    torch.manual_seed(123)
+    net(torch.randn(4, BIG)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return [t.clone() for t in tensors(net, opt)]
+
+
+def big_bytes(ts: list[torch.Tensor]) -> int:
+    return sum(n for t in ts if (n := t.numel() * t.element_size()) >= restore_mod.PLACE_MIN_BYTES)
+
+
+def corrupt(root: Path, step: int, t: torch.Tensor) -> None:
+    """Flip one byte in the middle of tensor ``t``'s bytes in the step's shard file."""
+    shard = next((root / RUN / f"step_{step:012d}").glob("*.distcp"))
+    raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    with open(shard, "r+b") as f:
+        at = f.read().index(raw[:4096]) + len(raw) // 2
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_large_tensors_are_read_into_their_own_memory_and_train_on_bitwise(tmp_path: Path) -> None:
+    net, opt = trained(1)
+    save(tmp_path, 2, {"model": net, "optim": opt})
+    fresh, fopt = trained(7, steps=1)
+    params = list(fresh.parameters())
+    ptrs = [t.data_ptr() for t in tensors(fresh, fopt)]
+    step, event = restore(tmp_path, {"model": fresh, "optim": fopt})
+    assert step == 2
+    assert all(torch.equal(x, y) for x, y in zip(tensors(net, opt), tensors(fresh, fopt)))
+    # The same objects in the same memory: nothing allocated for them, the optimizer still pointing at them.
+    assert all(a is b for a, b in zip(fresh.parameters(), params))
+    assert all(p is q for p, q in zip(fopt.param_groups[0]["params"], params))
+    assert [t.data_ptr() for t in tensors(fresh, fopt)] == ptrs
+    assert event["placed_bytes"] == big_bytes(tensors(fresh, fopt)) > 0
+    assert event["bytes"] > event["placed_bytes"]  # the small ones were read into a buffer and copied
+    assert fresh.a.weight.requires_grad and isinstance(fresh.a.weight, torch.nn.Parameter)
+    # Training goes on exactly as it would have from the saved state.
+    after = one_step(fresh, fopt)
+    assert all(torch.equal(x, y) for x, y in zip(one_step(net, opt), after))
+
+
+def test_views_shared_memory_tied_weights_and_other_layouts_see_the_restored_values(tmp_path: Path) -> None:
+    net, opt = trained(1)
+    extra = {"shared": torch.full((BIG, BIG), 3.0), "bf16": torch.arange(BIG * BIG).to(torch.bfloat16),
+             "wide": torch.arange(BIG * 512, dtype=torch.float32).view(BIG, 512),
+             "half": torch.linspace(0, 1, BIG * 512).view(BIG, 512)}
+    save(tmp_path, 1, {"model": net, "optim": opt, **extra})
+
+    class Tied(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = self.a  # the same Linear twice: two state_dict keys, one parameter
+
+    torch.manual_seed(1)
+    saved_tied = Tied()
+    save(tmp_path / "tied", 1, {"model": saved_tied})
+    fresh_tied = Tied()
+    restore(tmp_path / "tied", {"model": fresh_tied})
+    assert fresh_tied.c.weight is fresh_tied.a.weight
+    assert torch.equal(fresh_tied.a.weight, saved_tied.a.weight)
+
+    fresh, fopt = trained(5)
+    view = fresh.a.weight.detach()[:, :8]  # a view the program keeps: it must go on seeing the parameter
+    mine = {"shared": torch.zeros(BIG, BIG).share_memory_(), "bf16": torch.zeros(BIG * BIG, dtype=torch.bfloat16),
+            "wide": torch.zeros(512, BIG).t(),  # not contiguous: copied into
+            "half": torch.zeros(BIG, 512, dtype=torch.float16)}  # another dtype: converted
+    step, event = restore(tmp_path, {"model": fresh, "optim": fopt, **mine})
+    assert step == 1
+    assert mine["shared"].is_shared() and torch.equal(mine["shared"], extra["shared"])
+    assert torch.equal(mine["bf16"], extra["bf16"]) and torch.equal(mine["wide"], extra["wide"])
+    assert torch.equal(mine["half"], extra["half"].half())
+    assert all(torch.equal(x, y) for x, y in zip(tensors(net, opt), tensors(fresh, fopt)))
+    assert torch.equal(view, net.a.weight.detach()[:, :8])
+    assert event["placed_bytes"] == big_bytes([*tensors(fresh, fopt), mine["shared"], mine["bf16"]])
+
+
+def test_a_corrupt_newest_step_is_overwritten_whole_by_the_older_one(tmp_path: Path) -> None:
+    net1, opt1 = trained(1)
+    save(tmp_path, 1, {"model": net1, "optim": opt1})
+    net2, opt2 = trained(2)
+    save(tmp_path, 2, {"model": net2, "optim": opt2})
+    corrupt(tmp_path, 2, opt2.state[net2.a.weight]["exp_avg"])  # read in place, then found corrupt
+    fresh, fopt = trained(9)
+    step, event = restore(tmp_path, {"model": fresh, "optim": fopt})
+    assert step == 1 and event["skipped"] == [2]
+    assert all(torch.equal(x, y) for x, y in zip(tensors(net1, opt1), tensors(fresh, fopt)))
+    assert event["placed_bytes"] > 0
+    after = one_step(fresh, fopt)
+    assert all(torch.equal(x, y) for x, y in zip(one_step(net1, opt1), after))
+
+
+def test_when_nothing_restores_the_state_read_into_is_named_or_left_untouched(tmp_path: Path) -> None:
+    net, opt = trained(1)
+    save(tmp_path, 1, {"model": net, "optim": opt})
+    corrupt(tmp_path, 1, net.scale)
+    fresh, fopt = trained(3)
+    with pytest.raises(CorruptCheckpointError) as err:
+        restore(tmp_path, {"model": fresh, "optim": fopt})
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert "hold bytes of a step that failed" in notes and "build the state again" in notes, notes
+    assert "model.scale" in notes, notes
+    # restore_fallback=fresh reads into buffers first: the state is the program's own, and it starts afresh.
+    fresh, fopt = trained(3)
+    before = [t.clone() for t in fresh.state_dict().values()]
+    step, event = restore(tmp_path, {"model": fresh, "optim": fopt}, fallback="fresh")
+    assert step == 0 and event["event"] == "restore_none" and event["skipped"] == [1]
+    assert all(torch.equal(x, y) for x, y in zip(before, fresh.state_dict().values()))
+
+
+def test_an_older_step_that_lacks_a_tensor_the_failed_one_was_read_into_is_refused(tmp_path: Path) -> None:
+    net, opt = trained(1)
+    save(tmp_path, 1, {"model": net, "optim": opt})
+    save(tmp_path, 2, {"model": net, "optim": opt, "late": torch.full((BIG, BIG), 5.0)})
+    corrupt(tmp_path, 2, torch.full((BIG, BIG), 5.0))  # read in place into "late", then found corrupt
+    fresh, fopt = trained(3)
+    late = torch.zeros(BIG, BIG)
+    with pytest.raises(CorruptCheckpointError, match="does not hold late") as err:
+        restore(tmp_path, {"model": fresh, "optim": fopt, "late": late}, allow_missing=["late"])
+    assert "Move the failed step aside" in str(err.value)
+
+
+def test_a_second_restore_in_one_process_stays_exact(tmp_path: Path) -> None:
+    net, opt = trained(1)
+    save(tmp_path, 1, {"model": net, "optim": opt})
+    fresh, fopt = trained(4)
+    restore(tmp_path, {"model": fresh, "optim": fopt})
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    ptr = fresh.a.weight.data_ptr()
+    _, event = restore(tmp_path, {"model": fresh, "optim": fopt})
+    assert fresh.a.weight.data_ptr() == ptr and event["placed_bytes"] > 0
+    assert all(torch.equal(x, y) for x, y in zip(tensors(net, opt), tensors(fresh, fopt)))
+
+
+def test_state_dict_aliases_of_a_custom_object_are_loaded_through_its_load_state_dict(tmp_path: Path) -> None:
+    class Holder:
+        def __init__(self, v: float) -> None:
+            self.t = torch.full((BIG, 512), v)
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"t": self.t.detach()}  # an alias of its own tensor
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.t.copy_(sd["t"])
+
+    save(tmp_path, 1, {"h": Holder(2.5)})
+    h = Holder(0.0)
+    restore(tmp_path, {"h": h})
+    assert torch.equal(h.t, torch.full((BIG, 512), 2.5))
+
+
+def test_read_through_hands_every_range_over_in_order_with_its_checksum(tmp_path: Path) -> None:
+    data = os.urandom(5 * BLOCK * 1000 + 123)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    # Unaligned offsets and lengths, a range spanning many pieces, an empty one, two sharing a block.
+    items = [(17, 100), (1000, 3 * BLOCK * 1000), (BLOCK * 4000, 0), (BLOCK * 4000 + 5, 7000), (BLOCK * 4001 + 1, 9)]
+    got: list[bytearray] = [bytearray() for _ in items]
+    order: list[int] = []
+
+    def sink(k: int, at: int, view: memoryview) -> None:
+        assert at == len(got[k])
+        got[k] += view
+        order.append(k)
+
+    sums = read_through(str(path), len(data), items, sink, threads=3, piece=64 * BLOCK, slots=3)
+    assert [bytes(g) for g in got] == [data[o : o + n] for o, n in items]
+    assert order == sorted(order)
+    assert sums == [xxhash.xxh3_64_hexdigest(data[o : o + n]) for o, n in items]
+    with pytest.raises(StorageError, match="truncated"):
+        read_through(str(path), len(data) + BLOCK, [(len(data) - 10, 100)], sink)
+    os.truncate(path, len(data) - 50)  # shorter than the caller was told
+    with pytest.raises(StorageError, match="short read"):
+        read_through(str(path), len(data), [(len(data) - 200, 200)], lambda *a: None)
