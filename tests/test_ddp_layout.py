@@ -68,13 +68,19 @@ def test_plain_ddp_at_8_ranks_resumes_bitwise_after_sigkill() -> None:
     check_resume(1, 8, "node", ("ddp",), kill_at=7)
 
 
-@pytest.mark.parametrize("first", [1, 2])
-def test_ddp_resumed_from_step_1_or_2_is_bitwise(tmp_path: Path, first: int) -> None:
-    """Saved before DDP's rebuild shows in its own records (after 1 step) or right after it (2 steps)."""
-    ref, res = tmp_path / "ref", tmp_path / "res"
-    ref.mkdir()
-    res.mkdir()
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted 6-step run at 4 ranks, the reference of both resumes (same program, same seeds)."""
+    ref = tmp_path_factory.mktemp("ref")
     train(4, ("ddp",), ref, steps=6, every=1)
+    return ref
+
+
+@pytest.mark.parametrize("first", [1, 2])
+def test_ddp_resumed_from_step_1_or_2_is_bitwise(tmp_path: Path, uninterrupted: Path, first: int) -> None:
+    """Saved before DDP's rebuild shows in its own records (after 1 step) or right after it (2 steps)."""
+    ref, res = uninterrupted, tmp_path / "res"
+    res.mkdir()
     train(4, ("ddp",), res, steps=first, every=1)
     train(4, ("ddp",), res, steps=6, every=1)
     assert_same_run(ref, res, 4)

@@ -254,3 +254,48 @@ def test_read_through_hands_every_range_over_in_order_with_its_checksum(tmp_path
     os.truncate(path, len(data) - 50)  # shorter than the caller was told
     with pytest.raises(StorageError, match="short read"):
         read_through(str(path), len(data), [(len(data) - 200, 200)], lambda *a: None)
+
+
+# ---------------------------------------------------------------- across ranks (gloo, real processes)
+
+WORKER = str(Path(__file__).parent / "workers" / "in_place_worker.py")
+TWO_NODES = [{"RSLURM_NODE_NAME": "n1"}, {"RSLURM_NODE_NAME": "n2"}]
+
+
+def _ranks(mode: str, tmp: Path) -> list[dict[Any, Any]]:
+    from conftest import run_ranks
+
+    out = tmp / "out"
+    out.mkdir(exist_ok=True)
+    run_ranks([WORKER, mode, "--local-dir", str(tmp / "nvme" / "%n"), "--out", str(out)], 2, tmp, timeout=180,
+              env={"RSLURM_COLLECTIVE_TIMEOUT": "60"}, per_rank_env=TWO_NODES)
+    return [torch.load(out / f"{mode}_rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.proc
+def test_a_step_corrupt_on_another_rank_is_overwritten_by_the_older_one_on_every_rank(tmp_path: Path) -> None:
+    saved = _ranks("save", tmp_path)
+    events = tmp_path / "nvme" / "n1" / "inplace" / "events.jsonl"
+    # Rank 1's copy of step 2 is corrupt: rank 0 reads its own (valid) step 2 into its tensors, verifies it,
+    # hears rank 1's verdict, and reads step 1 over it, like rank 1.
+    shard = next((tmp_path / "nvme" / "n2" / "inplace" / "step_000000000002").glob("*.distcp"))
+    raw = saved[1][2]["mine"].view(-1).view(torch.uint8).numpy().tobytes()
+    with open(shard, "r+b") as f:
+        at = f.read().index(raw[:4096]) + len(raw) // 2
+        f.seek(at)
+        f.write(b"\xff\xfe")
+    got = _ranks("restore", tmp_path)
+    for r in range(2):
+        assert got[r]["step"] == 1, got[r].get("error")
+        assert set(got[r]["tensors"]) == set(saved[r][1])
+        for k, v in saved[r][1].items():
+            assert torch.equal(got[r]["tensors"][k], v), (r, k)
+    restored = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "restore"][-1]
+    assert restored["skipped"] == [2] and restored["placed_bytes"] >= 4 * BIG * BIG * 3
+    # No older step: every rank raises, and rank 0, which read step 2 into its tensors, names them.
+    for step_dir in (tmp_path / "nvme").glob("n*/inplace/step_000000000001"):
+        for f in step_dir.glob("*.distcp"):
+            f.write_bytes(f.read_bytes()[:-100])
+    got = _ranks("restore", tmp_path)
+    assert all(g["step"] is None and "CorruptCheckpointError" in g["error"] for g in got), [g.get("error") for g in got]
+    assert "rank 0: the state's tensors" in got[0]["notes"] and "model.weight" in got[0]["notes"], got[0]["notes"]

@@ -279,6 +279,18 @@ def read_file_into(
     return read_spans(path, [(0, buf)], size, threads=threads, ranges=[(0, off, n) for off, n in ranges])
 
 
+def _open_for_read(path: str) -> tuple[int, bool]:
+    """``path`` opened for reading, with O_DIRECT where the filesystem takes it; the fd and whether it did."""
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    if _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags), False
+
+
 def read_spans(
     path: str,
     spans: Sequence[tuple[int, memoryview]],
@@ -299,14 +311,7 @@ def read_spans(
     computed as soon as the pieces covering it have arrived, so hashing overlaps the remaining reads.
     A span that ends short of what the file should hold raises StorageError (the file is truncated).
     """
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-    direct = bool(_O_DIRECT)
-    try:
-        fd = os.open(path, flags | _O_DIRECT) if direct else os.open(path, flags)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        direct, fd = False, os.open(path, flags)
+    fd, direct = _open_for_read(path)
     try:
         # What each span must receive, and what it asks for (O_DIRECT rounds the tail up to a block).
         want = [max(0, min(len(buf), size - off)) for off, buf in spans]
@@ -385,14 +390,7 @@ def read_through(
     ends past what the file holds raises StorageError (the file is truncated); an exception of ``sink``
     ends the read and propagates.
     """
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-    direct = bool(_O_DIRECT)
-    try:
-        fd = os.open(path, flags | _O_DIRECT) if direct else os.open(path, flags)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        direct, fd = False, os.open(path, flags)
+    fd, direct = _open_for_read(path)
     try:
         plan: list[tuple[int, int, int]] = []  # (item, file offset of the read, bytes asked)
         for k, (off, n) in enumerate(items):
