@@ -105,6 +105,7 @@ def test_large_tensors_are_read_into_their_own_memory_and_train_on_bitwise(tmp_p
     fresh, fopt = trained(7, steps=1)
     params = list(fresh.parameters())
     ptrs = [t.data_ptr() for t in tensors(fresh, fopt)]
+    version = fresh.a.weight._version
     step, event = restore(tmp_path, {"model": fresh, "optim": fopt})
     assert step == 2
     assert all(torch.equal(x, y) for x, y in zip(tensors(net, opt), tensors(fresh, fopt)))
@@ -115,6 +116,7 @@ def test_large_tensors_are_read_into_their_own_memory_and_train_on_bitwise(tmp_p
     assert event["placed_bytes"] == big_bytes(tensors(fresh, fopt)) > 0
     assert event["bytes"] > event["placed_bytes"]  # the small ones were read into a buffer and copied
     assert fresh.a.weight.requires_grad and isinstance(fresh.a.weight, torch.nn.Parameter)
+    assert fresh.a.weight._version > version  # written in place: autograd knows, as after an in-place copy
     # Training goes on exactly as it would have from the saved state.
     after = one_step(fresh, fopt)
     assert all(torch.equal(x, y) for x, y in zip(one_step(net, opt), after))
@@ -152,7 +154,8 @@ def test_views_shared_memory_tied_weights_and_other_layouts_see_the_restored_val
     assert torch.equal(mine["half"], extra["half"].half())
     assert all(torch.equal(x, y) for x, y in zip(tensors(net, opt), tensors(fresh, fopt)))
     assert torch.equal(view, net.a.weight.detach()[:, :8])
-    assert event["placed_bytes"] == big_bytes([*tensors(fresh, fopt), mine["shared"], mine["bf16"]])
+    # Shared memory is copied into once every rank verified: another process must not see unverified bytes.
+    assert event["placed_bytes"] == big_bytes([*tensors(fresh, fopt), mine["bf16"]])
 
 
 def test_a_corrupt_newest_step_is_overwritten_whole_by_the_older_one(tmp_path: Path) -> None:
@@ -195,9 +198,36 @@ def test_an_older_step_that_lacks_a_tensor_the_failed_one_was_read_into_is_refus
     corrupt(tmp_path, 2, torch.full((BIG, BIG), 5.0))  # read in place into "late", then found corrupt
     fresh, fopt = trained(3)
     late = torch.zeros(BIG, BIG)
-    with pytest.raises(CorruptCheckpointError, match="does not hold late") as err:
-        restore(tmp_path, {"model": fresh, "optim": fopt, "late": late}, allow_missing=["late"])
-    assert "Move the failed step aside" in str(err.value)
+    state = {"model": fresh, "optim": fopt, "late": late}
+    with Checkpointer(local_dir=str(tmp_path), run_id=RUN, keep_last=5) as ck:
+        with pytest.raises(CorruptCheckpointError, match="does not hold late") as err:
+            ck.restore(state, allow_missing=["late"])
+        assert "Move the failed step aside" in str(err.value)
+        assert "late" in "".join(err.value.__notes__)
+        # Moving the step aside is not enough in this process: "late" still holds step 2's bytes.
+        (tmp_path / RUN / "step_000000000002").rename(tmp_path / "aside")
+        with pytest.raises(CorruptCheckpointError, match="does not hold late"):
+            ck.restore(state, allow_missing=["late"])
+        # With the state built again, step 1 restores ("late" keeps its fresh value).
+        del err
+        state["late"] = late = torch.zeros(BIG, BIG)
+        assert ck.restore(state, allow_missing=["late"]) == 1
+        assert torch.equal(late, torch.zeros(BIG, BIG))
+        assert all(torch.equal(x, y) for x, y in zip(tensors(net, opt), tensors(fresh, fopt)))
+
+
+def test_a_plain_value_or_a_copy_is_never_read_in_place(tmp_path: Path) -> None:
+    """A plain value's tensors are made for the restore, not the program's: nothing of a failed step stays in
+    the program's state when one of them fails, and the older step restores."""
+    save(tmp_path, 1, {"w": torch.full((BIG, 512), 1.0), "ema": {"v": torch.full((BIG, 512), 1.5)}})
+    save(tmp_path, 2, {"w": torch.full((BIG, 512), 2.0), "ema": {"v": torch.full((BIG, 512), 2.5)}})
+    corrupt(tmp_path, 2, torch.full((BIG, 512), 2.5))
+    state = {"w": torch.zeros(BIG, 512), "ema": {"v": torch.zeros(BIG, 512)}}
+    step, event = restore(tmp_path, state)
+    assert step == 1 and event["skipped"] == [2]
+    assert torch.equal(state["w"], torch.full((BIG, 512), 1.0))
+    assert torch.equal(state["ema"]["v"], torch.full((BIG, 512), 1.5))
+    assert event["placed_bytes"] == BIG * 512 * 4  # "w" only
 
 
 def test_a_second_restore_in_one_process_stays_exact(tmp_path: Path) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import itertools
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,11 +63,44 @@ def memory_of(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (sum(int(n - 1) * int(st) for n, st in zip(t.shape, t.stride())) + 1) * size
 
 
+def live_tensors(state: Mapping[str, Any]) -> dict[int, torch.Tensor]:
+    """Storage address -> the program's own tensor that owns it, for the tensors a restore may write in place:
+    the parameters and buffers of each module, the state of each optimizer, the tensors at the top of the
+    state (a DTensor's local tensor, under the DTensor). Everything else a load target holds (a plain value's
+    tensors, what a custom object's ``state_dict()`` returns) may be a copy made for the restore: read into
+    a buffer instead, so that what a failed step wrote in place is always memory the program keeps."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without DTensor
+        DTensor = ()  # type: ignore[assignment,misc]  # noqa: N806
+    out: dict[int, torch.Tensor] = {}
+
+    def add(t: Any) -> None:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if type(local) in (torch.Tensor, torch.nn.Parameter) and local.device.type == "cpu":
+            with contextlib.suppress(RuntimeError):  # no storage of its own
+                out.setdefault(int(local.untyped_storage().data_ptr()), t)
+
+    for v in state.values():
+        if isinstance(v, torch.nn.Module):
+            for t in itertools.chain(v.parameters(), v.buffers()):
+                add(t)
+        elif isinstance(v, torch.optim.Optimizer):
+            for st in v.state.values():
+                for t in st.values() if isinstance(st, Mapping) else ():
+                    if isinstance(t, torch.Tensor):
+                        add(t)
+        elif isinstance(v, torch.Tensor):
+            add(v)
+    return out
+
+
 @dataclass
 class Placement:
     """A read item whose tensor bytes go straight into the live tensor they restore."""
 
     fqn: str
+    owner: torch.Tensor  # the program's tensor whose memory ``dest`` is (live_tensors)
     dest: torch.Tensor  # the live tensor (or the alias its owner's load_state_dict reads)
     raw: torch.Tensor  # ``dest``'s bytes, flat uint8
     prefix: bytes  # the item's framing before the tensor bytes (torch.save's), checked as it arrives
@@ -74,10 +109,13 @@ class Placement:
     foreign: torch.Tensor | None = None  # the item's bytes, when they were not in our framing after all
 
 
-def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int) -> Placement | None:
+def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int,
+               live: Mapping[int, torch.Tensor]) -> Placement | None:
     """How read item ``ri`` (``length`` bytes in the file) can be read straight into the tensor it restores,
     or None (it is read into a buffer and copied at apply): a stored chunk that is the whole destination, a
-    contiguous CPU tensor of the same dtype and shape, of at least PLACE_MIN_BYTES, stored in our framing."""
+    contiguous CPU tensor of the same dtype and shape, of at least PLACE_MIN_BYTES, stored in our framing,
+    in memory the program keeps (``live``: :func:`live_tensors`) and no other process sees (not shared
+    memory: bytes not yet verified on every rank must not reach another process)."""
     if ri.type != LoadItemType.TENSOR or any(ri.storage_offsets) or any(ri.dest_offsets):
         return None
     tmd = md.state_dict_metadata.get(ri.storage_index.fqn)
@@ -89,24 +127,36 @@ def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int) -> 
     dest = planner.resolve_tensor(ri)
     if (type(dest) not in (torch.Tensor, torch.nn.Parameter) or dest.device.type != "cpu"
             or dest.layout != torch.strided or dest.is_quantized or not dest.is_contiguous()
-            or tuple(dest.shape) != sizes or dest.dtype != tmd.properties.dtype):
+            or dest.is_conj() or dest.is_neg() or tuple(dest.shape) != sizes or dest.dtype != tmd.properties.dtype):
         return None
     nbytes = dest.numel() * dest.element_size()
     fr = framing_for(dest.dtype, sizes)
     if nbytes < PLACE_MIN_BYTES or length != len(fr.prefix) + nbytes + len(fr.suffix):
         return None
+    try:
+        owner = live.get(int(dest.untyped_storage().data_ptr()))
+        if owner is None or dest.is_shared():
+            return None
+    except RuntimeError:  # no storage of its own
+        return None
     raw = dest.detach().reshape(-1).view(torch.uint8)
-    return Placement(ri.dest_index.fqn, dest, raw, fr.prefix, nbytes, length)
+    return Placement(ri.dest_index.fqn, owner, dest, raw, fr.prefix, nbytes, length)
+
+
+Touched = dict[tuple[int, int], tuple[str, "weakref.ref[torch.Tensor]"]]
+"""Live tensors written in place: memory range -> (key, the program's tensor owning it, weakly: a tensor the
+program dropped since holds nothing of its state)."""
 
 
 class Placing:
     """The sink of :func:`~resilient_slurm.storage.fileio.read_through` for a file's placed items: checks each
-    item's framing as it arrives and copies its tensor bytes into the live tensor. ``touched`` records (by
-    memory range, with the key) every live tensor a byte was written into, before the write, so a round that
-    fails afterwards still names it. An item whose framing is not ours (a step written by plain DCP) is
-    collected into a buffer of its own instead (:attr:`Placement.foreign`) and decoded at apply."""
+    item's framing as it arrives and copies its tensor bytes into the live tensor. ``touched`` records every
+    live tensor a byte was written into, before the write, so a round that fails afterwards still names it;
+    each tensor's autograd version is bumped, as an in-place copy would. An item whose framing is not ours
+    (a step written by plain DCP) is collected into a buffer of its own instead (:attr:`Placement.foreign`)
+    and decoded at apply."""
 
-    def __init__(self, items: list[Placement], touched: dict[tuple[int, int], str]) -> None:
+    def __init__(self, items: list[Placement], touched: Touched) -> None:
         self.items = items
         self.touched = touched
 
@@ -124,7 +174,9 @@ class Placing:
             return
         a, b = max(at, n), min(end, n + p.nbytes)
         if b > a:
-            self.touched.setdefault(memory_of(p.dest), p.fqn)
+            if a == n:  # its first tensor byte
+                self.touched.setdefault(memory_of(p.dest), (p.fqn, weakref.ref(p.owner)))
+                torch.autograd.graph.increment_version(p.dest)
             # One thread's memcpy with the GIL released: torch's copy_ spreads it over the intra-op threads,
             # which then spin against the reads in flight (5 to 10 times slower on a busy node, measured).
             src = ctypes.addressof(ctypes.c_char.from_buffer(view, a - at))
@@ -212,9 +264,18 @@ class _Loaded:
         return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=True)
 
 
+def held(touched: Touched, state: Mapping[str, Any]) -> dict[tuple[int, int], str]:
+    """The entries of ``touched`` (memory range -> key) whose tensor is one of ``state``'s own
+    (:func:`live_tensors`); those whose tensor is gone are dropped from ``touched``."""
+    for r in [r for r, (_, ref) in touched.items() if ref() is None]:
+        del touched[r]
+    mine = {id(t) for t in live_tensors(state).values()} if touched else set()
+    return {r: key for r, (key, ref) in touched.items() if id(ref()) in mine}
+
+
 def uncovered(touched: Mapping[tuple[int, int], str], written: list[tuple[int, int]]) -> list[str]:
-    """The keys of tensors an earlier round wrote into (``touched``: memory range -> key) that the ranges the
-    restored step wrote (``written``) do not cover whole."""
+    """The keys of tensors a failed round wrote into (``touched``: memory range -> key, :func:`held`) that the
+    ranges a step writes (``written``) do not cover whole."""
     cover = _merged(written)
     out = []
     for (a, b), key in touched.items():
@@ -224,4 +285,5 @@ def uncovered(touched: Mapping[tuple[int, int], str], written: list[tuple[int, i
     return sorted(out)
 
 
-__all__ = ["PLACE_MIN_BYTES", "Placement", "Placing", "memory_of", "place_into", "uncovered"]
+__all__ = ["PLACE_MIN_BYTES", "Placement", "Placing", "Touched", "held", "live_tensors", "memory_of", "place_into",
+           "uncovered"]

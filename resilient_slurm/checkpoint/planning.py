@@ -66,8 +66,8 @@ def load_metadata(data: bytes, *, source: str) -> Metadata:
 
 
 def check_metadata(data: bytes, expected: ChunkEntry, *, source: str) -> Metadata:
-    """The one check of a step's ``.metadata`` where it is loaded (restore, fetch, verify, show,
-    export): :func:`~.metadata_pickle.check_metadata_bytes` (size, checksum, allowed globals: what the
+    """The one check of a step's ``.metadata`` where it is loaded from bytes (fetch, verify, show,
+    export; restore reads a local file with :func:`read_metadata_file`): :func:`~.metadata_pickle.check_metadata_bytes` (size, checksum, allowed globals: what the
     daemon and ``gc`` check without torch), then the restricted unpickler. Raises CorruptCheckpointError
     naming ``source``: such a step is never restored, drained, or kept in place of a valid one."""
     check_metadata_bytes(data, expected, source=source)

@@ -7,7 +7,7 @@ remove abandoned temp directories), the engine's :class:`~resilient_slurm.checkp
 a :class:`~resilient_slurm.checkpoint.fetch.DurableFetcher` (fetch.py) for the durable tier. The Restorer
 keeps the orchestration, the phases in order; what it decides and reads lives beside it: the candidates in
 restore_plan.py (pure), one restore round of a step in restore_round.py (:class:`~.restore_round.StepReader`),
-the tensors' adoption and the copies into the live state in apply.py.
+the in-place reads and the copies into the live state in apply.py.
 
 Call order of :meth:`Restorer.restore` (collective, foreground group, every rank):
 
@@ -41,9 +41,10 @@ Call order of :meth:`Restorer.restore` (collective, foreground group, every rank
    (:func:`~.restore_plan.no_restore`) unless ``restore_fallback`` is ``fresh``.
 
 What a failed round leaves: its large tensors may already hold some of its bytes. Every tensor written in
-place is recorded (:attr:`StepReader.touched <.restore_round.StepReader.touched>`); the step restored
-instead must write every one of them, or it is refused (:meth:`Restorer._apply`); a restore that raises
-names them on each rank (:meth:`Restorer._say_touched`). ``restore_fallback=fresh`` reads nothing in place,
+place is recorded (:attr:`StepReader.touched <.restore_round.StepReader.touched>`, kept across restores of
+this Checkpointer); a step that verifies must write every recorded tensor of the state, or its verdict is
+"mixed" and every rank raises (:meth:`StepReader.left_mixed <.restore_round.StepReader.left_mixed>`); a
+restore that raises names them on each rank (:meth:`Restorer._say_touched`). ``restore_fallback=fresh`` reads nothing in place,
 so that a restore that finds nothing leaves the program's state as it was.
 
 What the restore did is kept in :attr:`Restorer.last_restore` (:class:`RestoreOutcome`) for the caller's
@@ -64,7 +65,7 @@ from ..errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpoint
 from ..manifest import read_manifest_file
 from ..rundir import RunDir
 from . import state as state_mod
-from .apply import PLACE_MIN_BYTES, _Loaded, uncovered
+from .apply import PLACE_MIN_BYTES, _Loaded, held
 from .compat import CompatReport
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY, DDPTracker
@@ -151,7 +152,7 @@ class Restorer:
         reader.allow_missing, reader.allow_unexpected = allow_missing, allow_unexpected
         # Large tensors are read straight into the live state, so a failed candidate can leave bytes there:
         # not where a failed restore must leave the program's own state (restore_fallback=fresh).
-        reader.in_place, reader.touched = self.restore_fallback != "fresh", {}
+        reader.in_place = self.restore_fallback != "fresh"
         tier = self.fetcher.tier
         reader.source_rank = topo.rank
         reader.rank_mapped = rank_map is not None
@@ -189,6 +190,7 @@ class Restorer:
         initialized = [
             v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state
         ]
+        reader.fresh_optimizers = frozenset(k for k, v in state.items() if any(v is o for o in initialized))
         try:
             for cand in plan.candidates:
                 step = cand.step
@@ -236,6 +238,12 @@ class Restorer:
                 refused = [r for r, (s, _) in enumerate(verdicts) if s == "incompatible"]
                 if refused:
                     raise IncompatibleCheckpointError(_refusal(topo.rank, refused, verdicts))
+                mixed = [m for s, m in verdicts if s == "mixed"]
+                if mixed:
+                    raise CorruptCheckpointError("\n".join([*mixed, (
+                        f"Step {step} is not restored over them. Move the failed step aside (the warnings above name "
+                        "it; rslurm verify says what is wrong with it) and restore again with the state built "
+                        "again (a new process does)")]))
                 bad = [m for s, m in verdicts if s != "ok"]
                 if bad:
                     if topo.rank == 0:
@@ -258,7 +266,7 @@ class Restorer:
                     loaded.placed_bytes, (peer or 0) if topo.is_leader else 0)
                 return step
         except Exception as exc:
-            self._say_touched(exc)
+            self._say_touched(exc, state)
             raise
         finally:
             for opt in initialized:  # nothing restored: give back a pristine optimizer
@@ -266,15 +274,20 @@ class Restorer:
         where = self.run_dir + (f" or {tier.url}" if tier is not None else "")
         self.last_restore = RestoreOutcome(0, None, time.perf_counter() - t0, 0, 0, tuple(skipped))
         try:
+            if held(reader.touched, state):
+                # Nothing restored, and the state holds bytes of a failed step: never a fresh start over it.
+                outcome = no_restore(where, list(plan.existing), unreachable, "fail")
+                raise (outcome.error if outcome is not None and outcome.error is not None
+                       else CorruptCheckpointError(f"nothing to restore in {where}"))
             self._no_restore(where, list(plan.existing), unreachable)
         except Exception as exc:
-            self._say_touched(exc)
+            self._say_touched(exc, state)
             raise
         return 0
 
-    def _say_touched(self, exc: BaseException) -> None:
+    def _say_touched(self, exc: BaseException, state: Mapping[str, Any]) -> None:
         """A restore that raises after a failed round wrote into live tensors: say which, on this rank."""
-        touched = sorted(set(self.reader.touched.values()))
+        touched = sorted(set(held(self.reader.touched, state).values()))
         if not touched:
             return
         shown = ", ".join(touched[:8]) + (f" and {len(touched) - 8} more" if len(touched) > 8 else "")
@@ -286,18 +299,10 @@ class Restorer:
 
     def _apply(self, step: int, state: MutableMapping[str, Any], loaded: _Loaded) -> None:
         """Every rank verified ``step``: put what this rank read into its live state, hand DDP's recorded
-        layout to the tracker, and (rank 0) log what the restore left out on purpose. A tensor an earlier,
-        failed round wrote into that this step does not write (a key the step lacks, kept by
-        ``allow_missing``) would leave the state mixed: CorruptCheckpointError instead."""
-        left = uncovered(self.reader.touched, loaded.covers())
-        if left:
-            shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
-            raise CorruptCheckpointError(
-                f"step {step} verified, but it does not hold {shown}, which a newer step that failed verification "
-                f"(skipped: see the warnings above) had already been read into; restoring step {step} would leave "
-                "them holding that step's bytes. Move the failed step aside (rslurm verify names what is wrong "
-                "with it) and restore again")
+        layout to the tracker, and (rank 0) log what the restore left out on purpose. Every tensor a failed
+        round wrote into is written by this step (the verdict checked it: StepReader.left_mixed)."""
         loaded.apply()
+        self.reader.touched.clear()
         state_mod.apply_loaded(state, loaded.target, rank=self.reader.source_rank)
         self.ddp.expect(state, loaded.target.get(DDP_KEY))
         report = self.reader.compat

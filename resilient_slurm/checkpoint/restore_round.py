@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, StorageError
 from ..manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -51,7 +51,18 @@ from ..storage.fileio import (
 )
 from . import compat as compat_mod
 from . import state as state_mod
-from .apply import Placement, Placing, _Loaded, _merged, _on_cuda, place_into
+from .apply import (
+    Placement,
+    Placing,
+    Touched,
+    _Loaded,
+    _merged,
+    _on_cuda,
+    held,
+    live_tensors,
+    place_into,
+    uncovered,
+)
 from .compat import CompatReport
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY
@@ -90,8 +101,11 @@ class StepReader:
         # Large CPU tensors are read straight into the live state (apply.py: place_into); the Restorer turns
         # it off where a failed restore must leave the state as it was (restore_fallback=fresh).
         self.in_place = True
-        # Live tensors written into during this restore: memory range -> key (apply.py: Placing).
-        self.touched: dict[tuple[int, int], str] = {}
+        # Live tensors a failed round wrote into (apply.py: Placing), kept across restores in this process
+        # until a step that writes them all is applied; optimizers a restore initialized (their state is
+        # cleared again if it starts them afresh): the Restorer sets them.
+        self.touched: Touched = {}
+        self.fresh_optimizers: frozenset[str] = frozenset()
 
     def _check_per_rank(self, step: int, step_dir: str, manifest: Manifest, md: Metadata,
                         state: Mapping[str, Any]) -> None:
@@ -176,7 +190,9 @@ class StepReader:
     def read_round(self, step: int, state: MutableMapping[str, Any]
                     ) -> tuple[list[tuple[str, str]], _Loaded | None]:
         """Read and verify ``step`` on every rank; every rank's verdict ``(status, message)`` and what this rank
-        read: status "ok", "corrupt" (skip the step) or "incompatible" (refuse it everywhere). Collective
+        read: status "ok", "corrupt" (skip the step), "incompatible" (refuse it everywhere) or "mixed" (it verified,
+        but it would leave a tensor a failed step was read into holding that step's bytes: refused everywhere,
+        :meth:`left_mixed`). Collective
         (foreground group): three phases, the last one sharing the verdicts.
 
         Two parts around one exchange: every rank opens the step and compares it with its state
@@ -185,8 +201,20 @@ class StepReader:
         (compat.py: :meth:`~.compat.Findings.mask`, one all_reduce); then each decides and reads
         (:meth:`_load_step`). A rank reads nothing when another could not open the step."""
         status, message, loaded = self._read_here(step, state)
+        if status == "ok" and loaded is not None and (left := self.left_mixed(loaded, state)):
+            shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+            status, message = "mixed", (
+                f"rank {self.topo.rank}: step {step} verified, but it does not hold {shown}, which a step that failed "
+                "verification had already been read into; restoring it would leave them holding that step's bytes")
         verdicts = self.coord.phase(f"verifying step {step}", lambda: (status, message))
         return verdicts, loaded
+
+    def left_mixed(self, loaded: _Loaded, state: Mapping[str, Any]) -> list[str]:
+        """The keys of ``state``'s tensors a failed round wrote into that ``loaded`` does not write (an
+        optimizer this restore initialized and that starts afresh is cleared again: not counted)."""
+        fresh = set(self.fresh_optimizers) & set(self.compat.fresh if self.compat else ())
+        touched = {r: k for r, k in held(self.touched, state).items() if k.split(".", 1)[0] not in fresh}
+        return uncovered(touched, loaded.covers()) if touched else []
 
     def _read_here(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
         """This rank's part of :meth:`read_round` (two phases inside): its verdict and what it read."""
@@ -259,7 +287,7 @@ class StepReader:
     def _verdict(self, step: int, step_dir: str, exc: Exception) -> tuple[str, str]:
         if isinstance(exc, IncompatibleCheckpointError):
             return "incompatible", str(exc)
-        if isinstance(exc, (CorruptCheckpointError, OSError, CheckpointError)):
+        if isinstance(exc, (CorruptCheckpointError, OSError, CheckpointError, StorageError)):
             return "corrupt", f"rank {self.topo.rank}: {exc}"
         # unexpected: every rank must still learn of it, or the others hang
         log.error("step %d: unexpected error while reading %s", step, step_dir, exc_info=exc)
@@ -307,9 +335,10 @@ class StepReader:
         cuda = torch.cuda.is_available() and _on_cuda(target)
         placed: dict[tuple[str, int], Placement] = {}
         if self.in_place:
+            live = live_tensors(state)
             for rel, reqs in needed.items():
                 for ri, info in reqs:
-                    if (p := place_into(planner, md, ri, info.length)) is not None:
+                    if (p := place_into(planner, md, ri, info.length, live)) is not None:
                         placed[(rel, info.offset)] = p
         where: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}  # item -> (buffer, offset of its bytes)
         decoded: dict[tuple[str, int], Any] = {}
