@@ -220,7 +220,7 @@ class Restorer:
                             continue
                         fetched = need
                 verdicts, loaded = reader.read_round(step, state)
-                if not any(s == "incompatible" for s, _ in verdicts) and cand.durable:
+                if not any(s in ("incompatible", "mixed") for s, _ in verdicts) and cand.durable:
                     bad_here = any(verdicts[r][0] != "ok" for r in topo.domain_ranks)
                     if any(v != "ok" for v, _ in verdicts):
                         # A local copy failed verification: the domains concerned fetch the step again
