@@ -134,8 +134,8 @@ def read_checked_metadata(path: str, expected: ChunkEntry, *, scanned: bool = Tr
     a local ``.metadata`` (restore and verify unpickle what it returns; the daemon drains it; ``gc`` and
     retention judge a step valid by it). A missing file is corruption too. Raises CorruptCheckpointError
     (or OSError when the file cannot be read) naming ``path``. ``scanned=False``: restore, which unpickles
-    with the allow-list right after (the static scan walks every opcode in Python: 0.07 s of a 1 GiB
-    restore's metadata, for no check the restricted unpickler does not make)."""
+    with the allow-list right after (the static scan walks every opcode in Python: 0.2 s of a 1 GiB
+    restore on a busy node, for no check the restricted unpickler does not make)."""
     try:
         data = read_regular_file(path, expected.length, what="DCP metadata")
     except FileNotFoundError:
