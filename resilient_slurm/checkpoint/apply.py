@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from ..errors import IncompatibleCheckpointError
+from ..storage.fileio import merged_spans as _merged
 from .planning import SafeLoadPlanner
 from .staging import framing_for
 
@@ -41,17 +42,6 @@ def _on_cuda(obj: Any, depth: int = 0) -> bool:
     if isinstance(obj, (list, tuple)):
         return any(_on_cuda(v, depth + 1) for v in obj)
     return False
-
-
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, non-overlapping cover of ``[a, b)`` spans (touching ones joined)."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 def memory_of(t: torch.Tensor) -> tuple[int, int]:

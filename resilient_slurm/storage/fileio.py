@@ -399,7 +399,7 @@ def read_through(
         return [h.hexdigest() for h in hashes]
     fd, direct = _open_for_read(path)
     try:
-        spans = _merged_spans([((off // BLOCK * BLOCK, round_up(off + n)) if direct else (off, off + n))
+        spans = merged_spans([((off // BLOCK * BLOCK, round_up(off + n)) if direct else (off, off + n))
                                for off, n in (items[k] for k in order)])
         plan = [(at, min(piece, hi - at)) for lo, hi in spans for at in range(lo, hi, piece)]  # (offset, asked)
         # Each slot is touched before its first read, on huge pages: O_DIRECT pins every page of its buffer
@@ -456,7 +456,7 @@ def read_through(
         os.close(fd)
 
 
-def _merged_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def merged_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Sorted, non-overlapping cover of ``[a, b)`` spans (touching ones joined)."""
     out: list[tuple[int, int]] = []
     for a, b in sorted(spans):
