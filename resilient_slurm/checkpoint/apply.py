@@ -93,9 +93,11 @@ class Placement:
     owner: torch.Tensor  # the program's tensor whose memory ``dest`` is (live_tensors)
     dest: torch.Tensor  # the live tensor (or the alias its owner's load_state_dict reads)
     raw: torch.Tensor  # ``dest``'s bytes, flat uint8
-    prefix: bytes  # the item's framing before the tensor bytes (torch.save's), checked as it arrives
     nbytes: int
     length: int  # the item's bytes in the file: prefix, tensor bytes, suffix
+    # The item's framing before the tensor bytes (torch.save's), checked as it arrives: computed by the sink
+    # when the item's first bytes arrive (1-2 ms a shape, while the reads go on), not before the read begins.
+    prefix: bytes | None = None
     foreign: torch.Tensor | None = None  # the item's bytes, when they were not in our framing after all
 
 
@@ -120,8 +122,7 @@ def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int,
             or dest.is_conj() or dest.is_neg() or tuple(dest.shape) != sizes or dest.dtype != tmd.properties.dtype):
         return None
     nbytes = dest.numel() * dest.element_size()
-    fr = framing_for(dest.dtype, sizes)
-    if nbytes < PLACE_MIN_BYTES or length != len(fr.prefix) + nbytes + len(fr.suffix):
+    if nbytes < PLACE_MIN_BYTES or length <= nbytes:
         return None
     try:
         owner = live.get(int(dest.untyped_storage().data_ptr()))
@@ -130,7 +131,7 @@ def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int,
     except RuntimeError:  # no storage of its own
         return None
     raw = dest.detach().reshape(-1).view(torch.uint8)
-    return Placement(ri.dest_index.fqn, owner, dest, raw, fr.prefix, nbytes, length)
+    return Placement(ri.dest_index.fqn, owner, dest, raw, nbytes, length)
 
 
 Touched = dict[tuple[int, int], tuple[str, "weakref.ref[torch.Tensor]"]]
@@ -149,9 +150,21 @@ class Placing:
     def __init__(self, items: list[Placement], touched: Touched) -> None:
         self.items = items
         self.touched = touched
+        self._skipped: set[int] = set()
+
+    def skip(self, p: Placement) -> None:
+        """Write nothing of ``p`` (its optimizer starts afresh): its bytes still arrive, and are dropped."""
+        self._skipped |= {k for k, q in enumerate(self.items) if q is p}
 
     def __call__(self, k: int, at: int, view: memoryview) -> None:
+        if k in self._skipped:
+            return
         p = self.items[k]
+        if p.prefix is None:  # its first bytes: is it in our framing at all
+            fr = framing_for(p.dest.dtype, tuple(p.dest.shape))
+            p.prefix = fr.prefix
+            if p.length != len(fr.prefix) + p.nbytes + len(fr.suffix):
+                p.foreign = torch.empty(p.length, dtype=torch.uint8)
         n, end = len(p.prefix), at + len(view)
         if p.foreign is not None:
             p.foreign[at:end].copy_(torch.frombuffer(view, dtype=torch.uint8))

@@ -21,7 +21,7 @@ import dataclasses
 import io
 import logging
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ from ..manifest import (
 from ..rundir import RunDir
 from ..storage.fileio import (
     BLOCK,
+    Ring,
     aligned_buffer,
     as_memoryview,
     read_spans,
@@ -52,6 +53,7 @@ from ..storage.fileio import (
 from . import compat as compat_mod
 from . import state as state_mod
 from .apply import (
+    PLACE_MIN_BYTES,
     Placement,
     Placing,
     Touched,
@@ -200,8 +202,10 @@ class StepReader:
         it does not hold (pipeline stages, per-rank names), which of those no rank holds
         (compat.py: :meth:`~.compat.Findings.mask`, one all_reduce); then each decides and reads
         (:meth:`_load_step`). A rank reads nothing when another could not open the step."""
+        # Only tensors an earlier round wrote can be left mixed: those this round writes, it writes whole.
+        earlier = bool(self.touched)
         status, message, loaded = self._read_here(step, state)
-        if status == "ok" and loaded is not None and (left := self.left_mixed(loaded, state)):
+        if status == "ok" and loaded is not None and earlier and (left := self.left_mixed(loaded, state)):
             shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
             status, message = "mixed", (
                 f"rank {self.topo.rank}: step {step} verified, but it does not hold {shown}, which a step that failed "
@@ -219,6 +223,10 @@ class StepReader:
     def _read_here(self, step: int, state: MutableMapping[str, Any]) -> tuple[str, str, _Loaded | None]:
         """This rank's part of :meth:`read_round` (two phases inside): its verdict and what it read."""
         step_dir = RunDir.at(self.run_dir).step(step)
+        # The program's large tensors are read through a ring of buffers (storage/fileio.py: Ring), faulted in on
+        # a thread of its own while the step is opened and its reads planned.
+        live = live_tensors(state) if self.in_place else {}
+        ring = Ring().warm() if any(t.nelement() * t.element_size() >= PLACE_MIN_BYTES for t in live.values()) else None
         with contextlib.ExitStack() as held_open:
             prep: _Prepared | None = None
             status, message = "ok", ""
@@ -243,7 +251,7 @@ class StepReader:
                 unheld = found.unheld(self.coord.phase_flags(f"comparing the keys of step {step}", found.mask,
                                                              len(found.keyspace)))
             try:
-                return "ok", "", self._load_step(prep, state, unheld)
+                return "ok", "", self._load_step(prep, state, unheld, live, ring)
             except Exception as exc:
                 status, message = self._verdict(step, step_dir, exc)
                 return status, message, None
@@ -308,7 +316,8 @@ class StepReader:
         md = read_metadata_file(os.path.join(step_dir, DCP_METADATA_NAME), manifest.dcp_metadata)
         return self._setup(step, step_dir, manifest, md, state)
 
-    def _load_step(self, prep: _Prepared, state: MutableMapping[str, Any], unheld: frozenset[str]) -> _Loaded:
+    def _load_step(self, prep: _Prepared, state: MutableMapping[str, Any], unheld: frozenset[str],
+                   live: Mapping[int, torch.Tensor], ring: Ring | None) -> _Loaded:
         """Decide, plan and read every item this rank loads, each checked against the manifest's xxh3: first
         the small items and plain values into one buffer per file (decoded, and the optimizer's parameters
         checked, before a live tensor is written into), then each large CPU tensor straight into itself."""
@@ -335,7 +344,6 @@ class StepReader:
         cuda = torch.cuda.is_available() and _on_cuda(target)
         placed: dict[tuple[str, int], Placement] = {}
         if self.in_place:
-            live = live_tensors(state)
             for rel, reqs in needed.items():
                 for ri, info in reqs:
                     if (p := place_into(planner, md, ri, info.length, live)) is not None:
@@ -358,56 +366,82 @@ class StepReader:
                 c = chunk_sums.get((rel, info.offset))
                 if c is None or c.length != info.length:
                     raise CorruptCheckpointError(f"{path}: no checksum recorded for bytes {info.offset}+{info.length}")
-            # First what is not read in place: one buffer at the file's own offsets (pages it never reads
-            # cost nothing), every item verified and every plain value decoded before a live tensor is
-            # written into.
-            rest = [(ri, info) for ri, info in reqs if (rel, info.offset) not in placed]
-            if not rest:
-                continue
-            regions = _merged([(info.offset // BLOCK * BLOCK, round_up(info.offset + info.length)) for _, info in rest])
-            # Pinned memory is all allocated and locked: only for CUDA, and off by default (PIN_FOR_CUDA).
-            buf = aligned_buffer(regions[-1][1], prefault=False, pin=cuda and PIN_FOR_CUDA)
-            mv = as_memoryview(buf)
-            ranges = []
-            for _, info in rest:
-                where[(rel, info.offset)] = (buf, info.offset)
-                k = bisect.bisect_right(regions, (info.offset, 1 << 62)) - 1
-                ranges.append((k, info.offset - regions[k][0], info.length))
-            sums = read_spans(path, [(a, mv[a:b]) for a, b in regions], entry.size, threads=self.io_threads,
-                              ranges=ranges)
-            for (ri, info), got in zip(rest, sums):
-                self._check_sum(path, ri, info, got, chunk_sums[(rel, info.offset)].checksum)
-                if ri.type == LoadItemType.BYTE_IO:
-                    # Decode plain values now, before anything live is touched: a value the safe loader
-                    # refuses makes the step unusable; it must not half-restore the state.
-                    try:
-                        decoded[(rel, info.offset)] = torch.load(
-                            io.BytesIO(bytes(mv[info.offset : info.offset + info.length])),
-                            map_location="cpu",
-                            weights_only=True,
-                        )
-                    except Exception as exc:
-                        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-                        raise CorruptCheckpointError(
-                            f"{paths[rel]}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
-                        ) from exc
-        self._check_optimizer_params(prep, state, needed, decoded)
+        sinks: list[Placing] = []
+
+        def small_items() -> None:
+            """What is not read in place: one buffer per file at the file's own offsets (pages it never reads
+            cost nothing), every item verified and every plain value decoded, and the optimizer's parameters
+            checked, before a live tensor is written into."""
+            for rel, reqs in needed.items():
+                rest = [(ri, info) for ri, info in reqs if (rel, info.offset) not in placed]
+                if rest:
+                    self._read_small(paths[rel], entries[rel].size, rest, rel, chunk_sums, where, decoded,
+                                     pin=cuda and PIN_FOR_CUDA)
+            kept = {(rel, info.offset) for rel, reqs in needed.items() for _, info in reqs}
+            self._check_optimizer_params(prep, state, needed, decoded)
+            # An optimizer started afresh (allow_missing) keeps its own tensors: those of its items dropped from
+            # `needed` are not written, not even by the file whose reads are in flight.
+            for key in kept - {(rel, info.offset) for rel, reqs in needed.items() for _, info in reqs}:
+                if (p := placed.pop(key, None)) is not None:
+                    for sink in sinks:
+                        sink.skip(p)
+
         # Then the large tensors, straight into the live ones (checked against the manifest as they arrive;
-        # a round that fails after this leaves them written: the Restorer's rule, restore.py).
-        for rel, reqs in needed.items():
-            mine = [(ri, info) for ri, info in reqs if (rel, info.offset) in placed]
+        # a round that fails after this leaves them written: the Restorer's rule, restore.py). The first
+        # file's reads start before the small items are read: its ring fills meanwhile.
+        first: Callable[[], None] | None = small_items
+        for rel in list(needed):
+            mine = [(ri, info) for ri, info in needed[rel] if (rel, info.offset) in placed]
             if not mine:
                 continue
             sink = Placing([placed[(rel, info.offset)] for _, info in mine], self.touched)
+            sinks.append(sink)
+            ring = ring or Ring()
             sums = read_through(paths[rel], entries[rel].size, [(info.offset, info.length) for _, info in mine], sink,
-                                threads=self.io_threads)
+                                threads=self.io_threads, ring=ring, before=first)
+            first = None
             for (ri, info), got in zip(mine, sums):
-                self._check_sum(paths[rel], ri, info, got, chunk_sums[(rel, info.offset)].checksum)
+                if (rel, info.offset) in placed:
+                    self._check_sum(paths[rel], ri, info, got, chunk_sums[(rel, info.offset)].checksum)
+        if first is not None:  # nothing read in place
+            first()
         read = sum(info.length for reqs in needed.values() for _, info in reqs)
         in_place = sum(p.nbytes for rel, reqs in needed.items() for _, info in reqs
                        if (p := placed.get((rel, info.offset))) is not None and p.foreign is None)
         return _Loaded(planner=planner, target=target, md=md, needed=needed, where=where, placed=placed, cuda=cuda,
                        decoded=decoded, bytes_read=read, placed_bytes=in_place)
+
+    def _read_small(self, path: str, size: int, rest: list[Any], rel: str, chunk_sums: Mapping[Any, Any],
+                    where: dict[tuple[str, int], tuple[torch.Tensor, int]], decoded: dict[tuple[str, int], Any],
+                    *, pin: bool) -> None:
+        """Read items ``rest`` of file ``path`` into one buffer at the file's own offsets, each checked against
+        the manifest, plain values decoded (``where`` and ``decoded`` take them)."""
+        regions = _merged([(info.offset // BLOCK * BLOCK, round_up(info.offset + info.length)) for _, info in rest])
+        # Pinned memory is all allocated and locked: only for CUDA, and off by default (PIN_FOR_CUDA).
+        buf = aligned_buffer(regions[-1][1], prefault=False, pin=pin)
+        mv = as_memoryview(buf)
+        ranges = []
+        for _, info in rest:
+            where[(rel, info.offset)] = (buf, info.offset)
+            k = bisect.bisect_right(regions, (info.offset, 1 << 62)) - 1
+            ranges.append((k, info.offset - regions[k][0], info.length))
+        sums = read_spans(path, [(a, mv[a:b]) for a, b in regions], size, threads=self.io_threads, ranges=ranges)
+        for (ri, info), got in zip(rest, sums):
+            self._check_sum(path, ri, info, got, chunk_sums[(rel, info.offset)].checksum)
+            if ri.type == LoadItemType.BYTE_IO:
+                # Decode plain values now, before anything live is touched: a value the safe loader
+                # refuses makes the step unusable; it must not half-restore the state.
+                try:
+                    decoded[(rel, info.offset)] = torch.load(
+                        io.BytesIO(bytes(mv[info.offset : info.offset + info.length])),
+                        map_location="cpu",
+                        weights_only=True,
+                    )
+                except Exception as exc:
+                    last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+                    raise CorruptCheckpointError(
+                        f"{path}: value {ri.storage_index.fqn} cannot be loaded safely ({type(exc).__name__}: {last})"
+                    ) from exc
 
     @staticmethod
     def _check_sum(path: str, ri: Any, info: Any, got: str, want: str) -> None:

@@ -26,6 +26,10 @@ from resilient_slurm.errors import IncompatibleCheckpointError
 
 try:
     import numpy as np
+
+    # NumPy imports its random module on first use: 15 ms that would fall inside the first restore (which
+    # captures and sets its generator's state), paid here instead.
+    import numpy.random  # noqa: F401
 except ImportError:  # NumPy is optional: without it there is no NumPy generator to capture.
     np = None  # type: ignore[assignment]
 

@@ -27,6 +27,7 @@ from typing import IO, cast
 
 import torch
 import torch.serialization
+import torch.utils.serialization  # noqa: F401  # what skip_data reads; imported here, not on a restore's path
 import xxhash
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 

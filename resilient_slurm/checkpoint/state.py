@@ -21,6 +21,11 @@ import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+try:  # DCP's own parameter naming (a private helper): imported once here, not on the first restore's path
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+except ImportError:  # pragma: no cover - an internal of DCP moved: the names as the modules give them
+    _get_fqns = None  # type: ignore[assignment]
+
 from ..errors import ConfigError
 from ..manifest import per_rank_fqn, per_rank_path, split_per_rank_fqn
 from . import rng
@@ -85,9 +90,9 @@ def optimizer_param_names(state: Mapping[str, Any]) -> dict[str, list[str | None
 
 
 def _canonical_name(module: torch.nn.Module, name: str) -> str:
+    if _get_fqns is None:  # pragma: no cover
+        return name
     try:
-        from torch.distributed.checkpoint.state_dict import _get_fqns
-
         fqns = _get_fqns(module, name)
         return next(iter(fqns)) if len(fqns) == 1 else name
     except Exception:  # an internal of DCP changed: the name as the module gives it

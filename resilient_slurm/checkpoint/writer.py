@@ -20,6 +20,7 @@ launcher waits for it.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -154,7 +155,7 @@ def _register_exit_hook(hook: Callable[[], None]) -> None:
 
     register = getattr(threading, "_register_atexit", None)
     try:
-        (register or __import__("atexit").register)(hook)
+        (register or atexit.register)(hook)
     except RuntimeError:  # created while the interpreter is already ending
         pass
 

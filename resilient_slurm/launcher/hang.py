@@ -67,6 +67,11 @@ class Stuck:
     limit_s: float
     state: str | None = None  # its process's state at the verdict (psutil: "stopped", "disk-sleep", ...)
 
+    @property
+    def past(self) -> bool:
+        """Whether it is past its own limit (else half-way to it)."""
+        return self.idle_s > self.limit_s
+
     def to_json(self) -> dict[str, object]:
         return {"rank": self.rank, "pid": self.pid, "last_step": self.step, "section": self.section,
                 "idle_s": round(self.idle_s, 3), "limit_s": round(self.limit_s, 3), "state": self.state}
@@ -86,11 +91,11 @@ class Hang:
     def describe(self) -> str:
         parts = []
         # The ranks past their limit first: the text (and the evidence made of it) is cut at 8.
-        for s in sorted(self.stuck, key=lambda s: s.idle_s <= s.limit_s)[:8]:
+        for s in sorted(self.stuck, key=lambda s: not s.past)[:8]:
             where = f"before its first step ({s.section})" if s.step < 0 else (
                 f"after step {s.step}" + (f" in section {s.section!r}" if s.section else ""))
             state = f" (process {s.state})" if s.state in TELLING_STATES else ""
-            past = ">" if s.idle_s > s.limit_s else "of"
+            past = ">" if s.past else "of"
             parts.append(f"rank {s.rank} {where}{state}, idle {s.idle_s:.0f} s {past} {s.limit_s:.0f} s")
         more = f"; and {len(self.stuck) - 8} more" if len(self.stuck) > 8 else ""
         return "; ".join(parts) + more
@@ -162,7 +167,7 @@ class HangWatch:
             else:
                 limit, since = step_limit, hb.beat_t
             idle.append(Stuck(rank, hb.pid, hb.step, hb.section, now - since, limit))
-        if not any(s.idle_s > s.limit_s for s in idle):
+        if not any(s.past for s in idle):
             return None
         # A hang holds every rank: one whose clock started later (a rank that began its start-up a second after
         # the others, and is the one that hangs) is named too once it is half-way to its own limit.

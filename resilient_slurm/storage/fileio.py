@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -363,8 +364,55 @@ def read_spans(
         os.close(fd)
 
 
-RING_PIECE = _IO_CHUNK  # bytes per read of read_through: a ring slot
-RING_SLOTS = 8  # reads in flight or waiting for the caller: 128 MiB of ring in all
+# The ring is memory a fresh process touches for the first time: its pages are faulted in by the first reads
+# (0.16-0.18 s for 128 MiB of huge pages on a VM whose host backs guest memory lazily, measured here), so it is
+# kept small. 4 MiB requests read as fast as 16 MiB ones here (docs/benchmarks.md, "In place").
+RING_PIECE = 4 << 20  # bytes per read of read_through: a ring slot
+RING_SLOTS = 8  # reads in flight or waiting for the caller: 32 MiB of ring in all
+RING_HANDOVER = 1 << 20  # bytes hashed and handed to the sink at a time: within a core's cache
+
+
+class Ring:
+    """The read buffers of :func:`read_through`: ``slots`` page-aligned buffers of ``piece`` bytes each, on huge
+    pages, reused read after read. One ring serves every file a restore reads; its first touch is the slow part
+    (the ring's comment above), which :meth:`warm` does on a thread of its own while the caller prepares the
+    reads (restore: while it opens the step and plans its reads, checkpoint/restore_round.py)."""
+
+    def __init__(self, piece: int = RING_PIECE, slots: int = RING_SLOTS) -> None:
+        self.piece, self.slots = piece, slots
+        self._bufs: list[Any] = [None] * slots
+        self.views: list[memoryview] = [memoryview(b"")] * slots
+        self._warming: threading.Thread | None = None
+
+    def warm(self) -> Ring:
+        """Start faulting in every slot on a thread of its own; returns the ring."""
+        def run() -> None:
+            try:
+                for i in range(self.slots):
+                    self._make(i, prefault=True)
+            except Exception as exc:  # noqa: BLE001 - a slot not made now is made by the read that needs it
+                log.debug("read ring not warmed: %s", exc)
+
+        self._warming = threading.Thread(target=run, name="rslurm-ring", daemon=True)
+        self._warming.start()
+        return self
+
+    def ready(self) -> None:
+        """Wait for :meth:`warm` (called before the first read)."""
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
+
+    def _make(self, i: int, prefault: bool = False) -> None:
+        if self._bufs[i] is None:
+            buf = aligned_buffer(self.piece, prefault=prefault, huge=True)
+            self.views[i] = as_memoryview(buf)
+            self._bufs[i] = buf
+
+    def view(self, i: int) -> memoryview:
+        """Slot ``i``, made on first use (one reader uses a slot at a time)."""
+        self._make(i)
+        return self.views[i]
 
 
 def read_through(
@@ -374,21 +422,25 @@ def read_through(
     sink: Callable[[int, int, memoryview], None],
     *,
     threads: int = 4,
-    piece: int = RING_PIECE,
-    slots: int = RING_SLOTS,
+    ring: Ring | None = None,
+    handover: int = RING_HANDOVER,
+    before: Callable[[], None] | None = None,
 ) -> list[str]:
     """Read byte ranges of file ``path`` (``size`` bytes long) through a small ring of page-aligned buffers,
     handing each range's bytes to ``sink`` in order, and return each range's checksum.
 
     ``items`` are ``(file offset, length)``, not overlapping; ``sink(k, at, view)`` is called with an item's
     index, the offset in the item and a view of its next bytes (valid only during the call), from the
-    calling thread, in file order. The file is read in ``piece``-sized requests over the spans the items
-    cover (neighbouring items share requests, as a raw read of the file would), O_DIRECT where the file
-    allows, ``threads`` of them in flight, into a ring of ``slots`` buffers that is reused: the memory the
-    caller places the bytes into is the only memory a large read touches (restore reads a tensor's bytes
-    straight into the program's own tensor, checkpoint/restore_round.py). Each checksum is computed while the
-    next pieces are read. A range that ends past what the file holds raises StorageError (the file is
-    truncated); an exception of ``sink`` ends the read and propagates.
+    calling thread, in file order, ``handover`` bytes at a time. The file is read in requests of a ring slot's
+    size over the spans the items cover (neighbouring items share requests, as a raw read of the file would),
+    O_DIRECT where the file allows, ``threads`` of them in flight, into the slots of ``ring`` (:class:`Ring`;
+    a new one by default), reused: the memory the caller places the bytes into is the only memory a large
+    read touches (restore reads a tensor's bytes straight into the program's own tensor,
+    checkpoint/restore_round.py). Each checksum is computed while the next pieces are read. A range that
+    ends past what the file holds raises StorageError (the file is truncated); an exception of ``sink`` ends
+    the read and propagates. ``before()`` runs in the calling thread once the first reads are in flight and
+    before any byte is handed over (restore reads and checks its small items there while the ring fills); an
+    exception of it ends the read and propagates.
     """
     for off, n in items:
         if off < 0 or n < 0 or off + n > size:
@@ -401,20 +453,18 @@ def read_through(
     try:
         spans = merged_spans([((off // BLOCK * BLOCK, round_up(off + n)) if direct else (off, off + n))
                                for off, n in (items[k] for k in order)])
+        ring = ring or Ring()
+        ring.ready()
+        piece = ring.piece
         plan = [(at, min(piece, hi - at)) for lo, hi in spans for at in range(lo, hi, piece)]  # (offset, asked)
-        # Each slot is touched before its first read, on huge pages: O_DIRECT pins every page of its buffer
-        # for each request, and 4 KiB pages made a cold 1 GiB read take 1.1 s instead of 0.5 s here. A slot is
-        # made by the reader that first needs it, so making the ring overlaps the first reads.
-        keep: list[Any] = [None] * min(slots, len(plan))
-        views: list[memoryview] = [memoryview(b"")] * len(keep)
+        # The slots are on huge pages: O_DIRECT pins every page of its buffer for each request, and 4 KiB pages
+        # made a cold 1 GiB read take 1.1 s instead of 0.5 s here. A slot not warmed is made by the reader that
+        # first needs it, so making it overlaps the first reads.
+        nslots = min(ring.slots, len(plan))
 
         def get(idx: int) -> int:
             at, n = plan[idx]
-            i = idx % len(views)
-            if keep[i] is None:  # one reader per slot at a time: no race
-                keep[i] = aligned_buffer(piece, prefault=False, huge=True)
-                views[i] = as_memoryview(keep[i])
-            buf = views[i]
+            buf = ring.view(idx % nslots)  # one reader per slot at a time
             got = 0
             while got < n:
                 r = os.preadv(fd, [buf[got:n]], at + got)
@@ -424,8 +474,10 @@ def read_through(
             return got
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rslurm-read") as readers:
-            pending = {i: readers.submit(get, i) for i in range(min(len(views), len(plan)))}
+            pending = {i: readers.submit(get, i) for i in range(nslots)}
             try:
+                if before is not None:
+                    before()
                 first = 0  # the first item (in file order) not yet wholly handed over
                 for idx, (at, asked) in enumerate(plan):
                     got = pending.pop(idx).result()
@@ -439,15 +491,18 @@ def read_through(
                         x, y = max(off, at), min(off + n, end)
                         if min(off + n, at + asked) > end:
                             raise StorageError(f"{path}: short read ({end} of {size} bytes): the file is truncated")
-                        if y > x:
-                            view = views[idx % len(views)][x - at : y - at]
+                        # In parts of `handover` bytes, each hashed and then handed over while it is still in
+                        # the CPU's cache: the slot's bytes come from memory once, not once for each.
+                        slot = ring.views[idx % nslots]
+                        for u in range(x, y, handover):
+                            view = slot[u - at : min(y, u + handover) - at]
                             hashes[k].update(view)
-                            sink(k, x - off, view)
+                            sink(k, u - off, view)
                         if off + n <= at + asked:
                             first = j + 1  # wholly handed over
                         j += 1
-                    if idx + len(views) < len(plan):  # the slot is free again
-                        pending[idx + len(views)] = readers.submit(get, idx + len(views))
+                    if idx + nslots < len(plan):  # the slot is free again
+                        pending[idx + nslots] = readers.submit(get, idx + nslots)
             finally:
                 for f in pending.values():
                     f.cancel()
