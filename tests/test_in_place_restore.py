@@ -261,6 +261,21 @@ def test_state_dict_aliases_of_a_custom_object_are_loaded_through_its_load_state
     assert torch.equal(h.t, torch.full((BIG, 512), 2.5))
 
 
+def test_the_moments_of_an_optimizer_not_stepped_yet_are_read_in_place(tmp_path: Path) -> None:
+    # A fresh process's state: the model built, its Adam not stepped, so the restore makes the moments; they
+    # are read into as well (the live tensors are taken after the load target made them).
+    net, opt = trained(1)
+    save(tmp_path, 1, {"model": net, "optim": opt})
+    torch.manual_seed(5)
+    net2 = Net()
+    opt2 = torch.optim.Adam(net2.parameters(), lr=1e-2)
+    step, ev = restore(tmp_path, {"model": net2, "optim": opt2})
+    assert step == 1
+    # a.weight and its two moments, and the 2 MiB buffer: everything of 1 MiB or more
+    assert ev["placed_bytes"] == 3 * BIG * BIG * 4 + BIG * 512 * 4, ev
+    assert all(torch.equal(a, b) for a, b in zip(tensors(net, opt), tensors(net2, opt2)))
+
+
 def test_an_optimizer_started_afresh_keeps_its_own_large_moments(tmp_path: Path) -> None:
     # The optimizer keyed by index now holds two same-shaped parameters the other way round: allow_missing
     # starts it afresh. The file's large reads (the moments among them, which would fit) are in flight while

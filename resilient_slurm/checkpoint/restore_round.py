@@ -224,9 +224,12 @@ class StepReader:
         """This rank's part of :meth:`read_round` (two phases inside): its verdict and what it read."""
         step_dir = RunDir.at(self.run_dir).step(step)
         # The program's large tensors are read through a ring of buffers (storage/fileio.py: Ring), faulted in on
-        # a thread of its own while the step is opened and its reads planned.
-        live = live_tensors(state) if self.in_place else {}
-        ring = Ring().warm() if any(t.nelement() * t.element_size() >= PLACE_MIN_BYTES for t in live.values()) else None
+        # a thread of its own while the step is opened and its reads planned (where the state already holds a
+        # large tensor; else the first read makes it).
+        ring = None
+        if self.in_place and any(t.nelement() * t.element_size() >= PLACE_MIN_BYTES
+                                 for t in live_tensors(state).values()):
+            ring = Ring().warm()
         with contextlib.ExitStack() as held_open:
             prep: _Prepared | None = None
             status, message = "ok", ""
@@ -251,7 +254,7 @@ class StepReader:
                 unheld = found.unheld(self.coord.phase_flags(f"comparing the keys of step {step}", found.mask,
                                                              len(found.keyspace)))
             try:
-                return "ok", "", self._load_step(prep, state, unheld, live, ring)
+                return "ok", "", self._load_step(prep, state, unheld, ring)
             except Exception as exc:
                 status, message = self._verdict(step, step_dir, exc)
                 return status, message, None
@@ -317,7 +320,7 @@ class StepReader:
         return self._setup(step, step_dir, manifest, md, state)
 
     def _load_step(self, prep: _Prepared, state: MutableMapping[str, Any], unheld: frozenset[str],
-                   live: Mapping[int, torch.Tensor], ring: Ring | None) -> _Loaded:
+                   ring: Ring | None) -> _Loaded:
         """Decide, plan and read every item this rank loads, each checked against the manifest's xxh3: first
         the small items and plain values into one buffer per file (decoded, and the optimizer's parameters
         checked, before a live tensor is written into), then each large CPU tensor straight into itself."""
@@ -344,6 +347,8 @@ class StepReader:
         cuda = torch.cuda.is_available() and _on_cuda(target)
         placed: dict[tuple[str, int], Placement] = {}
         if self.in_place:
+            # Taken now, after the load target was made: it made the moments of an optimizer not stepped yet.
+            live = live_tensors(state)
             for rel, reqs in needed.items():
                 for ri, info in reqs:
                     if (p := place_into(planner, md, ri, info.length, live)) is not None:

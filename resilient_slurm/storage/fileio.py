@@ -442,6 +442,8 @@ def read_through(
     before any byte is handed over (restore reads and checks its small items there while the ring fills); an
     exception of it ends the read and propagates.
     """
+    if handover <= 0:
+        raise ValueError(f"read_through: handover must be a positive number of bytes, not {handover}")
     for off, n in items:
         if off < 0 or n < 0 or off + n > size:
             raise StorageError(f"{path}: bytes {off}+{n} lie past its end ({size} bytes): the file is truncated")
