@@ -83,6 +83,17 @@ def _losses(log: Path) -> dict[int, float]:
     return out
 
 
+def _committed_domains(d: Path) -> int:
+    """How many run directories under ``d`` hold a committed step (a manifest inside a step_X.tmp-* directory
+    is a save not yet renamed into place: not committed). A walk that meets a directory the ranks renamed or
+    removed meanwhile (a save committing, retention) counts nothing this time: the caller asks again."""
+    try:
+        return len({p.parent.parent for p in d.glob("**/topo/step_*/manifest.json")
+                    if p.parent.name[len("step_"):].isdigit()})
+    except FileNotFoundError:
+        return 0
+
+
 def check_resume(nodes: int, per_node: int, layout: str, kinds: tuple[str, ...], kill_at: int, *,
                  worker: str | None = None, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
     """SIGKILL ``kinds`` of topology_worker.py (or ``worker`` with ``args``) on ``nodes`` x ``per_node`` ranks
@@ -101,9 +112,7 @@ def check_resume(nodes: int, per_node: int, layout: str, kinds: tuple[str, ...],
         # A save is asynchronous: on a loaded machine the first one may not have committed yet. Kill only
         # once every domain committed a step, so that the resume starts from one.
         deadline = time.monotonic() + 120
-        # (a manifest inside a step_X.tmp-* directory is a save not yet renamed into place: not committed)
-        while len({p.parent.parent for p in d.glob("**/topo/step_*/manifest.json")
-                   if p.parent.name[len("step_"):].isdigit()}) < domains:
+        while _committed_domains(d) < domains:
             assert time.monotonic() < deadline, f"no step committed in every domain of {d}"
             time.sleep(0.01)
     finally:
