@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -249,6 +251,27 @@ def run_ranks(argv: Sequence[str], world_size: int, workdir: Path, *, timeout: f
         out = "\n".join(f"--- rank {r} (exit {c}) ---\n{job.output(r)[-4000:]}" for r, c in enumerate(codes))
         pytest.fail(f"ranks failed: {codes}\n{out}")
     return job
+
+
+# Outputs that depend only on their key (an uninterrupted reference run: the program, its arguments and the
+# world size, not where it ran), made once per test process and kept until it exits.
+_ONCE: dict[tuple[object, ...], Path] = {}
+_ONCE_ROOT: list[Path] = []
+
+
+def once(key: tuple[object, ...], make: Callable[[Path], object]) -> Path:
+    """The directory ``make(directory)`` filled for ``key``, made by the first test that asks for it in this
+    test process (xdist worker); later tests get the same directory and must only read it. A ``make`` that
+    fails fails its test and is tried again by the next one."""
+    if key not in _ONCE:
+        if not _ONCE_ROOT:
+            _ONCE_ROOT.append(Path(tempfile.mkdtemp(prefix="rslurm-once-")))
+            atexit.register(shutil.rmtree, _ONCE_ROOT[0], ignore_errors=True)
+        d = _ONCE_ROOT[0] / f"k{len(_ONCE)}-{os.urandom(4).hex()}"
+        d.mkdir()
+        make(d)
+        _ONCE[key] = d
+    return _ONCE[key]
 
 
 def checkpoint_entries(d: Path | str) -> list[str]:

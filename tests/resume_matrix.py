@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import REPO, assert_same, read_jsonl, run_ranks, start_ranks, wait_for_step
+from conftest import REPO, assert_same, once, read_jsonl, run_ranks, start_ranks, wait_for_step
 
 WORKER = str(REPO / "tests" / "workers" / "topology_worker.py")
 PARALLEL_WORKER = str(REPO / "tests" / "workers" / "parallel_worker.py")
@@ -21,9 +21,8 @@ STEPS = 14
 EVERY = 3
 KINDS = ("ddp", "obj", "plain", "repl", "fsdp")
 
-# An uninterrupted run depends on the world size and the program (worker, kinds or arguments) only (not on
-# node names or directories): computed once per pair in a session.
-_REFERENCES: dict[tuple[int, tuple[str, ...]], Path] = {}
+# An uninterrupted run depends on the world size, the program (worker, kinds or arguments) and its settings
+# only (not on node names or directories): made once per test process (conftest.once).
 _ROOT = Path(tempfile.mkdtemp(prefix="rslurm-matrix-"))
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -66,13 +65,11 @@ def assert_same_run(ref: Path, d: Path, world: int) -> None:
 
 
 def _reference(world: int, program: tuple[str, ...], env: dict[str, str]) -> Path:
-    key = (world, program)
-    if key not in _REFERENCES:
-        d = Path(tempfile.mkdtemp(prefix=f"ref-w{world}-", dir=_ROOT))
+    def make(d: Path) -> None:
         run_ranks(_argv((), d, program=program), world, d, timeout=300, env=env,
                   per_rank_env=_env(1, world, "node", d))
-        _REFERENCES[key] = d
-    return _REFERENCES[key]
+
+    return once(("resume_matrix reference", world, program, tuple(sorted(env.items()))), make)
 
 
 def _losses(log: Path) -> dict[int, float]:

@@ -83,7 +83,7 @@ def test_a_stopped_peer_is_a_communicator_error_restarted_in_job(tmp_path: Path)
     stopped rank is torn down (at once: it cannot exit by itself, and its SIGTERM is followed by SIGCONT), both
     restart in-job from the last commit (step 6) and end bitwise; the history and status name the class and
     gloo's line."""
-    ref = _reference(tmp_path)
+    ref = _reference()
     work, out = _work(tmp_path)
     r = _launch(work, out, "--crash-at", "7", "--crash-rank", "1", "--crash-after-commit",
                 "--failpoint", "after_shard_write=stop", "--pg-timeout", "5")
@@ -177,7 +177,7 @@ def test_a_rank_killed_by_the_oom_killer_is_out_of_memory_restarted_in_job(tmp_p
     """The launcher and its ranks run in a cgroup limited to 2.5 GiB; rank 1 allocates after step 7 until
     the kernel kills it. The launcher reads the cgroup's oom_kill counter: out_of_memory, with the counter
     as evidence, restarted in-job from the last commit, bitwise."""
-    ref = _reference(tmp_path)
+    ref = _reference()
     work, out = _work(tmp_path)
     gen = _memory_cgroup(int(2.5 * 2**30))
     cg = next(gen)

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, assert_same, clean_env, read_jsonl, run_rslurm
+from conftest import REPO, assert_same, clean_env, once, read_jsonl, run_rslurm
 from test_telemetry import check_records, read_docs
 
 from resilient_slurm.control.heartbeat import Heartbeat, HeartbeatWriter, heartbeat_path, read_heartbeats
@@ -50,12 +50,15 @@ def _events(tmp: Path) -> list[dict]:
     return read_jsonl(tmp / "nvme" / "hang" / "events.jsonl")
 
 
-def _reference(tmp: Path) -> Path:
-    ref = tmp / "ref"
-    (ref / "out").mkdir(parents=True)
-    r = _launch(ref, ref / "out")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return ref / "out"
+def _reference() -> Path:
+    """The outputs of a run that never hung (the same for every test here and in test_attribution.py: made
+    once per test process)."""
+    def make(ref: Path) -> None:
+        (ref / "out").mkdir()
+        r = _launch(ref, ref / "out")
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return once(("hang_worker reference", STEPS), make) / "out"
 
 
 def _no_worker_left(out: Path) -> None:
@@ -80,7 +83,7 @@ def test_a_hang_is_found_its_stacks_written_and_the_ranks_restarted_in_job(tmp_p
     restore (rank 1 waits in the restore's collective): found past the limit, stacks of every thread of
     every rank written, a hang event, the process trees torn down, and the ranks restarted in the same
     launcher run from the last commit: exit 0, bitwise identical to a run that never hung."""
-    ref = _reference(tmp_path)
+    ref = _reference()
     work = tmp_path / "work"
     out = work / "out"
     out.mkdir(parents=True)
@@ -121,7 +124,7 @@ def test_a_hang_is_found_its_stacks_written_and_the_ranks_restarted_in_job(tmp_p
 
 @pytest.mark.proc
 def test_without_in_job_restarts_a_hang_requeues_and_the_rerun_resumes(tmp_path: Path) -> None:
-    ref = _reference(tmp_path)
+    ref = _reference()
     work = tmp_path / "work"
     out = work / "out"
     out.mkdir(parents=True)
@@ -142,7 +145,7 @@ def test_without_in_job_restarts_a_hang_requeues_and_the_rerun_resumes(tmp_path:
 def test_a_crashed_rank_is_restarted_in_job_and_ends_bitwise(tmp_path: Path, sig: str) -> None:
     """Rank 1 dies by SIGKILL or a real segmentation fault after step 7: the launcher
     tears down its peer, restarts both from the last commit in the same run after a short backoff, exit 0."""
-    ref = _reference(tmp_path)
+    ref = _reference()
     work = tmp_path / "work"
     out = work / "out"
     out.mkdir(parents=True)

@@ -334,6 +334,55 @@ def test_read_through_hands_every_range_over_in_order_with_its_checksum(tmp_path
         read_through(str(path), len(data), [(len(data) - 200, 200)], lambda *a: None)
 
 
+def test_a_read_waits_only_for_its_own_ring_slot_and_makes_one_the_warming_did_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first reads start once their slots are made, while the ring's thread still faults in the later
+    ones (restore's reads no longer wait for the whole ring); a slot the warming failed to make is made by
+    the read that needs it."""
+    import threading
+
+    from resilient_slurm.storage import fileio
+
+    data = os.urandom(2 * 64 * BLOCK)  # two pieces: slots 0 and 1 of a ring of 3
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    release = threading.Event()
+    made = fileio.Ring._make
+
+    def slow_make(self: Ring, i: int, prefault: bool = False) -> None:
+        if i == 2 and threading.current_thread().name == "rslurm-ring":
+            release.wait(120)  # the warming thread is stuck on the slot no read of this file needs
+        made(self, i, prefault)
+
+    monkeypatch.setattr(fileio.Ring, "_make", slow_make)
+    ring = Ring(64 * BLOCK, 3).warm()
+    got = bytearray()
+    done = threading.Event()
+
+    def read() -> None:
+        read_through(str(path), len(data), [(0, len(data))], lambda k, at, view: got.extend(view), threads=2,
+                     ring=ring)
+        done.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    finished = done.wait(60)  # a read that waited for the whole ring would wait for `release`
+    release.set()
+    reader.join(60)
+    assert finished and bytes(got) == data
+
+    def failing_make(self: Ring, i: int, prefault: bool = False) -> None:
+        if threading.current_thread().name == "rslurm-ring" and i == 1:
+            raise OSError("no memory for the ring now")
+        made(self, i, prefault)
+
+    monkeypatch.setattr(fileio.Ring, "_make", failing_make)
+    got.clear()
+    read_through(str(path), len(data), [(0, len(data))], lambda k, at, view: got.extend(view), threads=2,
+                 ring=Ring(64 * BLOCK, 3).warm())
+    assert bytes(got) == data
+
+
 # ---------------------------------------------------------------- across ranks (gloo, real processes)
 
 WORKER = str(Path(__file__).parent / "workers" / "in_place_worker.py")

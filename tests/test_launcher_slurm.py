@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_same, clean_env, read_jsonl, run_ranks, run_rslurm, wait_for_step
+from conftest import REPO, assert_same, clean_env, once, read_jsonl, run_ranks, run_rslurm, wait_for_step
 from slurm_cluster import SlurmCluster
 from test_cloud_notice import MetadataServer, Seen
 from test_telemetry import check_records, read_docs
@@ -85,12 +85,14 @@ def _submit(slurm: SlurmCluster, work: Path, script: str, *args: str) -> int:
                         "-o", str(work / "job.out"), *args)
 
 
-def _reference(tmp_path: Path, steps: int) -> Path:
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    run_ranks(["-m", "resilient_slurm.examples.train_toy", *_toy_args(ref, steps, 0.0)], 2, ref,
-              env={"RSLURM_LOCAL_DIR": str(ref / "nvme"), "RSLURM_RUN_ID": "toy"})
-    return ref
+def _reference(steps: int) -> Path:
+    """Two ranks of the toy trained ``steps`` steps without a stop: what every run of ``steps`` steps here must
+    end as (its checkpoint cadence and step sleep do not enter the training; made once per test process)."""
+    def make(ref: Path) -> None:
+        run_ranks(["-m", "resilient_slurm.examples.train_toy", *_toy_args(ref, steps, 0.0)], 2, ref,
+                  env={"RSLURM_LOCAL_DIR": str(ref / "nvme"), "RSLURM_RUN_ID": "toy"})
+
+    return once(("train_toy reference", 2, steps), make)
 
 
 def _assert_identical_to(ref: Path, work: Path, steps: int) -> None:
@@ -169,7 +171,7 @@ def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     steps = 60
     work = slurm.work_dir / f"launch-preempt-{'usr1' if user_signal else 'term'}-{'sock' if socket else 'nosock'}"
     work.mkdir()
-    ref = _reference(tmp_path, steps)
+    ref = _reference(steps)
     env = {} if socket else {"RSLURM_CONTROL_SOCKET": "off"}
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)], extra_env=env),
                   *(["--signal=B:USR1@5"] if user_signal else []))
@@ -218,7 +220,7 @@ def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     steps = 900
     work = slurm.work_dir / "launch-timelimit"
     work.mkdir()
-    ref = _reference(tmp_path, steps)
+    ref = _reference(steps)
     # After the first stop the job gets 5 minutes: the test needs exactly one time-limit stop of trained ranks.
     before = (f"STEP_SLEEP=0.5\nif grep -qs '\"stopped\": true' {work}/log.0.jsonl; then STEP_SLEEP=0.02; "
               "scontrol update JobId=$SLURM_JOB_ID TimeLimit=5; fi\n")
@@ -291,7 +293,7 @@ def test_rank_sigkill_restarts_in_job_and_resumes_from_last_commit(slurm: SlurmC
     steps = 60
     work = slurm.work_dir / "launch-sigkill"
     work.mkdir()
-    ref = _reference(tmp_path, steps)
+    ref = _reference(steps)
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.1)]))
     _wait_started(slurm, job, work, work / "log.1.jsonl", 14)
     pid = [e for e in read_jsonl(work / "log.1.jsonl") if e.get("event") == "start"][0]["pid"]
@@ -323,7 +325,7 @@ def test_a_node_that_lost_its_checkpoints_restores_from_its_partner_not_the_dura
     steps, every = 60, 20
     work = slurm.work_dir / "launch-peer-replica"
     work.mkdir()
-    ref = _reference(tmp_path, steps)
+    ref = _reference(steps)
     args = _toy_args(work, steps, 0.1)
     args[args.index("--every-steps") + 1] = str(every)
     job = _submit(slurm, work, _script(work, [*TOY, *args], extra_env={"RSLURM_DURABLE": str(work / "lustre")}))
@@ -615,7 +617,7 @@ def test_preemption_with_a_durable_tier_resumes_after_losing_a_node(slurm: Slurm
     steps = 60
     work = slurm.work_dir / "launch-durable-node-loss"
     work.mkdir()
-    ref = _reference(tmp_path, steps)
+    ref = _reference(steps)
     lustre = work / "lustre"
     wipe = f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 1 ]; then rm -rf {work}/nvme/n2; fi\n'
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.15)],
@@ -695,7 +697,7 @@ def test_an_unhealthy_node_is_excluded_when_the_allocation_has_a_spare(slurm: Sl
     steps = 12
     work = slurm.work_dir / "launch-health-spare"
     work.mkdir()
-    ref = _reference(tmp_path, steps)
+    ref = _reference(steps)
     env = {"RSLURM_HEALTH_CHECK_COMMAND": 'echo "disk on $SLURMD_NODENAME is gone"; test "$SLURMD_NODENAME" != n2'}
     job = _submit(slurm, work, _script(work, [*TOY, *_toy_args(work, steps, 0.0)], extra_env=env, srun=("-N1", "-n2")))
     info = _wait_done(slurm, job, work, timeout=180)
@@ -724,7 +726,7 @@ def test_an_unhealthy_node_without_a_spare_requeues_the_job_elsewhere(slurm: Slu
     steps = 12
     work = slurm.work_dir / "launch-health-requeue"
     work.mkdir()
-    ref = _reference(tmp_path, steps)
+    ref = _reference(steps)
     bad_file = work / "bad-node"
     check = f'[ -e {bad_file} ] || echo "$SLURMD_NODENAME" > {bad_file}; ! grep -qx "$SLURMD_NODENAME" {bad_file}'
     wrapped = work / "bin"
@@ -762,7 +764,7 @@ def test_a_preemption_during_the_health_check_blames_no_node(slurm: SlurmCluster
     steps = 12
     work = slurm.work_dir / "launch-health-preempted"
     work.mkdir()
-    ref = _reference(tmp_path, steps)
+    ref = _reference(steps)
     checking = work / "checking"
     check = f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then echo "$SLURMD_NODENAME" > {checking}; sleep 120; fi'
     env = {"RSLURM_HEALTH_CHECK_COMMAND": check, "RSLURM_DURABLE": str(work / "durable")}
