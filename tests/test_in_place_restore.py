@@ -378,9 +378,40 @@ def test_a_read_waits_only_for_its_own_ring_slot_and_makes_one_the_warming_did_n
 
     monkeypatch.setattr(fileio.Ring, "_make", failing_make)
     got.clear()
+    ring = Ring(64 * BLOCK, 3).warm()
+    assert ring.warm() is ring  # warmed once: a second call starts no second thread
     read_through(str(path), len(data), [(0, len(data))], lambda k, at, view: got.extend(view), threads=2,
-                 ring=Ring(64 * BLOCK, 3).warm())
+                 ring=ring)
+    ring.done()
     assert bytes(got) == data
+    assert ring._warming is not None and not ring._warming.is_alive()  # no slot is faulted in past done()
+
+
+def test_read_spans_returns_each_range_checksum_in_order_across_batches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranges hashed in batches come back in the caller's order: small and large ones mixed, out of file
+    order, empty ones, and ranges of a span past the file's end (it asked for nothing: nothing to wait for)."""
+    from resilient_slurm.storage import fileio
+
+    monkeypatch.setattr(fileio, "_HASH_BATCH", 3 * BLOCK)  # a few ranges per batch
+    data = os.urandom(40 * BLOCK + 77)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    a = fileio.aligned_buffer(24 * BLOCK, prefault=False)
+    b = fileio.aligned_buffer(17 * BLOCK, prefault=False)
+    c = fileio.aligned_buffer(BLOCK, prefault=False)
+    spans = [(0, fileio.as_memoryview(a)), (24 * BLOCK, fileio.as_memoryview(b)),
+             (48 * BLOCK, fileio.as_memoryview(c))]  # the last lies past the end of the file
+    ranges = [(1, 5, 2 * BLOCK), (0, 0, 100), (0, 3 * BLOCK, 20 * BLOCK), (2, 0, 0), (0, 100, 0), (1, 0, 17),
+              (1, 16 * BLOCK, 77), (0, 23 * BLOCK, BLOCK)]
+    sums = fileio.read_spans(str(path), spans, len(data), threads=3, ranges=ranges)
+    want = [xxhash.xxh3_64_hexdigest(data[spans[i][0] + off : spans[i][0] + off + n]) for i, off, n in ranges]
+    assert sums == want
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    e = fileio.aligned_buffer(BLOCK, prefault=False)
+    assert fileio.read_spans(str(empty), [(0, fileio.as_memoryview(e))], 0, ranges=[(0, 0, 0)]) == [
+        xxhash.xxh3_64_hexdigest(b"")]
 
 
 # ---------------------------------------------------------------- across ranks (gloo, real processes)

@@ -231,6 +231,8 @@ class StepReader:
                                  for t in live_tensors(state).values()):
             ring = Ring().warm()
         with contextlib.ExitStack() as held_open:
+            if ring is not None:
+                held_open.callback(ring.done)  # no slot is faulted in once this round's reads are over
             prep: _Prepared | None = None
             status, message = "ok", ""
             try:

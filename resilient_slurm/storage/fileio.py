@@ -297,16 +297,17 @@ def _open_for_read(path: str) -> tuple[int, bool]:
 _HASH_BATCH = 4 << 20
 
 
-def _batches(ranges: Sequence[tuple[int, int, int]], limit: int) -> list[list[tuple[int, int, int]]]:
-    """``ranges`` in order, cut into runs of at most ``limit`` bytes (a longer range is a run of its own)."""
-    out: list[list[tuple[int, int, int]]] = []
+def _batches(order: Sequence[int], lengths: Sequence[int], limit: int) -> list[list[int]]:
+    """The indices ``order``, in that order, cut into runs whose ``lengths`` add up to at most ``limit`` bytes
+    (a longer one is a run of its own)."""
+    out: list[list[int]] = []
     total = 0
-    for r in ranges:
-        if not out or total + r[2] > limit:
+    for j in order:
+        if not out or total + lengths[j] > limit:
             out.append([])
             total = 0
-        out[-1].append(r)
-        total += r[2]
+        out[-1].append(j)
+        total += lengths[j]
     return out
 
 
@@ -359,27 +360,37 @@ def read_spans(
                 ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rslurm-hash") as hashers:
             pieces = [readers.submit(get, p) for p in plan]
 
-            def digest(batch: Sequence[tuple[int, int, int]]) -> list[str]:
-                out = []
-                for i, off, n in batch:
-                    if i in first:
-                        lo = first[i] + off // _IO_CHUNK
-                        hi = min(last[i], first[i] + (off + max(n, 1) - 1) // _IO_CHUNK)
-                    else:
-                        lo, hi = 0, -1  # the span asked for nothing
-                    for k in range(min(lo, hi), hi + 1):
-                        pieces[k].result()  # wait for exactly the pieces this range lies in
-                    out.append(checksum(spans[i][1][off : off + n]))
-                return out
+            def needs(r: tuple[int, int, int]) -> range:
+                """The pieces range ``r`` lies in (none where its span asked for nothing)."""
+                i, off, n = r
+                if i not in first:
+                    return range(0)
+                lo = first[i] + off // _IO_CHUNK
+                hi = min(last[i], first[i] + (off + max(n, 1) - 1) // _IO_CHUNK)
+                return range(min(lo, hi), hi + 1)
 
-            sums = [hashers.submit(digest, batch) for batch in _batches(ranges, _HASH_BATCH)]
+            waits = [needs(r) for r in ranges]
+            sums: list[str] = [""] * len(ranges)
+
+            def digest(batch: Sequence[int]) -> None:
+                for j in batch:
+                    for k in waits[j]:
+                        pieces[k].result()  # wait for exactly the pieces this range lies in
+                    i, off, n = ranges[j]
+                    sums[j] = checksum(spans[i][1][off : off + n])
+
+            # Batched in the order their last pieces arrive, so that no range waits behind a later one.
+            order = sorted(range(len(ranges)), key=lambda j: waits[j].stop)
+            tasks = [hashers.submit(digest, batch) for batch in _batches(order, [r[2] for r in ranges], _HASH_BATCH)]
             got = [0] * len(spans)
             for (i, _), f in zip(plan, pieces):
                 got[i] += f.result()
             for (off, _), w, g in zip(spans, want, got):
                 if g < w:
                     raise StorageError(f"{path}: short read ({off + g} of {size} bytes): the file is truncated")
-            return [d for f in sums for d in f.result()]
+            for task in tasks:
+                task.result()
+            return sums
     finally:
         os.close(fd)
 
@@ -405,12 +416,19 @@ class Ring:
         self.views: list[memoryview] = [memoryview(b"")] * slots
         self._warming: threading.Thread | None = None
         self._made = [threading.Event() for _ in range(slots)]  # set by the warming thread, slot by slot
+        self._stopped = False
 
     def warm(self) -> Ring:
-        """Start faulting in every slot, in order, on a thread of its own; returns the ring."""
+        """Start faulting in every slot, in order, on a thread of its own (once: a ring warmed already is left
+        as it is); returns the ring."""
+        if self._warming is not None or self._stopped:
+            return self
+
         def run() -> None:
             try:
                 for i in range(self.slots):
+                    if self._stopped:
+                        break
                     self._make(i, prefault=True)
                     self._made[i].set()
             except Exception as exc:  # noqa: BLE001 - a slot not made now is made by the read that needs it
@@ -423,11 +441,12 @@ class Ring:
         self._warming.start()
         return self
 
-    def ready(self) -> None:
-        """Wait until :meth:`warm` has made every slot (or given up)."""
+    def done(self) -> None:
+        """The caller's reads are over: the warming thread makes no further slot (it ends after the one it
+        is making, if any, and is waited for), so it does not go on touching memory beside the program."""
+        self._stopped = True
         if self._warming is not None:
             self._warming.join()
-            self._warming = None
 
     def _make(self, i: int, prefault: bool = False) -> None:
         if self._bufs[i] is None:
