@@ -21,9 +21,9 @@ test: $(STAMP)
 	$(PY) -m mypy resilient_slurm
 	# A real Slurm (slurmctld + two slurmd + munge on loopback) for the end-to-end tests; needs root.
 	bash tests/slurm/install.sh || echo "make test: Slurm unavailable here; its end-to-end tests will be skipped (CI requires them)"
-	# Three workers (pytest-xdist) on CI's two cores: the Slurm tests one after another on one of them, the rest
-	# shared out; the third fills the cores while the others wait (tests/xdist_groups.py, docs/testing.md).
-	$(PY) -m pytest -q -rs --durations=30 -n 3 --dist loadgroup tests
+	# Two workers (pytest-xdist): the Slurm tests one after another on one of them, everything else shared
+	# out (tests/xdist_groups.py, docs/testing.md).
+	$(PY) -m pytest -q -rs --durations=30 -n 2 --dist loadgroup tests
 
 # The fast tier, for every edit: lint, types and the tests that start no process of their own (no ranks,
 # launcher, interpreter, Slurm or server process), in a few minutes. RSLURMTEST_CHECK=1 makes a process

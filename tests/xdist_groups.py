@@ -1,4 +1,4 @@
-"""Several workers, one Slurm cluster: how `make test` (`pytest -n 3 --dist loadgroup`) shares out the suite.
+"""Two workers, one Slurm cluster: how `make test` (`pytest -n 2 --dist loadgroup`) shares out the suite.
 
 Every test on the session's Slurm cluster (a test that uses the ``slurm`` or ``slurm_cluster`` fixture) must
 run on one worker, one after another: the test cluster has two nodes and each test wants both, and a
@@ -12,10 +12,10 @@ So the grouping is done here, in two halves that meet through one file:
 - on the controller, :class:`SlurmGroupScheduling` (returned by ``conftest.pytest_xdist_make_scheduler``
   for ``--dist loadgroup``) reads it when every worker has collected, and makes those tests one scope;
   every other test is a scope of its own. Scopes go out largest first (xdist's default), so the Slurm chain,
-  the longest, starts at once on one worker while the others take the rest.
+  the longest, starts at once on one worker while the other takes the rest.
 
 The tests that share a module-scoped fixture (a trained run, a crashed run, a telemetry scenario: 10 to 50
-seconds to set up) are a scope too, one per module: on several workers each such fixture would otherwise be
+seconds to set up) are a scope too, one per module: on two workers each such fixture would otherwise be
 built twice, once per worker that happens to get one of its tests (:func:`shared_scope`).
 """
 
