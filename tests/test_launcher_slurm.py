@@ -160,7 +160,7 @@ def _wait_done(slurm: SlurmCluster, job: int, work: Path, timeout: float) -> dic
 
 @pytest.mark.parametrize(("user_signal", "socket"), [(True, True), (True, False), (False, True)],
                          ids=["signal-to-launcher", "scancel-signal-only", "sigterm-to-ranks"])
-def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path, user_signal: bool,
+def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, user_signal: bool,
                                                        socket: bool):
     """A `high` job preempts the training job. With ``--signal=B:USR1@5`` the launcher hears USR1 and asks
     the ranks (over the control socket, and with ``scancel --signal=USR2`` for other nodes; with the socket
@@ -205,7 +205,7 @@ def test_preemption_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_
     _assert_identical_to(ref, work, steps)
 
 
-def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster, tmp_path: Path):
+def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster):
     """``--time=2 --signal=B:USR1@50``: USR1 reaches the launcher when slurmctld's periodic time-limit check
     (every 30 s, later on a loaded machine) first runs within 60 s of the 50 s mark (sbatch(1)), so 10 to 70 s
     after the start: not in the first second, where it reached the batch shell before `exec rslurm launch`
@@ -285,7 +285,7 @@ def test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them(slurm: 
     assert int(info["Restarts"]) == 1 and exits[-1] == {"event": "exit", "step": 30, "stopped": False}, diagnosis
 
 
-def test_rank_sigkill_restarts_in_job_and_resumes_from_last_commit(slurm: SlurmCluster, tmp_path: Path):
+def test_rank_sigkill_restarts_in_job_and_resumes_from_last_commit(slurm: SlurmCluster):
     """Rank 1 (on n2) is SIGKILLed mid-run, as the OOM killer or a dying node would: srun reports the task
     killed, the launcher classifies it killed by a signal and, without giving the allocation back, starts a new
     srun step that resumes from the last committed step; the job completes with no requeue and still
@@ -690,7 +690,7 @@ def _check_report_of_the_node_loss(work: Path, step: int, steps: int) -> None:
     assert lost["restored_step"] == step and lost["restore_tiers"] == ["durable"], docs["n2"]
 
 
-def test_an_unhealthy_node_is_excluded_when_the_allocation_has_a_spare(slurm: SlurmCluster, tmp_path: Path):
+def test_an_unhealthy_node_is_excluded_when_the_allocation_has_a_spare(slurm: SlurmCluster):
     """A 2-node allocation whose srun asks for one node: the health check (a user command failing on n2)
     finds n2 unhealthy before the launch, and the launcher starts the ranks with ``--exclude=n2``: both
     run on n1, no requeue, bitwise identical."""
@@ -712,7 +712,7 @@ def test_an_unhealthy_node_is_excluded_when_the_allocation_has_a_spare(slurm: Sl
     _assert_identical_to(ref, work, steps)
 
 
-def test_an_unhealthy_node_without_a_spare_requeues_the_job_elsewhere(slurm: SlurmCluster, tmp_path: Path):
+def test_an_unhealthy_node_without_a_spare_requeues_the_job_elsewhere(slurm: SlurmCluster):
     """A 1-node job whose node fails the health check (the first node checked is marked bad for good):
     no rank starts, the incarnation ends as a node failure, the job is requeued with that node in its
     ExcNodeList, and the next incarnation runs on the other node and completes. The history, kept in the
@@ -755,7 +755,7 @@ def test_an_unhealthy_node_without_a_spare_requeues_the_job_elsewhere(slurm: Slu
     _assert_identical_to(ref, work, steps)
 
 
-def test_a_preemption_during_the_health_check_blames_no_node(slurm: SlurmCluster, tmp_path: Path):
+def test_a_preemption_during_the_health_check_blames_no_node(slurm: SlurmCluster):
     """A 1-node job preempted while its health check runs (the user's command sleeps, in the first
     incarnation only). Slurm's SIGTERM ends the check's step, no node answers, and the launcher, without
     ``--signal``, hears nothing: that was a node failure, and the node went into the job's ExcNodeList.
