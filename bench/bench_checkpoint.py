@@ -223,7 +223,8 @@ class Bench(BenchBase):
             try:
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-                self.dcp_stager = DefaultStager(StagingOptions(False, False, False, False))
+                self.dcp_new_stager = lambda: DefaultStager(StagingOptions(False, False, False, False))
+                self.dcp_stager = self.dcp_new_stager()
                 out["async_stager"] = "DefaultStager(no pin, no shm, sync staging), reused across saves"
             except Exception:  # older torch: the writer stages (allocates a fresh copy every time)
                 self.dcp_stager = None
@@ -231,9 +232,23 @@ class Bench(BenchBase):
         for first in ([True, False] if i == 0 else [False]):
             d = os.path.join(self.root, f"dcp_async_{i}_{int(first)}")
             sd = self.state_dict()
+            if self.dcp_stager is not None and getattr(self, "dcp_fresh_stager", False):
+                self.dcp_stager = self.dcp_new_stager()
             kw: dict[str, Any] = {"async_stager": self.dcp_stager} if self.dcp_stager is not None else {}
             t0 = now()
-            fut = dcp.async_save(sd, storage_writer=FileSystemWriter(d), no_dist=True, **kw)
+            try:
+                fut = dcp.async_save(sd, storage_writer=FileSystemWriter(d), no_dist=True, **kw)
+            except KeyError as exc:  # torch 2.11, state on a GPU: a reused DefaultStager fails its second save
+                if first or self.dcp_stager is None:
+                    raise
+                out["async_stager"] = (f"DefaultStager(no pin, no shm, sync staging), a fresh one per save: reusing "
+                                       f"one failed its second save (KeyError {exc})")
+                self.dcp_fresh_stager = True
+                self.dcp_stager = self.dcp_new_stager()
+                remove(d)
+                t0 = now()
+                fut = dcp.async_save(sd, storage_writer=FileSystemWriter(d), no_dist=True,
+                                     async_stager=self.dcp_stager)
             t1 = now()
             fut = getattr(fut, "upload_completion", fut)
             fut.result()

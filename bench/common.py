@@ -381,7 +381,7 @@ def fill_from_state(mv: memoryview, sd: dict[str, Any]) -> None:
     """Put the state's own bytes in the buffer (non-zero, incompressible-ish data)."""
     off = 0
     for t in tensors_of(sd):
-        b = memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        b = memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())  # a GPU tensor too
         n = min(len(b), len(mv) - off)
         mv[off : off + n] = b[:n]
         off += n

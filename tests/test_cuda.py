@@ -156,3 +156,64 @@ def test_restore_copies_on_a_side_stream_after_queued_work(tmp_path: Path, monke
         assert ck.restore({"model": model2, "opt": opt2}) == 3
     assert pinned and any(pinned) == pin, pinned
     _same(_snapshot(model2, opt2), ref)
+
+
+def test_a_save_in_waves_of_gpu_state_is_not_torn_by_later_gpu_steps(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a host-memory budget (``staging_memory_limit``) a quarter of the state, the save copies GPU
+    tensors to the host in waves through one window: every window is copied from the device before the
+    save returns, so kernels queued right after it cannot leak into the checkpoint, and the step restores
+    bitwise onto the GPU."""
+    from resilient_slurm.checkpoint.staging import WaveWriter
+
+    model, opt = _build(4)
+    _train(model, opt, 3)
+    at_save = _snapshot(model, opt)
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3  # + 2 Adam moments
+    monkeypatch.setenv("RSLURM_STAGING_MEMORY_LIMIT", str(state_bytes // 4))
+    with Checkpointer(local_dir=str(tmp_path), run_id="gpu-waves") as ck:
+        ck.save(3, {"model": model, "opt": opt}, blocking=False)
+        assert isinstance(ck._engine._staging, WaveWriter)
+        _train(model, opt, 4)  # in-place updates queued immediately after the save returned
+        ck.wait()
+    monkeypatch.delenv("RSLURM_STAGING_MEMORY_LIMIT")
+    model2, opt2 = _build(5)
+    _train(model2, opt2, 1)
+    with Checkpointer(local_dir=str(tmp_path), run_id="gpu-waves") as ck:
+        assert ck.restore({"model": model2, "opt": opt2}) == 3
+    _same(_snapshot(model2, opt2), at_save)
+
+
+def test_restore_copies_to_the_gpu_through_two_pinned_buffers_in_turn(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host-to-GPU copies of a restore go through two small pinned buffers used in turn (apply._Bounce): with
+    64 KiB buffers every large tensor takes many chunks, each buffer refilled only after the copy that read
+    it is done, and the state still comes back bitwise; a tensor smaller than BOUNCE_MIN_BYTES is copied
+    directly."""
+    from resilient_slurm.checkpoint import apply as apply_mod
+
+    monkeypatch.setattr(apply_mod, "BOUNCE_BYTES", 64 << 10)
+    monkeypatch.setattr(apply_mod, "BOUNCE_MIN_BYTES", 256 << 10)
+    chunks: list[int] = []
+    real = apply_mod._Bounce.copy
+
+    def spy(self: object, dest: torch.Tensor, src: torch.Tensor) -> bool:
+        used = real(self, dest, src)  # type: ignore[arg-type]
+        n = dest.numel() * dest.element_size()
+        assert used == (n >= 256 << 10), (tuple(dest.shape), dest.dtype, used)
+        if used:
+            chunks.append(-(-n // (64 << 10)))
+        return used
+
+    monkeypatch.setattr(apply_mod._Bounce, "copy", spy)
+    model, opt = _build(6)
+    _train(model, opt, 2)
+    with Checkpointer(local_dir=str(tmp_path), run_id="bounce") as ck:
+        ck.save(2, {"model": model, "opt": opt}, blocking=True)
+    ref = _snapshot(model, opt)
+    model2, opt2 = _build(7)
+    _train(model2, opt2, 1)
+    with Checkpointer(local_dir=str(tmp_path), run_id="bounce") as ck:
+        assert ck.restore({"model": model2, "opt": opt2}) == 2
+    assert chunks and max(chunks) >= 16, chunks  # the 1 MiB tensors: 16 chunks through 2 buffers
+    _same(_snapshot(model2, opt2), ref)
