@@ -9,7 +9,7 @@ Real runs in local mode (``rslurm launch -n 2``, gloo, real signals; tests/worke
   (root only) -> ``out_of_memory`` with the cgroup's ``oom_kill`` counter as evidence, restarted in-job,
   bitwise;
 * a rank that raises MemoryError -> ``out_of_memory`` raised by the program: not restarted, exit 1;
-* a rank SIGKILLed -> ``killed_by_signal`` (test_hang.py restarts it; here its history rows).
+* a rank SIGKILLed -> ``killed_by_signal`` (test_hang.py restarts it and checks its history rows).
 
 Preemption, the time limit, cloud notices, hangs and user errors are produced in test_launcher_slurm.py,
 test_cloud*.py, test_hang.py and test_launcher_local.py; their ``decision`` events carry the evidence this
@@ -20,7 +20,6 @@ peers then fail in a collective) is tested as units on the texts those tools pri
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -29,8 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, run_rslurm
-from test_hang import WORKER, _assert_like, _events, _reference, _restored_steps
+from conftest import clean_env
+from test_hang import WORKER, _assert_like, _cli, _events, _history, _reference, _restored_steps
 
 from resilient_slurm.launcher.attribution import (
     HangCause,
@@ -53,17 +52,6 @@ def _launch(tmp: Path, out: Path, *worker_args: str, env: dict[str, str] | None 
     return subprocess.run([*(prefix or []), sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--",
                            *WORKER, "--steps", str(STEPS), "--out", str(out), *worker_args],
                           env=e, cwd=tmp, capture_output=True, text=True, timeout=timeout)
-
-
-def _cli(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_rslurm(*args, env={"RSLURM_LOCAL_DIR": str(tmp / "nvme"), "RSLURM_NODE_NAME": "n1"})
-
-
-def _history(tmp: Path) -> list[dict]:
-    r = _cli(tmp, "history", "--run-id", "hang", "--json")
-    assert r.returncode == 0, r.stderr
-    [run] = json.loads(r.stdout)["runs"]
-    return run["ends"]
 
 
 def _work(tmp_path: Path) -> tuple[Path, Path]:
@@ -118,20 +106,6 @@ def test_memory_error_raised_by_the_program_is_out_of_memory_and_not_restarted(t
     [end] = _history(work)
     assert end["reason"] == "out_of_memory" and end["rank"] == 1 and end["action"] == "exit", end
     assert end["evidence"].startswith("MemoryError: hang_worker: out of memory on purpose"), end
-
-
-@pytest.mark.proc
-def test_a_sigkilled_rank_is_killed_by_signal_in_the_history(tmp_path: Path) -> None:
-    work, out = _work(tmp_path)
-    r = _launch(work, out, "--crash-at", "5", "--crash-rank", "1", "--crash-signal", "KILL")
-    assert r.returncode == 0, r.stderr[-4000:]
-    ends = _history(work)
-    assert [e["reason"] for e in ends] == ["killed_by_signal", "completed"], ends
-    assert ends[0]["evidence"] == "rank 1 killed by SIGKILL", ends
-    # the history is JSON the launcher and `rslurm history` read; a broken one is named, exit 1
-    (work / "nvme" / "hang" / "launcher-history.json").write_text("{broken")
-    bad = _cli(work, "history", "--run-id", "hang")
-    assert bad.returncode == 1 and "launcher-history.json" in bad.stdout and "not valid JSON" in bad.stdout, bad
 
 
 def _memory_cgroup(limit: int) -> Iterator[Path]:

@@ -9,6 +9,8 @@ tensor for tensor, Adam moments and step counts included.
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,24 +149,40 @@ def _drain(tmp: Path, node: str, durable: Path, *args: str) -> None:
     assert r.returncode == 0, r.stderr
 
 
-def _saved_and_drained(tmp: Path) -> tuple[Path, dict[str, Any], Path]:
-    """Step 3 saved at 4 ranks on n1 (ranks 0-1) and n2 (ranks 2-3), drained to a POSIX durable tier."""
+@pytest.fixture(scope="module")
+def drained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Step 3 saved at 4 ranks on n1 (ranks 0-1) and n2 (ranks 2-3), drained to a POSIX durable tier: made
+    once, copied by each test that uses it (:func:`_saved_and_drained`)."""
+    tmp = tmp_path_factory.mktemp("drained")
     durable = tmp / "lustre"
     ref, _ = _node_job("save", ["n1", "n1", "n2", "n2"], tmp, durable)
     for node in ("n1", "n2"):
         _drain(tmp, node, durable)
-    step_dir = durable / "fsdp" / f"step_{3:012d}"
-    assert (step_dir / "manifest.json").exists()
-    return durable, ref, step_dir
+    assert (durable / "fsdp" / f"step_{3:012d}" / "manifest.json").exists()
+    return tmp, ref
 
 
-def test_fsdp_resharded_onto_other_nodes_fetches_only_the_items_each_plan_reads(tmp_path: Path) -> None:
+def _saved_and_drained(drained: tuple[Path, dict[str, Any]], tmp: Path) -> tuple[Path, dict[str, Any], Path]:
+    """A copy of ``drained`` in ``tmp`` (a test may damage its durable files): the durable tier, the saved
+    state, and the step's directory on the durable tier."""
+    made, ref = drained
+
+    def special(d: str, names: list[str]) -> list[str]:  # sockets and pipes: a live process's, not state
+        return [n for n in names if not (os.path.isdir(os.path.join(d, n)) or os.path.isfile(os.path.join(d, n)))]
+
+    shutil.copytree(made, tmp, symlinks=True, ignore=special, dirs_exist_ok=True)
+    durable = tmp / "lustre"
+    return durable, ref, durable / "fsdp" / f"step_{3:012d}"
+
+
+def test_fsdp_resharded_onto_other_nodes_fetches_only_the_items_each_plan_reads(
+        tmp_path: Path, drained: tuple[Path, dict[str, Any]]) -> None:
     """Saved at 4 ranks on two nodes (n1: ranks 0-1, n2: ranks 2-3) and drained; restored at 2 ranks on two
     empty nodes (n3, n4). Each new node fetches from the durable tier only what its rank's load plan reads
     (n3's rank holds the first rows of every tensor: items of saved ranks 0 and 1): a file whole when the
     plan reads most of it, else just the items read (ranged reads, each item checked against its
     checksum), and the restore is bitwise the saved state."""
-    durable, ref, step_dir = _saved_and_drained(tmp_path)
+    durable, ref, step_dir = _saved_and_drained(drained, tmp_path)
     files = {f.name: f.stat().st_size for f in step_dir.glob("*.distcp")}
     assert sorted(files) == [f"__{r}_0.distcp" for r in range(4)], files
     got, _ = _node_job("restore", ["n3", "n4"], tmp_path, durable)
@@ -250,13 +268,14 @@ def test_a_compressed_durable_step_is_resharded_onto_other_nodes_bitwise(tmp_pat
     assert partial["n3"] or partial["n4"], partial  # ranged reads of a compressed object: its frames decoded
 
 
-def test_a_damaged_range_is_fetched_again_and_a_corrupt_item_is_never_restored(tmp_path: Path) -> None:
+def test_a_damaged_range_is_fetched_again_and_a_corrupt_item_is_never_restored(
+        tmp_path: Path, drained: tuple[Path, dict[str, Any]]) -> None:
     """The resharded restore of the test above, twice more. Bytes damaged on the way (a failpoint inverts
     the first byte of one ranged read on each node) fail their item's checksum and are fetched again: the
     restore is still bitwise. Then a byte of the durable file is changed inside an item that n5 fetches as
     a range: the item is refused on arrival, and as the step has no other copy the restore fails on every
     rank with the file and the bytes named, restoring nothing."""
-    durable, ref, step_dir = _saved_and_drained(tmp_path)
+    durable, ref, step_dir = _saved_and_drained(drained, tmp_path)
     got, job = _node_job("restore", ["n3", "n4"], tmp_path, durable, {"RSLURM_FAILPOINTS": "during_range_fetch=flip"})
     _check_restored(ref, got)
     for r in range(2):

@@ -50,6 +50,18 @@ def _events(tmp: Path) -> list[dict]:
     return read_jsonl(tmp / "nvme" / "hang" / "events.jsonl")
 
 
+def _cli(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_rslurm(*args, env={"RSLURM_LOCAL_DIR": str(tmp / "nvme"), "RSLURM_NODE_NAME": "n1"})
+
+
+def _history(tmp: Path) -> list[dict]:
+    """The ends of the run's incarnations, from ``rslurm history --json`` (also test_attribution.py)."""
+    r = _cli(tmp, "history", "--run-id", "hang", "--json")
+    assert r.returncode == 0, r.stderr
+    [run] = json.loads(r.stdout)["runs"]
+    return run["ends"]
+
+
 def _reference() -> Path:
     """The outputs of a run that never hung (the same for every test here and in test_attribution.py: made
     once per test process)."""
@@ -144,7 +156,9 @@ def test_without_in_job_restarts_a_hang_requeues_and_the_rerun_resumes(tmp_path:
 @pytest.mark.parametrize("sig", ["KILL", "SEGV"])
 def test_a_crashed_rank_is_restarted_in_job_and_ends_bitwise(tmp_path: Path, sig: str) -> None:
     """Rank 1 dies by SIGKILL or a real segmentation fault after step 7: the launcher
-    tears down its peer, restarts both from the last commit in the same run after a short backoff, exit 0."""
+    tears down its peer, restarts both from the last commit in the same run after a short backoff, exit 0.
+    The run's history (``rslurm history``) names the SIGKILL as ``killed_by_signal`` of rank 1, and a broken
+    history file is named, exit 1 (failure attribution, test_attribution.py)."""
     ref = _reference()
     work = tmp_path / "work"
     out = work / "out"
@@ -157,6 +171,14 @@ def test_a_crashed_rank_is_restarted_in_job_and_ends_bitwise(tmp_path: Path, sig
     assert f"SIG{sig}" in restart["detail"], restart
     assert _restored_steps(work) == [restart["committed_step"]]
     _assert_like(ref, out)
+    if sig == "KILL":
+        ends = _history(work)
+        assert [e["reason"] for e in ends] == ["killed_by_signal", "completed"], ends
+        assert ends[0]["evidence"] == "rank 1 killed by SIGKILL", ends
+        # the history is JSON the launcher and `rslurm history` read; a broken one is named, exit 1
+        (work / "nvme" / "hang" / "launcher-history.json").write_text("{broken")
+        bad = _cli(work, "history", "--run-id", "hang")
+        assert bad.returncode == 1 and "launcher-history.json" in bad.stdout and "not valid JSON" in bad.stdout, bad
 
 
 @pytest.mark.proc

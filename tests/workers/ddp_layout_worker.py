@@ -1,15 +1,16 @@
 """DDP alone (no Checkpointer): does re-wrapping a module in DDP mid-run change the result, and does
 re-applying the recorded bucket layout to the new wrapper undo that?
 
-    python ddp_layout_worker.py compare OUT [DDP_OPTION]   # under RANK/WORLD_SIZE/MASTER_*: 3 runs
+    python ddp_layout_worker.py compare OUT DDP_OPTION[,DDP_OPTION...]  # under RANK/WORLD_SIZE/MASTER_*
     python ddp_layout_worker.py predict OUT                # one process: predicted vs actual rebuild
     python ddp_layout_worker.py find OUT                   # one process: which DDP wraps a module
 
 ``compare`` trains 12 steps of SGD on per-rank data three times from the same start: with one DDP
 wrapper; with a new wrapper at step 6 (what a resume does); and with a new wrapper at step 6 that gets
-the first wrapper's layout (resilient_slurm.checkpoint.ddp). Rank 0 writes the parameters of each run
-to OUT. ``DDP_OPTION`` is ``plain``, ``static`` (static_graph), ``tiny`` (bucket_cap_mb=0.0001) or
-``multi`` (a model of several buckets after the rebuild).
+the first wrapper's layout (resilient_slurm.checkpoint.ddp), for each ``DDP_OPTION`` in turn (each run
+seeds its model and data afresh). Rank 0 writes ``{option: {run: parameters}}`` to OUT. ``DDP_OPTION``
+is ``plain``, ``static`` (static_graph), ``tiny`` (bucket_cap_mb=0.0001) or ``multi`` (a model of
+several buckets after the rebuild).
 
 ``predict`` builds DDPs over a one-process group and records, before and after each of three
 iterations, the layout the engine would store (predicted from the gradient-ready order until DDP has
@@ -65,9 +66,9 @@ def main() -> int:
     torch.set_num_threads(1)
     if mode == "compare":
         dist.init_process_group("gloo")
-        option = sys.argv[3]
-        runs = {name: train(option, rewrap, fix) for name, rewrap, fix in
-                (("once", False, False), ("rewrapped", True, False), ("restored", True, True))}
+        runs = {option: {name: train(option, rewrap, fix) for name, rewrap, fix in
+                         (("once", False, False), ("rewrapped", True, False), ("restored", True, True))}
+                for option in sys.argv[3].split(",")}
         if dist.get_rank() == 0:
             torch.save(runs, out)
         dist.barrier()
