@@ -189,20 +189,25 @@ def test_restore_copies_to_the_gpu_through_two_pinned_buffers_in_turn(tmp_path: 
     """Host-to-GPU copies of a restore go through two small pinned buffers used in turn (apply._Bounce): with
     64 KiB buffers every large tensor takes many chunks, each buffer refilled only after the copy that read
     it is done, and the state still comes back bitwise; a tensor smaller than BOUNCE_MIN_BYTES is copied
-    directly."""
+    directly. The program's stream is kept busy (a 1 s GPU sleep) when the restore starts, so the side stream
+    holds every copy back while the host fills the buffers: a buffer refilled before its copy ran would put
+    the wrong chunk on the GPU."""
     from resilient_slurm.checkpoint import apply as apply_mod
 
     monkeypatch.setattr(apply_mod, "BOUNCE_BYTES", 64 << 10)
     monkeypatch.setattr(apply_mod, "BOUNCE_MIN_BYTES", 256 << 10)
-    chunks: list[int] = []
+    counted: list[tuple[int, int]] = []  # (chunks copied, chunks expected) per bounced tensor
+    buffers: set[int] = set()
     real = apply_mod._Bounce.copy
 
-    def spy(self: object, dest: torch.Tensor, src: torch.Tensor) -> bool:
-        used = real(self, dest, src)  # type: ignore[arg-type]
+    def spy(self: apply_mod._Bounce, dest: torch.Tensor, src: torch.Tensor) -> bool:
+        before = self.chunks
+        used = real(self, dest, src)
         n = dest.numel() * dest.element_size()
         assert used == (n >= 256 << 10), (tuple(dest.shape), dest.dtype, used)
         if used:
-            chunks.append(-(-n // (64 << 10)))
+            counted.append((self.chunks - before, -(-n // (64 << 10))))
+            buffers.update(b.data_ptr() for b in self.bufs)
         return used
 
     monkeypatch.setattr(apply_mod._Bounce, "copy", spy)
@@ -213,7 +218,11 @@ def test_restore_copies_to_the_gpu_through_two_pinned_buffers_in_turn(tmp_path: 
     ref = _snapshot(model, opt)
     model2, opt2 = _build(7)
     _train(model2, opt2, 1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about 1 s of GPU cycles on the program's stream
     with Checkpointer(local_dir=str(tmp_path), run_id="bounce") as ck:
         assert ck.restore({"model": model2, "opt": opt2}) == 2
-    assert chunks and max(chunks) >= 16, chunks  # the 1 MiB tensors: 16 chunks through 2 buffers
+    assert counted and all(got == want for got, want in counted), counted
+    assert max(want for _, want in counted) >= 16, counted  # the 1 MiB tensors: 16 chunks each
+    assert len(buffers) == 2, buffers  # two buffers, used in turn
     _same(_snapshot(model2, opt2), ref)

@@ -231,10 +231,12 @@ class _Loaded:
             # stream first; at the end the host waits for the side stream, so the buffers outlive the copies.
             stream.wait_stream(torch.cuda.current_stream())
         bounce = _Bounce(stream) if stream is not None else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self._apply(bounce)
-        if stream is not None:
-            stream.synchronize()
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self._apply(bounce)
+        finally:  # also when an item fails: no copy still writes the program's tensors after we return
+            if stream is not None:
+                stream.synchronize()
 
     def _apply(self, bounce: _Bounce | None = None) -> None:
         for rel, reqs in self.needed.items():
@@ -286,11 +288,15 @@ class _Bounce:
         self.done: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
         self.unpinned = False
+        self.chunks = 0  # chunks copied (tests/test_cuda.py)
 
     def copy(self, dest: torch.Tensor, src: torch.Tensor) -> bool:
-        """Copy host tensor ``src`` into GPU tensor ``dest`` (same dtype and shape, both dense and contiguous,
-        on the stream's device, at least BOUNCE_MIN_BYTES); False, with nothing copied, for any other pair."""
-        if (self.unpinned or src.device.type != "cpu" or dest.device != self.stream.device or dest.dtype != src.dtype
+        """Copy host tensor ``src`` into GPU tensor ``dest`` (plain tensors of the same dtype and shape, both
+        dense and contiguous, ``src`` pageable, ``dest`` on the stream's device, at least BOUNCE_MIN_BYTES);
+        False, with nothing copied, for any other pair (a tensor subclass keeps its own ``copy_``)."""
+        if (self.unpinned or type(dest) not in (torch.Tensor, torch.nn.Parameter) or type(src) is not torch.Tensor
+                or src.device.type != "cpu" or src.is_pinned() or dest.device != self.stream.device
+                or dest.dtype != src.dtype
                 or dest.shape != src.shape or not dest.is_contiguous() or not src.is_contiguous()
                 or dest.layout != torch.strided or src.layout != torch.strided or dest.is_quantized
                 or dest.is_conj() or src.is_conj() or dest.is_neg() or src.is_neg()):
@@ -301,7 +307,7 @@ class _Bounce:
         if not self.bufs:
             try:
                 self.bufs = [torch.empty(BOUNCE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            except RuntimeError:  # no page-locked memory to be had (a locked-memory limit): copy directly
+            except RuntimeError:  # no page-locked memory to be had: copy directly
                 self.unpinned = True
                 return False
         d = dest.detach().reshape(-1).view(torch.uint8)
@@ -318,6 +324,7 @@ class _Bounce:
             event = torch.cuda.Event()
             event.record(self.stream)
             self.done[k] = event
+            self.chunks += 1
         return True
 
 
