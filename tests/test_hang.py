@@ -34,14 +34,14 @@ STEPS = 12
 
 
 def _launch(tmp: Path, out: Path, *worker_args: str, env: dict[str, str] | None = None,
-            timeout: float = 240) -> subprocess.CompletedProcess[str]:
+            timeout: float = 240, n: int = 2) -> subprocess.CompletedProcess[str]:
     # The stacks come from the dump signal (faulthandler) here, whether or not the shell that runs the tests
     # has py-spy on its PATH (an activated venv has): test_launcher_slurm covers the py-spy dumps.
     path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
                            if d and not os.path.exists(os.path.join(d, "py-spy")))
     e = clean_env({"RSLURM_LOCAL_DIR": str(tmp / "nvme"), "RSLURM_RUN_ID": "hang", "RSLURM_NODE_NAME": "n1",
                    "RSLURM_CONTROL_DIR": str(tmp / "ctl"), "RSLURM_DAEMON": "off", "PATH": path, **(env or {})})
-    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", "2", "--", *WORKER,
+    return subprocess.run([sys.executable, "-m", "resilient_slurm.cli", "launch", "-n", str(n), "--", *WORKER,
                            "--steps", str(STEPS), "--out", str(out), *worker_args],
                           env=e, cwd=tmp, capture_output=True, text=True, timeout=timeout)
 
@@ -253,14 +253,15 @@ def test_repeated_crashes_fall_back_to_requeue(tmp_path: Path, limit: str) -> No
 
 @pytest.mark.proc
 def test_a_section_with_its_own_limit_is_not_a_hang_and_off_disables(tmp_path: Path) -> None:
-    """Every rank spends 4 s in ``ckpt.section("eval", timeout=30)`` with a 2 s hang timeout: no hang. With
-    ``hang_timeout=off``, a 4 s section without a limit is no hang either."""
+    """The rank spends 4 s in ``ckpt.section("eval", timeout=30)`` with a 2 s hang timeout: no hang. With
+    ``hang_timeout=off``, a 4 s section without a limit is no hang either. One rank: the limits are each
+    rank's own (its heartbeat record), and the hangs of several ranks are the other tests'."""
     for env, section_timeout in (({"RSLURM_HANG_TIMEOUT": "2"}, "30"), ({"RSLURM_HANG_TIMEOUT": "off"}, None)):
         work = tmp_path / f"w{len(env)}{section_timeout}"
         out = work / "out"
         out.mkdir(parents=True)
         args = ["--section-at", "3", *(["--section-timeout", section_timeout] if section_timeout else [])]
-        r = _launch(work, out, *args, env=env)
+        r = _launch(work, out, *args, env=env, n=1)
         assert r.returncode == 0, r.stderr[-3000:]
         assert not [e for e in _events(work) if e["event"] == "hang"]
 
