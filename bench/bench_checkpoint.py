@@ -225,6 +225,7 @@ class Bench(BenchBase):
 
                 self.dcp_new_stager = lambda: DefaultStager(StagingOptions(False, False, False, False))
                 self.dcp_stager = self.dcp_new_stager()
+                self.dcp_fresh_stager = False  # set when reusing one fails (torch 2.11, state on a GPU)
                 out["async_stager"] = "DefaultStager(no pin, no shm, sync staging), reused across saves"
             except Exception:  # older torch: the writer stages (allocates a fresh copy every time)
                 self.dcp_stager = None
@@ -232,8 +233,8 @@ class Bench(BenchBase):
         for first in ([True, False] if i == 0 else [False]):
             d = os.path.join(self.root, f"dcp_async_{i}_{int(first)}")
             sd = self.state_dict()
-            if self.dcp_stager is not None and getattr(self, "dcp_fresh_stager", False):
-                self.dcp_stager = self.dcp_new_stager()
+            if self.dcp_stager is not None and self.dcp_fresh_stager:
+                self.renew_dcp_stager()
             kw: dict[str, Any] = {"async_stager": self.dcp_stager} if self.dcp_stager is not None else {}
             t0 = now()
             try:
@@ -244,7 +245,7 @@ class Bench(BenchBase):
                 out["async_stager"] = (f"DefaultStager(no pin, no shm, sync staging), a fresh one per save: reusing "
                                        f"one failed its second save (KeyError {exc})")
                 self.dcp_fresh_stager = True
-                self.dcp_stager = self.dcp_new_stager()
+                self.renew_dcp_stager()
                 remove(d)
                 t0 = now()
                 fut = dcp.async_save(sd, storage_writer=FileSystemWriter(d), no_dist=True,
@@ -261,6 +262,12 @@ class Bench(BenchBase):
                 self.add("dcp", "async_done_s", t2 - t0)
             del sd, fut
             remove(d)
+
+    def renew_dcp_stager(self) -> None:
+        """Close the DCP stager and make a fresh one (a reused one fails on torch 2.11 with GPU state)."""
+        with contextlib.suppress(Exception):
+            self.dcp_stager.close()
+        self.dcp_stager = self.dcp_new_stager()
 
     # ---------------------------------------------------------------- ours
     def ours_round(self, i: int) -> None:
