@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 ENV = "RSLURMTEST_CHECK"
-#: Programs a test of the in-process tier may run: quick, and no interpreter behind them.
+#: Programs a test of the in-process tier may run: quick, and no interpreter behind them. ``fc-list``:
+#: matplotlib (imported with lightning) lists the system's fonts on its first import on a fresh machine.
 CHEAP = frozenset({"git", "df", "sync", "true", "false", "id", "hostname", "uname", "nproc", "stat", "ls",
-                   "chmod", "mount", "umount", "findmnt", "lsblk", "getconf"})
+                   "chmod", "mount", "umount", "findmnt", "lsblk", "getconf", "fc-list"})
 
 
 class ProcessInCheckTier(BaseException):  # noqa: N818 - not an Exception, so no `except Exception` hides it
