@@ -308,16 +308,20 @@ def cmd_show(args: argparse.Namespace) -> int:
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["created_at"]))
     line(f"run {doc['run_id']}  step {doc['step']}  ({doc['tier']} tier: {doc['where']})"
          + (f"  tags: {', '.join(doc['tags'])}" if doc["tags"] else ""))
-    line(f"  reason {doc['reason']}  world size {doc['world_size']}  size {_size(doc['bytes'])}  created {created} "
+    stored = doc["stored_bytes"]
+    kept = (f" (stored {_size(stored)}: {stored / doc['bytes']:.2f} of it)"
+            if stored is not None and doc["bytes"] and stored != doc["bytes"] else "")
+    line(f"  reason {doc['reason']}  world size {doc['world_size']}  size {_size(doc['bytes'])}{kept}  created {created} "
          f"({_age(time.time() - doc['created_at'])} ago)")
     line(f"  torch {doc['torch_version']}  resilient_slurm {doc['library_version']}  format {doc['format']}  "
          f"schema {doc['schema_version']}")
     line("  storage domains: " + "; ".join(f"{d} ranks {r}" for d, r in doc["domains"].items()))
     for text in provenance_lines(doc["provenance"]):
         line(f"  {text}")
-    con.print(_table(["SHARD", "RANK", "DOMAIN", "SIZE", "ITEMS", "CHECKSUM"],
-                     [[s["path"], s["rank"], s["domain"], _size(s["bytes"]), s["items"], s["checksum"]]
-                      for s in doc["shards"]], right=("RANK", "SIZE", "ITEMS")))
+    con.print(_table(["SHARD", "RANK", "DOMAIN", "SIZE", "STORED", "ITEMS", "CHECKSUM"],
+                     [[s["path"], s["rank"], s["domain"], _size(s["bytes"]),
+                       "-" if s["stored_bytes"] is None else _size(s["stored_bytes"]), s["items"], s["checksum"]]
+                      for s in doc["shards"]], right=("RANK", "SIZE", "STORED", "ITEMS")))
     con.print(_table(["KEY", "ITEMS", "TENSORS", "VALUES", "TENSOR BYTES", "DTYPES", "PER RANK"],
                      [[k["key"], k["items"], k["tensors"], k["values"], _size(k["tensor_bytes"]),
                        ", ".join(k["dtypes"]) or ("empty " + k["empty"] if k.get("empty") else "-"),

@@ -237,6 +237,11 @@ def test_ls_and_show(tiers: Tiers, trained: Path) -> None:
     assert (show["run_id"], show["step"], show["tier"]) == (RUN, 12, "durable" if durable else "local")
     assert [(s["rank"], s["domain"], s["path"]) for s in show["shards"]] == [
         (0, "n1", "__0_0.distcp"), (1, "n2", "__1_0.distcp")]
+    # What each shard takes where it is read from: the file's size, or a compressed object's (S3 compresses
+    # by default, where it pays: storage.encoding).
+    for s in show["shards"]:
+        assert (s["stored_bytes"] == s["bytes"]) if tiers.kind != "s3" else (0 < s["stored_bytes"] <= s["bytes"]), s
+    assert show["stored_bytes"] == sum(s["stored_bytes"] for s in show["shards"])
     keys = {k["key"]: k for k in show["keys"]}
     assert set(keys) == {"model", "optimizer", "scheduler", "scaler", "sampler", "progress"}
     assert show["ddp_bucket_layout"] is True and all(not k["per_rank"] for k in keys.values())

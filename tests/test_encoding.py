@@ -10,6 +10,7 @@ frame that claims more bytes than it may hold is refused before it is decoded.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections.abc import Iterator
@@ -238,9 +239,11 @@ def test_a_full_scratch_disk_uploads_the_file_as_it_is(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ a real step
-def test_a_compressed_durable_step_restores_bitwise_into_an_empty_node_and_verify_names_damage(tmp_path: Path) -> None:
-    """The engine saves a step, the drain stores it compressed on a POSIX tier, a node with an empty local
-    tier restores it bitwise; a flipped byte in a compressed shard is named by verify."""
+def test_a_compressed_durable_step_restores_bitwise_into_an_empty_node_and_verify_names_damage(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine saves a step, the drain stores it compressed on a POSIX tier (``show`` tells the bytes it
+    takes there), a node with an empty local tier restores it bitwise; a flipped byte in a compressed shard
+    is named by verify."""
     from resilient_slurm import Checkpointer
     from resilient_slurm.checkpoint.verify import verify_durable_step
     from resilient_slurm.daemon.drain import StepDrainer, scan_local
@@ -268,6 +271,24 @@ def test_a_compressed_durable_step_restores_bitwise_into_an_empty_node_and_verif
         assert not verify_durable_step(tier, "r", 5).faults
         assert not os.listdir(tmp_path / "a" / ".rslurm") or not [
             n for n in os.listdir(tmp_path / "a" / ".rslurm") if n.startswith("encode-")], "scratch left behind"
+
+    # `rslurm show` tells the bytes each shard takes on the durable tier (one listing) beside the file's size.
+    from resilient_slurm.cli import main as rslurm_main
+
+    stored = {s.path: os.path.getsize(tmp_path / "durable" / "r" / f"step_{5:012d}" / s.path) for s in shards}
+    for tier_name, expect in (("durable", stored), ("local", {s.path: s.size for s in shards})):
+        capsys.readouterr()
+        assert rslurm_main(["show", "5", "--local-dir", str(tmp_path / "a"), "--durable", str(tmp_path / "durable"),
+                            "--run-id", "r", "--tier", tier_name, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert {s["path"]: s["stored_bytes"] for s in doc["shards"]} == expect, tier_name
+        assert doc["stored_bytes"] == sum(expect.values()) and doc["bytes"] == sum(s.size for s in shards)
+    assert sum(stored.values()) < 0.95 * sum(s.size for s in shards)
+    capsys.readouterr()
+    assert rslurm_main(["show", "5", "--local-dir", str(tmp_path / "a"), "--durable", str(tmp_path / "durable"),
+                        "--run-id", "r", "--tier", "durable"]) == 0
+    text = capsys.readouterr().out
+    assert "STORED" in text and f"{sum(stored.values()) / sum(s.size for s in shards):.2f} of it" in text, text
 
     fresh, fresh_opt = state(1)
     with Checkpointer(local_dir=str(tmp_path / "b"), run_id="r", durable=str(tmp_path / "durable")) as ck:

@@ -2,7 +2,7 @@
 
 Who calls what: ``cli.py`` opens a :class:`~.source.StepSource` for the step and calls :func:`describe`,
 which returns a JSON-able dict: the manifest's facts (reason, world size, versions, domains, every
-rank's shard), the state's top-level keys (items, tensors, plain values, bytes, dtypes), the RNG state
+rank's shard, with the bytes it takes on the tier it is read from: :meth:`~.source.StepSource.stored_bytes`), the state's top-level keys (items, tensors, plain values, bytes, dtypes), the RNG state
 captured per rank (which generators), and the data position (a :class:`ResumableSampler` or torchdata's
 ``StatefulDataLoader``, found by the fields their ``state_dict`` has). Values of the data position are
 read from the shards when they can be read in place (local tier, POSIX durable tier), each item
@@ -18,6 +18,7 @@ import shlex
 from typing import Any
 
 from ..checkpoint.state import DDP_KEY, OPTIM_PARAMS_KEY, RNG_KEY
+from ..errors import ResilientSlurmError
 from ..manifest import PER_RANK_PREFIX, empty_keys
 from ..storage.fileio import checksum
 from .source import StepSource
@@ -130,13 +131,20 @@ def describe(src: StepSource) -> dict[str, Any]:
                          "(use `rslurm export` to read them)")
         positions.append({"key": name, "kind": kind, "fields": sorted(names), "values": values})
     ranks_with_rng = sorted(rng, key=lambda r: (len(r), r))
+    try:
+        stored = src.stored_bytes()
+    except ResilientSlurmError as exc:  # the listing failed: the rest of the step can still be shown
+        stored = dict.fromkeys(src.shards)
+        notes.append(f"stored sizes not listed from {src.tier} tier {src.where}: {exc}")
     return {
         "run_id": m.run_id, "step": m.step, "tier": src.tier, "where": src.where, "reason": m.reason,
         "created_at": m.created_at, "world_size": m.world_size, "bytes": m.total_bytes,
+        "stored_bytes": sum(v for v in stored.values() if v is not None) if None not in stored.values() else None,
         "torch_version": m.torch_version, "library_version": m.library_version, "format": m.format,
         "schema_version": m.schema_version,
         "domains": {d: list(r) for d, r in sorted(m.nodes.items())},
-        "shards": [{"path": s.path, "rank": s.rank, "domain": s.node, "bytes": s.size, "items": len(s.chunks),
+        "shards": [{"path": s.path, "rank": s.rank, "domain": s.node, "bytes": s.size,
+                    "stored_bytes": stored.get(s.path), "items": len(s.chunks),
                     "checksum": f"{s.algorithm}:{s.checksum}", "reachable": src.in_place(s.path) is not None
                     or src.tier == "durable"} for s in sorted(m.shards, key=lambda x: x.rank)],
         "keys": [{**k, "dtypes": sorted(k["dtypes"]), "per_rank": sorted(k["per_rank"])}

@@ -74,6 +74,23 @@ class StepSource:
             return os.path.join(self.durable.root, self._key(rel))
         return None
 
+    def stored_bytes(self) -> dict[str, int | None]:
+        """Bytes each shard takes where this step is read from, by file name: the local copy's size, or the
+        durable object's (compressed objects are smaller than the file: storage.encoding), from one listing
+        of the step's prefix; None for a shard not found there."""
+        if self.tier == "local" or self.durable is None:
+            out: dict[str, int | None] = {}
+            for rel in self.shards:
+                path = self.in_place(rel)
+                try:
+                    out[rel] = os.lstat(path).st_size if path is not None else None
+                except OSError:
+                    out[rel] = None
+            return out
+        prefix = durable_step_key(self.run_id, self.step)
+        sizes = {o.key: o.size for o in self.durable.list(prefix)}
+        return {rel: sizes.get(self._key(rel)) for rel in self.shards}
+
     def _compressed(self, rel: str) -> bool:
         """A POSIX durable shard is stored compressed (then it is decoded, not read in place). A shard that is
         missing or damaged is read in place as before: the checks that follow name what is wrong with it."""
