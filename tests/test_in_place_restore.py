@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import xxhash
 from resilient_slurm import Checkpointer
 from resilient_slurm.checkpoint import restore as restore_mod
 from resilient_slurm.errors import CorruptCheckpointError, StorageError
-from resilient_slurm.storage.fileio import BLOCK, Ring, read_through
+from resilient_slurm.storage.fileio import BLOCK, Ring, read_spans, read_through
 
 RUN = "z"
 BIG = 1024  # Linear(BIG, BIG): 4 MiB of float32, over restore_mod.PLACE_MIN_BYTES
@@ -208,12 +209,52 @@ def test_an_older_step_that_lacks_a_tensor_the_failed_one_was_read_into_is_refus
         (tmp_path / RUN / "step_000000000002").rename(tmp_path / "aside")
         with pytest.raises(CorruptCheckpointError, match="does not hold late"):
             ck.restore(state, allow_missing=["late"])
+        # Restoring the other tensors alone does not forget it: "late" is still refused afterwards.
+        assert ck.restore({"model": fresh, "optim": fopt}) == 1
+        with pytest.raises(CorruptCheckpointError, match="does not hold late"):
+            ck.restore(state, allow_missing=["late"])
         # With the state built again, step 1 restores ("late" keeps its fresh value).
         del err
         state["late"] = late = torch.zeros(BIG, BIG)
         assert ck.restore(state, allow_missing=["late"]) == 1
         assert torch.equal(late, torch.zeros(BIG, BIG))
         assert all(torch.equal(x, y) for x, y in zip(tensors(net, opt), tensors(fresh, fopt)))
+
+
+def test_a_write_into_memory_a_dropped_tensor_was_recorded_at_is_recorded_again() -> None:
+    """A failed round recorded a tensor the program dropped since; a new tensor got its memory and a later
+    failed round writes into it: that write is recorded (the dead entry does not hide it)."""
+    from resilient_slurm.checkpoint.apply import Placement, Placing, held, memory_of
+    from resilient_slurm.checkpoint.staging import framing_for
+
+    t = torch.zeros(BIG, BIG)
+    gone = torch.zeros(1)
+    touched = {memory_of(t): ("late", weakref.ref(gone))}  # recorded for a tensor whose memory `t` now has
+    del gone
+    fr = framing_for(t.dtype, tuple(t.shape))
+    blob = bytearray(fr.prefix + bytes([7]) * (t.numel() * 4) + fr.suffix)
+    Placing([Placement("late", t, t, t.view(-1).view(torch.uint8), t.numel() * 4, len(blob))], touched)(
+        0, 0, memoryview(blob))
+    assert held(touched, {"late": t}) == {memory_of(t): "late"}
+
+
+def test_a_failure_while_applying_a_verified_step_says_the_state_is_mixed(tmp_path: Path) -> None:
+    class Refuses:
+        def state_dict(self) -> dict[str, Any]:
+            return {"v": torch.full((4,), 1.0)}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            raise ValueError("refused by the program")
+
+    net, opt = trained(1)
+    save(tmp_path, 1, {"model": net, "optim": opt, "obj": Refuses()})
+    fresh, fopt = trained(3)
+    with Checkpointer(local_dir=str(tmp_path), run_id=RUN, keep_last=5) as ck:
+        with pytest.raises(ValueError, match="refused by the program") as err:
+            ck.restore({"model": fresh, "optim": fopt, "obj": Refuses()})
+    notes = "\n".join(err.value.__notes__)
+    assert "applying step 1 failed after every rank verified it" in notes, notes
+    assert "model.a.weight" in notes, notes  # read into it in place: named
 
 
 def test_a_plain_value_or_a_copy_is_never_read_in_place(tmp_path: Path) -> None:
@@ -385,6 +426,14 @@ def test_a_read_waits_only_for_its_own_ring_slot_and_makes_one_the_warming_did_n
     ring.done()
     assert bytes(got) == data
     assert ring._warming is not None and not ring._warming.is_alive()  # no slot is faulted in past done()
+
+
+def test_a_read_that_fails_names_the_file(tmp_path: Path) -> None:
+    """An error of the read itself (here: the path is a directory) names the file and the bytes."""
+    with pytest.raises(StorageError, match=f"{tmp_path}: reading bytes 0\\+"):
+        read_through(str(tmp_path), 8192, [(0, 4096)], lambda k, at, view: None)
+    with pytest.raises(StorageError, match=f"{tmp_path}: reading bytes 0\\+"):
+        read_spans(str(tmp_path), [(0, memoryview(bytearray(BLOCK)))], BLOCK)
 
 
 def test_read_spans_returns_each_range_checksum_in_order_across_batches(

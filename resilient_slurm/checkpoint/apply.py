@@ -184,7 +184,10 @@ class Placing:
         a, b = max(at, n), min(end, n + p.nbytes)
         if b > a:
             if a == n:  # its first tensor byte
-                self.touched.setdefault(memory_of(p.dest), (p.fqn, weakref.ref(p.owner)))
+                r = memory_of(p.dest)
+                if (cur := self.touched.get(r)) is None or cur[1]() is None:
+                    # A dead entry (its tensor gone, the memory given to a new one) must not hide this write.
+                    self.touched[r] = (p.fqn, weakref.ref(p.owner))
                 torch.autograd.graph.increment_version(p.dest)
             # One thread's memcpy with the GIL released: torch's copy_ spreads it over the intra-op threads,
             # which then spin against the reads in flight (5 to 10 times slower on a busy node, measured).
@@ -349,5 +352,5 @@ def uncovered(touched: Mapping[tuple[int, int], str], written: list[tuple[int, i
     return sorted(out)
 
 
-__all__ = ["PLACE_MIN_BYTES", "Placement", "Placing", "Touched", "held", "live_tensors", "memory_of", "place_into",
-           "uncovered"]
+__all__ = ["PLACE_MIN_BYTES", "Placement", "Placing", "Touched", "held", "live_tensors", "memory_of",
+           "place_into", "uncovered"]

@@ -301,9 +301,18 @@ class Restorer:
         """Every rank verified ``step``: put what this rank read into its live state, hand DDP's recorded
         layout to the tracker, and (rank 0) log what the restore left out on purpose. Every tensor a failed
         round wrote into is written by this step (the verdict checked it: StepReader.left_mixed)."""
-        loaded.apply()
-        self.reader.touched.clear()
-        state_mod.apply_loaded(state, loaded.target, rank=self.reader.source_rank)
+        try:
+            loaded.apply()
+            state_mod.apply_loaded(state, loaded.target, rank=self.reader.source_rank)
+        except Exception as exc:
+            exc.add_note(f"rank {self.topo.rank}: applying step {step} failed after every rank verified it: the state "
+                         f"holds part of step {step} and part of what it held before; build the state again before "
+                         "using it (a requeued or restarted job does, in its new process)")
+            raise
+        # The state's tensors a failed round wrote into hold this step now (the verdict checked that it writes them
+        # all: StepReader.left_mixed); tensors of a state not restored here still hold the failed step's bytes.
+        for r in held(self.reader.touched, state):
+            del self.reader.touched[r]
         self.ddp.expect(state, loaded.target.get(DDP_KEY))
         report = self.reader.compat
         if report and self.topo.rank == 0:

@@ -297,6 +297,15 @@ def _open_for_read(path: str) -> tuple[int, bool]:
 _HASH_BATCH = 4 << 20
 
 
+def _pread(fd: int, path: str, buf: memoryview, offset: int) -> int:
+    """One ``preadv`` of ``buf`` at ``offset`` of file ``path``; a failed read raises StorageError naming the file
+    and the bytes (TransientStorageError for an I/O error that may pass: :func:`storage_error`)."""
+    try:
+        return os.preadv(fd, [buf], offset)
+    except OSError as exc:
+        raise storage_error(f"{path}: reading bytes {offset}+{len(buf)} failed: {exc.strerror or exc}", exc) from exc
+
+
 def _batches(order: Sequence[int], lengths: Sequence[int], limit: int) -> list[list[int]]:
     """The indices ``order``, in that order, cut into runs whose ``lengths`` add up to at most ``limit`` bytes
     (a longer one is a run of its own)."""
@@ -349,7 +358,7 @@ def read_spans(
             n = min(_IO_CHUNK, ask[i] - off)
             got = 0
             while got < n:
-                r = os.preadv(fd, [buf[off + got : off + n]], base + off + got)
+                r = _pread(fd, path, buf[off + got : off + n], base + off + got)
                 if r == 0:
                     break
                 got += r
@@ -515,7 +524,7 @@ def read_through(
             buf = ring.view(idx % nslots)  # one reader per slot at a time
             got = 0
             while got < n:
-                r = os.preadv(fd, [buf[got:n]], at + got)
+                r = _pread(fd, path, buf[got:n], at + got)
                 if r == 0:
                     break
                 got += r
