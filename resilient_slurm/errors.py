@@ -192,3 +192,12 @@ class ProgressHistoryError(PermanentError):
         super().__init__(message)
         self.source = source
         self.field = field
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10, which has no ``add_note`` (the note is kept in ``__notes__``,
+    which 3.10's tracebacks do not print: callers log it too)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ import xxhash
 import zstandard
 from s3_support import FaultProxy, MotoServer
 
-from resilient_slurm.errors import CorruptCheckpointError, ObjectNotFoundError
+from resilient_slurm.errors import CorruptCheckpointError, ObjectNotFoundError, StorageError
 from resilient_slurm.storage import encoding
 from resilient_slurm.storage.encoding import (
     FRAME,
@@ -240,7 +240,7 @@ def test_a_full_scratch_disk_uploads_the_file_as_it_is(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ a real step
 def test_a_compressed_durable_step_restores_bitwise_into_an_empty_node_and_verify_names_damage(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine saves a step, the drain stores it compressed on a POSIX tier (``show`` tells the bytes it
     takes there), a node with an empty local tier restores it bitwise; a flipped byte in a compressed shard
     is named by verify."""
@@ -289,6 +289,25 @@ def test_a_compressed_durable_step_restores_bitwise_into_an_empty_node_and_verif
                         "--run-id", "r", "--tier", "durable"]) == 0
     text = capsys.readouterr().out
     assert "STORED" in text and f"{sum(stored.values()) / sum(s.size for s in shards):.2f} of it" in text, text
+    # A walk that cannot read the step's directory lists nothing; the shards are then asked for by name, and a
+    # tier that cannot say becomes a note (not `-`, which means "not there").
+    with monkeypatch.context() as mp:
+        mp.setattr(PosixTier, "list", lambda self, prefix: iter(()))
+        mp.setattr(PosixTier, "stat", lambda self, key: (_ for _ in ()).throw(StorageError(f"{key}: EIO")))
+        assert rslurm_main(["show", "5", "--local-dir", str(tmp_path / "a"), "--durable", str(tmp_path / "durable"),
+                            "--run-id", "r", "--tier", "durable", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["stored_bytes"] is None and any("stored sizes not listed" in n for n in doc["notes"]), doc["notes"]
+    # A local shard that is a link is not a file rslurm reads: `-`, not the link's own size.
+    link = tmp_path / "a" / "r" / f"step_{5:012d}" / shards[0].path
+    os.rename(link, tmp_path / "moved")
+    os.symlink(tmp_path / "moved", link)
+    assert rslurm_main(["show", "5", "--local-dir", str(tmp_path / "a"), "--run-id", "r", "--tier", "local",
+                        "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {s["path"]: s["stored_bytes"] for s in doc["shards"]}[shards[0].path] is None and doc["stored_bytes"] is None
+    os.unlink(link)
+    os.rename(tmp_path / "moved", link)
 
     fresh, fresh_opt = state(1)
     with Checkpointer(local_dir=str(tmp_path / "b"), run_id="r", durable=str(tmp_path / "durable")) as ck:

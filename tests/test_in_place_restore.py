@@ -182,7 +182,7 @@ def test_when_nothing_restores_the_state_read_into_is_named_or_left_untouched(tm
     with pytest.raises(CorruptCheckpointError) as err:
         restore(tmp_path, {"model": fresh, "optim": fopt})
     notes = "\n".join(getattr(err.value, "__notes__", []))
-    assert "hold bytes of a step that failed" in notes and "build the state again" in notes, notes
+    assert "hold bytes of a step that was not restored" in notes and "build the state again" in notes, notes
     assert "model.scale" in notes, notes
     # restore_fallback=fresh reads into buffers first: the state is the program's own, and it starts afresh.
     fresh, fopt = trained(3)
@@ -506,3 +506,21 @@ def test_a_step_corrupt_on_another_rank_is_overwritten_by_the_older_one_on_every
     got = _ranks("restore", tmp_path)
     assert all(g["step"] is None and "CorruptCheckpointError" in g["error"] for g in got), [g.get("error") for g in got]
     assert "rank 0: the state's tensors" in got[0]["notes"] and "model.weight" in got[0]["notes"], got[0]["notes"]
+
+
+def test_a_note_is_kept_where_exceptions_have_no_add_note() -> None:
+    """Python 3.10 has no BaseException.add_note: the note still reaches ``__notes__``."""
+    from resilient_slurm.errors import add_note
+
+    class Old(Exception):
+        @property
+        def add_note(self) -> Any:
+            raise AttributeError("add_note")  # as on Python 3.10
+
+    exc = Old("x")
+    add_note(exc, "one")
+    add_note(exc, "two")
+    assert exc.__notes__ == ["one", "two"]
+    new = ValueError("y")
+    add_note(new, "three")
+    assert new.__notes__ == ["three"]

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import CorruptCheckpointError, ObjectNotFoundError, ResilientSlurmError
+from ..errors import CorruptCheckpointError, ObjectNotFoundError, ResilientSlurmError, StorageError
 from ..manifest import DCP_METADATA_NAME, Manifest, ShardEntry, durable_step_key
 from ..storage.encoding import get_shard, is_compressed
 from ..storage.fileio import checksum
@@ -76,20 +77,30 @@ class StepSource:
 
     def stored_bytes(self) -> dict[str, int | None]:
         """Bytes each shard takes where this step is read from, by file name: the local copy's size, or the
-        durable object's (compressed objects are smaller than the file: storage.encoding), from one listing
-        of the step's prefix; None for a shard not found there."""
+        durable object's (compressed objects are smaller than the file: storage.encoding), from a listing of
+        the step's prefix (a shard it does not show is asked for by name); None for a shard that is not there
+        or not a regular file. Raises StorageError (and what the tier raises) when one cannot be looked at."""
+        out: dict[str, int | None] = {}
         if self.tier == "local" or self.durable is None:
-            out: dict[str, int | None] = {}
             for rel in self.shards:
                 path = self.in_place(rel)
                 try:
-                    out[rel] = os.lstat(path).st_size if path is not None else None
-                except OSError:
-                    out[rel] = None
+                    st = os.lstat(path) if path is not None else None
+                except FileNotFoundError:
+                    st = None
+                except OSError as exc:
+                    raise StorageError(f"{path}: {exc.strerror or exc}") from exc
+                out[rel] = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
             return out
-        prefix = durable_step_key(self.run_id, self.step)
-        sizes = {o.key: o.size for o in self.durable.list(prefix)}
-        return {rel: sizes.get(self._key(rel)) for rel in self.shards}
+        listed = {o.key: o.size for o in self.durable.list(durable_step_key(self.run_id, self.step))}
+        for rel in self.shards:
+            key = self._key(rel)
+            if key in listed:
+                out[rel] = listed[key]
+            else:  # a listing that could not read a directory says nothing: ask for the object by name
+                info = self.durable.stat(key)
+                out[rel] = info.size if info is not None else None
+        return out
 
     def _compressed(self, rel: str) -> bool:
         """A POSIX durable shard is stored compressed (then it is decoded, not read in place). A shard that is

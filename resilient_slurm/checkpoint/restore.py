@@ -61,7 +61,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError, add_note
 from ..manifest import read_manifest_file
 from ..rundir import RunDir
 from . import state as state_mod
@@ -291,10 +291,10 @@ class Restorer:
         if not touched:
             return
         shown = ", ".join(touched[:8]) + (f" and {len(touched) - 8} more" if len(touched) > 8 else "")
-        note = (f"rank {self.topo.rank}: the state's tensors {shown} hold bytes of a step that failed (read into "
-                "them in place before the step was refused): build the state again before using it (a "
+        note = (f"rank {self.topo.rank}: the state's tensors {shown} hold bytes of a step that was not restored "
+                "(read into them in place before the restore failed): build the state again before using it (a "
                 "requeued or restarted job does, in its new process)")
-        exc.add_note(note)
+        add_note(exc, note)
         log.error("%s", note)
 
     def _apply(self, step: int, state: MutableMapping[str, Any], loaded: _Loaded) -> None:
@@ -305,9 +305,11 @@ class Restorer:
             loaded.apply()
             state_mod.apply_loaded(state, loaded.target, rank=self.reader.source_rank)
         except Exception as exc:
-            exc.add_note(f"rank {self.topo.rank}: applying step {step} failed after every rank verified it: the state "
-                         f"holds part of step {step} and part of what it held before; build the state again before "
-                         "using it (a requeued or restarted job does, in its new process)")
+            note = (f"rank {self.topo.rank}: applying step {step} failed after every rank verified it: the state may "
+                    f"hold part of step {step} and part of what it held before; build the state again before using "
+                    "it (a requeued or restarted job does, in its new process)")
+            add_note(exc, note)
+            log.error("%s", note)
             raise
         # The state's tensors a failed round wrote into hold this step now (the verdict checked that it writes them
         # all: StepReader.left_mixed); tensors of a state not restored here still hold the failed step's bytes.
