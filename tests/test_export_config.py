@@ -339,3 +339,39 @@ def test_hf_export_loads_with_from_pretrained(tmp_path: Path, monkeypatch: pytes
     loaded.eval()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_force_replaces_only_an_earlier_export_directory(root: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """--force replaces a directory OUT whole: an earlier export's, or an empty one; never a directory that holds
+    anything an export does not write (the user's files: refused, nothing touched), nor the current directory."""
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, _, se = _cli(capsys, root, "cfg", str(STEP), str(out), "--format", "dcp", "--force")  # empty: replaced
+    assert rc == 0, se
+    rc, _, se = _cli(capsys, root, "cfg", str(STEP), str(out), "--format", "dcp", "--force")  # an export: replaced
+    assert rc == 0, se
+    exported = _files(out)
+    (out / "notes.txt").write_text("mine")
+    (out / "src").mkdir()
+    rc, _, se = _cli(capsys, root, "cfg", str(STEP), str(out), "--format", "dcp", "--force")
+    assert rc == 2 and "not an earlier --format dcp export" in se and "notes.txt, src" in se, se
+    assert (out / "notes.txt").read_text() == "mine" and (out / "src").is_dir()
+    assert {k: v for k, v in _files(out).items() if k in exported} == exported
+    # A dcp export is not an hf one.
+    (out / "notes.txt").unlink()
+    (out / "src").rmdir()
+    rc, _, se = _cli(capsys, root, "cfg", str(STEP), str(out), "--format", "hf", "--force", "--only", "model")
+    assert rc == 2 and "not an earlier --format hf export" in se and ".metadata" in se, se
+    # The current directory, holding the user's files.
+    work = tmp_path / "work"
+    (work / "src").mkdir(parents=True)
+    (work / "README").write_text("keep")
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        rc, _, se = _cli(capsys, root, "cfg", str(STEP), ".", "--format", "dcp", "--force")
+    finally:
+        os.chdir(cwd)
+    assert rc == 2 and "README, src" in se, se
+    assert (work / "README").read_text() == "keep" and (work / "src").is_dir()

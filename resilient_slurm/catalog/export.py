@@ -125,6 +125,12 @@ def check_out(out: str, *, force: bool, fmt: str) -> str:
             raise ConfigError(f"{out} exists; pass --force to replace it (only once the export is complete)")
         if fmt not in DIR_FORMATS and os.path.isdir(out):
             raise ConfigError(f"{out} is a directory; --format {fmt} writes a file (remove it, or choose another OUT)")
+        if fmt in DIR_FORMATS and os.path.isdir(out) and (alien := not_an_export(out, fmt)):
+            # --force replaces the directory whole: only an earlier export's, never one that holds anything else.
+            shown = ", ".join(alien[:5]) + (f" and {len(alien) - 5} more" if len(alien) > 5 else "")
+            raise ConfigError(f"{out} is not an earlier --format {fmt} export (it holds {shown}): --force replaces "
+                              "only an export, which replaces the directory whole; remove it yourself, or choose "
+                              "another OUT")
     if fmt not in DIR_FORMATS:
         cfg = config_path(out, fmt)
         if os.path.lexists(cfg):
@@ -136,6 +142,24 @@ def check_out(out: str, *, force: bool, fmt: str) -> str:
                 raise ConfigError(f"{cfg} is a directory: an export to {out} writes the step's config file there "
                                   "(remove it, or choose another OUT)")
     return out
+
+
+def not_an_export(out: str, fmt: str) -> list[str]:
+    """The entries of directory ``out`` that an export in ``fmt`` does not write (sorted; [] for an empty
+    directory or an earlier export): dcp writes ``.metadata``, ``manifest.json``, ``config.json`` and
+    ``*.distcp`` files, hf ``model.safetensors`` and ``config.json``; each a regular file."""
+    names = {"dcp": {DCP_METADATA_NAME, MANIFEST_NAME, CONFIG_NAME}, "hf": {HF_WEIGHTS_NAME, CONFIG_NAME}}[fmt]
+    alien = []
+    try:
+        with os.scandir(out) as it:
+            for e in it:
+                ours = e.name in names or (fmt == "dcp" and e.name.endswith(".distcp"))
+                if not ours or not e.is_file(follow_symlinks=False):
+                    alien.append(e.name)
+    except OSError as exc:
+        raise ConfigError(f"{out}: cannot read what it holds ({exc.strerror or exc}); --force replaces only an "
+                          "earlier export: choose another OUT") from exc
+    return sorted(alien)
 
 
 def check_out_of_trees(out: str, trees: Sequence[tuple[str, str]]) -> None:
