@@ -568,7 +568,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     given.update(local_dir=args.local_dir, durable=args.durable, run_id=args.run_id)
     cfg = config.load(given, config_path=args.config)
     node = node_name(cfg.node_name)
-    root = expand_local_dir(cfg.local_dir or default_local_dir(), node)
+    root = _local_root(cfg, node)
     if not cfg.durable:
         raise ConfigError("rslurm daemon: no durable tier; give --durable URL or set RSLURM_DURABLE "
                           "(/path, file:///path or s3://bucket/prefix)")
@@ -594,13 +594,26 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         tier.close()
 
 
+def _local_root(cfg: config.Settings, node: str) -> str:
+    """This node's local root (``local_dir`` for ``node``); ConfigError when something other than a directory
+    is there."""
+    root = expand_local_dir(cfg.local_dir or default_local_dir(), node)
+    there = root  # what exists of it: the root, or the nearest directory above it
+    while not os.path.lexists(there) and os.path.dirname(there) != there:
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        raise ConfigError(f"local_dir {root} is not a directory ({there} is not one); set --local-dir/RSLURM_LOCAL_DIR "
+                          "to the node-local root the run saves in")
+    return root
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from .daemon.status import collect_status, format_status
 
     cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run_id},
                       config_path=args.config)
     node = node_name(cfg.node_name)
-    root = expand_local_dir(cfg.local_dir or default_local_dir(), node)
+    root = _local_root(cfg, node)
     report = collect_status(root, cfg, run_id=cfg.run_id)
     if args.json:
         print(json.dumps(report, indent=1))
@@ -617,7 +630,7 @@ def cmd_history(args: argparse.Namespace) -> int:
 
     cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run_id},
                       config_path=args.config)
-    root = expand_local_dir(cfg.local_dir or default_local_dir(), node_name(cfg.node_name))
+    root = _local_root(cfg, node_name(cfg.node_name))
     tier = open_durable(cfg, upload_cap=False) if cfg.durable else None
     try:
         if cfg.run_id:
@@ -655,7 +668,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise ConfigError(f"two runs given: RUN {args.run!r} and --run-id {args.run_id!r}; give one")
     cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run or args.run_id},
                       config_path=args.config)
-    root = expand_local_dir(cfg.local_dir or default_local_dir(), node_name(cfg.node_name))
+    root = _local_root(cfg, node_name(cfg.node_name))
     run = cfg.run_id
     if not run:
         runs = list_runs(root)

@@ -296,8 +296,18 @@ def open_parent(root: str, path: str, *, error: Callable[[str], Exception] = Con
         raise error(f"{path} is not inside {root}; rslurm keeps {where} below its root")
     root = os.path.abspath(root)
     if make_dirs:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            pass  # a file where the root or one of its parents goes: named below
+    try:
+        dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except NotADirectoryError:
+        blocker = root
+        while not os.path.lexists(blocker) and os.path.dirname(blocker) != blocker:
+            blocker = os.path.dirname(blocker)
+        raise error(f"{root} cannot be a directory: {blocker} is {_describe(blocker)}, not a directory; {where} "
+                    "goes there: set it to a directory") from None
     cur = root
     try:
         for part in parts[:-1]:

@@ -424,3 +424,29 @@ def test_doctor_reports_an_unsafe_default_dir_as_a_failed_check(tmpdir_env: Path
     assert {rows[c]["status"] for c in ("local.space", "local.filesystem", "local.bandwidth")} == {"SKIP"}
     if kind == "symlink":
         assert not any((tmpdir_env / "someone-elses").iterdir())  # nothing probed through the link
+
+
+@pytest.mark.parametrize("below", ["", "n1"])
+def test_a_file_where_the_local_root_goes_is_a_settings_error_naming_it(
+        tmp_path: Path, below: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A regular file at the local root (or above it): the Checkpointer, the launcher's run claim and the
+    commands that read one root (status, history, report) stop with a settings error naming the file, not
+    a traceback."""
+    from resilient_slurm.cli import main as rslurm_main
+    from resilient_slurm.layout import claim_run
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    root = afile / below if below else afile
+    with pytest.raises(ConfigError, match=f"{afile} is a regular file, not a directory"):
+        claim_run(str(root), "r", "me")
+    with pytest.raises(ConfigError, match="local checkpoint directory unusable") as err:
+        with Checkpointer(local_dir=str(root), run_id="r") as ck:
+            ck.save(1, {"w": torch.zeros(4)}, blocking=True)
+    assert str(afile) in str(err.value), err.value
+    for cmd in ("status", "history", "report"):
+        capsys.readouterr()
+        assert rslurm_main([cmd, "--local-dir", str(root)]) == 2, cmd
+        err = capsys.readouterr().err
+        assert "is not a directory" in err and "Traceback" not in err, (cmd, err)
+    assert afile.read_text() == "not a directory"
