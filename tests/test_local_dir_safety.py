@@ -450,3 +450,18 @@ def test_a_file_where_the_local_root_goes_is_a_settings_error_naming_it(
         err = capsys.readouterr().err
         assert "is not a directory" in err and "Traceback" not in err, (cmd, err)
     assert afile.read_text() == "not a directory"
+
+
+def test_launch_refuses_a_durable_path_it_cannot_make_before_any_rank(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A durable path below a file: exit 2 naming it, and no rank started (in `make check`, any process start
+    would fail the test), rather than every rank failing on it as if the program were wrong."""
+    from resilient_slurm.cli import main as rslurm_main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    rc = rslurm_main(["launch", "-n", "1", "--local-dir", str(tmp_path / "nvme" / "%n"), "--durable",
+                      str(afile / "ckpt"), "--run-id", "t1", "--", sys.executable, "-c", "print(1)"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"durable tier {afile / 'ckpt'}: cannot create it" in err and "no rank was started" in err, err
+    assert err.count("durable tier") == 1, err

@@ -30,11 +30,11 @@ from collections.abc import Callable, Mapping
 
 from ..config import Settings
 from ..daemon.service import daemon_running, read_status
-from ..errors import ResilientSlurmError
+from ..errors import ConfigError, ResilientSlurmError, TransientStorageError
 from ..manifest import MANIFEST_NAME, durable_run_key, durable_step_key, read_manifest_file
 from ..rundir import RunDir
 from ..slurm.client import per_node_step, remaining_seconds
-from ..storage.registry import open_durable
+from ..storage.registry import open_durable, parse_url
 from ..storage.tier import StorageTier
 from ..telemetry import Event
 from .context import LaunchContext, launch_log
@@ -66,6 +66,15 @@ class JobDrain:
         self.enabled = enabled
         self.proc: subprocess.Popen[bytes] | None = None
         self._tier: StorageTier | None = None
+        if parse_url(cfg.durable or "")[0] == "file":
+            # A path the tier cannot be made at is a setting to fix, found before any rank starts (each rank
+            # would fail on it, as if the program were wrong). An object store is left to the daemon's retries.
+            try:
+                self._tier = open_durable(cfg, upload_cap=False)
+            except TransientStorageError as exc:
+                log.warning("durable tier %s: %s; the daemon retries", cfg.durable, exc)
+            except ResilientSlurmError as exc:
+                raise ConfigError(f"{exc}; no rank was started") from None
 
     @property
     def tier(self) -> StorageTier | None:
@@ -74,7 +83,7 @@ class JobDrain:
             try:
                 self._tier = open_durable(self.cfg, upload_cap=False)
             except ResilientSlurmError as exc:
-                log.error("durable tier %s: %s", self.cfg.durable, exc)
+                log.error("%s", exc if str(self.cfg.durable) in str(exc) else f"durable tier {self.cfg.durable}: {exc}")
         return self._tier
 
     def start(self) -> None:
