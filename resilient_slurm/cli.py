@@ -37,7 +37,7 @@ from .cliargs import step_arg as _step_arg
 from .cliargs import tag_arg as _tag_arg
 from .early_signals import release_early, trap_early
 from .errors import ConfigError, CorruptCheckpointError, ResilientSlurmError
-from .paths import default_local_dir, expand_local_dir, node_name
+from .paths import default_local_dir, expand_local_dir, nearest_existing, node_name
 from .terminal import PrintableFormatter, printable
 
 if TYPE_CHECKING:  # rich and the catalog are imported by the commands that use them (fast `rslurm launch`)
@@ -598,9 +598,7 @@ def _local_root(cfg: config.Settings, node: str) -> str:
     """This node's local root (``local_dir`` for ``node``); ConfigError when something other than a directory
     is there."""
     root = expand_local_dir(cfg.local_dir or default_local_dir(), node)
-    there = root  # what exists of it: the root, or the nearest directory above it
-    while not os.path.lexists(there) and os.path.dirname(there) != there:
-        there = os.path.dirname(there)
+    there = nearest_existing(root)
     if not os.path.isdir(there):
         raise ConfigError(f"local_dir {root} is not a directory ({there} is not one); set --local-dir/RSLURM_LOCAL_DIR "
                           "to the node-local root the run saves in")

@@ -283,6 +283,14 @@ def below(root: str, path: str) -> list[str] | None:
     return parts
 
 
+def nearest_existing(path: str) -> str:
+    """``path`` when something (a link too) is there, else the nearest path above it that exists: what stands
+    where a directory ``path`` would be made (a file there is named in the error)."""
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def open_parent(root: str, path: str, *, error: Callable[[str], Exception] = ConfigError,
                 where: str = "its local directory", make_dirs: bool = False) -> tuple[int, str]:
     """A descriptor of the directory holding ``path`` and the file's name in it, reached from ``root``
@@ -303,9 +311,7 @@ def open_parent(root: str, path: str, *, error: Callable[[str], Exception] = Con
     try:
         dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except NotADirectoryError:
-        blocker = root
-        while not os.path.lexists(blocker) and os.path.dirname(blocker) != blocker:
-            blocker = os.path.dirname(blocker)
+        blocker = nearest_existing(root)
         raise error(f"{root} cannot be a directory: {blocker} is {_describe(blocker)}, not a directory; {where} "
                     "goes there: set it to a directory") from None
     cur = root
