@@ -192,7 +192,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
     now = time.time()
     with catalog:
-        runs = [cfg.run_id] if cfg.run_id else catalog.runs(strict=False)
+        runs = [catalog.given_run(cfg.run_id)] if cfg.run_id else catalog.runs(strict=False)
         rows = []
         replicas = []
         for run in runs:
@@ -358,7 +358,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             run = catalog.resolve_run(cfg.run_id)
             scope = [(catalog.step(run, args.step), True)]
         else:
-            runs = [cfg.run_id] if cfg.run_id else catalog.runs()
+            runs = [catalog.given_run(cfg.run_id)] if cfg.run_id else catalog.runs()
             scope = [(v, False) for run in runs for v in catalog.steps(run)]
         for view, explicit in scope:
             reports += verify_view(catalog, view, args.tier, explicit=explicit, progress=progress,
@@ -399,6 +399,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     policy = RetentionPolicy(cfg.keep_last, cfg.keep_every)
     tiers = ("local", "durable") if args.tier == "all" else (args.tier,)
     with catalog:
+        if cfg.run_id:
+            catalog.given_run(cfg.run_id)
         actions = plan_gc(catalog, policy, tiers=tiers, run_id=cfg.run_id,
                           stale_after=args.stale_after)
         if not args.dry_run:
@@ -515,7 +517,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     now = time.time()
     with catalog:
         if cfg.run_id:
-            runs = [cfg.run_id]
+            runs = [catalog.given_run(cfg.run_id)]
         elif args.tier == "durable":
             try:
                 runs = catalog.durable_runs()
@@ -622,6 +624,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_history(args: argparse.Namespace) -> int:
     from .catalog.history import format_history, history_rows, read_history
+    from .errors import StorageError
     from .layout import list_runs
     from .paths import id_problem
     from .storage import open_durable
@@ -629,17 +632,23 @@ def cmd_history(args: argparse.Namespace) -> int:
     cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run_id},
                       config_path=args.config)
     root = _local_root(cfg, node_name(cfg.node_name))
-    tier = open_durable(cfg, upload_cap=False) if cfg.durable else None
+    tier = open_durable(cfg, upload_cap=False, create=False) if cfg.durable else None
     try:
-        if cfg.run_id:
-            runs = [cfg.run_id]
-        else:
-            try:
-                runs = list_runs(root)
-            except FileNotFoundError:
-                runs = []
+        try:
+            runs = list_runs(root)
             if tier is not None:
                 runs = sorted(set(runs) | {n for n in tier.list_dirs("") if id_problem("run id", n) is None})
+        except (OSError, StorageError):
+            if not cfg.run_id:
+                raise
+            runs = [cfg.run_id]  # a tier that cannot be listed cannot say whether the run is there: read it
+        if cfg.run_id:
+            if cfg.run_id not in runs:
+                where = root + (f" or {cfg.durable}" if cfg.durable else "")
+                there = f"the runs there: {', '.join(runs)}" if runs else "there are no runs there"
+                raise ConfigError(f"no run {cfg.run_id!r} in {where} ({there}); give the run id the program saved "
+                                  "under (--run-id / RSLURM_RUN_ID), and --local-dir/--durable where it saved")
+            runs = [cfg.run_id]
         found = [read_history(root, run, tier) for run in runs]
     finally:
         if tier is not None:
@@ -685,7 +694,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not os.path.isdir(run_dir.path):
         raise ConfigError(f"run {run}: no run directory {run_dir.path} (set --local-dir/RSLURM_LOCAL_DIR to the "
                           "node-local root the run saves in; the report reads the batch host's event log)")
-    tier = open_durable(cfg, upload_cap=False) if cfg.durable else None
+    tier = open_durable(cfg, upload_cap=False, create=False) if cfg.durable else None
     try:
         history = read_history(root, run, tier)
     finally:

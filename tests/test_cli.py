@@ -64,6 +64,20 @@ def test_unknown_step_is_a_clear_error(tmp_path: Path) -> None:
     assert r.returncode == 2 and "step 7 not found" in r.stderr
 
 
+def test_a_run_no_tier_has_is_an_error_naming_the_runs_there(tmp_path: Path) -> None:
+    _make(tmp_path)
+    durable = tmp_path / "typo-durable"
+    for cmd in (["ls"], ["runs"], ["gc", "--dry-run"], ["verify"], ["history"]):
+        r = run_rslurm(*cmd, "--local-dir", str(tmp_path), "--durable", str(durable), "--run-id", "cil")
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        assert "no run 'cil'" in r.stderr and "the runs there: cli" in r.stderr, (cmd, r.stderr)
+    assert not durable.exists()  # no inspection command makes a directory at a mistyped durable path
+    # A run with a directory and no step yet (a job before its first save) is known: an empty listing.
+    (tmp_path / "fresh").mkdir()
+    r = run_rslurm("ls", "--local-dir", str(tmp_path), "--run-id", "fresh")
+    assert r.returncode == 0 and "(no checkpoints)" in r.stdout, r.stderr
+
+
 def test_cli_and_launcher_do_not_import_torch() -> None:
     """`rslurm launch` is a small process on the batch host: it must not pay torch's import (seconds on a
     busy node) nor its memory; only `show`, `verify`, `export`, `demo` and the ranks need torch."""

@@ -241,7 +241,7 @@ class Catalog:
         """A catalog over ``local_template`` and the durable tier named by ``cfg``."""
         from ..storage import open_durable
 
-        tier = open_durable(cfg, upload_cap=False)
+        tier = open_durable(cfg, upload_cap=False, create=False)  # a reader: a mistyped path is not made
         return cls(local_template, node, tier, durable_url=cfg.durable)
 
     def close(self) -> None:
@@ -288,6 +288,19 @@ class Catalog:
                 raise
             self.errors.append(f"durable tier {self.durable_url}: {exc}")
         return sorted(set(self.local_runs()) | set(durable))
+
+    def given_run(self, run: str) -> str:
+        """``run``, given by the user, when a tier has it (its directory, also before its first save); else a
+        ConfigError naming the runs there (a misspelt run id is an error, never an empty listing). When a
+        tier cannot be listed nobody can say: ``run`` is returned and the listing's error is in :attr:`errors`."""
+        before = len(self.errors)
+        runs = self.runs(strict=False)
+        if run in runs or len(self.errors) > before:
+            return run
+        where = ", ".join(self.roots) + (f" or {self.durable_url}" if self.durable_url else "")
+        there = f"the runs there: {', '.join(runs)}" if runs else "there are no runs there"
+        raise ConfigError(f"no run {run!r} in {where} ({there}); give the run id the program saved under "
+                          "(--run-id / RSLURM_RUN_ID), and --local-dir/--durable where it saved")
 
     def resolve_run(self, run_id: str | None) -> str:
         """The run a single-step command works on: ``run_id`` if given; else this Slurm job's if it has

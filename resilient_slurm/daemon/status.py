@@ -65,7 +65,7 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
         from ..storage import open_durable
 
         try:
-            tier = open_durable(cfg, upload_cap=False)
+            tier = open_durable(cfg, upload_cap=False, create=False)
         except ResilientSlurmError as exc:
             errors.append(f"durable tier {cfg.durable}: {exc}")
     rows: list[dict[str, Any]] = []

@@ -160,10 +160,11 @@ class PosixTier(StorageTier):
     def __init__(self, root: str, *, threads: int = 8, limiter: RateLimiter | None = None,
                  piece_size: int = PIECE, max_attempts: int = 5, retry_timeout: float = 20.0,
                  backoff: float = 0.25, max_backoff: float = 4.0,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, create: bool = True) -> None:
         """``max_attempts``, ``retry_timeout``: one request is tried at most that often, for at most that
         many seconds, waiting ``backoff`` * 2^n seconds (full jitter, at most ``max_backoff``) between
-        tries; ``sleep`` is injected for tests."""
+        tries; ``sleep`` is injected for tests. ``create``: make the root now (a writer: a path that cannot
+        be made fails here, before anything is started); a reader leaves it as it is (none: an empty tier)."""
         self.max_attempts = max(1, max_attempts)
         self.retry_timeout = retry_timeout
         self._wait = wait_random_exponential(multiplier=backoff, max=max_backoff)
@@ -175,6 +176,8 @@ class PosixTier(StorageTier):
         if piece_size <= 0 or piece_size % BLOCK:
             raise StorageError(f"piece_size must be a positive multiple of {BLOCK}, got {piece_size}")
         self.piece_size = piece_size
+        if not create:
+            return
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:

@@ -53,9 +53,11 @@ def parse_url(url: str) -> tuple[str, str]:
 
 
 def open_tier(url: str, *, threads: int = 8, bandwidth: float | None = None,
-              limiter: RateLimiter | None = None, **options: Any) -> StorageTier:
+              limiter: RateLimiter | None = None, create: bool = True, **options: Any) -> StorageTier:
     """Open the tier for ``url``. ``bandwidth`` (bytes/s) caps every transfer of the tier together;
-    ``options`` go to the backend (S3: ``endpoint_url``, ``part_size``, ``max_attempts``, ...)."""
+    ``options`` go to the backend (S3: ``endpoint_url``, ``part_size``, ``max_attempts``, ...). ``create``:
+    a directory tier makes its root now (False: a reader, to which a root not there is an empty tier; a
+    write still makes the directories it needs)."""
     scheme, location = parse_url(url)
     module, cls, extra = _BACKENDS[scheme]
     try:
@@ -66,13 +68,14 @@ def open_tier(url: str, *, threads: int = 8, bandwidth: float | None = None,
     factory: Callable[..., StorageTier] = getattr(mod, cls)
     limiter = limiter or RateLimiter(bandwidth)
     if scheme == "file":
-        return factory(location, threads=threads, limiter=limiter)
+        return factory(location, threads=threads, limiter=limiter, create=create)
     return factory(location, threads=threads, limiter=limiter, **options)
 
 
-def open_durable(cfg: Settings, *, upload_cap: bool = True) -> StorageTier | None:
+def open_durable(cfg: Settings, *, upload_cap: bool = True, create: bool = True) -> StorageTier | None:
     """The durable tier named by resolved settings ``cfg`` (``durable`` and the S3 and transfer settings);
-    None if unset.
+    None if unset. ``create``: see :func:`open_tier` (the inspection commands pass False: a mistyped
+    ``--durable`` path is not made by ``ls``).
 
     ``upload_cap`` applies ``drain_bandwidth`` (the daemon); restore passes False: a job waiting to
     resume should not be throttled by a cap meant for background drains."""
@@ -84,7 +87,7 @@ def open_durable(cfg: Settings, *, upload_cap: bool = True) -> StorageTier | Non
         options = {"endpoint_url": cfg.s3_endpoint_url, "region": cfg.s3_region, "part_size": cfg.s3_part_size,
                    "max_attempts": cfg.s3_max_attempts}
     tier = open_tier(cfg.durable, threads=cfg.drain_threads, bandwidth=cfg.drain_bandwidth if upload_cap else None,
-                     **options)
+                     create=create, **options)
     tier.compression = compression_for(cfg.durable_compression, scheme)
     return tier
 
