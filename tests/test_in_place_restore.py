@@ -14,6 +14,7 @@ refused rather than restored over it. ``read_through`` itself: checksums, order,
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import weakref
 from pathlib import Path
@@ -125,7 +126,7 @@ def test_large_tensors_are_read_into_their_own_memory_and_train_on_bitwise(tmp_p
 
 def test_views_shared_memory_tied_weights_and_other_layouts_see_the_restored_values(tmp_path: Path) -> None:
     net, opt = trained(1)
-    extra = {"shared": torch.full((BIG, BIG), 3.0), "bf16": torch.arange(BIG * BIG).to(torch.bfloat16),
+    extra = {"shared": torch.full((BIG, BIG), 3.0), "mapped": torch.full((BIG, BIG), 4.0), "bf16": torch.arange(BIG * BIG).to(torch.bfloat16),
              "wide": torch.arange(BIG * 512, dtype=torch.float32).view(BIG, 512),
              "half": torch.linspace(0, 1, BIG * 512).view(BIG, 512)}
     save(tmp_path, 1, {"model": net, "optim": opt, **extra})
@@ -145,17 +146,28 @@ def test_views_shared_memory_tied_weights_and_other_layouts_see_the_restored_val
 
     fresh, fopt = trained(5)
     view = fresh.a.weight.detach()[:, :8]  # a view the program keeps: it must go on seeing the parameter
-    mine = {"shared": torch.zeros(BIG, BIG).share_memory_(), "bf16": torch.zeros(BIG * BIG, dtype=torch.bfloat16),
+    # A file the program mapped MAP_SHARED (numpy.memmap, torch.from_file(shared=True)): torch's is_shared()
+    # says False, yet every byte written there reaches the file.
+    backing = tmp_path / "mapped.bin"
+    backing.write_bytes(bytes(BIG * BIG * 4))
+    with open(backing, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), BIG * BIG * 4, flags=mmap.MAP_SHARED)
+    mapped = torch.frombuffer(mapping, dtype=torch.float32).view(BIG, BIG)
+    assert not mapped.is_shared()
+    mine = {"shared": torch.zeros(BIG, BIG).share_memory_(), "mapped": mapped,
+            "bf16": torch.zeros(BIG * BIG, dtype=torch.bfloat16),
             "wide": torch.zeros(512, BIG).t(),  # not contiguous: copied into
             "half": torch.zeros(BIG, 512, dtype=torch.float16)}  # another dtype: converted
     step, event = restore(tmp_path, {"model": fresh, "optim": fopt, **mine})
     assert step == 1
     assert mine["shared"].is_shared() and torch.equal(mine["shared"], extra["shared"])
+    assert torch.equal(mine["mapped"], extra["mapped"]) and mine["mapped"].data_ptr() == mapped.data_ptr()
     assert torch.equal(mine["bf16"], extra["bf16"]) and torch.equal(mine["wide"], extra["wide"])
     assert torch.equal(mine["half"], extra["half"].half())
     assert all(torch.equal(x, y) for x, y in zip(tensors(net, opt), tensors(fresh, fopt)))
     assert torch.equal(view, net.a.weight.detach()[:, :8])
-    # Shared memory is copied into once every rank verified: another process must not see unverified bytes.
+    # Shared memory and shared file mappings are copied into once every rank verified: another process, or
+    # the file, must not see unverified bytes.
     assert event["placed_bytes"] == big_bytes([*tensors(fresh, fopt), mine["bf16"]])
 
 

@@ -9,6 +9,7 @@ only once every rank has verified everything it read. Nothing here reads files o
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import io
@@ -91,6 +92,30 @@ def live_tensors(state: Mapping[str, Any]) -> dict[int, torch.Tensor]:
     return out
 
 
+def shared_mappings() -> list[tuple[int, int]]:
+    """The address ranges ``[start, end)``, sorted, of this process's shared mappings (``/proc/self/maps``: a
+    file mapped MAP_SHARED, as by ``numpy.memmap`` or ``torch.from_file(shared=True)``, shared anonymous
+    memory, System V segments): what is written there reaches a file or another process. ``Tensor.is_shared``
+    knows only torch's own shared memory. Empty where ``/proc`` cannot be read."""
+    out = []
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            for line in f:
+                span, perms = line.split(b" ", 2)[:2]
+                if perms[3:4] == b"s":
+                    lo, hi = span.split(b"-")
+                    out.append((int(lo, 16), int(hi, 16)))
+    except (OSError, ValueError):
+        return []
+    return out
+
+
+def _overlaps(spans: list[tuple[int, int]], lo: int, hi: int) -> bool:
+    """Whether ``[lo, hi)`` overlaps one of ``spans`` (sorted, not overlapping)."""
+    k = bisect.bisect_right(spans, (lo, 1 << 64)) - 1  # the last span that starts at or before lo
+    return (k >= 0 and spans[k][1] > lo) or (k + 1 < len(spans) and spans[k + 1][0] < hi)
+
+
 @dataclass
 class Placement:
     """A read item whose tensor bytes go straight into the live tensor they restore."""
@@ -108,12 +133,13 @@ class Placement:
 
 
 def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int,
-               live: Mapping[int, torch.Tensor]) -> Placement | None:
+               live: Mapping[int, torch.Tensor], shared: list[tuple[int, int]] | None = None) -> Placement | None:
     """How read item ``ri`` (``length`` bytes in the file) can be read straight into the tensor it restores,
     or None (it is read into a buffer and copied at apply): a stored chunk that is the whole destination, a
     contiguous CPU tensor of the same dtype and shape, of at least PLACE_MIN_BYTES, stored in our framing,
-    in memory the program keeps (``live``: :func:`live_tensors`) and no other process sees (not shared
-    memory: bytes not yet verified on every rank must not reach another process)."""
+    in memory the program keeps (``live``: :func:`live_tensors`) and no other process or file sees (not
+    shared memory, nor a range of ``shared``, :func:`shared_mappings`: bytes not yet verified on every rank
+    must not reach another process, nor a file the program mapped)."""
     if ri.type != LoadItemType.TENSOR or any(ri.storage_offsets) or any(ri.dest_offsets):
         return None
     tmd = md.state_dict_metadata.get(ri.storage_index.fqn)
@@ -132,7 +158,7 @@ def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int,
         return None
     try:
         owner = live.get(int(dest.untyped_storage().data_ptr()))
-        if owner is None or dest.is_shared():
+        if owner is None or dest.is_shared() or (shared and _overlaps(shared, *memory_of(dest))):
             return None
     except RuntimeError:  # no storage of its own
         return None

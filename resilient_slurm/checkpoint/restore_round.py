@@ -63,6 +63,7 @@ from .apply import (
     held,
     live_tensors,
     place_into,
+    shared_mappings,
     uncovered,
 )
 from .compat import CompatReport
@@ -350,10 +351,10 @@ class StepReader:
         placed: dict[tuple[str, int], Placement] = {}
         if self.in_place:
             # Taken now, after the load target was made: it made the moments of an optimizer not stepped yet.
-            live = live_tensors(state)
+            live, shared = live_tensors(state), shared_mappings()
             for rel, reqs in needed.items():
                 for ri, info in reqs:
-                    if (p := place_into(planner, md, ri, info.length, live)) is not None:
+                    if (p := place_into(planner, md, ri, info.length, live, shared)) is not None:
                         placed[(rel, info.offset)] = p
         where: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}  # item -> (buffer, offset of its bytes)
         decoded: dict[tuple[str, int], Any] = {}
