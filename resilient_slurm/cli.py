@@ -943,6 +943,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ResilientSlurmError as exc:
         _say(f"rslurm: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what a command writes is published whole or not at all
+        _say(f"rslurm {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def rsrun_main() -> int:
