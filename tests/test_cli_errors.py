@@ -1,5 +1,6 @@
-"""How the ``rslurm`` command line ends on an interruption: one line and the shell's code, no traceback.
-(Errors of usage, settings and data are tested with each command; this file runs ``cli.main`` in process.)"""
+"""Edges of the ``rslurm`` command line, run in process: how a command ends on an interruption (one line and
+the shell's code, no traceback), and what the local tier's template does not take for a storage domain.
+(Errors of usage, settings and data are tested with each command.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from resilient_slurm import cli
+from resilient_slurm.catalog.inventory import local_roots
 
 
 @pytest.mark.parametrize("command", ["verify", "export", "doctor"])
@@ -28,3 +30,14 @@ def test_ctrl_c_ends_a_command_with_one_line_and_exit_130(command: str, tmp_path
     assert cli.main(argv) == 128 + signal.SIGINT
     err = capsys.readouterr().err
     assert err.strip() == f"rslurm {command}: interrupted", err
+
+
+def test_the_control_sockets_directory_is_not_a_storage_domain(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The runtime directory is $XDG_RUNTIME_DIR/rslurm when that directory is the user's (else
+    # /tmp/rslurm-<uid>/run, beside the default local template's domains): a template over the same
+    # directory matches it, and it holds sockets, not checkpoints.
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    for d in ("rslurm", "n1", "n2"):
+        (tmp_path / d).mkdir()
+    assert local_roots(str(tmp_path / "%n"), "n1") == [str(tmp_path / "n1"), str(tmp_path / "n2")]

@@ -71,12 +71,17 @@ from ..tags import RunTags, merge, read_durable_tags, read_local_tags, tag_name_
 
 def local_roots(template: str, node: str) -> list[str]:
     """The local tier's domain directories visible from here: this node's first, then the others that
-    ``template`` matches when it contains ``%n`` (each once, by real path)."""
+    ``template`` matches when it contains ``%n`` (each once, by real path). The control sockets' directory
+    is not a domain, though the default template (``$TMPDIR/rslurm-<uid>/%n``) matches its default place
+    (``/tmp/rslurm-<uid>/run``)."""
+    from ..control.protocol import default_runtime_dir
+
     roots = [expand_local_dir(template, node)]
     if "%n" in template:
         base = os.path.abspath(os.path.expanduser(template.replace("%n", "\0")))
         pattern = "*".join(glob.escape(p) for p in base.split("\0"))
-        roots += sorted(p for p in glob.glob(pattern) if os.path.isdir(p))
+        sockets = os.path.realpath(default_runtime_dir())
+        roots += sorted(p for p in glob.glob(pattern) if os.path.isdir(p) and os.path.realpath(p) != sockets)
     seen: set[str] = set()
     out = []
     for r in roots:
