@@ -385,7 +385,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             _say(f"nothing verified: no committed steps in {where}")
         else:
             bad = sum(1 for r in reports if not r.ok)
-            _say(f"{len(checked)} copies verified, {bad} with faults ({faults} faults)")
+            n = len(checked)
+            _say(f"{n} cop{'y' if n == 1 else 'ies'} verified, {bad} with faults ({faults} fault{'' if faults == 1 else 's'})")
     return 0 if ok else 1
 
 
