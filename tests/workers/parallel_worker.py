@@ -35,12 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from worker_exit import leave
 
 from resilient_slurm import Checkpointer, init_distributed
 
@@ -245,10 +245,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Every rank's output is written and every group destroyed: leave now. In interpreter teardown, gloo's
-    # threads behind the device mesh's groups once aborted rank 0 of a finished tensor-parallel run (CI,
-    # "terminate called without an active exception" with no Python frame left, the other rank exit 0).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(main())
