@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import signal
+import stat
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -663,6 +664,34 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 1 if any(h.errors for h in found) else 0
 
 
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_picture_out(out: str, cfg: config.Settings) -> None:
+    """``report --out``: never inside a tier or a run (a typo must not replace a step's manifest), and an
+    existing file only when it is a picture (an earlier report's), else exit 2 before anything is written."""
+    from .catalog.export import check_out_of_trees
+    from .catalog.inventory import local_roots
+    from .storage.registry import parse_url
+
+    trees = [("local tier", r) for r in local_roots(cfg.local_dir or default_local_dir(), node_name(cfg.node_name))]
+    if cfg.durable and parse_url(cfg.durable)[0] == "file":
+        trees.append(("durable tier", os.path.expanduser(parse_url(cfg.durable)[1])))
+    check_out_of_trees(out, trees, flag="--out", who="rslurm report")
+    if os.path.lexists(out):
+        try:
+            fd = os.open(out, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                head = os.read(fd, len(_PNG_MAGIC)) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+            finally:
+                os.close(fd)
+        except OSError:
+            head = b""
+        if head != _PNG_MAGIC:
+            raise ConfigError(f"--out {out} exists and is not a PNG picture: rslurm report replaces only an earlier "
+                              "picture; choose another --out or remove it")
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """``rslurm report [RUN]``: the run's timeline and goodput from its events and history."""
     from .catalog.history import read_history
@@ -677,6 +706,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run or args.run_id},
                       config_path=args.config)
     root = _local_root(cfg, node_name(cfg.node_name))
+    if args.out:
+        _check_picture_out(args.out, cfg)
     run = cfg.run_id
     if not run:
         runs = list_runs(root)

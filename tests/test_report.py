@@ -124,6 +124,25 @@ def test_a_run_that_does_not_exist_exits_2_naming_its_directory(tmp_path: Path,
     assert "rslurm: error:" in err and str(tmp_path / "nvme" / "nope") in err
 
 
+def test_the_picture_never_replaces_a_file_of_a_tier_or_one_that_is_not_a_picture(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    nvme, durable = tmp_path / "nvme", tmp_path / "durable"
+    manifest = nvme / "run1" / "step_000000000001" / "manifest.json"
+    kept = durable / "run1" / "tags.json"
+    notes = tmp_path / "notes.txt"
+    for f, body in ((manifest, b'{"step": 1}'), (kept, b"{}"), (notes, b"mine")):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(body)
+    for out, says in ((manifest, "is inside the local tier"), (kept, "is inside the durable tier"),
+                      (nvme, "is inside the local tier"), (tmp_path, "holds the local tier"),
+                      (notes, "is not a PNG picture")):
+        argv = ["report", "--local-dir", str(nvme), "--durable", str(durable), "run1", "--out", str(out)]
+        assert cli.main(argv) == 2, out
+        err = capsys.readouterr().err
+        assert says in err and str(out) in err, err
+    assert manifest.read_bytes() == b'{"step": 1}' and kept.read_bytes() == b"{}" and notes.read_bytes() == b"mine"
+
+
 # --------------------------------------------------------------------------- a real run
 TOY = ["-m", "resilient_slurm.examples.train_toy", "--steps", "30", "--every-steps", "5", "--workers", "0",
        "--step-sleep", "0.05"]

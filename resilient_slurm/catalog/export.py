@@ -162,20 +162,23 @@ def not_an_export(out: str, fmt: str) -> list[str]:
     return sorted(alien)
 
 
-def check_out_of_trees(out: str, trees: Sequence[tuple[str, str]]) -> None:
+def check_out_of_trees(out: str, trees: Sequence[tuple[str, str]], *, flag: str = "OUT",
+                       who: str = "an export") -> None:
     """Refuse an ``out`` inside a tier or run tree, or one that holds one: ``trees`` are (what, path) pairs
     (each local root, a POSIX durable tier's root). Compared by real path, so a link to a tree is one too.
     An export writes its temp file next to ``out`` and, with ``--force``, replaces ``out`` whole: inside a
-    run it would delete the run's steps, tags and history. Refused with or without ``--force``."""
+    run it would delete the run's steps, tags and history. Refused with or without ``--force``. ``flag`` and
+    ``who`` name the argument and the command in the error (``rslurm report --out`` checks its picture too)."""
     real = os.path.realpath(out)
+    force = " (with or without --force)" if flag == "OUT" else ""
     for what, tree in trees:
         t = os.path.realpath(tree)
         if real == t or real.startswith(t.rstrip(os.sep) + os.sep):
-            raise ConfigError(f"OUT {out} is inside the {what} {tree}: an export never writes into a tier or a run "
-                              "(with or without --force); choose an OUT outside it")
+            raise ConfigError(f"{flag} {out} is inside the {what} {tree}: {who} never writes into a tier or a run"
+                              f"{force}; choose an {flag} outside it")
         if t.startswith(real.rstrip(os.sep) + os.sep):
-            raise ConfigError(f"OUT {out} holds the {what} {tree}: an export never replaces a tier or a run (with "
-                              "or without --force); choose an OUT outside it")
+            raise ConfigError(f"{flag} {out} holds the {what} {tree}: {who} never replaces a tier or a run"
+                              f"{force}; choose an {flag} outside it")
 
 
 def _install(tmp: str, out: str) -> None:
