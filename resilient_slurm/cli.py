@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 from . import __version__, config, diff, doctor, rehearse, submit
 from .cliargs import INSPECT_STORAGE_FLAGS
 from .cliargs import flag_settings as _flag_settings
+from .cliargs import local_root as _local_root
 from .cliargs import open_catalog as _open_catalog
 from .cliargs import step_arg as _step_arg
 from .cliargs import tag_arg as _tag_arg
 from .early_signals import release_early, trap_early
 from .errors import ConfigError, CorruptCheckpointError, ResilientSlurmError
-from .paths import default_local_dir, expand_local_dir, nearest_existing, node_name
+from .paths import default_local_dir, node_name
 from .terminal import PrintableFormatter, printable
 
 if TYPE_CHECKING:  # rich and the catalog are imported by the commands that use them (fast `rslurm launch`)
@@ -347,10 +348,26 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scratch_dir(path: str) -> str:
+    """``--scratch-dir``, absolute, once a directory can be made in it: a setting that cannot be used is exit
+    2 before anything is read, not a fault of every durable shard."""
+    import shutil
+    import tempfile
+
+    path = os.path.abspath(path)
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix="rslurm-probe-", dir=path))
+    except OSError as exc:
+        raise ConfigError(f"--scratch-dir {path}: cannot make a directory in it ({exc.strerror or exc}); give an "
+                          "existing directory you can write, with room for the largest shard") from None
+    return path
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """``rslurm verify [STEP]``: full checksum verification; exit 1 on any fault."""
     from .catalog.checks import verify_view
 
+    scratch = _scratch_dir(args.scratch_dir) if args.scratch_dir else None
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
     progress = _progress(args)
     reports: list[StepReport] = []
@@ -363,13 +380,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
             scope = [(v, False) for run in runs for v in catalog.steps(run)]
         for view, explicit in scope:
             reports += verify_view(catalog, view, args.tier, explicit=explicit, progress=progress,
-                                   scratch=args.scratch_dir)
+                                   scratch=scratch)
         where = ", ".join(catalog.roots) + (f" and {catalog.durable_url}" if catalog.durable_url else "")
-    faults = sum(len(r.faults) for r in reports)
+        errors = list(catalog.errors)  # a run directory or tier that could not be listed: a fault, unreadable
+    faults = sum(len(r.faults) for r in reports) + len(errors)
     checked = [r for r in reports if r.files_checked or r.faults]
     ok = faults == 0 and bool(checked)
     if args.json:
-        print(json.dumps({"ok": ok, "faults": faults, "reports": [r.to_json() for r in reports]}, indent=1))
+        print(json.dumps({"ok": ok, "faults": faults, "reports": [r.to_json() for r in reports], "errors": errors},
+                         indent=1))
     else:
         for r in reports:
             status = "OK" if r.ok else "CORRUPT"
@@ -386,8 +405,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             _say(f"nothing verified: no committed steps in {where}")
         else:
             bad = sum(1 for r in reports if not r.ok)
-            n = len(checked)
-            _say(f"{n} cop{'y' if n == 1 else 'ies'} verified, {bad} with faults ({faults} fault{'' if faults == 1 else 's'})")
+            copies = len(checked)
+            _say(f"{copies} cop{'y' if copies == 1 else 'ies'} verified, {bad} with faults "
+                 f"({faults} fault{'' if faults == 1 else 's'})")
+        for e in errors:
+            _say(f"rslurm verify: unreadable: {e}; nothing in it was verified", file=sys.stderr)
     return 0 if ok else 1
 
 
@@ -596,17 +618,6 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         raise
     finally:
         tier.close()
-
-
-def _local_root(cfg: config.Settings, node: str) -> str:
-    """This node's local root (``local_dir`` for ``node``); ConfigError when something other than a directory
-    is there."""
-    root = expand_local_dir(cfg.local_dir or default_local_dir(), node)
-    there = nearest_existing(root)
-    if not os.path.isdir(there):
-        raise ConfigError(f"local_dir {root} is not a directory ({there} is not one); set --local-dir/RSLURM_LOCAL_DIR "
-                          "to the node-local root the run saves in")
-    return root
 
 
 def cmd_status(args: argparse.Namespace) -> int:

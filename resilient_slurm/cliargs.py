@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import config
 from .errors import ConfigError
-from .paths import default_local_dir, node_name
+from .paths import default_local_dir, expand_local_dir, nearest_existing, node_name
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -65,8 +65,22 @@ def inspect_settings(args: argparse.Namespace) -> config.Settings:
     return config.load(given, config_path=args.config)
 
 
+def local_root(cfg: config.Settings, node: str) -> str:
+    """This node's local root (``local_dir`` for ``node``); ConfigError when something other than a directory
+    is there."""
+    import os
+
+    root = expand_local_dir(cfg.local_dir or default_local_dir(), node)
+    there = nearest_existing(root)
+    if not os.path.isdir(there):
+        raise ConfigError(f"local_dir {root} is not a directory ({there} is not one); set --local-dir/RSLURM_LOCAL_DIR "
+                          "to the node-local root the run saves in")
+    return root
+
+
 def open_catalog(args: argparse.Namespace, *, durable: bool) -> tuple[Catalog, config.Settings]:
-    """The catalog of the command's tiers; ``durable`` False leaves the durable tier closed (not read)."""
+    """The catalog of the command's tiers; ``durable`` False leaves the durable tier closed (not read). A local
+    root that is a file (or lies below one) is a ConfigError, for every command alike."""
     from .catalog import Catalog
 
     cfg = inspect_settings(args)
@@ -74,6 +88,7 @@ def open_catalog(args: argparse.Namespace, *, durable: bool) -> tuple[Catalog, c
         raise ConfigError("--tier durable: no durable tier; give --durable URL or set RSLURM_DURABLE")
     template = cfg.local_dir or default_local_dir()
     node = node_name(cfg.node_name)
+    local_root(cfg, node)
     if not durable:
         return Catalog(template, node, None), cfg
     return Catalog.open(cfg, local_template=template, node=node), cfg

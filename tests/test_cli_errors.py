@@ -41,3 +41,26 @@ def test_the_control_sockets_directory_is_not_a_storage_domain(tmp_path: Path,
     for d in ("rslurm", "n1", "n2"):
         (tmp_path / d).mkdir()
     assert local_roots(str(tmp_path / "%n"), "n1") == [str(tmp_path / "n1"), str(tmp_path / "n2")]
+
+
+def test_settings_that_cannot_be_used_are_exit_2_not_a_fault_in_the_data(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    a_file = tmp_path / "afile"
+    a_file.write_text("not a directory")
+    (tmp_path / "nvme" / "run1").mkdir(parents=True)
+    nvme = str(tmp_path / "nvme")
+    cases = [
+        (["verify", "--local-dir", nvme, "--scratch-dir", str(tmp_path / "none")], "--scratch-dir"),
+        (["verify", "--local-dir", nvme, "--scratch-dir", str(a_file)], "--scratch-dir"),
+        (["verify", "--local-dir", str(a_file)], "is not a directory"),
+        (["gc", "--dry-run", "--local-dir", str(a_file)], "is not a directory"),
+        (["gc", "--local-dir", str(a_file / "below")], "is not a directory"),
+        (["show", "--local-dir", nvme, "--run-id", "run2"], "no run 'run2'"),
+        (["verify", "3", "--local-dir", nvme, "--run-id", "run2"], "no run 'run2'"),
+        (["tag", "3", "best", "--local-dir", nvme, "--run-id", "run2"], "no run 'run2'"),
+    ]
+    for argv, says in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, (argv, err)
+    assert a_file.read_text() == "not a directory"

@@ -309,9 +309,10 @@ class Catalog:
 
     def resolve_run(self, run_id: str | None) -> str:
         """The run a single-step command works on: ``run_id`` if given; else this Slurm job's if it has
-        checkpoints; else the only run there is. Raises ConfigError naming the runs otherwise."""
+        checkpoints; else the only run there is. Raises ConfigError naming the runs otherwise (also for a
+        ``run_id`` no tier has: :meth:`given_run`)."""
         if run_id:
-            return run_id
+            return self.given_run(run_id)
         runs = self.runs()
         job = default_run_id()
         if job in runs:
