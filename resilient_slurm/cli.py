@@ -20,6 +20,7 @@ if __name__ == "__main__":
         trap_early()
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -118,8 +119,12 @@ def _ranks(ranks: Sequence[int]) -> str:
 def _console() -> Console:
     from rich.console import Console
 
+    class Piped(Console):
+        def on_broken_pipe(self) -> None:  # rich would exit 1 ("a fault in the data"): main() ends it as SIGPIPE
+            raise BrokenPipeError
+
     # Piped output keeps whole lines (no wrapping at 80 columns): scripts and logs read it.
-    return Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS") or 240))
+    return Piped() if sys.stdout.isatty() else Piped(width=int(os.environ.get("COLUMNS") or 240))
 
 
 def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[str] = ()) -> Table:
@@ -989,6 +994,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what a command writes is published whole or not at all
         _say(f"rslurm {args.command}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    except BrokenPipeError:  # `rslurm ls | head`: the reader went away; end as a tool killed by SIGPIPE does
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail too
+        return 128 + signal.SIGPIPE
 
 
 def rsrun_main() -> int:

@@ -78,6 +78,20 @@ def test_a_run_no_tier_has_is_an_error_naming_the_runs_there(tmp_path: Path) -> 
     assert r.returncode == 0 and "(no checkpoints)" in r.stdout, r.stderr
 
 
+@pytest.mark.parametrize("argv", [["ls"], ["ls", "--json"], ["show", "2"], ["verify"]])
+def test_a_reader_that_goes_away_ends_the_command_as_sigpipe_does(tmp_path: Path, argv: list[str]) -> None:
+    """``rslurm ls | head -1``: exit 141 (128 + SIGPIPE, as a tool killed by it), nothing on stderr; not exit 1,
+    which says the data has a fault."""
+    _make(tmp_path)
+    p = subprocess.Popen([sys.executable, "-m", "resilient_slurm.cli", *argv, "--local-dir", str(tmp_path),
+                          "--run-id", "cli"], env=clean_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # gone before the first line is written
+    err = p.stderr.read().decode()
+    assert p.wait(120) == 141 and err == "", err
+
+
 def test_cli_and_launcher_do_not_import_torch() -> None:
     """`rslurm launch` is a small process on the batch host: it must not pay torch's import (seconds on a
     busy node) nor its memory; only `show`, `verify`, `export`, `demo` and the ranks need torch."""
