@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -125,8 +126,8 @@ def build_context(args: argparse.Namespace, env: Mapping[str, str] | None = None
         raise ConfigError(f"rslurm doctor: unexpected argument {extra[0]!r}; sbatch options go after -- "
                           "(rslurm doctor --script job.sh -- --signal=B:USR1@120)")
     extra = extra[1:]
-    if args.signal_timeout <= 0:
-        raise ConfigError(f"--signal-timeout {args.signal_timeout:g}: must be > 0 seconds")
+    if not math.isfinite(args.signal_timeout) or args.signal_timeout <= 0:
+        raise ConfigError(f"--signal-timeout {args.signal_timeout:g}: must be a finite number of seconds > 0")
     options = DoctorOptions(script=args.script, job_id=args.job, sbatch_args=tuple(extra), nccl=args.nccl,
                             bandwidth_size=args.bandwidth_size, checkpoint_size=args.checkpoint_size,
                             signal_timeout=args.signal_timeout, skip=_skips(args.skip))
