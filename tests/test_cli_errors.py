@@ -69,5 +69,5 @@ def test_settings_that_cannot_be_used_are_exit_2_not_a_fault_in_the_data(tmp_pat
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1"])
 def test_doctor_refuses_a_signal_timeout_that_is_not_a_finite_positive_number(
         value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["doctor", "--signal-timeout", value]) == 2
+    assert cli.main(["doctor", f"--signal-timeout={value}"]) == 2
     assert "--signal-timeout" in capsys.readouterr().err
