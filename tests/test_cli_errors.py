@@ -71,3 +71,22 @@ def test_doctor_refuses_a_signal_timeout_that_is_not_a_finite_positive_number(
         value: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["doctor", f"--signal-timeout={value}"]) == 2
     assert "--signal-timeout" in capsys.readouterr().err
+
+
+def test_status_with_a_durable_tier_it_cannot_list_says_unknown_and_exits_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import torch
+
+    from resilient_slurm import Checkpointer
+
+    nvme, not_a_dir = tmp_path / "nvme", tmp_path / "durable-file"
+    not_a_dir.write_text("a file where the durable tier goes")
+    with Checkpointer(local_dir=str(nvme), run_id="r1") as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    assert cli.main(["status", "--json", "--local-dir", str(nvme), "--durable", str(not_a_dir)]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    # Not "-" (absent) and no drain lag: with nothing known to be durable, every step's age would be its lag.
+    assert [(r["step"], r["durable"]) for r in doc["steps"]] == [(1, "?")] and doc["drain_lag_s"] == {}, doc
+    assert any(str(not_a_dir) in e for e in doc["errors"]), doc["errors"]

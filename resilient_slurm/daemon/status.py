@@ -68,6 +68,7 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
             tier = open_durable(cfg, upload_cap=False, create=False)
         except ResilientSlurmError as exc:
             errors.append(f"durable tier {cfg.durable}: {exc}")
+    unknown = "?" if cfg.durable and tier is None else "-"  # a durable tier that could not be opened
     rows: list[dict[str, Any]] = []
     lags: dict[str, float] = {}
     histories: dict[str, Any] = {}
@@ -90,7 +91,8 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
 
             def row(step: int, by_step: dict[int, dict[str, Any]] = by_step, run: str = run) -> dict[str, Any]:
                 return by_step.setdefault(step, {"run_id": run, "step": step, "local": "-", "drain": None,
-                                                 "durable": "-", "reason": None, "bytes": None, "created_at": None})
+                                                 "durable": unknown, "reason": None, "bytes": None,
+                                                 "created_at": None})
 
             for s in local:
                 if s.run_id == run:
@@ -101,6 +103,7 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
                 if by_step.get(step, {}).get("local") != "committed":
                     row(step)["local"] = "in_progress"
             durable: list[int] = []
+            listed = tier is not None
             if tier is not None:
                 try:
                     durable = durable_steps(tier, run)
@@ -112,6 +115,10 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
                         r["durable"] = f"partial {len(marks)}/{n}"
                 except ResilientSlurmError as exc:
                     errors.append(f"durable tier {tier.url}, run {run}: {exc}")
+                    listed = False  # what is durable is unknown: "?", and no drain lag (every step would count)
+                    for r in by_step.values():
+                        if r["durable"] == "-":
+                            r["durable"] = "?"
             for step, r in by_step.items():
                 d = dstate.get((run, step))
                 if d is not None and d.get("created_at") == r.get("created_at"):
@@ -124,7 +131,7 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
                         r["next_retry_at"] = d["next_retry_at"]
                     if d.get("throughput"):
                         r["drain_mib_s"] = round(d["throughput"] / 2**20, 1)
-            if tier is not None:
+            if listed:
                 lags[run] = drain_lag([(r["step"], r["created_at"]) for r in by_step.values()
                                        if r["local"] == "committed" and r["created_at"]], durable, now)[0]
             rows.extend(by_step[s] for s in sorted(by_step))
