@@ -637,7 +637,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
     else:
         _say(format_status(report))
-    return 2 if report["errors"] else 0  # a store that could not be read (named): as ls
+    return 2 if report["unreachable"] else 0  # a tier that could not be listed (named): as ls
 
 
 def cmd_history(args: argparse.Namespace) -> int:

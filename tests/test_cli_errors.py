@@ -89,4 +89,21 @@ def test_status_with_a_durable_tier_it_cannot_list_says_unknown_and_exits_2(
     doc = json.loads(capsys.readouterr().out)
     # Not "-" (absent) and no drain lag: with nothing known to be durable, every step's age would be its lag.
     assert [(r["step"], r["durable"]) for r in doc["steps"]] == [(1, "?")] and doc["drain_lag_s"] == {}, doc
-    assert any(str(not_a_dir) in e for e in doc["errors"]), doc["errors"]
+    assert any(str(not_a_dir) in e for e in doc["unreachable"]) and doc["unreachable"] == doc["errors"], doc
+
+
+def test_a_run_named_link_is_named_by_every_command_that_lists_the_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    nvme = tmp_path / "nvme"
+    (nvme / "real").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere" / "runA"
+    (elsewhere / "step_000000000001").mkdir(parents=True)
+    (nvme / "runA").symlink_to(elsewhere)
+    for argv, code in ((["gc", "--dry-run", "--json"], 1), (["ls", "--json"], 2), (["runs", "--json"], 2),
+                       (["verify", "--json"], 1)):
+        assert cli.main([*argv, "--local-dir", str(nvme)]) == code, argv
+        doc = json.loads(capsys.readouterr().out)
+        assert any("runA" in e and "symbolic link" in e for e in doc["errors"]), (argv, doc["errors"])
+    assert (elsewhere / "step_000000000001").is_dir()

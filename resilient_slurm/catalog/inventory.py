@@ -267,13 +267,24 @@ class Catalog:
 
     # ------------------------------------------------------------------ runs
     def local_runs(self) -> list[str]:
-        """Runs with a directory in some local domain root."""
+        """Runs with a directory in some local domain root. A run-named symbolic link there is not one (never
+        followed) and is recorded in :attr:`errors`, as when its run is asked for by name."""
         runs: set[str] = set()
         for root in self.roots:
             try:
                 runs |= set(list_runs(root))
+                with os.scandir(root) as it:
+                    links = sorted(e.name for e in it if e.is_symlink() and id_problem("run id", e.name) is None)
+            except FileNotFoundError:
+                continue
             except OSError as exc:
                 self.errors.append(f"local tier {root}: cannot list it: {exc.strerror}")
+                continue
+            for n in links:
+                e = (f"local tier {os.path.join(root, n)}: a symbolic link, not a run directory: not read (links "
+                     "are never followed)")
+                if e not in self.errors:  # the runs are listed more than once by some commands
+                    self.errors.append(e)
         return sorted(runs)
 
     def durable_runs(self) -> list[str]:

@@ -55,11 +55,12 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
     dstate = {(s["run_id"], s["step"]): s for s in (daemon or {}).get("steps", [])}
     runs = sorted({s.run_id for s in local} | ({run_id} if run_id else set()))
     errors: list[str] = []
+    unreachable: list[str] = []  # a tier that could not be listed (exit 2); ``errors`` also has damaged files
     if not run_id:
         try:
             runs = sorted(set(runs) | set(list_runs(root)))
         except OSError as exc:
-            errors.append(f"local tier {root}: cannot list it: {exc.strerror}")
+            unreachable.append(f"local tier {root}: cannot list it: {exc.strerror}")
     tier = None
     if cfg.durable:
         from ..storage import open_durable
@@ -67,7 +68,7 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
         try:
             tier = open_durable(cfg, upload_cap=False, create=False)
         except ResilientSlurmError as exc:
-            errors.append(f"durable tier {cfg.durable}: {exc}")
+            unreachable.append(f"durable tier {cfg.durable}: {exc}")
     unknown = "?" if cfg.durable and tier is None else "-"  # a durable tier that could not be opened
     rows: list[dict[str, Any]] = []
     lags: dict[str, float] = {}
@@ -114,7 +115,7 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
                         n = r.get("domains") or "?"
                         r["durable"] = f"partial {len(marks)}/{n}"
                 except ResilientSlurmError as exc:
-                    errors.append(f"durable tier {tier.url}, run {run}: {exc}")
+                    unreachable.append(f"durable tier {tier.url}, run {run}: {exc}")
                     listed = False  # what is durable is unknown: "?", and no drain lag (every step would count)
                     for r in by_step.values():
                         if r["durable"] == "-":
@@ -141,7 +142,7 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
     return {"local_root": root, "durable": cfg.durable, "daemon": {
         "running": alive, "pid": (daemon or {}).get("pid"), "updated_at": (daemon or {}).get("updated_at"),
         "current": (daemon or {}).get("current")}, "drain_lag_s": lags, "steps": rows, "history": histories,
-        "stragglers": stragglers, "replicas": replicas, "errors": errors}
+        "stragglers": stragglers, "replicas": replicas, "errors": unreachable + errors, "unreachable": unreachable}
 
 
 def _size(n: int | None) -> str:
