@@ -89,7 +89,7 @@ def test_status_with_a_durable_tier_it_cannot_list_says_unknown_and_exits_2(
     doc = json.loads(capsys.readouterr().out)
     # Not "-" (absent) and no drain lag: with nothing known to be durable, every step's age would be its lag.
     assert [(r["step"], r["durable"]) for r in doc["steps"]] == [(1, "?")] and doc["drain_lag_s"] == {}, doc
-    assert any(str(not_a_dir) in e for e in doc["unreachable"]) and doc["unreachable"] == doc["errors"], doc
+    assert any(str(not_a_dir) in e for e in doc["unreachable"]) and set(doc["unreachable"]) <= set(doc["errors"]), doc
 
 
 def test_a_run_named_link_is_named_by_every_command_that_lists_the_runs(
