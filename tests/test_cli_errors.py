@@ -107,3 +107,26 @@ def test_a_run_named_link_is_named_by_every_command_that_lists_the_runs(
         doc = json.loads(capsys.readouterr().out)
         assert any("runA" in e and "symbolic link" in e for e in doc["errors"]), (argv, doc["errors"])
     assert (elsewhere / "step_000000000001").is_dir()
+
+
+def test_verify_names_a_local_copy_that_is_wrong_when_the_durable_copy_is_sound(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import torch
+
+    from resilient_slurm import Checkpointer
+
+    nvme, durable = tmp_path / "nvme", tmp_path / "durable"
+    monkeypatch.setenv("RSLURM_NODE_NAME", "n1")
+    with Checkpointer(local_dir=str(nvme / "%n"), run_id="r1") as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    flags = ["--local-dir", str(nvme / "%n"), "--durable", str(durable)]
+    assert cli.main(["daemon", "--once", *flags]) == 0
+    capsys.readouterr()
+    manifest = nvme / "n1" / "r1" / "step_000000000001" / "manifest.json"
+    manifest.write_text("not json")
+    for argv in (["verify"], ["verify", "1"]):
+        assert cli.main([*argv, "--json", *flags]) == 1, argv
+        doc = json.loads(capsys.readouterr().out)
+        assert {r["tier"]: r["ok"] for r in doc["reports"]} == {"durable": True, "local": False}, doc

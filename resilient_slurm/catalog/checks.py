@@ -77,6 +77,8 @@ def verify_view(catalog: Catalog, view: StepView, tier: str, *, explicit: bool, 
             local()
         elif dstate in ("durable", "invalid"):
             durable()
+            if lstate == "invalid":  # a copy that is here and wrong is a fault, whatever the durable copy is
+                local()
         elif view.local:
             local()
         elif dstate == "partial":
