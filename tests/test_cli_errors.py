@@ -130,3 +130,23 @@ def test_verify_names_a_local_copy_that_is_wrong_when_the_durable_copy_is_sound(
         assert cli.main([*argv, "--json", *flags]) == 1, argv
         doc = json.loads(capsys.readouterr().out)
         assert {r["tier"]: r["ok"] for r in doc["reports"]} == {"durable": True, "local": False}, doc
+
+
+def test_verify_names_a_step_named_link_and_never_reads_through_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import torch
+
+    from resilient_slurm import Checkpointer
+
+    nvme = tmp_path / "nvme"
+    with Checkpointer(local_dir=str(nvme), run_id="r1", keep_last=5) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    run = nvme / "r1"
+    (run / "step_000000000050").symlink_to(run / "step_000000000001")
+    assert cli.main(["verify", "--json", "--local-dir", str(nvme)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    link = [r for r in doc["reports"] if r["where"].endswith("step_000000000050")]
+    assert len(link) == 1 and not link[0]["ok"] and link[0]["bytes_checked"] == 0, doc
+    assert "symbolic link" in json.dumps(link[0]) and [r["step"] for r in doc["reports"] if r["ok"]] == [1], doc

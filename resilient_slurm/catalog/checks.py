@@ -22,6 +22,8 @@ the durable tier); a copy that is here and wrong always is.
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -40,6 +42,14 @@ def _fault(view: StepView, tier: str, where: str, problem: str) -> StepReport:
                       faults=[Fault(where, problem, kind=MISSING)])
 
 
+def _real_dir(path: str) -> bool:
+    """Whether ``path`` is a directory itself (not a link to one)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def verify_view(catalog: Catalog, view: StepView, tier: str, *, explicit: bool, progress: ProgressFactory,
                 scratch: str | None = None, threads: int = 4) -> list[StepReport]:
     """Verify the copies of ``view`` that ``tier`` selects (see the module docstring)."""
@@ -52,6 +62,9 @@ def verify_view(catalog: Catalog, view: StepView, tier: str, *, explicit: bool, 
 
     def local() -> None:
         for c in view.local:
+            if c.manifest is None and c.problem and not _real_dir(c.path):
+                out.append(_fault(view, "local", c.path, c.problem))  # a link or a file: named, never read
+                continue
             with progress(f"verify {what} local {c.domain or c.path}", c.bytes) as adv:
                 rep = verify_step_dir(c.path, run_id=view.run_id, step=view.step, threads=threads, progress=adv)
             out.append(rep)
