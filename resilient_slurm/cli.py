@@ -628,8 +628,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from .daemon.status import collect_status, format_status
 
-    cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run_id},
-                      config_path=args.config)
+    cfg = config.load({**_flag_settings(args, ("storage",)), "local_dir": args.local_dir, "durable": args.durable,
+                       "run_id": args.run_id}, config_path=args.config)
     node = node_name(cfg.node_name)
     root = _local_root(cfg, node)
     report = collect_status(root, cfg, run_id=cfg.run_id)
@@ -647,8 +647,8 @@ def cmd_history(args: argparse.Namespace) -> int:
     from .paths import id_problem
     from .storage import open_durable
 
-    cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run_id},
-                      config_path=args.config)
+    cfg = config.load({**_flag_settings(args, ("storage",)), "local_dir": args.local_dir, "durable": args.durable,
+                       "run_id": args.run_id}, config_path=args.config)
     root = _local_root(cfg, node_name(cfg.node_name))
     tier = open_durable(cfg, upload_cap=False, create=False) if cfg.durable else None
     try:
@@ -719,8 +719,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if args.run and args.run_id and args.run != args.run_id:
         raise ConfigError(f"two runs given: RUN {args.run!r} and --run-id {args.run_id!r}; give one")
-    cfg = config.load({"local_dir": args.local_dir, "durable": args.durable, "run_id": args.run or args.run_id},
-                      config_path=args.config)
+    cfg = config.load({**_flag_settings(args, ("storage",)), "local_dir": args.local_dir, "durable": args.durable,
+                       "run_id": args.run or args.run_id}, config_path=args.config)
     root = _local_root(cfg, node_name(cfg.node_name))
     if args.out:
         _check_picture_out(args.out, cfg)
@@ -804,11 +804,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "this job's run, else the only run)")
         sp.add_argument("--tier", choices=tiers, default=default_tier, help=f"which tier (default: {default_tier})")
         sp.add_argument("--json", action="store_true", help="one JSON document on stdout (no tables, no progress)")
+        storage_flags(sp)
+        return sp
+
+    def storage_flags(sp: argparse.ArgumentParser) -> None:
+        """The durable tier's connection settings as flags, for every command that reads the tier."""
         for n in INSPECT_STORAGE_FLAGS:
             st = config.SETTINGS[n]
             sp.add_argument(f"--{n.replace('_', '-')}", dest=f"set_{n}", default=None, metavar="V",
                             help=f"{st.help} ({st.env})".replace("%", "%%"))
-        return sp
 
     sp = inspect("ls", "list runs and steps with their state in each tier",
                  "List every run and step in the local tier (every storage domain directory visible here) and the "
@@ -926,6 +930,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the drain lag")
     common(sp)
     sp.add_argument("--durable", default=None, help="durable tier URL (RSLURM_DURABLE)")
+    storage_flags(sp)
     sp.set_defaults(func=cmd_status)
     sp = sub.add_parser("history", help="every incarnation of a run: how it ended (preempted, time limit, hang, "
                         "out of memory, ...) and the evidence",
@@ -937,6 +942,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "Exit codes: 0 ok, 1 a history file is unreadable, 2 bad usage or settings.")
     common(sp)
     sp.add_argument("--durable", default=None, help="durable tier URL (RSLURM_DURABLE)")
+    storage_flags(sp)
     sp.set_defaults(func=cmd_history)
     sp = sub.add_parser("report", help="a picture of a run: its incarnations, saves, restores, drains and goodput",
                         description="The run's timeline from its event log and history: every incarnation and run "
@@ -949,6 +955,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--durable", default=None, help="durable tier URL, for the history's copy there (RSLURM_DURABLE)")
     sp.add_argument("--out", default=None, metavar="PNG", help="also draw the report to this PNG file")
+    storage_flags(sp)
     sp.set_defaults(func=cmd_report)
     sp = sub.add_parser("health", help="this node's health checks, as the launcher runs them on every node before "
                         "each launch", description="The checks `rslurm launch` runs on every node before it starts "

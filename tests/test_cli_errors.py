@@ -150,3 +150,14 @@ def test_verify_names_a_step_named_link_and_never_reads_through_it(
     link = [r for r in doc["reports"] if r["where"].endswith("step_000000000050")]
     assert len(link) == 1 and not link[0]["ok"] and link[0]["bytes_checked"] == 0, doc
     assert "symbolic link" in json.dumps(link[0]) and [r["step"] for r in doc["reports"] if r["ok"]] == [1], doc
+
+
+@pytest.mark.parametrize("command", ["status", "history", "report"])
+def test_every_command_that_reads_the_durable_tier_takes_its_connection_flags(
+        command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "r1").mkdir()
+    argv = [command, "--local-dir", str(tmp_path), "--run-id", "r1"]
+    assert cli.main([*argv, "--s3-max-attempts", "many"]) == 2  # parsed and checked like RSLURM_S3_MAX_ATTEMPTS
+    assert "--s3-max-attempts='many'" in capsys.readouterr().err
+    assert cli.main([*argv, "--s3-max-attempts", "2", "--s3-region", "eu-west-1",
+                     "--s3-endpoint-url", "http://127.0.0.1:9"]) == 0
