@@ -219,6 +219,17 @@ class StepTagged(Exception):  # noqa: N818 -- an expected outcome, not an error
     """:func:`delete_step` or :func:`delete_durable_step` found the step tagged: it is never deleted."""
 
 
+def run_links(root: str) -> list[str]:
+    """The names of symbolic links under a local root that are named like runs, sorted: never followed, so
+    never runs (:func:`list_runs` leaves them out); the commands that list runs name them. Empty when ``root``
+    does not exist; OSError when it cannot be listed."""
+    try:
+        with os.scandir(root) as it:
+            return sorted(e.name for e in it if e.is_symlink() and id_problem("run id", e.name) is None)
+    except FileNotFoundError:
+        return []
+
+
 def delete_step(run_dir: str, step: int, kind: TempKind, tag: str | None = None) -> bool:
     """Delete the committed ``step`` of ``run_dir``: the one deletion protocol of the local tier.
 
@@ -480,6 +491,6 @@ def delete_durable_step(tier: StorageTier, run_id: str, step: int) -> None:
     tier.delete_prefix(durable_step_key(run_id, step))
 
 
-__all__ = ["WRITER_ENV", "WRITER_FILE", "RunClaim", "RunInUseError", "RunWriter", "claim_run", "REPLICAS_DIRNAME", "TAGS_LOCK_WAIT_S", "RunListing", "StepBusy", "StepTagged", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir",
+__all__ = ["WRITER_ENV", "WRITER_FILE", "RunClaim", "RunInUseError", "RunWriter", "claim_run", "REPLICAS_DIRNAME", "TAGS_LOCK_WAIT_S", "RunListing", "StepBusy", "StepTagged", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir", "run_links",
            "list_replicas", "list_runs",
            "parse_temp_dirname", "replica_run_dir", "temp_dirname", "valid_domain_name"]

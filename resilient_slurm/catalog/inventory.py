@@ -51,7 +51,7 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
-from ..layout import RunListing, TempKind, list_replicas, list_run_dir, list_runs
+from ..layout import RunListing, TempKind, list_replicas, list_run_dir, list_runs, run_links
 from ..manifest import (
     DOMAINS_DIR,
     MANIFEST_NAME,
@@ -273,10 +273,7 @@ class Catalog:
         for root in self.roots:
             try:
                 runs |= set(list_runs(root))
-                with os.scandir(root) as it:
-                    links = sorted(e.name for e in it if e.is_symlink() and id_problem("run id", e.name) is None)
-            except FileNotFoundError:
-                continue
+                links = run_links(root)
             except OSError as exc:
                 self.errors.append(f"local tier {root}: cannot list it: {exc.strerror}")
                 continue
