@@ -199,7 +199,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
     now = time.time()
     with catalog:
-        runs = [catalog.given_run(cfg.run_id)] if cfg.run_id else catalog.runs(strict=False)
+        strict = args.run_id is not None  # typed: a misspelt one is an error
+        runs = [catalog.given_run(cfg.run_id, strict=strict)] if cfg.run_id else catalog.runs(strict=False)
         rows = []
         replicas = []
         for run in runs:
@@ -267,7 +268,7 @@ def _replica_rows(replicas: Sequence[dict[str, Any]]) -> list[list[Any]]:
 
 
 def _pick_step(catalog: Catalog, args: argparse.Namespace, cfg: config.Settings) -> StepView:
-    run = catalog.resolve_run(cfg.run_id)
+    run = catalog.resolve_run(cfg.run_id, strict=args.run_id is not None)
     if args.step is not None:
         return catalog.step(run, args.step)
     views = [v for v in catalog.steps(run) if v.manifest is not None]
@@ -378,16 +379,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reports: list[StepReport] = []
     with catalog:
         if args.step is not None:
-            run = catalog.resolve_run(cfg.run_id)
+            run = catalog.resolve_run(cfg.run_id, strict=args.run_id is not None)
             scope = [(catalog.step(run, args.step), True)]
         else:
-            runs = [catalog.given_run(cfg.run_id)] if cfg.run_id else catalog.runs()
+            strict = args.run_id is not None
+            runs = [catalog.given_run(cfg.run_id, strict=strict)] if cfg.run_id else catalog.runs()
             scope = [(v, False) for run in runs for v in catalog.steps(run)]
         for view, explicit in scope:
             reports += verify_view(catalog, view, args.tier, explicit=explicit, progress=progress,
                                    scratch=scratch)
         where = ", ".join(catalog.roots) + (f" and {catalog.durable_url}" if catalog.durable_url else "")
-        errors = list(catalog.errors)  # a run directory or tier that could not be listed: a fault, unreadable
+        # A run directory or tier that could not be listed: a fault, unreadable (of the tiers verified).
+        tiers = {"local": ("local tier",), "durable": ("durable tier",)}.get(args.tier, ("local tier", "durable tier"))
+        errors = [e for e in catalog.errors if e.startswith(tiers)]
     faults = sum(len(r.faults) for r in reports) + len(errors)
     checked = [r for r in reports if r.files_checked or r.faults]
     ok = faults == 0 and bool(checked)
@@ -410,9 +414,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             _say(f"nothing verified: no committed steps in {where}")
         else:
             bad = sum(1 for r in reports if not r.ok)
-            copies = len(checked)
+            copies, in_copies = len(checked), faults - len(errors)
             _say(f"{copies} cop{'y' if copies == 1 else 'ies'} verified, {bad} with faults "
-                 f"({faults} fault{'' if faults == 1 else 's'})")
+                 f"({in_copies} fault{'' if in_copies == 1 else 's'})"
+                 + (f"; {len(errors)} unreadable (below)" if errors else ""))
         for e in errors:
             _say(f"rslurm verify: unreadable: {e}; nothing in it was verified", file=sys.stderr)
     return 0 if ok else 1
@@ -429,7 +434,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     tiers = ("local", "durable") if args.tier == "all" else (args.tier,)
     with catalog:
         if cfg.run_id:
-            catalog.given_run(cfg.run_id)
+            catalog.given_run(cfg.run_id, strict=args.run_id is not None)
         actions = plan_gc(catalog, policy, tiers=tiers, run_id=cfg.run_id,
                           stale_after=args.stale_after)
         if not args.dry_run:
@@ -486,7 +491,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         for path in output_paths(args.out, args.format):  # OUT and its config: before anything is read or written
             check_out_of_trees(path, trees)
         out = check_out(args.out, force=args.force, fmt=args.format)
-        run = catalog.resolve_run(cfg.run_id)
+        run = catalog.resolve_run(cfg.run_id, strict=args.run_id is not None)
         view = catalog.step(run, args.step)
         tier = catalog.choose_tier(view, args.tier)
         src = open_source(catalog, view, tier, scratch=os.path.dirname(out))
@@ -523,7 +528,7 @@ def cmd_tag(args: argparse.Namespace) -> int:
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
     tiers = ("local", "durable") if args.tier == "all" else (args.tier,)
     with catalog:
-        run = catalog.resolve_run(cfg.run_id)
+        run = catalog.resolve_run(cfg.run_id, strict=args.run_id is not None)
         step = catalog.resolve_step(run, args.step)
         change = change_tag(catalog, run, step, args.name, remove=remove, tiers=tiers)
     if args.json:
@@ -546,7 +551,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     now = time.time()
     with catalog:
         if cfg.run_id:
-            runs = [catalog.given_run(cfg.run_id)]
+            runs = [catalog.given_run(cfg.run_id, strict=args.run_id is not None)]
         elif args.tier == "durable":
             try:
                 runs = catalog.durable_runs()
@@ -641,8 +646,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
+    from .catalog import Catalog
     from .catalog.history import format_history, history_rows, read_history
-    from .errors import StorageError
     from .layout import list_runs
     from .paths import id_problem
     from .storage import open_durable
@@ -652,21 +657,18 @@ def cmd_history(args: argparse.Namespace) -> int:
     root = _local_root(cfg, node_name(cfg.node_name))
     tier = open_durable(cfg, upload_cap=False, create=False) if cfg.durable else None
     try:
-        try:
-            runs = list_runs(root)
-            if tier is not None:
-                runs = sorted(set(runs) | {n for n in tier.list_dirs("") if id_problem("run id", n) is None})
-        except (OSError, StorageError):
-            if not cfg.run_id:
-                raise
-            runs = [cfg.run_id]  # a tier that cannot be listed cannot say whether the run is there: read it
         if cfg.run_id:
-            if cfg.run_id not in runs:
-                where = root + (f" or {cfg.durable}" if cfg.durable else "")
-                there = f"the runs there: {', '.join(runs)}" if runs else "there are no runs there"
-                raise ConfigError(f"no run {cfg.run_id!r} in {where} ({there}); give the run id the program saved "
-                                  "under (--run-id / RSLURM_RUN_ID), and --local-dir/--durable where it saved")
+            if args.run_id is not None:  # typed: a misspelt one is an error, as for ls (Catalog.given_run)
+                Catalog(cfg.local_dir or default_local_dir(), node_name(cfg.node_name), tier).given_run(cfg.run_id)
             runs = [cfg.run_id]
+        else:
+            try:
+                runs = list_runs(root)
+            except OSError as exc:
+                raise ConfigError(f"local tier {root}: cannot list it ({exc.strerror}); set --local-dir/"
+                                  "RSLURM_LOCAL_DIR to a root you can read, or give --run-id") from None
+            if tier is not None:  # a StorageError names the tier (exit 2)
+                runs = sorted(set(runs) | {n for n in tier.list_dirs("") if id_problem("run id", n) is None})
         found = [read_history(root, run, tier) for run in runs]
     finally:
         if tier is not None:
@@ -726,7 +728,11 @@ def cmd_report(args: argparse.Namespace) -> int:
         _check_picture_out(args.out, cfg)
     run = cfg.run_id
     if not run:
-        runs = list_runs(root)
+        try:
+            runs = list_runs(root)
+        except OSError as exc:
+            raise ConfigError(f"local tier {root}: cannot list it ({exc.strerror}); set --local-dir/RSLURM_LOCAL_DIR "
+                              "to a root you can read, or name the run: rslurm report RUN") from None
         job = default_run_id()
         if job in runs:
             run = job

@@ -41,7 +41,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     facts = []
     with catalog:
         for run_id, step in (args.a, args.b):
-            run = catalog.resolve_run(run_id or cfg.run_id)
+            run = catalog.resolve_run(run_id or cfg.run_id, strict=bool(run_id) or args.run_id is not None)
             view = catalog.step(run, step)
             if view.manifest is None:
                 raise CorruptCheckpointError(f"run {run} step {view.step} has no readable manifest; "

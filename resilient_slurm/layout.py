@@ -147,6 +147,9 @@ class RunListing:
         return [t for t in self.temps if not t.kind.deleting]
 
 
+RUN_LINK = "a symbolic link where a run directory goes; rslurm does not follow it"  # why one is not listed
+
+
 def list_run_dir(run_dir: str) -> RunListing:
     """The committed steps and temp directories of ``run_dir`` (empty when it does not exist or is not a
     directory). Entries named like steps that are symbolic links or files go to ``foreign``: they were
@@ -154,8 +157,7 @@ def list_run_dir(run_dir: str) -> RunListing:
     out = RunListing(run_dir)
     try:
         if stat.S_ISLNK(os.lstat(run_dir).st_mode):
-            raise OSError(errno.ELOOP, "a symbolic link where a run directory goes; rslurm does not follow it",
-                          run_dir)
+            raise OSError(errno.ELOOP, RUN_LINK, run_dir)
         entries = list(os.scandir(run_dir))
     except (FileNotFoundError, NotADirectoryError):
         return out
@@ -491,6 +493,6 @@ def delete_durable_step(tier: StorageTier, run_id: str, step: int) -> None:
     tier.delete_prefix(durable_step_key(run_id, step))
 
 
-__all__ = ["WRITER_ENV", "WRITER_FILE", "RunClaim", "RunInUseError", "RunWriter", "claim_run", "REPLICAS_DIRNAME", "TAGS_LOCK_WAIT_S", "RunListing", "StepBusy", "StepTagged", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir", "run_links",
+__all__ = ["WRITER_ENV", "WRITER_FILE", "RunClaim", "RunInUseError", "RunWriter", "claim_run", "REPLICAS_DIRNAME", "TAGS_LOCK_WAIT_S", "RunListing", "StepBusy", "StepTagged", "TempDir", "TempKind", "delete_durable_step", "delete_step", "list_run_dir", "run_links", "RUN_LINK",
            "list_replicas", "list_runs",
            "parse_temp_dirname", "replica_run_dir", "temp_dirname", "valid_domain_name"]

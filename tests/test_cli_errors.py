@@ -161,3 +161,51 @@ def test_every_command_that_reads_the_durable_tier_takes_its_connection_flags(
     assert "--s3-max-attempts='many'" in capsys.readouterr().err
     assert cli.main([*argv, "--s3-max-attempts", "2", "--s3-region", "eu-west-1",
                      "--s3-endpoint-url", "http://127.0.0.1:9"]) == 0
+
+
+def test_a_typed_run_id_is_looked_for_itself_and_an_environment_one_may_not_exist_yet(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    nvme = tmp_path / "nvme"
+    (nvme / "real").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (nvme / "current").symlink_to(tmp_path / "elsewhere")  # another run's problem, not real's
+    local = ["--local-dir", str(nvme)]
+    assert cli.main(["gc", "--dry-run", "--json", "--run-id", "real", *local]) == 0
+    assert json.loads(capsys.readouterr().out)["errors"] == []
+    assert cli.main(["ls", "--json", "--run-id", "real", *local]) == 0
+    capsys.readouterr()
+    assert cli.main(["ls", "--run-id", "typo", *local]) == 2  # the link elsewhere does not hide a misspelt id
+    assert "no run 'typo'" in capsys.readouterr().err
+    # RSLURM_RUN_ID (a job's environment names its run before the first save): nothing listed, exit 0.
+    monkeypatch.setenv("RSLURM_RUN_ID", "first-job")
+    for argv in (["ls"], ["gc", "--dry-run"], ["history"]):
+        assert cli.main([*argv, *local]) == 0, argv
+    capsys.readouterr()
+    # verify of one tier fails only on what that tier could not list.
+    monkeypatch.delenv("RSLURM_RUN_ID")
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    assert cli.main(["verify", "--json", "--tier", "durable", "--durable", str(durable), *local]) == 1
+    assert json.loads(capsys.readouterr().out)["errors"] == []  # (exit 1: nothing verified)
+
+
+def test_a_local_root_that_cannot_be_listed_is_named_without_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    nvme = tmp_path / "nvme"
+    (nvme / "r1").mkdir(parents=True)
+    real_scandir = os.scandir
+
+    def refusing(path: object = ".") -> object:
+        if os.fspath(path) == str(nvme):  # type: ignore[call-overload]
+            raise PermissionError(13, "Permission denied", str(nvme))
+        return real_scandir(path)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    for argv, code in ((["status"], 2), (["history"], 2), (["report"], 2)):
+        assert cli.main([*argv, "--local-dir", str(nvme)]) == code, argv
+        err = capsys.readouterr()
+        assert "cannot list it" in err.out + err.err and "Traceback" not in err.err, (argv, err)

@@ -51,7 +51,7 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
-from ..layout import RunListing, TempKind, list_replicas, list_run_dir, list_runs, run_links
+from ..layout import RUN_LINK, RunListing, TempKind, list_replicas, list_run_dir, list_runs, run_links
 from ..manifest import (
     DOMAINS_DIR,
     MANIFEST_NAME,
@@ -275,13 +275,10 @@ class Catalog:
                 runs |= set(list_runs(root))
                 links = run_links(root)
             except OSError as exc:
-                self.errors.append(f"local tier {root}: cannot list it: {exc.strerror}")
+                self._error(f"local tier {root}: cannot list it: {exc.strerror}")
                 continue
             for n in links:
-                e = (f"local tier {os.path.join(root, n)}: a symbolic link, not a run directory: not read (links "
-                     "are never followed)")
-                if e not in self.errors:  # the runs are listed more than once by some commands
-                    self.errors.append(e)
+                self._error(f"local tier {RunDir(root, n).path}: cannot list it: {RUN_LINK}")
         return sorted(runs)
 
     def durable_runs(self) -> list[str]:
@@ -299,28 +296,58 @@ class Catalog:
         except StorageError as exc:
             if strict:
                 raise
-            self.errors.append(f"durable tier {self.durable_url}: {exc}")
+            self._error(f"durable tier {self.durable_url}: {exc}")
         return sorted(set(self.local_runs()) | set(durable))
 
-    def given_run(self, run: str) -> str:
-        """``run``, given by the user, when a tier has it (its directory, also before its first save); else a
-        ConfigError naming the runs there (a misspelt run id is an error, never an empty listing). When a
-        tier cannot be listed nobody can say: ``run`` is returned and the listing's error is in :attr:`errors`."""
-        before = len(self.errors)
-        runs = self.runs(strict=False)
-        if run in runs or len(self.errors) > before:
-            return run
-        where = ", ".join(self.roots) + (f" or {self.durable_url}" if self.durable_url else "")
-        there = f"the runs there: {', '.join(runs)}" if runs else "there are no runs there"
-        raise ConfigError(f"no run {run!r} in {where} ({there}); give the run id the program saved under "
-                          "(--run-id / RSLURM_RUN_ID), and --local-dir/--durable where it saved")
+    def _error(self, message: str) -> None:
+        """Record what could not be read, once (a listing may be made more than once by a command)."""
+        if message not in self.errors:
+            self.errors.append(message)
 
-    def resolve_run(self, run_id: str | None) -> str:
+    def has_run(self, run: str) -> bool | None:
+        """Whether a tier this catalog reads has ``run``'s own entry (a local ``<root>/<run>``, a link too, or
+        anything under ``<run>/`` in the durable tier); None when a place that could hold it cannot be read.
+        Looks at ``run`` only: other runs' problems are not its."""
+        unknown = False
+        for root in self.roots:
+            try:
+                os.lstat(RunDir(root, run).path)
+                return True
+            except FileNotFoundError:
+                continue
+            except OSError:
+                unknown = True
+        if self.durable is not None:
+            try:
+                if self.durable.list_dirs(run) or self.durable.list_names(run):
+                    return True
+            except StorageError:
+                unknown = True  # the listing of the run's steps names the error
+        return None if unknown else False
+
+    def given_run(self, run: str, *, strict: bool = True) -> str:
+        """``run`` when a tier has it (its directory, also before its first save), or when that cannot be told;
+        else, with ``strict`` (a ``--run-id`` typed on the command line), a ConfigError naming the runs there: a
+        misspelt run id is an error, never an empty listing. Not ``strict`` (a run id from the environment or
+        the config file: a job names its run before the run's first save), ``run`` is returned."""
+        if not strict or self.has_run(run) is not False:
+            return run
+        before = list(self.errors)
+        try:
+            runs = self.runs(strict=False)  # for the message only: their problems are not this run's
+        finally:
+            self.errors[:] = before
+        where = "the local tier " + ", ".join(self.roots) + (
+            f" or the durable tier {self.durable_url}" if self.durable is not None and self.durable_url else "")
+        there = f"the runs there: {', '.join(runs)}" if runs else "there are no runs there"
+        raise ConfigError(f"no run {run!r} in {where} ({there}); check the run id (--run-id)")
+
+    def resolve_run(self, run_id: str | None, *, strict: bool = True) -> str:
         """The run a single-step command works on: ``run_id`` if given; else this Slurm job's if it has
         checkpoints; else the only run there is. Raises ConfigError naming the runs otherwise (also for a
         ``run_id`` no tier has: :meth:`given_run`)."""
         if run_id:
-            return self.given_run(run_id)
+            return self.given_run(run_id, strict=strict)
         runs = self.runs()
         job = default_run_id()
         if job in runs:
@@ -342,7 +369,7 @@ class Catalog:
             try:
                 listing = list_run_dir(run_dir)
             except OSError as exc:
-                self.errors.append(f"local tier {run_dir}: cannot list it: {exc.strerror}")
+                self._error(f"local tier {run_dir}: cannot list it: {exc.strerror}")
                 continue
             yield root, run_dir, listing
 
@@ -382,7 +409,7 @@ class Catalog:
             except StorageError as exc:
                 if strict:
                     raise
-                self.errors.append(f"durable tier {self.durable_url}, run {run}: {exc}")
+                self._error(f"durable tier {self.durable_url}, run {run}: {exc}")
                 unreadable = "the durable tier could not be read (see errors)"
         for v in views.values():
             v.durable_configured = self.durable is not None

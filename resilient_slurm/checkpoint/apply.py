@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import io
 import itertools
+import logging
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from ..errors import IncompatibleCheckpointError
 from ..storage.fileio import merged_spans as _merged
 from .planning import SafeLoadPlanner
 from .staging import framing_for
+
+log = logging.getLogger(__name__)
 
 PLACE_MIN_BYTES = 1 << 20  # smaller tensors are read with their neighbours into one buffer and copied
 # Host-to-GPU copies of at least BOUNCE_MIN_BYTES go through two pinned buffers of BOUNCE_BYTES in turn (a
@@ -92,11 +95,12 @@ def live_tensors(state: Mapping[str, Any]) -> dict[int, torch.Tensor]:
     return out
 
 
-def shared_mappings() -> list[tuple[int, int]]:
+def shared_mappings() -> list[tuple[int, int]] | None:
     """The address ranges ``[start, end)``, sorted, of this process's shared mappings (``/proc/self/maps``: a
     file mapped MAP_SHARED, as by ``numpy.memmap`` or ``torch.from_file(shared=True)``, shared anonymous
     memory, System V segments): what is written there reaches a file or another process. ``Tensor.is_shared``
-    knows only torch's own shared memory. Empty where ``/proc`` cannot be read."""
+    knows only torch's own shared memory. None where ``/proc`` cannot be read: then no memory is known to be
+    private, and nothing is read in place (:func:`place_into`)."""
     out = []
     try:
         with open("/proc/self/maps", "rb") as f:
@@ -105,8 +109,10 @@ def shared_mappings() -> list[tuple[int, int]]:
                 if perms[3:4] == b"s":
                     lo, hi = span.split(b"-")
                     out.append((int(lo, 16), int(hi, 16)))
-    except (OSError, ValueError):
-        return []
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read /proc/self/maps (%s): the restore reads every tensor into a buffer and copies it "
+                    "(no in-place reads), since it cannot tell which memory another process or a file shares", exc)
+        return None
     return out
 
 
@@ -133,15 +139,15 @@ class Placement:
 
 
 def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int,
-               live: Mapping[int, torch.Tensor], shared: list[tuple[int, int]] | None = None) -> Placement | None:
+               live: Mapping[int, torch.Tensor], shared: list[tuple[int, int]] | None) -> Placement | None:
     """How read item ``ri`` (``length`` bytes in the file) can be read straight into the tensor it restores,
     or None (it is read into a buffer and copied at apply): a stored chunk that is the whole destination, a
     contiguous CPU tensor of the same dtype and shape, of at least PLACE_MIN_BYTES, stored in our framing,
     in memory the program keeps (``live``: :func:`live_tensors`) and no other process or file sees (not
     shared memory, nor a range of ``shared``, :func:`shared_mappings`: bytes not yet verified on every rank
     must not reach another process, nor a file the program mapped)."""
-    if ri.type != LoadItemType.TENSOR or any(ri.storage_offsets) or any(ri.dest_offsets):
-        return None
+    if shared is None or ri.type != LoadItemType.TENSOR or any(ri.storage_offsets) or any(ri.dest_offsets):
+        return None  # (shared None: which memory is shared cannot be told)
     tmd = md.state_dict_metadata.get(ri.storage_index.fqn)
     if not isinstance(tmd, TensorStorageMetadata):
         return None
@@ -158,7 +164,7 @@ def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int,
         return None
     try:
         owner = live.get(int(dest.untyped_storage().data_ptr()))
-        if owner is None or dest.is_shared() or (shared and _overlaps(shared, *memory_of(dest))):
+        if owner is None or dest.is_shared() or _overlaps(shared, *memory_of(dest)):
             return None
     except RuntimeError:  # no storage of its own
         return None

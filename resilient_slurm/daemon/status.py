@@ -49,18 +49,22 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
                    now: float | None = None) -> dict[str, Any]:
     """The status report as a JSON-able dict."""
     now = time.time() if now is None else now
-    local = scan_local(root, [run_id] if run_id else None)
+    errors: list[str] = []
+    unreachable: list[str] = []  # a tier that could not be listed (exit 2); ``errors`` also has damaged files
+    def not_listed(path: str, why: str) -> None:  # a run directory that cannot be listed (else a damaged step)
+        if why.startswith("cannot list it"):
+            unreachable.append(f"local tier {path}: {why}")
+
+    try:
+        local = scan_local(root, [run_id] if run_id else None, invalid=not_listed)
+        local_runs = list_runs(root) if not run_id else []
+    except OSError as exc:
+        unreachable.append(f"local tier {root}: cannot list it: {exc.strerror}")
+        local, local_runs = [], []
     daemon = read_status(root)
     alive = daemon_running(root)
     dstate = {(s["run_id"], s["step"]): s for s in (daemon or {}).get("steps", [])}
-    runs = sorted({s.run_id for s in local} | ({run_id} if run_id else set()))
-    errors: list[str] = []
-    unreachable: list[str] = []  # a tier that could not be listed (exit 2); ``errors`` also has damaged files
-    if not run_id:
-        try:
-            runs = sorted(set(runs) | set(list_runs(root)))
-        except OSError as exc:
-            unreachable.append(f"local tier {root}: cannot list it: {exc.strerror}")
+    runs = sorted({s.run_id for s in local} | ({run_id} if run_id else set()) | set(local_runs))
     tier = None
     if cfg.durable:
         from ..storage import open_durable
