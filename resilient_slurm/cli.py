@@ -637,6 +637,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                        "run_id": args.run_id}, config_path=args.config)
     node = node_name(cfg.node_name)
     root = _local_root(cfg, node)
+    if args.run_id is not None:  # typed: a misspelt one is an error, as for every command (Catalog.given_run)
+        _typed_run_exists(cfg)
     report = collect_status(root, cfg, run_id=cfg.run_id)
     if args.json:
         print(json.dumps(report, indent=1))
@@ -645,8 +647,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 2 if report["unreachable"] else 0  # a tier that could not be listed (named): as ls
 
 
-def cmd_history(args: argparse.Namespace) -> int:
+def _typed_run_exists(cfg: config.Settings, tier: Any = None) -> None:
+    """ConfigError naming the runs there when no tier has the run typed with ``--run-id`` (``tier``: the
+    durable tier when the caller has it open; else it is opened, for reading, and closed)."""
     from .catalog import Catalog
+    from .storage import open_durable
+
+    own = tier is None and bool(cfg.durable)
+    if own:
+        tier = open_durable(cfg, upload_cap=False, create=False)
+    try:
+        Catalog(cfg.local_dir or default_local_dir(), node_name(cfg.node_name), tier,
+                durable_url=cfg.durable).given_run(str(cfg.run_id))
+    finally:
+        if own and tier is not None:
+            tier.close()
+
+
+def cmd_history(args: argparse.Namespace) -> int:
     from .catalog.history import format_history, history_rows, read_history
     from .layout import list_runs
     from .paths import id_problem
@@ -659,7 +677,7 @@ def cmd_history(args: argparse.Namespace) -> int:
     try:
         if cfg.run_id:
             if args.run_id is not None:  # typed: a misspelt one is an error, as for ls (Catalog.given_run)
-                Catalog(cfg.local_dir or default_local_dir(), node_name(cfg.node_name), tier).given_run(cfg.run_id)
+                _typed_run_exists(cfg, tier)
             runs = [cfg.run_id]
         else:
             try:

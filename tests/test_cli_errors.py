@@ -178,9 +178,12 @@ def test_a_typed_run_id_is_looked_for_itself_and_an_environment_one_may_not_exis
     capsys.readouterr()
     assert cli.main(["ls", "--run-id", "typo", *local]) == 2  # the link elsewhere does not hide a misspelt id
     assert "no run 'typo'" in capsys.readouterr().err
+    for argv in (["status"], ["history"], ["verify"], ["runs"]):
+        assert cli.main([*argv, "--run-id", "typo", *local]) == 2, argv
+        assert "no run 'typo'" in capsys.readouterr().err, argv
     # RSLURM_RUN_ID (a job's environment names its run before the first save): nothing listed, exit 0.
     monkeypatch.setenv("RSLURM_RUN_ID", "first-job")
-    for argv in (["ls"], ["gc", "--dry-run"], ["history"]):
+    for argv in (["ls"], ["gc", "--dry-run"], ["history"], ["status"]):
         assert cli.main([*argv, *local]) == 0, argv
     capsys.readouterr()
     # verify of one tier fails only on what that tier could not list.
