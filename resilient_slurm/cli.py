@@ -476,6 +476,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         output_paths,
     )
     from .catalog.source import open_source
+    from .storage import parse_url
 
     if args.only and args.format == "dcp":
         raise ConfigError("--only works with --format torch, safetensors or hf (a DCP export copies the whole step)")
@@ -483,7 +484,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError("--format hf needs exactly one --only KEY: the top-level key holding the model's "
                           "state_dict (e.g. --only model), whose tensors go to model.safetensors")
     catalog, cfg = _open_catalog(args, durable=args.tier != "local")
-    trees = _tier_trees(catalog.roots, cfg)
+    trees = [("local tier", r) for r in catalog.roots]
+    if cfg.durable and parse_url(cfg.durable)[0] == "file":
+        trees.append(("durable tier", os.path.expanduser(parse_url(cfg.durable)[1])))
     with catalog:
         for path in output_paths(args.out, args.format):  # OUT and its config: before anything is read or written
             check_out_of_trees(path, trees)
@@ -627,17 +630,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         tier.close()
 
 
-def _run_settings(args: argparse.Namespace, run_id: str | None) -> config.Settings:
-    """Settings of ``status``, ``history`` and ``report``: flags (the durable tier's connection too) >
-    RSLURM_* environment > config file > default."""
-    return config.load({**_flag_settings(args, ("storage",)), "local_dir": args.local_dir, "durable": args.durable,
-                        "run_id": run_id}, config_path=args.config)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     from .daemon.status import collect_status, format_status
 
-    cfg = _run_settings(args, args.run_id)
+    cfg = config.load({**_flag_settings(args, ("storage",)), "local_dir": args.local_dir, "durable": args.durable,
+                       "run_id": args.run_id}, config_path=args.config)
     node = node_name(cfg.node_name)
     root = _local_root(cfg, node)
     if args.run_id is not None:  # typed: a misspelt one is an error, as for every command (Catalog.given_run)
@@ -673,7 +670,8 @@ def cmd_history(args: argparse.Namespace) -> int:
     from .paths import id_problem
     from .storage import open_durable
 
-    cfg = _run_settings(args, args.run_id)
+    cfg = config.load({**_flag_settings(args, ("storage",)), "local_dir": args.local_dir, "durable": args.durable,
+                       "run_id": args.run_id}, config_path=args.config)
     root = _local_root(cfg, node_name(cfg.node_name))
     tier = open_durable(cfg, upload_cap=False, create=False) if cfg.durable else None
     try:
@@ -705,25 +703,17 @@ def cmd_history(args: argparse.Namespace) -> int:
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _tier_trees(roots: Sequence[str], cfg: config.Settings) -> list[tuple[str, str]]:
-    """The trees an output file must stay out of (``check_out_of_trees``): each local root, and a POSIX
-    durable tier's root."""
-    from .storage.registry import parse_url
-
-    trees = [("local tier", r) for r in roots]
-    if cfg.durable and parse_url(cfg.durable)[0] == "file":
-        trees.append(("durable tier", os.path.expanduser(parse_url(cfg.durable)[1])))
-    return trees
-
-
 def _check_picture_out(out: str, cfg: config.Settings) -> None:
     """``report --out``: never inside a tier or a run (a typo must not replace a step's manifest), and an
     existing file only when it is a picture (an earlier report's), else exit 2 before anything is written."""
     from .catalog.export import check_out_of_trees
     from .catalog.inventory import local_roots
+    from .storage.registry import parse_url
 
-    roots = local_roots(cfg.local_dir or default_local_dir(), node_name(cfg.node_name))
-    check_out_of_trees(out, _tier_trees(roots, cfg), flag="--out", who="rslurm report")
+    trees = [("local tier", r) for r in local_roots(cfg.local_dir or default_local_dir(), node_name(cfg.node_name))]
+    if cfg.durable and parse_url(cfg.durable)[0] == "file":
+        trees.append(("durable tier", os.path.expanduser(parse_url(cfg.durable)[1])))
+    check_out_of_trees(out, trees, flag="--out", who="rslurm report")
     if os.path.lexists(out):
         try:
             fd = os.open(out, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -749,7 +739,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if args.run and args.run_id and args.run != args.run_id:
         raise ConfigError(f"two runs given: RUN {args.run!r} and --run-id {args.run_id!r}; give one")
-    cfg = _run_settings(args, args.run or args.run_id)
+    cfg = config.load({**_flag_settings(args, ("storage",)), "local_dir": args.local_dir, "durable": args.durable,
+                       "run_id": args.run or args.run_id}, config_path=args.config)
     root = _local_root(cfg, node_name(cfg.node_name))
     if args.out:
         _check_picture_out(args.out, cfg)

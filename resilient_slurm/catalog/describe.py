@@ -4,9 +4,8 @@ Who calls what: ``cli.py`` opens a :class:`~.source.StepSource` for the step and
 which returns a JSON-able dict: the manifest's facts (reason, world size, versions, domains, every
 rank's shard, with the bytes it takes on the tier it is read from: :meth:`~.source.StepSource.stored_bytes`),
 the state's top-level keys (items, tensors, plain values, bytes, dtypes), the RNG state captured per rank
-(which generators), and the data position (a :class:`ResumableSampler` or torchdata's
-``StatefulDataLoader``, found by the fields their ``state_dict`` has). Values of the data position are read
-from the shards when they can be read in place (local tier, POSIX durable tier), each item
+(which generators), and the data position (a :class:`ResumableSampler` or torchdata's ``StatefulDataLoader``, found by the fields their ``state_dict`` has). Values of the data position are
+read from the shards when they can be read in place (local tier, POSIX durable tier), each item
 checked against its checksum; from S3 only their presence is shown. Imports torch (DCP metadata).
 """
 
