@@ -385,6 +385,26 @@ def test_export_matches_the_training_state(tiers: Tiers, trained: Path, tmp_path
     assert again.returncode == 2 and "--force" in again.stderr, again.stderr
 
 
+
+def test_a_typed_run_id_is_looked_for_in_the_tier_and_a_prefix_of_a_run_is_not_that_run(tiers: Tiers) -> None:
+    """``--run-id`` typed on the command line must name a run the tier has (inventory.Catalog.has_run): on S3 by
+    listing ``<run>/`` (its step prefixes, or an object directly under it), so neither a prefix of a run's name nor
+    a longer name passes for it."""
+    listed = ok_json(tiers.rslurm("ls", "--json", "--run-id", RUN))
+    assert sorted(r["step"] for r in listed["steps"]) == list(STEPS)
+    for typo in (RUN[:-1], RUN + "2"):
+        r = tiers.rslurm("ls", "--run-id", typo)
+        assert r.returncode == 2 and f"no run {typo!r}" in r.stderr and f"the runs there: {RUN}" in r.stderr, (
+            typo, r.returncode, r.stderr)
+    if tiers.kind == "local":
+        return
+    # A run the durable tier has only an object of, directly under its name (no step yet): it is there.
+    if tiers.lustre is not None:
+        (tiers.lustre / "early").mkdir()
+    tiers.write("early/notes.txt", b"x")
+    r = tiers.rslurm("ls", "--json", "--run-id", "early")
+    assert ok_json(r)["steps"] == [], r.stdout
+
 # --------------------------------------------------------------------------------------------- gc
 def _age(path: Path, seconds: float) -> None:
     t = time.time() - seconds
