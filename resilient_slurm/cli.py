@@ -666,7 +666,7 @@ def _typed_run_exists(cfg: config.Settings, tier: Any = None) -> None:
 
 def cmd_history(args: argparse.Namespace) -> int:
     from .catalog.history import format_history, history_rows, read_history
-    from .layout import list_runs
+    from .layout import root_runs
     from .paths import id_problem
     from .storage import open_durable
 
@@ -681,7 +681,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             runs = [cfg.run_id]
         else:
             try:
-                runs = list_runs(root)
+                runs = root_runs(root)
             except OSError as exc:
                 raise ConfigError(f"local tier {root}: cannot list it ({exc.strerror}); set --local-dir/"
                                   "RSLURM_LOCAL_DIR to a root you can read, or give --run-id") from None
@@ -732,7 +732,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     """``rslurm report [RUN]``: the run's timeline and goodput from its events and history."""
     from .catalog.history import read_history
     from .catalog.report import format_report, report_run, write_png
-    from .layout import list_runs
+    from .layout import root_runs
     from .paths import default_run_id, id_problem
     from .rundir import RunDir
     from .storage import open_durable
@@ -747,7 +747,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     run = cfg.run_id
     if not run:
         try:
-            runs = list_runs(root)
+            runs = root_runs(root)
         except OSError as exc:
             raise ConfigError(f"local tier {root}: cannot list it ({exc.strerror}); set --local-dir/RSLURM_LOCAL_DIR "
                               "to a root you can read, or name the run: rslurm report RUN") from None

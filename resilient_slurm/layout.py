@@ -66,7 +66,7 @@ from .manifest import (
     split_tmp_dirname,
     tmp_dirname,
 )
-from .paths import check_id, id_problem, load_json, open_parent, open_state_file, valid_time
+from .paths import STATE_DIR, check_id, id_problem, load_json, open_parent, open_state_file, valid_time
 from .rundir import REPLICAS_DIR, WRITER_LOCK, RunDir
 from .storage.fileio import fsync_dir, remove_tree
 from .storage.tier import StorageTier
@@ -230,6 +230,34 @@ def run_links(root: str) -> list[str]:
             return sorted(e.name for e in it if e.is_symlink() and id_problem("run id", e.name) is None)
     except FileNotFoundError:
         return []
+
+
+def nested_roots(root: str, runs: list[str]) -> list[str]:
+    """Those of ``runs`` (directories :func:`list_runs` found under ``root``) that hold a local root's own
+    ``.rslurm/`` (:data:`~resilient_slurm.paths.STATE_DIR`): nodes' local roots, not runs. A run directory never
+    holds one; a local directory given one level too high (the parent of the nodes' roots, ``%n`` left out)
+    lists each node's root where its runs should be."""
+    out = []
+    for name in runs:
+        try:
+            if stat.S_ISDIR(os.lstat(os.path.join(root, name, STATE_DIR)).st_mode):
+                out.append(name)
+        except OSError:
+            continue
+    return out
+
+
+NESTED_ROOT = (f"it holds {STATE_DIR}/: a node's local root, not a run, so the local directory given (--local-dir "
+               "or RSLURM_LOCAL_DIR) is the one above the nodes' roots; end it with /%n (the node's name)")
+
+
+def root_runs(root: str) -> list[str]:
+    """:func:`list_runs` for a command that takes the runs of one local root as they are: ConfigError naming the
+    directory when the root holds nodes' local roots where its runs go (:func:`nested_roots`)."""
+    runs = list_runs(root)
+    if nested := nested_roots(root, runs):
+        raise ConfigError(f"local tier {os.path.join(root, nested[0])}: {NESTED_ROOT}")
+    return runs
 
 
 def delete_step(run_dir: str, step: int, kind: TempKind, tag: str | None = None) -> bool:

@@ -212,3 +212,36 @@ def test_a_local_root_that_cannot_be_listed_is_named_without_a_traceback(
         assert cli.main([*argv, "--local-dir", str(nvme)]) == code, argv
         err = capsys.readouterr()
         assert "cannot list it" in err.out + err.err and "Traceback" not in err.err, (argv, err)
+
+
+def test_a_local_directory_given_one_level_above_the_nodes_roots_names_them_and_lists_no_node_as_a_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--local-dir /nvme`` where the roots are ``/nvme/%n``: each node's root (it holds ``.rslurm/``) was listed as
+    an empty run, and ``ls`` said "(no checkpoints)" with exit 0."""
+    import json
+
+    import torch
+
+    from resilient_slurm import Checkpointer
+
+    nvme = tmp_path / "nvme"
+    for node in ("n1", "n2"):
+        monkeypatch.setenv("RSLURM_NODE_NAME", node)
+        with Checkpointer(local_dir=str(nvme / "%n"), run_id="r1") as ck:
+            ck.save(1, {"w": torch.ones(4)})
+        assert (nvme / node / ".rslurm").is_dir()
+    for argv, code in ((["ls", "--json"], 2), (["runs", "--json"], 2), (["gc", "--dry-run", "--json"], 1),
+                       (["verify", "--json"], 1)):
+        assert cli.main([*argv, "--local-dir", str(nvme)]) == code, argv
+        doc = json.loads(capsys.readouterr().out)
+        named = [e for e in doc["errors"] if "end it with /%n" in e]
+        assert {e.split(":")[0] for e in named} == {f"local tier {nvme / n}" for n in ("n1", "n2")}, (argv, doc)
+        assert "n1" not in json.dumps(doc.get("runs", doc.get("steps", []))), (argv, doc)
+    for argv in (["history"], ["report"], ["status"]):
+        assert cli.main([*argv, "--local-dir", str(nvme)]) == 2, argv
+        got = capsys.readouterr()
+        assert "end it with /%n" in got.out + got.err, argv
+    # The roots themselves: the run and its step, which nothing above touched.
+    assert cli.main(["ls", "--json", "--local-dir", str(nvme / "%n")]) == 0
+    assert [(s["run_id"], s["step"]) for s in json.loads(capsys.readouterr().out)["steps"]] == [("r1", 1)]
+    assert all((nvme / n / "r1" / "step_000000000001" / "manifest.json").is_file() for n in ("n1", "n2"))

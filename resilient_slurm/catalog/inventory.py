@@ -51,7 +51,17 @@ from ..errors import (
     StorageError,
     UnsafePathError,
 )
-from ..layout import RUN_LINK, RunListing, TempKind, list_replicas, list_run_dir, list_runs, run_links
+from ..layout import (
+    NESTED_ROOT,
+    RUN_LINK,
+    RunListing,
+    TempKind,
+    list_replicas,
+    list_run_dir,
+    list_runs,
+    nested_roots,
+    run_links,
+)
 from ..manifest import (
     DOMAINS_DIR,
     MANIFEST_NAME,
@@ -272,13 +282,17 @@ class Catalog:
         runs: set[str] = set()
         for root in self.roots:
             try:
-                runs |= set(list_runs(root))
+                found = list_runs(root)
                 links = run_links(root)
             except OSError as exc:
                 self._error(f"local tier {root}: cannot list it: {exc.strerror}")
                 continue
+            nested = nested_roots(root, found)
+            runs |= set(found) - set(nested)
             for n in links:
                 self._error(f"local tier {RunDir(root, n).path}: cannot list it: {RUN_LINK}")
+            for n in nested:
+                self._error(f"local tier {RunDir(root, n).path}: {NESTED_ROOT}")
         return sorted(runs)
 
     def durable_runs(self) -> list[str]:

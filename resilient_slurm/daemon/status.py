@@ -30,8 +30,8 @@ from ..catalog.history import label, read_history, summary
 from ..catalog.inventory import scan_replicas
 from ..checkpoint.stragglers import read_status as read_stragglers
 from ..config import Settings
-from ..errors import ResilientSlurmError
-from ..layout import list_run_dir, list_runs
+from ..errors import ConfigError, ResilientSlurmError
+from ..layout import list_run_dir, root_runs
 from ..manifest import durable_partial_steps
 from ..rundir import RunDir
 from .drain import drain_lag, durable_steps, scan_local
@@ -57,9 +57,12 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
 
     try:
         local = scan_local(root, [run_id] if run_id else None, invalid=not_listed)
-        local_runs = list_runs(root) if not run_id else []
+        local_runs = root_runs(root) if not run_id else []
     except OSError as exc:
         unreachable.append(f"local tier {root}: cannot list it: {exc.strerror}")
+        local, local_runs = [], []
+    except ConfigError as exc:  # the nodes' roots where its runs go: no run of it is one
+        unreachable.append(str(exc))
         local, local_runs = [], []
     daemon = read_status(root)
     alive = daemon_running(root)
