@@ -448,6 +448,39 @@ def test_a_read_that_fails_names_the_file(tmp_path: Path) -> None:
         read_spans(str(tmp_path), [(0, memoryview(bytearray(BLOCK)))], BLOCK)
 
 
+@pytest.mark.parametrize("persists", [False, True])
+def test_a_read_error_that_passes_is_read_again_and_one_that_persists_skips_the_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persists: bool) -> None:
+    """An EIO of the newest step's files: once for each piece (a disk or filesystem that recovers), the step is
+    read again and restored; on every attempt, it is skipped and the older step overwrites what was read in place."""
+    import errno
+
+    from resilient_slurm.storage import fileio
+
+    net1, opt1 = trained(1)
+    save(tmp_path, 1, {"model": net1, "optim": opt1})
+    net2, opt2 = trained(2)
+    save(tmp_path, 2, {"model": net2, "optim": opt2})
+    monkeypatch.setattr(fileio, "READ_RETRY_PAUSES", (0.0, 0.0))
+    real, failed = os.preadv, []
+
+    def flaky(fd: int, bufs: Any, offset: int) -> int:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if "step_000000000002" in path and (persists or (path, offset) not in failed):
+            failed.append((path, offset))
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", flaky)
+    fresh, fopt = trained(9)
+    step, event = restore(tmp_path, {"model": fresh, "optim": fopt})
+    assert failed
+    want = (net1, opt1) if persists else (net2, opt2)
+    assert (step, event["skipped"]) == ((1, [2]) if persists else (2, []))
+    assert all(torch.equal(x, y) for x, y in zip(tensors(*want), tensors(fresh, fopt)))
+    assert event["placed_bytes"] > 0
+
+
 def test_read_spans_returns_each_range_checksum_in_order_across_batches(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranges hashed in batches come back in the caller's order: small and large ones mixed, out of file

@@ -17,6 +17,7 @@ import mmap
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -297,13 +298,27 @@ def _open_for_read(path: str) -> tuple[int, bool]:
 _HASH_BATCH = 4 << 20
 
 
+# Pauses before reading a piece again after an error that may pass (TRANSIENT_ERRNOS: an EIO of a disk or a
+# filesystem that recovers, an interrupted call): a restore that gave up at once would skip a sound step and
+# restore an older one. An error that persists costs these 0.35 s per piece in flight, then fails the read.
+READ_RETRY_PAUSES = (0.05, 0.3)
+
+
 def _pread(fd: int, path: str, buf: memoryview, offset: int) -> int:
-    """One ``preadv`` of ``buf`` at ``offset`` of file ``path``; a failed read raises StorageError naming the file
-    and the bytes (TransientStorageError for an I/O error that may pass: :func:`storage_error`)."""
-    try:
-        return os.preadv(fd, [buf], offset)
-    except OSError as exc:
-        raise storage_error(f"{path}: reading bytes {offset}+{len(buf)} failed: {exc.strerror or exc}", exc) from exc
+    """One ``preadv`` of ``buf`` at ``offset`` of file ``path``, read again after each of
+    :data:`READ_RETRY_PAUSES` while the error is one that may pass; a failed read raises StorageError naming the
+    file and the bytes (TransientStorageError for an I/O error that may pass: :func:`storage_error`)."""
+    for pause in (*READ_RETRY_PAUSES, None):
+        try:
+            return os.preadv(fd, [buf], offset)
+        except OSError as exc:
+            if pause is None or exc.errno not in TRANSIENT_ERRNOS:
+                raise storage_error(f"{path}: reading bytes {offset}+{len(buf)} failed: {exc.strerror or exc}",
+                                    exc) from exc
+            log.warning("%s: reading bytes %d+%d failed (%s); reading them again in %.2f s", path, offset, len(buf),
+                        exc.strerror or exc, pause)
+            time.sleep(pause)
+    raise AssertionError("unreachable")
 
 
 def _batches(order: Sequence[int], lengths: Sequence[int], limit: int) -> list[list[int]]:
