@@ -146,6 +146,8 @@ def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int,
     in memory the program keeps (``live``: :func:`live_tensors`) and no other process or file sees (not
     shared memory, nor a range of ``shared``, :func:`shared_mappings`: bytes not yet verified on every rank
     must not reach another process, nor a file the program mapped)."""
+    if length <= PLACE_MIN_BYTES:  # (its tensor bytes are fewer still): most items, decided before any look-up
+        return None
     if shared is None or ri.type != LoadItemType.TENSOR or any(ri.storage_offsets) or any(ri.dest_offsets):
         return None  # (shared None: which memory is shared cannot be told)
     tmd = md.state_dict_metadata.get(ri.storage_index.fqn)
