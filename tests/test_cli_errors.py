@@ -245,3 +245,22 @@ def test_a_local_directory_given_one_level_above_the_nodes_roots_names_them_and_
     assert cli.main(["ls", "--json", "--local-dir", str(nvme / "%n")]) == 0
     assert [(s["run_id"], s["step"]) for s in json.loads(capsys.readouterr().out)["steps"]] == [("r1", 1)]
     assert all((nvme / n / "r1" / "step_000000000001" / "manifest.json").is_file() for n in ("n1", "n2"))
+
+
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
+def test_doctor_reads_a_batch_script_only_from_a_regular_file_of_bounded_size(
+        special: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--script`` is read as ``--config`` is: a FIFO hung ``doctor`` for good, ``/dev/zero`` filled the memory."""
+    import os
+    import threading
+
+    script = special
+    if special == "fifo":
+        script = str(tmp_path / "job.sh")
+        os.mkfifo(script)
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(cli.main(["doctor", "--script", script])), daemon=True)
+    t.start()
+    t.join(60)
+    assert got == [2], got
+    assert "not a regular file" in capsys.readouterr().err

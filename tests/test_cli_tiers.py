@@ -386,6 +386,25 @@ def test_export_matches_the_training_state(tiers: Tiers, trained: Path, tmp_path
 
 
 
+def test_show_never_opens_a_shard_that_is_a_fifo_or_a_link(tiers: Tiers, tmp_path: Path) -> None:
+    """``show`` reads the data position's values from the shard files: a FIFO there hung it for good, and a link was
+    followed out of the tier. Neither is opened now (``verify`` names them)."""
+    if tiers.kind == "s3":
+        return  # an object store holds no FIFO or link
+    path = tiers._path(tiers.shard(12, 0))
+    outside = tmp_path / "outside.distcp"  # the same bytes, out of the tier
+    shutil.copyfile(path, outside)
+    assert ok_json(tiers.rslurm("show", "12", "--json"))["data_position"][0]["values"], "no value shown to begin with"
+    path.unlink()
+    os.mkfifo(path)
+    r = tiers.rslurm("show", "12", "--json")  # a hang ends in subprocess's timeout
+    assert ok_json(r)["step"] == 12
+    path.unlink()
+    path.symlink_to(outside)
+    doc = ok_json(tiers.rslurm("show", "12", "--json"))
+    assert all(p["values"] == {} for p in doc["data_position"]), doc["data_position"]
+
+
 def test_a_typed_run_id_is_looked_for_in_the_tier_and_a_prefix_of_a_run_is_not_that_run(tiers: Tiers) -> None:
     """``--run-id`` typed on the command line must name a run the tier has (inventory.Catalog.has_run): on S3 by
     listing ``<run>/`` (its step prefixes, or an object directly under it), so neither a prefix of a run's name nor

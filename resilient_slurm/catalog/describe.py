@@ -18,9 +18,9 @@ import shlex
 from typing import Any
 
 from ..checkpoint.state import DDP_KEY, OPTIM_PARAMS_KEY, RNG_KEY
-from ..errors import ResilientSlurmError
+from ..errors import ResilientSlurmError, UnsafePathError
 from ..manifest import PER_RANK_PREFIX, empty_keys
-from ..storage.fileio import checksum
+from ..storage.fileio import checksum, open_regular
 from .source import StepSource
 
 # Fields that identify a data position by its state_dict (a subset is enough).
@@ -47,11 +47,16 @@ def _read_value(src: StepSource, md: Any, fqn: str) -> tuple[bool, Any]:
     if path is None or entry is None:
         return False, None
     chunk = next((c for c in entry.chunks if c.offset == info.offset and c.length == info.length), None)
+    try:  # never through a link, never blocking on a FIFO: a regular file only (verify names anything else)
+        fd = open_regular(path, what="a shard file")
+    except (OSError, UnsafePathError):
+        return False, None
     try:
-        with open(path, "rb") as f:
-            data = os.pread(f.fileno(), info.length, info.offset)
+        data = os.pread(fd, info.length, info.offset)
     except OSError:
         return False, None
+    finally:
+        os.close(fd)
     if chunk is None or checksum(data) != chunk.checksum:
         return False, None
     try:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError, SlurmError
 from ..jobenv import JobEnv
 from ..launcher.signals import TRAPPED
+from ..paths import read_regular
 from .context import DoctorContext, Finding, Status, one_line
 
 # slurmctld looks for jobs due a --signal about every 30 s (docs/testing.md), so the signal comes up to
@@ -295,13 +296,16 @@ def script_save_signal(script: BatchScript) -> tuple[str, str] | None:
 
 
 # ---------------------------------------------------------------------------------------------- loading
+MAX_SCRIPT_BYTES = 4 << 20  # a batch script is a few KiB; one of megabytes is not one
+
+
 def load_script(ctx: DoctorContext) -> tuple[BatchScript | None, str]:
     """The script to check and where it came from, or None and why there is none."""
     opts = ctx.options
     if opts.script:
-        try:
-            with open(opts.script, encoding="utf-8", errors="replace") as f:
-                text = f.read()
+        try:  # a regular file only (never a FIFO, /dev/zero), at most MAX_SCRIPT_BYTES, as --config
+            text = read_regular(opts.script, MAX_SCRIPT_BYTES, follow=True, what="a batch script", where="--script",
+                                error=lambda m: ConfigError(f"--script {m}")).decode("utf-8", errors="replace")
         except OSError as exc:
             raise ConfigError(f"--script {opts.script}: cannot read it ({exc.strerror}); give the path of "
                               "the batch script you submit with sbatch") from exc
