@@ -264,3 +264,37 @@ def test_doctor_reads_a_batch_script_only_from_a_regular_file_of_bounded_size(
     t.join(60)
     assert got == [2], got
     assert "not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["steps-not-a-list", "empty-entry", "number-entry", "waiting-for-a-number",
+                                    "state-a-list"])
+def test_status_leaves_out_and_names_a_damaged_entry_of_the_daemons_status_file(
+        damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of these made ``rslurm status`` end in a traceback (TypeError, KeyError)."""
+    import json
+
+    import torch
+
+    from resilient_slurm import Checkpointer
+
+    nvme, durable = tmp_path / "nvme", tmp_path / "durable"
+    monkeypatch.setenv("RSLURM_NODE_NAME", "n1")
+    with Checkpointer(local_dir=str(nvme / "%n"), run_id="r1") as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    flags = ["--local-dir", str(nvme / "%n"), "--durable", str(durable)]
+    assert cli.main(["daemon", "--once", *flags]) == 0
+    capsys.readouterr()
+    assert cli.main(["status", "--json", *flags]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["errors"] == [] and [(r["step"], r["drain"]) for r in doc["steps"]] == [(1, "durable")], doc
+    status = nvme / "n1" / ".rslurm" / "daemon.json"
+    d = json.loads(status.read_text())
+    {"steps-not-a-list": lambda: d.update(steps="x"), "empty-entry": lambda: d.update(steps=[{}]),
+     "number-entry": lambda: d.update(steps=[1]),
+     "waiting-for-a-number": lambda: d["steps"][0].update(waiting_for=5),
+     "state-a-list": lambda: d["steps"][0].update(state=[1])}[damage]()
+    status.write_text(json.dumps(d))
+    for argv in (["status", "--json"], ["status"]):
+        assert cli.main([*argv, *flags]) == 0, argv
+        out = capsys.readouterr().out
+        assert "Traceback" not in out and f"daemon status {status}" in out, (argv, out)

@@ -35,7 +35,7 @@ from ..layout import list_run_dir, root_runs
 from ..manifest import durable_partial_steps
 from ..rundir import RunDir
 from .drain import drain_lag, durable_steps, scan_local
-from .service import daemon_running, read_status
+from .service import daemon_running, read_status, status_path
 
 
 def _tmp_steps(root: str, run: str) -> list[int]:
@@ -43,6 +43,34 @@ def _tmp_steps(root: str, run: str) -> list[int]:
         return [t.step for t in list_run_dir(RunDir(root, run).path).in_progress()]
     except OSError:
         return []
+
+
+# The fields of a step in the daemon's status file, and what each must be to be shown.
+_STEP_FIELDS: dict[str, Any] = {"state": str, "created_at": (int, float), "error": str, "next_retry_at": (int, float),
+                                "throughput": (int, float)}
+
+
+def _daemon_steps(daemon: Mapping[str, Any] | None, root: str, errors: list[str]) -> dict[tuple[str, int], Any]:
+    """The daemon's steps by (run, step), each with only the fields of the right type; an entry or field of another
+    shape (a damaged or foreign status file) is left out and named in ``errors``, once (the daemon rewrites it)."""
+    steps = (daemon or {}).get("steps", [])
+    out: dict[tuple[str, int], Any] = {}
+    bad = not isinstance(steps, list)
+    for s in steps if isinstance(steps, list) else []:
+        if (not isinstance(s, dict) or not isinstance(s.get("run_id"), str) or type(s.get("step")) is not int):
+            bad = True
+            continue
+        d = {k: v for k, v in s.items() if k in _STEP_FIELDS and isinstance(v, _STEP_FIELDS[k])
+             and not isinstance(v, bool)}
+        w = s.get("waiting_for")
+        if isinstance(w, list) and all(isinstance(n, str) for n in w):
+            d["waiting_for"] = w
+        bad = bad or any(k not in d for k in s if k in (*_STEP_FIELDS, "waiting_for") and s[k] is not None)
+        out[(s["run_id"], s["step"])] = d
+    if bad:
+        errors.append(f"daemon status {status_path(root)}: a step entry or field of another shape than the daemon writes was "
+                      "left out (a damaged file: the daemon rewrites it as it drains)")
+    return out
 
 
 def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
@@ -66,7 +94,7 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
         local, local_runs = [], []
     daemon = read_status(root)
     alive = daemon_running(root)
-    dstate = {(s["run_id"], s["step"]): s for s in (daemon or {}).get("steps", [])}
+    dstate = _daemon_steps(daemon, root, errors)
     runs = sorted({s.run_id for s in local} | ({run_id} if run_id else set()) | set(local_runs))
     tier = None
     if cfg.durable:
