@@ -298,3 +298,31 @@ def test_status_leaves_out_and_names_a_damaged_entry_of_the_daemons_status_file(
         assert cli.main([*argv, *flags]) == 0, argv
         out = capsys.readouterr().out
         assert "Traceback" not in out and f"daemon status {status}" in out, (argv, out)
+
+
+@pytest.mark.parametrize("shards", ["none", "renamed"])
+def test_show_of_a_step_whose_metadata_names_a_file_its_manifest_does_not_list_ends_without_a_traceback(
+        shards: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``show`` ended in a KeyError (catalog/source.py) where ``verify`` names the file."""
+    import json
+
+    import torch
+
+    from resilient_slurm import Checkpointer, ResumableSampler
+
+    nvme = tmp_path / "nvme"
+    with Checkpointer(local_dir=str(nvme), run_id="r1") as ck:  # show reads the sampler's position from the shard
+        ck.save(1, {"w": torch.ones(4), "sampler": ResumableSampler(10, num_replicas=1, rank=0)})
+    manifest = nvme / "r1" / "step_000000000001" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    if shards == "none":
+        m["shards"] = []
+    else:
+        m["shards"][0]["path"] = "__9_0.distcp"
+    manifest.write_text(json.dumps(m))
+    for argv in (["show", "1"], ["show", "1", "--json"]):
+        code = cli.main([*argv, "--local-dir", str(nvme), "--run-id", "r1"])
+        got = capsys.readouterr()
+        assert code in (0, 1) and "Traceback" not in got.err, (argv, code, got.err)
+    assert cli.main(["verify", "1", "--local-dir", str(nvme), "--run-id", "r1"]) == 1
+    assert "__0_0.distcp" in capsys.readouterr().out

@@ -57,6 +57,8 @@ class StepSource:
     def name(self, rel: str) -> str:
         """The full path or URL of a shard, for messages."""
         if self.tier == "local":
+            if rel not in self.shards:  # a file the manifest does not list (a damaged .metadata: verify names it)
+                return f"{rel} (not in the manifest of {self.where})"
             d = self.local_dirs.get(self.shards[rel].node)
             return os.path.join(d, rel) if d else f"{rel} (domain {self.shards[rel].node}, not here)"
         return f"{self.where}/{rel}"
@@ -66,6 +68,8 @@ class StepSource:
 
     def in_place(self, rel: str) -> str | None:
         """A local path of the shard that needs no download (local copy, POSIX tier), or None."""
+        if rel not in self.shards:  # a file the manifest does not list: nothing of it is read
+            return None
         if self.tier == "local":
             d = self.local_dirs.get(self.shards[rel].node)
             return os.path.join(d, rel) if d else None
