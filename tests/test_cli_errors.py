@@ -326,3 +326,35 @@ def test_show_of_a_step_whose_metadata_names_a_file_its_manifest_does_not_list_e
         assert code in (0, 1) and "Traceback" not in got.err, (argv, code, got.err)
     assert cli.main(["verify", "1", "--local-dir", str(nvme), "--run-id", "r1"]) == 1
     assert "__0_0.distcp" in capsys.readouterr().out
+
+
+def test_a_tag_another_command_overwrote_in_the_durable_copy_is_written_again(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ``rslurm tag`` at once: each read the durable copy, merged its change and wrote it back, so the later write
+    dropped the earlier tag (both exited 0, and gc then deleted the step meant to be kept). Here the other command's
+    copy, read before this one wrote, lands right after this one's write."""
+    import torch
+
+    from resilient_slurm import Checkpointer
+    from resilient_slurm import tags as tags_mod
+
+    nvme, durable = tmp_path / "nvme", tmp_path / "durable"
+    monkeypatch.setenv("RSLURM_NODE_NAME", "n1")
+    with Checkpointer(local_dir=str(nvme / "%n"), run_id="r1", keep_last=5) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+        ck.save(2, {"w": torch.ones(4) * 2})
+    flags = ["--local-dir", str(nvme / "%n"), "--durable", str(durable)]
+    assert cli.main(["daemon", "--once", *flags]) == 0
+    other = tags_mod.empty("r1").tagged("keepB", 2)
+    real, raced = tags_mod.write_durable_tags, []
+
+    def racing(tier: object, t: object) -> None:
+        real(tier, t)  # type: ignore[arg-type]
+        if not raced:
+            raced.append(True)
+            real(tier, other)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tags_mod, "write_durable_tags", racing)
+    assert cli.main(["tag", "1", "keepA", "--tier", "durable", *flags]) == 0, capsys.readouterr().err
+    copy = tags_mod.RunTags.parse((durable / "r1" / tags_mod.TAGS_FILE).read_bytes(), source="test", run_id="r1")
+    assert raced and copy.tags == {"keepA": 1, "keepB": 2}

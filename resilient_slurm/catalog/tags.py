@@ -12,7 +12,9 @@ somewhere: a deletion that raced the tag would leave it naming nothing.
 from __future__ import annotations
 
 import os
+import random
 import stat
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,16 @@ from typing import Any
 from ..errors import ConfigError
 from ..manifest import MANIFEST_NAME, durable_step_key, step_dirname
 from ..rundir import RunDir
-from ..tags import check_tag_name, durable_tags_key, local_tags_path, sync_durable_tags, update_local_tags
+from ..storage.tier import StorageTier
+from ..tags import (
+    RunTags,
+    check_tag_name,
+    durable_tags_key,
+    local_tags_path,
+    read_durable_tags,
+    sync_durable_tags,
+    update_local_tags,
+)
 from .inventory import Catalog
 
 
@@ -63,6 +74,24 @@ def _committed_somewhere(catalog: Catalog, run: str, step: int, tiers: Iterable[
             and catalog.durable.stat(durable_step_key(run, step, MANIFEST_NAME)) is not None)
 
 
+# The durable copy has no lock: two tag commands at once each read it, merge their own change and write it back,
+# and the later write drops the earlier one's change. So a writer reads the copy again after a pause (twice its own
+# round trip, at least 0.1 s, times a random 1-2 so two writers part) and writes its records again while the copy
+# lacks them, at most this many times; a change still missing after that is an error (change_tag's check).
+DURABLE_TAG_ROUNDS = 6
+
+
+def _sync_durable_until_held(tier: StorageTier, new: RunTags) -> None:
+    """Merge ``new`` into the durable copy until a later read shows every record of it (or a newer one)."""
+    for _ in range(DURABLE_TAG_ROUNDS):
+        t0 = time.monotonic()
+        sync_durable_tags(tier, new)
+        time.sleep(max(0.1, 2 * (time.monotonic() - t0)) * random.uniform(1.0, 2.0))
+        cur = read_durable_tags(tier, new.run_id)
+        if cur is not None and cur.merged(new).records == cur.records:
+            return
+
+
 def change_tag(catalog: Catalog, run: str, step: int, name: str, *, remove: bool,
                tiers: Iterable[str] = ("local", "durable"), now: float | None = None) -> TagChange:
     """Tag ``step`` of ``run`` as ``name`` (moving the name if it tags another step), or with ``remove``
@@ -93,7 +122,7 @@ def change_tag(catalog: Catalog, run: str, step: int, name: str, *, remove: bool
         new = current.tagged(name, step, now=now)
     written: list[str] = []
     if "durable" in tiers and catalog.durable is not None:
-        sync_durable_tags(catalog.durable, new)
+        _sync_durable_until_held(catalog.durable, new)
         written.append(f"{(catalog.durable_url or catalog.durable.url).rstrip('/')}/{durable_tags_key(run)}")
     if "local" in tiers:
         for run_dir in _local_run_dirs(catalog, run):
@@ -106,7 +135,8 @@ def change_tag(catalog: Catalog, run: str, step: int, name: str, *, remove: bool
             raise ConfigError(f"run {run}: {'untag' if remove else 'tag'} {name!r} did not take: the tags files "
                               f"({', '.join(written)}) still give {name!r} "
                               + (f"step {after}" if after is not None else "no step")
-                              + "; a record there is newer than this one (check the clocks of the nodes that wrote it)")
+                              + "; a record there is newer than this one: another tag or untag of that name since, or clocks "
+                              "of the nodes that wrote it that disagree. `rslurm ls` shows them; tag again")
         catalog.forget_tags(run)
     if not written:
         raise ConfigError(f"run {run}: no copy of its tags is reachable here (no run directory in "
