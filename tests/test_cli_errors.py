@@ -358,3 +358,31 @@ def test_a_tag_another_command_overwrote_in_the_durable_copy_is_written_again(
     assert cli.main(["tag", "1", "keepA", "--tier", "durable", *flags]) == 0, capsys.readouterr().err
     copy = tags_mod.RunTags.parse((durable / "r1" / tags_mod.TAGS_FILE).read_bytes(), source="test", run_id="r1")
     assert raced and copy.tags == {"keepA": 1, "keepB": 2}
+
+
+def test_verify_checks_the_recorded_config_against_its_sha256_as_export_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest whose provenance config was altered after the save: export refused it, verify said OK."""
+    import json
+
+    import torch
+
+    from resilient_slurm import Checkpointer
+
+    nvme, durable = tmp_path / "nvme", tmp_path / "durable"
+    monkeypatch.setenv("RSLURM_NODE_NAME", "n1")
+    with Checkpointer(local_dir=str(nvme / "%n"), run_id="r1") as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    flags = ["--local-dir", str(nvme / "%n"), "--durable", str(durable), "--run-id", "r1"]
+    assert cli.main(["daemon", "--once", *flags[:4]]) == 0
+    assert cli.main(["verify", "1", "--tier", "all", *flags]) == 0
+    capsys.readouterr()
+    for tier, manifest in (("local", nvme / "n1" / "r1" / "step_000000000001" / "manifest.json"),
+                           ("durable", durable / "r1" / "step_000000000001" / "manifest.json")):
+        m = json.loads(manifest.read_text())
+        m["provenance"]["config"], m["provenance"]["config_sha256"] = {"lr": 1}, "ab" * 32
+        manifest.write_text(json.dumps(m))
+        assert cli.main(["verify", "1", "--tier", tier, "--json", *flags]) == 1, tier
+        doc = json.loads(capsys.readouterr().out)
+        problems = [f["problem"] for r in doc["reports"] for f in r["faults"]]
+        assert any("does not match its config_sha256" in p for p in problems), (tier, doc)

@@ -196,6 +196,18 @@ def _check_open_file(f: BinaryIO, where: str, entry: ShardEntry, whole_file: boo
     return faults, size
 
 
+def provenance_faults(prov: Any, where: str) -> list[Fault]:
+    """The manifest's recorded config checked against its ``config_sha256``, as export and rehearse read it
+    (provenance.py: :func:`~.provenance.stored_config`): a mismatch is a fault of the manifest ``where``."""
+    from .provenance import stored_config
+
+    try:
+        stored_config(prov, where=where)
+    except CorruptCheckpointError as exc:
+        return [Fault(where, str(exc).removeprefix(f"{where}: "))]
+    return []
+
+
 def item_names_by_file(md: Metadata) -> dict[str, dict[int, str]]:
     """For each file a DCP metadata maps items into: item offset -> the item's name in the state."""
     out: dict[str, dict[int, str]] = {}
@@ -253,6 +265,7 @@ def verify_step_dir(step_dir: str, *, run_id: str | None = None, step: int | Non
     if (run_id is not None and m.run_id != run_id) or (step is not None and m.step != step):
         rep.faults.append(Fault(mpath, f"says run {m.run_id!r} step {m.step}, but lives in run {run_id!r} step {step}"))
     rep.run_id, rep.step = m.run_id, m.step
+    rep.faults += provenance_faults(m.provenance, mpath)
     mine = m.shards_of_node(m.node)
     by_path = {s.path: s for s in m.shards}
     mdpath = os.path.join(step_dir, DCP_METADATA_NAME)
@@ -371,6 +384,7 @@ def verify_durable_step(tier: StorageTier, run_id: str, step: int, *, scratch: s
     rep.manifest = root
     if root.run_id != run_id or root.step != step:
         rep.faults.append(Fault(f"{tier.url}/{mkey}", f"says run {root.run_id!r} step {root.step}"))
+    rep.faults += provenance_faults(root.provenance, f"{tier.url}/{mkey}")
     listed = (root.extra.get("durable") or {}).get("domains") if isinstance(root.extra.get("durable"), dict) else None
     if listed is None:
         rep.faults.append(Fault(f"{tier.url}/{mkey}", "is not a durable manifest (no extra.durable.domains)"))
