@@ -13,6 +13,23 @@ from resilient_slurm import cli
 from resilient_slurm.catalog.inventory import local_roots
 
 
+def drained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *steps: int) -> tuple[Path, Path, list[str]]:
+    """Steps of run r1 saved on node n1 and drained by ``daemon --once`` into a POSIX durable tier: the local
+    tier, the durable tier, and the flags that name both."""
+    import torch
+
+    from resilient_slurm import Checkpointer
+
+    nvme, durable = tmp_path / "nvme", tmp_path / "durable"
+    monkeypatch.setenv("RSLURM_NODE_NAME", "n1")
+    with Checkpointer(local_dir=str(nvme / "%n"), run_id="r1", keep_last=5) as ck:
+        for s in steps or (1,):
+            ck.save(s, {"w": torch.ones(4) * s})
+    flags = ["--local-dir", str(nvme / "%n"), "--durable", str(durable)]
+    assert cli.main(["daemon", "--once", *flags]) == 0
+    return nvme, durable, flags
+
+
 @pytest.mark.parametrize("command", ["verify", "export", "doctor"])
 def test_ctrl_c_ends_a_command_with_one_line_and_exit_130(command: str, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch,
@@ -113,16 +130,7 @@ def test_verify_names_a_local_copy_that_is_wrong_when_the_durable_copy_is_sound(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
-    import torch
-
-    from resilient_slurm import Checkpointer
-
-    nvme, durable = tmp_path / "nvme", tmp_path / "durable"
-    monkeypatch.setenv("RSLURM_NODE_NAME", "n1")
-    with Checkpointer(local_dir=str(nvme / "%n"), run_id="r1") as ck:
-        ck.save(1, {"w": torch.ones(4)})
-    flags = ["--local-dir", str(nvme / "%n"), "--durable", str(durable)]
-    assert cli.main(["daemon", "--once", *flags]) == 0
+    nvme, durable, flags = drained(tmp_path, monkeypatch)
     capsys.readouterr()
     manifest = nvme / "n1" / "r1" / "step_000000000001" / "manifest.json"
     manifest.write_text("not json")
@@ -273,16 +281,7 @@ def test_status_leaves_out_and_names_a_damaged_entry_of_the_daemons_status_file(
     """Each of these made ``rslurm status`` end in a traceback (TypeError, KeyError)."""
     import json
 
-    import torch
-
-    from resilient_slurm import Checkpointer
-
-    nvme, durable = tmp_path / "nvme", tmp_path / "durable"
-    monkeypatch.setenv("RSLURM_NODE_NAME", "n1")
-    with Checkpointer(local_dir=str(nvme / "%n"), run_id="r1") as ck:
-        ck.save(1, {"w": torch.ones(4)})
-    flags = ["--local-dir", str(nvme / "%n"), "--durable", str(durable)]
-    assert cli.main(["daemon", "--once", *flags]) == 0
+    nvme, durable, flags = drained(tmp_path, monkeypatch)
     capsys.readouterr()
     assert cli.main(["status", "--json", *flags]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -333,18 +332,9 @@ def test_a_tag_another_command_overwrote_in_the_durable_copy_is_written_again(
     """Two ``rslurm tag`` at once: each read the durable copy, merged its change and wrote it back, so the later write
     dropped the earlier tag (both exited 0, and gc then deleted the step meant to be kept). Here the other command's
     copy, read before this one wrote, lands right after this one's write."""
-    import torch
-
-    from resilient_slurm import Checkpointer
     from resilient_slurm import tags as tags_mod
 
-    nvme, durable = tmp_path / "nvme", tmp_path / "durable"
-    monkeypatch.setenv("RSLURM_NODE_NAME", "n1")
-    with Checkpointer(local_dir=str(nvme / "%n"), run_id="r1", keep_last=5) as ck:
-        ck.save(1, {"w": torch.ones(4)})
-        ck.save(2, {"w": torch.ones(4) * 2})
-    flags = ["--local-dir", str(nvme / "%n"), "--durable", str(durable)]
-    assert cli.main(["daemon", "--once", *flags]) == 0
+    nvme, durable, flags = drained(tmp_path, monkeypatch, 1, 2)
     other = tags_mod.empty("r1").tagged("keepB", 2)
     real, raced = tags_mod.write_durable_tags, []
 
@@ -365,16 +355,8 @@ def test_verify_checks_the_recorded_config_against_its_sha256_as_export_does(
     """A manifest whose provenance config was altered after the save: export refused it, verify said OK."""
     import json
 
-    import torch
-
-    from resilient_slurm import Checkpointer
-
-    nvme, durable = tmp_path / "nvme", tmp_path / "durable"
-    monkeypatch.setenv("RSLURM_NODE_NAME", "n1")
-    with Checkpointer(local_dir=str(nvme / "%n"), run_id="r1") as ck:
-        ck.save(1, {"w": torch.ones(4)})
-    flags = ["--local-dir", str(nvme / "%n"), "--durable", str(durable), "--run-id", "r1"]
-    assert cli.main(["daemon", "--once", *flags[:4]]) == 0
+    nvme, durable, flags = drained(tmp_path, monkeypatch)
+    flags += ["--run-id", "r1"]
     assert cli.main(["verify", "1", "--tier", "all", *flags]) == 0
     capsys.readouterr()
     for tier, manifest in (("local", nvme / "n1" / "r1" / "step_000000000001" / "manifest.json"),
