@@ -439,11 +439,11 @@ def read_regular(path: str, max_bytes: int, *, root: str | None = None, follow: 
         except OSError as exc:
             if exc.errno not in (errno.ENXIO, errno.ENODEV):
                 raise
-            raise error(_refusal(path, _describe(path), where)) from None
+            raise error(_named_refusal(path, _describe(path), where)) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
-            raise error(_refusal(path, _a(_kind(st)), where))
+            raise error(_named_refusal(path, _a(_kind(st)), where))
     else:
         fd = open_regular(path, os.O_RDONLY, error=error, where=where, root=root)
     try:
@@ -504,6 +504,11 @@ def load_json(data: bytes | str, *, source: str, error: Callable[[str], Exceptio
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number rslurm writes")
+
+
+def _named_refusal(path: str, kind: str, where: str) -> str:
+    """The refusal of a file the user named (``--config``, ``--script``): a device or a FIFO is not theirs to remove."""
+    return f"{path} is {kind}, not a regular file: give {where} the path of a regular file"
 
 
 def _refusal(path: str, kind: str, where: str = "its local directory") -> str:

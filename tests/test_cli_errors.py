@@ -271,7 +271,8 @@ def test_doctor_reads_a_batch_script_only_from_a_regular_file_of_bounded_size(
     t.start()
     t.join(60)
     assert got == [2], got
-    assert "not a regular file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not a regular file: give --script the path of a regular file" in err and "remove it" not in err, err
 
 
 @pytest.mark.parametrize("damage", ["steps-not-a-list", "empty-entry", "number-entry", "waiting-for-a-number",
