@@ -369,3 +369,20 @@ def test_verify_checks_the_recorded_config_against_its_sha256_as_export_does(
         doc = json.loads(capsys.readouterr().out)
         problems = [f["problem"] for r in doc["reports"] for f in r["faults"]]
         assert any("does not match its config_sha256" in p for p in problems), (tier, doc)
+
+
+def test_status_shows_a_local_copy_whose_manifest_is_damaged_as_invalid_not_absent(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """It showed ``-`` (absent) beside the durable copy, and without a durable tier left the step out."""
+    import json
+
+    nvme, durable, flags = drained(tmp_path, monkeypatch, 1, 2)
+    manifest = nvme / "n1" / "r1" / "step_000000000002" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    capsys.readouterr()
+    for argv, durable_state in ((flags, "durable"), (flags[:2], "-")):
+        assert cli.main(["status", "--json", *argv]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        rows = {r["step"]: (r["local"], r["durable"]) for r in doc["steps"]}
+        assert rows == {1: ("committed", durable_state), 2: ("invalid", durable_state)}, doc
+        assert any(str(manifest) in e for e in doc["errors"]), doc["errors"]

@@ -38,6 +38,14 @@ from .drain import drain_lag, durable_steps, scan_local
 from .service import daemon_running, read_status, status_path
 
 
+def _committed(root: str, run: str) -> list[int]:
+    """The run's committed step directories (none when it cannot be listed: reported as unreachable already)."""
+    try:
+        return list_run_dir(RunDir(root, run).path).committed
+    except OSError:
+        return []
+
+
 def _tmp_steps(root: str, run: str) -> list[int]:
     try:
         return [t.step for t in list_run_dir(RunDir(root, run).path).in_progress()]
@@ -79,9 +87,14 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
     now = time.time() if now is None else now
     errors: list[str] = []
     unreachable: list[str] = []  # a tier that could not be listed (exit 2); ``errors`` also has damaged files
-    def not_listed(path: str, why: str) -> None:  # a run directory that cannot be listed (else a damaged step)
+    damaged: dict[str, str] = {}  # a committed local step whose manifest cannot be used: its path -> why
+
+    def not_listed(path: str, why: str) -> None:  # a run directory that cannot be listed, else a damaged step
         if why.startswith("cannot list it"):
             unreachable.append(f"local tier {path}: {why}")
+        else:
+            damaged[path] = why
+            errors.append(f"local tier {path}: {why} (`rslurm verify` checks the step)")
 
     try:
         local = scan_local(root, [run_id] if run_id else None, invalid=not_listed)
@@ -135,6 +148,9 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
                     r = row(s.step)
                     r.update(local="committed", reason=s.manifest.reason, bytes=s.local_bytes,
                              created_at=s.manifest.created_at, domains=len(s.manifest.nodes))
+            for step in _committed(root, run) if damaged else ():
+                if RunDir(root, run).step(step) in damaged:
+                    row(step)["local"] = "invalid"  # not "-": the copy is there, and cannot be drained
             for step in _tmp_steps(root, run):
                 if by_step.get(step, {}).get("local") != "committed":
                     row(step)["local"] = "in_progress"
