@@ -251,8 +251,11 @@ def test_report_of_a_real_run_with_an_in_job_restart_and_a_preemption(tmp_path: 
     # Steps trained again: from the step run B restored to the furthest step run A began (the launcher's last
     # reading of the heartbeats: exact, the killed rank's record stays).
     exited = [r for r in read_jsonl(nvme / "toy" / "events.jsonl") if r["event"] == "ranks_exited"]
-    # (A rank that ends on its own removes its record: the completed run's last reading may be a second behind.)
-    assert exited[0]["last_step"] >= 7 and 0 < exited[-1]["last_step"] <= 30, exited
+    # (A rank that ends on its own removes its record: the completed run's last reading may be a second behind, or
+    # none at all when the launcher read no heartbeat of that run before its ranks ended: null, as docs/telemetry.md
+    # says. A clean-clone CI run met that once, on a loaded machine.)
+    last = exited[-1]["last_step"]
+    assert exited[0]["last_step"] >= 7 and (last is None or 0 < last <= 30), exited
     assert incs[0]["runs_of_ranks"][0]["steps_recomputed"] == exited[0]["last_step"] - restored[0][1] > 0
     data = png.read_bytes()
     assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
