@@ -209,9 +209,12 @@ def _bad(source: str, run_id: str, what: str, *, malformed: bool = True) -> Tags
     return TagsFileError(f"tags file {source}: {what}{why} {_CONSEQUENCE.format(run_id)}")
 
 
-def _unsafe(exc: Exception, run_id: str) -> TagsFileError:
-    """A link or special file where a tags file goes."""
-    return TagsFileError(f"tags file {exc}. {_CONSEQUENCE.format(run_id)}")
+def _unsafe(exc: Exception, run_id: str, where: str) -> TagsFileError:
+    """A link or special file where tags file ``where`` goes, or where a directory above it goes (the run
+    directory: the message then names the tags file and that directory)."""
+    text = str(exc)
+    lead = "tags file " if text.startswith(where) else f"tags file {where} cannot be read: "
+    return TagsFileError(f"{lead}{text}. {_CONSEQUENCE.format(run_id)}")
 
 
 def _pruned(t: RunTags) -> RunTags:
@@ -250,7 +253,7 @@ def read_local_tags(run_dir: str, run_id: str) -> RunTags | None:
     except FileNotFoundError:
         return None
     except TagsFileError as exc:
-        raise _unsafe(exc, run_id) from None
+        raise _unsafe(exc, run_id, path) from None
     except OSError as exc:
         raise _bad(path, run_id, f"cannot be read ({exc.strerror or exc})", malformed=False) from None
     try:
@@ -309,7 +312,7 @@ def read_durable_tags(tier: StorageTier, run_id: str) -> RunTags | None:
     except ObjectNotFoundError:
         return None
     except UnsafePathError as exc:
-        raise _unsafe(exc, run_id) from None
+        raise _unsafe(exc, run_id, where) from None
     return RunTags.parse(data, source=where, run_id=run_id)
 
 

@@ -126,6 +126,33 @@ def test_a_run_named_link_is_named_by_every_command_that_lists_the_runs(
     assert (elsewhere / "step_000000000001").is_dir()
 
 
+def test_a_run_directory_that_is_a_link_is_named_by_the_commands_that_take_a_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """show, export and diff said "steps there: none", and tag called the run directory a "tags file"."""
+    import torch
+
+    from resilient_slurm import Checkpointer
+
+    nvme = tmp_path / "nvme"
+    monkeypatch.setenv("RSLURM_NODE_NAME", "n1")
+    with Checkpointer(local_dir=str(nvme), run_id="r1") as ck:
+        for s in (1, 2):
+            ck.save(s, {"w": torch.ones(4) * s})
+    (nvme / "r1").rename(tmp_path / "moved")
+    (nvme / "r1").symlink_to(tmp_path / "moved")
+    flags = ["--local-dir", str(nvme), "--run-id", "r1"]
+    link = f"local tier {nvme / 'r1'}: cannot list it: a symbolic link where a run directory goes"
+    for argv in (["show", "2"], ["export", "2", str(tmp_path / "out"), "--format", "torch"], ["diff", "1", "2"]):
+        assert cli.main([*argv, *flags]) == 2, argv
+        err = capsys.readouterr().err
+        assert "steps there: none; " + link in err, (argv, err)
+    assert cli.main(["tag", "2", "keep", *flags]) == 1
+    err = capsys.readouterr().err
+    assert f"tags file {nvme / 'r1' / 'tags.json'} cannot be read: {nvme / 'r1'} is a symlink" in err, err
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in (tmp_path / "moved").iterdir()) == [
+        "events.jsonl", "step_000000000001", "step_000000000002"]
+
+
 def test_verify_names_a_local_copy_that_is_wrong_when_the_durable_copy_is_sound(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import json

@@ -482,11 +482,14 @@ class Catalog:
         step = self.resolve_step(run, step)
         views = {v.step: v for v in self.steps(run)}
         if step not in views:
-            where = ", ".join(os.path.join(r, run) for r in self.roots)
+            dirs = [os.path.join(r, run) for r in self.roots]
+            where = ", ".join(dirs)
             if self.durable_url:
                 where += f" or {self.durable_url}/{run}"
             have = sorted(views)
-            raise ConfigError(f"step {step}{named} not found in {where}; steps there: {have or 'none'}")
+            # A run directory that could not be listed (a link, no permission: listings()) is why.
+            unlisted = "".join(f"; {e}" for e in self.errors if any(e.startswith(f"local tier {d}:") for d in dirs))
+            raise ConfigError(f"step {step}{named} not found in {where}; steps there: {have or 'none'}{unlisted}")
         return views[step]
 
     def choose_tier(self, view: StepView, tier: str = "auto") -> str:
