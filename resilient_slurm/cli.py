@@ -1001,6 +1001,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _failed(args: argparse.Namespace, exc: Exception, code: int) -> int:
+    """A command that ends on an error: the message on stderr and, with ``--json``, one JSON document on stdout
+    (``{"ok": false, "command", "error", "exit_code"}``: a script reading stdout gets a document, not nothing);
+    returns ``code``."""
+    _say(f"rslurm: error: {exc}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, "command": args.command, "error": str(exc), "exit_code": code}, indent=1))
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rslurm`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -1017,11 +1027,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=level, handlers=[handler])
         return int(args.func(args))
     except CorruptCheckpointError as exc:  # a fault in the data, not in how rslurm was called
-        _say(f"rslurm: error: {exc}", file=sys.stderr)
-        return 1
+        return _failed(args, exc, 1)
     except ResilientSlurmError as exc:
-        _say(f"rslurm: error: {exc}", file=sys.stderr)
-        return 2
+        return _failed(args, exc, 2)
     except KeyboardInterrupt:  # Ctrl-C: what a command writes is published whole or not at all
         _say(f"rslurm {args.command}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -153,6 +153,34 @@ def test_a_run_directory_that_is_a_link_is_named_by_the_commands_that_take_a_run
         "events.jsonl", "step_000000000001", "step_000000000002"]
 
 
+def test_json_gets_one_document_on_stdout_also_when_a_command_fails(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """show, diff, export and tag printed nothing on stdout when they failed: a script reading --json got no
+    document. Now it gets {"ok": false, ...} with the exit code, and the message stays on stderr."""
+    import json
+
+    nvme, durable, flags = drained(tmp_path, monkeypatch, 1, 2)
+    capsys.readouterr()
+    run = ["--run-id", "r1"]
+    for argv in (["show", "7"], ["diff", "1", "7"], ["export", "7", str(tmp_path / "o"), "--format", "torch"],
+                 ["tag", "7", "best"]):
+        assert cli.main([*argv, *flags, *run, "--json"]) == 2, argv
+        out, err = capsys.readouterr()
+        doc = json.loads(out)
+        assert doc["ok"] is False and doc["command"] == argv[0] and doc["exit_code"] == 2, doc
+        assert "step 7 not found" in doc["error"] and doc["error"] in err, (doc, err)
+    manifest = nvme / "n1" / "r1" / "step_000000000002" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["provenance"]["config"], m["provenance"]["config_sha256"] = {"lr": 1}, "ab" * 32
+    manifest.write_text(json.dumps(m))
+    assert cli.main(["export", "2", str(tmp_path / "o"), "--format", "torch", "--tier", "local", *flags, *run,
+                     "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == 1 and "config_sha256" in doc["error"] and not (tmp_path / "o").exists(), doc
+    assert cli.main(["show", "7", *flags, *run]) == 2
+    assert capsys.readouterr().out == ""  # without --json, nothing on stdout
+
+
 def test_verify_names_a_local_copy_that_is_wrong_when_the_durable_copy_is_sound(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import json
