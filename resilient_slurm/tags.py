@@ -327,16 +327,37 @@ def write_durable_tags(tier: StorageTier, tags: RunTags) -> None:
     tier.put_bytes(durable_tags_key(tags.run_id), tags.to_json())
 
 
+def update_durable_tags(tier: StorageTier, tags: RunTags) -> tuple[RunTags, bool]:
+    """Merge ``tags`` into the durable copy and write it when that changes it, in one read-modify-write of the
+    tier (:meth:`~resilient_slurm.storage.tier.StorageTier.update_bytes`: a conditional write on S3, a lock
+    on POSIX, so that a tag or untag written meanwhile by another process is merged, not dropped); return the
+    merge, and whether the tier could promise that (False: a filesystem without ``flock``; the caller reads
+    the copy again to check). TagsFileError for a copy that cannot be read (nothing is written), StorageError
+    when the tier fails."""
+    key = durable_tags_key(tags.run_id)
+    where = f"{tier.url.rstrip('/')}/{key}"
+    merged = [tags]
+
+    def change(data: bytes | None) -> bytes | None:
+        cur = None if data is None else RunTags.parse(data, source=where, run_id=tags.run_id)
+        merged[0] = new = tags.merged(cur)
+        return new.to_json() if cur is None or new.records != cur.records else None
+
+    try:
+        exclusive = tier.update_bytes(key, change, limit=MAX_TAGS_BYTES)
+    except UnsafePathError as exc:
+        raise _unsafe(exc, tags.run_id, where) from None
+    return merged[0], exclusive
+
+
 def sync_durable_tags(tier: StorageTier, tags: RunTags) -> RunTags:
-    """Merge ``tags`` into the durable copy and write it when that changes it; return the merge."""
-    cur = read_durable_tags(tier, tags.run_id)
-    new = tags.merged(cur)
-    if cur is None or new.records != cur.records:
-        write_durable_tags(tier, new)
-    return new
+    """Merge ``tags`` into the durable copy and write it when that changes it; return the merge
+    (:func:`update_durable_tags`)."""
+    return update_durable_tags(tier, tags)[0]
 
 
 __all__ = ["MAX_TAGS", "MAX_TAG_LENGTH", "TAGS_FILE", "RunTags", "TagRecord", "check_tag_name", "durable_tagged_steps",
            "durable_tags_key", "empty", "local_tagged_steps", "local_tags_path", "merge", "read_durable_tags",
-           "read_local_tags", "sync_durable_tags", "tag_name_problem", "tags_lock", "update_local_tags",
+           "read_local_tags", "sync_durable_tags", "tag_name_problem", "tags_lock", "update_durable_tags",
+           "update_local_tags",
            "write_durable_tags"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -383,26 +384,50 @@ def test_show_of_a_step_whose_metadata_names_a_file_its_manifest_does_not_list_e
     assert "__0_0.distcp" in capsys.readouterr().out
 
 
-def test_a_tag_another_command_overwrote_in_the_durable_copy_is_written_again(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two ``rslurm tag`` at once: each read the durable copy, merged its change and wrote it back, so the later write
-    dropped the earlier tag (both exited 0, and gc then deleted the step meant to be kept). Here the other command's
-    copy, read before this one wrote, lands right after this one's write."""
+@pytest.mark.parametrize("flock", [True, False], ids=["with-flock", "no-flock"])
+def test_a_tag_another_command_wrote_meanwhile_in_the_durable_copy_is_kept(
+        flock: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ``rslurm tag`` at once: each read the durable copy, merged its change and wrote it back, so the later
+    write dropped the earlier tag (both exited 0, and gc then deleted the step meant to be kept). Now the durable
+    copy is updated in one read-modify-write of the tier (StorageTier.update_bytes: a lock on POSIX, a
+    conditional write on S3, tests/test_tiers.py), and the other command's tag, written between this one's read
+    and its write, is merged. Where the filesystem has no flock, the copy is read again after a pause and this
+    one's tag written again when another command's write dropped it."""
     from resilient_slurm import tags as tags_mod
+    from resilient_slurm.catalog import tags as catalog_tags
+    from resilient_slurm.storage.posix import PosixTier
+    from resilient_slurm.storage.tier import StorageTier
 
     nvme, durable, flags = drained(tmp_path, monkeypatch, 1, 2)
-    other = tags_mod.empty("r1").tagged("keepB", 2)
-    real, raced = tags_mod.write_durable_tags, []
+    key = "r1/" + tags_mod.TAGS_FILE
+    real_put, raced = PosixTier.put_bytes, []
 
-    def racing(tier: object, t: object) -> None:
-        real(tier, t)  # type: ignore[arg-type]
-        if not raced:
-            raced.append(True)
-            real(tier, other)  # type: ignore[arg-type]
+    def other_command(tier: PosixTier) -> None:
+        """Another ``rslurm tag 2 keepB`` that read the copy before this one wrote (an empty copy)."""
+        raced.append(True)
+        real_put(tier, key, tags_mod.empty("r1").tagged("keepB", 2).to_json())
 
-    monkeypatch.setattr(tags_mod, "write_durable_tags", racing)
+    if flock:
+        real_update = PosixTier.update_bytes
+
+        def update_bytes(self: PosixTier, k: str, change: Any, **kw: Any) -> bool:
+            if k == key and not raced:
+                other_command(self)  # after this command read the copies, before its update: it must merge
+            return real_update(self, k, change, **kw)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(PosixTier, "update_bytes", update_bytes)
+        monkeypatch.setattr(catalog_tags.time, "sleep", lambda s: pytest.fail("paused although the update was locked"))
+    else:
+        monkeypatch.setattr(PosixTier, "update_bytes", StorageTier.update_bytes)  # a filesystem without flock
+
+        def put_bytes(self: PosixTier, k: str, data: bytes) -> None:
+            real_put(self, k, data)
+            if k == key and not raced:
+                other_command(self)  # its write, of the copy it read before ours, lands right after ours
+
+        monkeypatch.setattr(PosixTier, "put_bytes", put_bytes)
     assert cli.main(["tag", "1", "keepA", "--tier", "durable", *flags]) == 0, capsys.readouterr().err
-    copy = tags_mod.RunTags.parse((durable / "r1" / tags_mod.TAGS_FILE).read_bytes(), source="test", run_id="r1")
+    copy = tags_mod.RunTags.parse((durable / key).read_bytes(), source="test", run_id="r1")
     assert raced and copy.tags == {"keepA": 1, "keepB": 2}
 
 

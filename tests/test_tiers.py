@@ -277,6 +277,45 @@ class TierContract:
         info = tier.stat("run/step_1/MANIFEST.json")
         assert info is not None and info.size == 0 and info.mtime > 0
 
+    def test_update_bytes_loses_no_update_made_between_its_read_and_its_write(
+            self, tier: StorageTier, backend: Backend) -> None:
+        """Two read-modify-writes of one key at once (the tags file: two ``rslurm tag``, a tag beside the
+        daemon): the later write must not drop the earlier change. POSIX: the other waits for the lock, and
+        reads the first one's write. S3: the first one's conditional write is refused, and it reads again."""
+        key = "run/tags.json"
+        tier.put_bytes(key, b"base")
+        seen: dict[str, list[bytes | None]] = {"A": [], "B": []}
+
+        def adding(name: str, during: Callable[[], None] | None = None) -> Callable[[bytes | None], bytes]:
+            def change(cur: bytes | None) -> bytes:
+                seen[name].append(cur)
+                if during is not None and len(seen[name]) == 1:
+                    during()  # another update of the key, between this one's read and its write
+                return b",".join(sorted(set((cur or b"").split(b",")) | {name.encode()}))
+            return change
+
+        other = threading.Thread(target=lambda: tier.update_bytes(key, adding("B")), daemon=True)
+
+        def b_meanwhile() -> None:
+            other.start()
+            other.join(1.0)  # done at once on S3; waiting for this one's lock on POSIX
+
+        assert tier.update_bytes(key, adding("A", b_meanwhile)) is True
+        other.join(60)
+        assert not other.is_alive() and tier.get_bytes(key) == b"A,B,base"
+        if backend.name == "posix":
+            assert seen == {"A": [b"base"], "B": [b"A,base"]}  # B waited for A's lock
+        else:
+            assert seen == {"A": [b"base", b"B,base"], "B": [b"base"]}  # A's conditional write was refused
+        # Nothing to change writes nothing; a change that raises writes nothing either.
+        assert tier.update_bytes(key, lambda cur: None) is True and tier.get_bytes(key) == b"A,B,base"
+        with pytest.raises(ValueError, match="refused"):
+            tier.update_bytes(key, lambda cur: (_ for _ in ()).throw(ValueError("refused")))
+        assert tier.get_bytes(key) == b"A,B,base"
+        # An object that does not exist yet is read as None and made.
+        assert tier.update_bytes("run2/tags.json", lambda cur: b"new" if cur is None else b"wrong") is True
+        assert tier.get_bytes("run2/tags.json") == b"new"
+
     def test_get_bytes_limit_reads_one_byte_past_it(self, tier: StorageTier, monkeypatch: pytest.MonkeyPatch) -> None:
         """A capped read (manifests) stops one byte past the cap, and an oversized durable manifest is refused
         as corrupt, naming it, not read whole: issue 12 (a 200 MB manifest cost 1 GB RSS per command)."""

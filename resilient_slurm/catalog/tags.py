@@ -29,7 +29,7 @@ from ..tags import (
     durable_tags_key,
     local_tags_path,
     read_durable_tags,
-    sync_durable_tags,
+    update_durable_tags,
     update_local_tags,
 )
 from .inventory import Catalog
@@ -82,14 +82,18 @@ DURABLE_TAG_ROUNDS = 6
 
 
 def _sync_durable_until_held(tier: StorageTier, new: RunTags) -> None:
-    """Merge ``new`` into the durable copy until a later read shows every record of it (or a newer one)."""
-    for _ in range(DURABLE_TAG_ROUNDS):
-        t0 = time.monotonic()
-        sync_durable_tags(tier, new)
+    """Merge ``new`` into the durable copy. Where the tier cannot promise that no other writer came between
+    its read and its write (a filesystem without ``flock``: :func:`~resilient_slurm.tags.update_durable_tags`),
+    read it again after a pause and merge again until a read shows every record of ``new`` (or a newer one)."""
+    t0 = time.monotonic()
+    _, exclusive = update_durable_tags(tier, new)
+    for _ in range(DURABLE_TAG_ROUNDS if not exclusive else 0):
         time.sleep(max(0.1, 2 * (time.monotonic() - t0)) * random.uniform(1.0, 2.0))
         cur = read_durable_tags(tier, new.run_id)
         if cur is not None and cur.merged(new).records == cur.records:
             return
+        t0 = time.monotonic()
+        update_durable_tags(tier, new)
 
 
 def change_tag(catalog: Catalog, run: str, step: int, name: str, *, remove: bool,

@@ -74,8 +74,8 @@ from ..tags import (
     merge,
     read_durable_tags,
     read_local_tags,
+    sync_durable_tags,
     update_local_tags,
-    write_durable_tags,
 )
 from ..telemetry import DaemonMetrics, Event, EventLog, RunGauges, check_metrics_path, write_metrics_textfile
 from .drain import (
@@ -471,7 +471,8 @@ class Daemon:
                 log.info("run %s: tags from %s written to %s", run, self.tier.url, run_dir)
             self._tags[run] = merged
             if merged.records and (durable is None or durable.records != merged.records):
-                write_durable_tags(self.tier, merged)
+                # Merged again with the copy as it is at the write: a tag written there meanwhile stays.
+                self._tags[run] = sync_durable_tags(self.tier, merged)
                 log.info("run %s: tags from %s written to %s", run, run_dir, self.tier.url)
         except TagsFileError as exc:
             problem = str(exc)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -37,6 +38,7 @@ from ..errors import (
     TransientStorageError,
     UnsafePathError,
 )
+from ..flocks import flocked
 from ..paths import link_free_below, open_parent
 from .fileio import (
     BLOCK,
@@ -50,6 +52,11 @@ from .fileio import (
 from .tier import IncompleteTransfer, ObjectInfo, Progress, RateLimiter, ReadRange, StorageTier, TransferStats
 
 log = logging.getLogger(__name__)
+
+# update_bytes: how long one waits for another's lock of the same directory (a read and a small write), and the
+# errors of a filesystem without flock, where it updates without one.
+UPDATE_LOCK_WAIT_S = 30.0
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL})
 
 TMP_MARK = ".tmp-rslurm-"
 XATTR = "user.rslurm.xxh3"
@@ -363,6 +370,34 @@ class PosixTier(StorageTier):
             atomic_write(path, data, tmp=f"{path}{TMP_MARK}{secrets.token_hex(4)}")
 
         self._retrying("write", key, put)
+
+    def update_bytes(self, key: str, change: Callable[[bytes | None], bytes | None], *,
+                     limit: int | None = None) -> bool:
+        """See :meth:`StorageTier.update_bytes`: under an exclusive ``flock`` of the object's directory, which
+        every update_bytes of an object in it takes (at most :data:`UPDATE_LOCK_WAIT_S` waited for, else
+        TransientStorageError). Where the filesystem has no ``flock`` (Lustre mounted without ``-o flock``, an
+        NFS without locks), a plain read then write, and False."""
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise storage_error(f"{directory}: cannot create it: {_in_the_way(path, self.root)}", exc) from exc
+        except OSError as exc:
+            raise storage_error(f"{directory}: cannot create it: {exc}", exc) from exc
+        opener = lambda: os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)  # noqa: E731
+        try:
+            with flocked(opener, fcntl.LOCK_EX, timeout=UPDATE_LOCK_WAIT_S) as fd:
+                if fd is None:
+                    raise TransientStorageError(f"{path}: another process held the lock of {directory} for more "
+                                                f"than {UPDATE_LOCK_WAIT_S:.0f} s; try again")
+                super().update_bytes(key, change, limit=limit)
+                return True
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                raise storage_error(f"{directory}: cannot lock it: {exc.strerror or exc}", exc) from exc
+        log.debug("%s: no flock on this filesystem; %s is updated without a lock", directory, key)
+        return super().update_bytes(key, change, limit=limit)
 
     def get_bytes(self, key: str, *, limit: int | None = None) -> bytes:
         """See :meth:`StorageTier.get_bytes`."""

@@ -39,6 +39,7 @@ import hashlib
 import logging
 import math
 import os
+import random
 import secrets
 import threading
 import time
@@ -115,6 +116,9 @@ TRANSIENT_CODES = frozenset({
 ACCESS_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                           "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem"})
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+# A conditional write the store refused for its condition (409: two conditional writes of the key at once, AWS).
+_CONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
+UPDATE_ATTEMPTS = 20  # update_bytes: reads again after another writer came first, at most this many times
 # With these server-side encryptions the ETag is not the MD5 of the body (Content-MD5 still is checked).
 _OPAQUE_ETAG_SSE = frozenset({"aws:kms", "aws:kms:dsse"})
 CHECKSUM_ALGORITHM = "CRC32"  # the flexible checksum of multipart uploads (see the module docstring)
@@ -945,17 +949,62 @@ class S3Tier(StorageTier):
     # ------------------------------------------------------------------ small objects
     def put_bytes(self, key: str, data: bytes) -> None:
         """See :meth:`StorageTier.put_bytes` (one PUT with Content-MD5 and the xxh3 metadata)."""
-        full = self._full(key)
+        self._put_small(self._full(key), data)
+
+    def _put_small(self, full: str, data: bytes, **condition: str) -> bool:
+        """One PUT of ``data`` with Content-MD5 and the xxh3 metadata; with ``condition`` (``IfMatch=etag``,
+        ``IfNoneMatch="*"``) a conditional one, and False when the store refused it for the condition."""
         md5 = _md5(data)
         meta = {META: xxhash.xxh3_64_hexdigest(data)}
 
-        def once() -> dict[str, Any]:
+        def once() -> dict[str, Any] | None:
             self.limiter.acquire(len(data))
-            return self._client.put_object(Bucket=self.bucket, Key=full, Body=data, ContentMD5=_md5_b64(md5),
-                                           Metadata=meta)
+            try:
+                return self._client.put_object(Bucket=self.bucket, Key=full, Body=data, ContentMD5=_md5_b64(md5),
+                                               Metadata=meta, **condition)
+            except ClientError as exc:
+                if condition and _error_code(exc) in _CONDITION_CODES:
+                    return None  # another writer came first: the caller reads again (retrying cannot help)
+                raise
 
         resp = self._call("PUT", full, once)
+        if resp is None:
+            return False
         self._check_etag(resp, md5, full, "object")
+        return True
+
+    def update_bytes(self, key: str, change: Callable[[bytes | None], bytes | None], *,
+                     limit: int | None = None) -> bool:
+        """See :meth:`StorageTier.update_bytes`: a GET, then a conditional PUT (``If-Match`` the ETag read,
+        ``If-None-Match: *`` where there was no object); when another writer came between the two, read again,
+        at most :data:`UPDATE_ATTEMPTS` times (then TransientStorageError). A store that ignores conditional
+        writes (some S3-compatible ones) makes this a plain read then write."""
+        full = self._full(key)
+        for attempt in range(UPDATE_ATTEMPTS):
+            def get() -> tuple[bytes, str]:
+                resp = self._client.get_object(Bucket=self.bucket, Key=full)
+                body = resp["Body"]
+                try:
+                    data: bytes = body.read() if limit is None else body.read(limit + 1)
+                finally:
+                    body.close()
+                return data, str(resp.get("ETag") or "")
+
+            try:
+                cur: bytes | None
+                cur, etag = self._call("GET", full, get)
+            except ObjectNotFoundError:
+                cur, etag = None, ""
+            new = change(cur)
+            if new is None:
+                return True
+            if self._put_small(full, new, **({"IfMatch": etag} if etag else {"IfNoneMatch": "*"})):
+                return True
+            log.debug("S3 %s: changed by another writer between the read and the write (attempt %d); reading again",
+                      self._where(full), attempt + 1)
+            time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))
+        raise TransientStorageError(f"S3 {self._where(full)}: other writers changed it {UPDATE_ATTEMPTS} times "
+                                    "between a read and a write; try again")
 
     def get_bytes(self, key: str, *, limit: int | None = None) -> bytes:
         """See :meth:`StorageTier.get_bytes`."""

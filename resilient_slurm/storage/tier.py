@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from .. import failpoints
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, ObjectNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +306,24 @@ class StorageTier(abc.ABC):
         """Read a small object; :class:`~resilient_slurm.errors.ObjectNotFoundError` if absent. With
         ``limit``, at most ``limit + 1`` bytes are read: a caller that caps a size (a manifest) sees an
         oversized object by its length, without reading all of it."""
+
+    def update_bytes(self, key: str, change: Callable[[bytes | None], bytes | None], *,
+                     limit: int | None = None) -> bool:
+        """Read-modify-write of small object ``key``: read it (None when it does not exist; ``limit`` as in
+        :meth:`get_bytes`), call ``change`` with what was read, and store what it returns (None: nothing to
+        store). ``change`` may be called more than once, each time with what the object holds then, so it must
+        compute from what it is given (a merge). True when no other update_bytes of the same key could have come
+        between the read and the write (a conditional write, or a lock: the tier's own method); False where
+        the tier can promise no such thing (this default: a plain read then write), so the caller checks
+        afterwards. What ``change`` raises propagates, with nothing written."""
+        try:
+            cur: bytes | None = self.get_bytes(key, limit=limit)
+        except ObjectNotFoundError:
+            cur = None
+        new = change(cur)
+        if new is not None:
+            self.put_bytes(key, new)
+        return False
 
     @abc.abstractmethod
     def stat(self, key: str) -> ObjectInfo | None:
