@@ -148,6 +148,21 @@ def _describe(path: str, dir_fd: int | None = None) -> str:
     return _a(kind)
 
 
+def describe_path(path: str) -> str:
+    """What ``path`` is now, in words, without following it: ``a FIFO (named pipe)``, ``a symlink (to '/x')``."""
+    return _describe(path)
+
+
+def is_special(path: str) -> bool:
+    """Whether ``path`` is there and is neither a regular file, a directory nor a link: a device, a FIFO, a
+    socket (not followed)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
+
+
 def _a(kind: str) -> str:
     return ("an " if kind[0] in "aeiou" else "a ") + kind
 

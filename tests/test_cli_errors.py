@@ -431,6 +431,38 @@ def test_a_tag_another_command_wrote_meanwhile_in_the_durable_copy_is_kept(
     assert raced and copy.tags == {"keepA": 1, "keepB": 2}
 
 
+@pytest.mark.parametrize("what", ["fifo", "socket", "fifo-config"])
+def test_export_force_never_replaces_a_fifo_a_socket_or_a_device(
+        what: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--force renamed the export over whatever OUT was: run as root, `export 1 /dev/null --force` made /dev/null a
+    regular file. An OUT (or the config file beside it) that is a device, a FIFO or a socket is refused, exit 2,
+    and left as it is. (A device is not made here: on code without the check the test would replace it.)"""
+    import os
+    import socket
+    import stat
+
+    nvme, durable, flags = drained(tmp_path, monkeypatch)
+    capsys.readouterr()
+    out = tmp_path / "weights.pt"
+    special = tmp_path / "weights.config.json" if what == "fifo-config" else out
+    held = None
+    if what == "socket":
+        held = socket.socket(socket.AF_UNIX)
+        held.bind(str(special))
+    else:
+        os.mkfifo(special)
+    try:
+        assert cli.main(["export", "1", str(out), "--format", "torch", "--force", *flags, "--run-id", "r1"]) == 2
+        err = capsys.readouterr().err
+        assert f"{special} is a {'socket' if what == 'socket' else 'FIFO (named pipe)'}" in err, err
+        mode = os.lstat(special).st_mode
+        assert stat.S_ISSOCK(mode) if what == "socket" else stat.S_ISFIFO(mode)
+        assert what != "fifo-config" or not out.exists()
+    finally:
+        if held is not None:
+            held.close()
+
+
 def test_verify_checks_the_recorded_config_against_its_sha256_as_export_does(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A manifest whose provenance config was altered after the save: export refused it, verify said OK."""

@@ -59,6 +59,7 @@ from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError, StorageError
 from ..manifest import DCP_METADATA_NAME, MANIFEST_NAME, PER_RANK_PREFIX, empty_keys
+from ..paths import describe_path, is_special
 from ..storage.fileio import atomic_write, fsync_dir
 from .source import StepSource
 
@@ -120,6 +121,10 @@ def check_out(out: str, *, force: bool, fmt: str) -> str:
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise ConfigError(f"{parent}: no such directory (the parent of OUT must exist)")
+    for path in (out, *([] if fmt in DIR_FORMATS else [config_path(out, fmt)])):
+        if is_special(path):  # --force would rename a file over it: /dev/null made a regular file
+            raise ConfigError(f"{path} is {describe_path(path)}, not a file an export wrote; give the path of a "
+                              "regular file (or a new one), with or without --force")
     if os.path.lexists(out):
         if not force:
             raise ConfigError(f"{out} exists; pass --force to replace it (only once the export is complete)")
