@@ -463,6 +463,46 @@ def test_export_force_never_replaces_a_fifo_a_socket_or_a_device(
             held.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["fifo", "directory", "symlink"])
+def test_show_diff_and_export_name_a_metadata_or_shard_that_is_not_a_regular_file(
+        what: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's .metadata that is a FIFO hung show, diff and export for good (a plain open), one that is a
+    directory ended in a traceback, a link was followed; a shard that is one of these made export --format dcp
+    exit 2 (torch: 1). Each is damage in the step, named as verify names it: exit 1."""
+    import os
+
+    nvme, durable, flags = drained(tmp_path, monkeypatch, 1, 2)
+    capsys.readouterr()
+    flags += ["--run-id", "r1"]
+    step = nvme / "n1" / "r1" / "step_000000000002"
+
+    def damage(name: str) -> None:
+        target = step / name
+        keep = tmp_path / f"kept-{name}"
+        target.rename(keep)
+        if what == "fifo":
+            os.mkfifo(target)
+        elif what == "directory":
+            target.mkdir()
+        else:
+            target.symlink_to(keep)  # the same bytes, through a link: still not read
+    kinds = {"fifo": "is a FIFO (named pipe)", "directory": "is a directory", "symlink": "is a symlink"}
+    damage(".metadata")
+    for argv in (["show", "2"], ["diff", "1", "2"], ["export", "2", str(tmp_path / "o.pt"), "--format", "torch"],
+                 ["export", "2", str(tmp_path / "o"), "--format", "dcp"]):
+        assert cli.main([*argv, "--tier", "local", *flags]) == 1, argv
+        err = capsys.readouterr().err
+        assert f"{step / '.metadata'} {kinds[what]}" in err and "Traceback" not in err, (argv, err)
+    (step / ".metadata").unlink() if what != "directory" else (step / ".metadata").rmdir()
+    (tmp_path / "kept-.metadata").rename(step / ".metadata")
+    damage("__0_0.distcp")
+    assert cli.main(["export", "2", str(tmp_path / "o"), "--format", "dcp", "--tier", "local", *flags]) == 1
+    err = capsys.readouterr().err
+    assert f"{step / '__0_0.distcp'} {kinds[what]}" in err, err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.pt").exists()
+
+
 def test_verify_checks_the_recorded_config_against_its_sha256_as_export_does(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A manifest whose provenance config was altered after the save: export refused it, verify said OK."""

@@ -20,10 +20,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import CorruptCheckpointError, ObjectNotFoundError, ResilientSlurmError, StorageError
+from ..errors import (
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    ResilientSlurmError,
+    StorageError,
+    UnsafePathError,
+)
 from ..manifest import DCP_METADATA_NAME, Manifest, ShardEntry, durable_step_key
 from ..storage.encoding import get_shard, is_compressed
-from ..storage.fileio import checksum
+from ..storage.fileio import checksum, open_regular
 from ..storage.tier import StorageTier
 from .inventory import Catalog, StepView
 
@@ -145,6 +151,12 @@ class StepSource:
             src = self.in_place(rel)
             if src is None:
                 raise CorruptCheckpointError(f"{self.name(rel)}: rank {e.rank}'s shard is not reachable from here")
+            try:  # a shard that is missing, a link, a directory or a FIFO is damage in the step, as for torch
+                os.close(open_regular(src, what=f"rank {e.rank}'s shard"))
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"{src}: rank {e.rank}'s shard is missing") from exc
+            except UnsafePathError as exc:
+                raise CorruptCheckpointError(str(exc)) from exc
             with PosixTier(os.path.dirname(dest), threads=4) as writer:
                 writer.put_file(src, os.path.basename(dest), size=e.size, checksum=e.checksum, progress=progress)
             return
@@ -153,6 +165,8 @@ class StepSource:
             get_shard(self.durable, self._key(rel), dest, size=e.size, checksum=e.checksum, progress=progress)
         except ObjectNotFoundError as exc:
             raise CorruptCheckpointError(f"{self.name(rel)}: rank {e.rank}'s shard is missing") from exc
+        except UnsafePathError as exc:
+            raise CorruptCheckpointError(str(exc)) from exc
 
 
 def open_source(catalog: Catalog, view: StepView, tier: str, *, scratch: str | None = None) -> StepSource:
@@ -170,11 +184,15 @@ def open_source(catalog: Catalog, view: StepView, tier: str, *, scratch: str | N
         m = first.manifest
         assert m is not None
         mdpath = os.path.join(first.path, DCP_METADATA_NAME)
-        try:
-            with open(mdpath, "rb") as f:
-                md = f.read()
+        try:  # as verify and restore open it: no link, no FIFO (it would block for good), a regular file
+            with os.fdopen(open_regular(mdpath, what="the step's DCP metadata"), "rb") as f:
+                md = f.read(m.dcp_metadata.length + 1)
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"{mdpath}: missing") from exc
+        except UnsafePathError as exc:
+            raise CorruptCheckpointError(str(exc)) from exc
+        except OSError as exc:
+            raise CorruptCheckpointError(f"{mdpath}: cannot be read ({exc.strerror or exc})") from exc
         where, md_where = first.path, mdpath
         dirs = {d: c.path for d, c in copies.items()}
         durable = None
@@ -183,7 +201,13 @@ def open_source(catalog: Catalog, view: StepView, tier: str, *, scratch: str | N
         m = view.durable.manifest
         where = view.durable.where
         md_where = f"{where}/{DCP_METADATA_NAME}"
-        md = catalog.durable.get_bytes(durable_step_key(view.run_id, view.step, DCP_METADATA_NAME))
+        try:
+            md = catalog.durable.get_bytes(durable_step_key(view.run_id, view.step, DCP_METADATA_NAME),
+                                           limit=m.dcp_metadata.length)
+        except ObjectNotFoundError as exc:
+            raise CorruptCheckpointError(f"{md_where}: missing") from exc
+        except UnsafePathError as exc:  # a link or a FIFO where the metadata goes: the step is damaged
+            raise CorruptCheckpointError(str(exc)) from exc
         dirs = {}
         durable = catalog.durable
     if len(md) != m.dcp_metadata.length or checksum(md) != m.dcp_metadata.checksum:
