@@ -26,7 +26,7 @@ import xxhash
 
 from resilient_slurm import Checkpointer
 from resilient_slurm.checkpoint import restore as restore_mod
-from resilient_slurm.errors import CorruptCheckpointError, StorageError
+from resilient_slurm.errors import ConfigError, CorruptCheckpointError, StorageError
 from resilient_slurm.storage.fileio import BLOCK, Ring, read_spans, read_through
 
 RUN = "z"
@@ -267,6 +267,26 @@ def test_a_failure_while_applying_a_verified_step_says_the_state_is_mixed(tmp_pa
     notes = "\n".join(err.value.__notes__)
     assert "applying step 1 failed after every rank verified it" in notes, notes
     assert "model.a.weight" in notes, notes  # read into it in place: named
+
+
+def test_a_tensor_whose_elements_share_memory_is_refused_at_the_save(tmp_path: Path) -> None:
+    """An expand()ed tensor saved, verified, and then failed every restore after verification (copy_ into it
+    refused, a traceback, the state half applied). The save now refuses it, naming the key; a copy saves and
+    restores, and a stride-0 dimension of size 1 (HF's position_ids: arange(n).expand(1, -1)) is no sharing."""
+    net, opt = trained(1)
+    state: dict[str, Any] = {"model": net, "optim": opt, "mask": torch.ones(1, 4).expand(3, 4),
+                             "ids": torch.arange(6).expand(1, -1)}
+    with Checkpointer(local_dir=str(tmp_path), run_id=RUN) as ck:
+        with pytest.raises(ConfigError, match=r"state 'mask': a tensor whose elements share memory.*x\.clone\(\)"):
+            ck.save(1, state)
+        assert not list((tmp_path / RUN).glob("step_*"))
+        state["mask"] = torch.arange(12.0).view(1, 12).expand(1, 12).reshape(3, 4).clone()
+        ck.save(2, state)
+        ck.wait()
+    fresh, fopt = trained(5)
+    back: dict[str, Any] = {"model": fresh, "optim": fopt, "mask": torch.zeros(3, 4), "ids": torch.zeros(1, 6).long()}
+    step, _ = restore(tmp_path, back)
+    assert step == 2 and torch.equal(back["mask"], state["mask"]) and torch.equal(back["ids"], state["ids"])
 
 
 def test_a_plain_value_or_a_copy_is_never_read_in_place(tmp_path: Path) -> None:

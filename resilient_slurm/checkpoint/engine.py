@@ -305,6 +305,14 @@ class Engine:
                 if missing:
                     raise ConfigError(f"replicated={list(self.replicated)}: {missing} not in the state "
                                       f"(keys: {sorted(state)})")
+                if shared := state_mod.overlapping_tensors(local["planner"].state_dict):
+                    shown = ", ".join(repr(k) for k in shared[:8]) + (f" and {len(shared) - 8} more"
+                                                                       if len(shared) > 8 else "")
+                    raise ConfigError(
+                        f"state {shown}: a tensor whose elements share memory (a dimension of stride 0, as expand() "
+                        "or broadcasting makes) could never be restored into (one memory location would take "
+                        "several saved values), so the save is refused. Keep a tensor that owns its memory in the "
+                        "state (x.clone(), or the tensor it was expanded from)")
                 return local["plan"], _proven_keys(local["planner"].state_dict, self.ddp.replicated_keys(state),
                                                    self.replicated)
 

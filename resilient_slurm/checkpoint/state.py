@@ -59,6 +59,20 @@ def check_state(state: Mapping[str, Any]) -> None:
             raise ConfigError(f"state key {k!r}: '.' separates nested names in checkpoints; use another name")
 
 
+def overlapping_tensors(flat: Mapping[str, Any]) -> list[str]:
+    """The keys of a flattened state dict whose tensor has elements that share memory: a dimension of stride 0
+    and size over 1, as ``expand()`` and broadcasting make (a DTensor: its local tensor). Such a tensor saves,
+    but no restore can write into it (one memory location would take several saved values)."""
+    out = []
+    for key, v in flat.items():
+        to_local = getattr(v, "to_local", None)
+        t = to_local() if callable(to_local) and isinstance(v, torch.Tensor) else v
+        if (isinstance(t, torch.Tensor) and t.layout == torch.strided
+                and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))):
+            out.append(key)
+    return out
+
+
 def build_state_dict(state: Mapping[str, Any], *, rank: int, capture_rng: bool) -> dict[str, Any]:
     """The DCP state_dict for ``state`` (aliases live tensors; staging copies them)."""
     check_state(state)
