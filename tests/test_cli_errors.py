@@ -130,6 +130,8 @@ def test_a_run_named_link_is_named_by_every_command_that_lists_the_runs(
 def test_a_run_directory_that_is_a_link_is_named_by_the_commands_that_take_a_run(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """show, export and diff said "steps there: none", and tag called the run directory a "tags file"."""
+    import json
+
     import torch
 
     from resilient_slurm import Checkpointer
@@ -150,6 +152,13 @@ def test_a_run_directory_that_is_a_link_is_named_by_the_commands_that_take_a_run
     assert cli.main(["tag", "2", "keep", *flags]) == 1
     err = capsys.readouterr().err
     assert f"tags file {nvme / 'r1' / 'tags.json'} cannot be read: {nvme / 'r1'} is a symlink" in err, err
+    # Without --run-id: show said "no checkpoints", status "(no checkpoints)" with no error and exit 0.
+    assert cli.main(["show", "--local-dir", str(nvme)]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoints in" in err and link in err, err
+    assert cli.main(["status", "--json", "--local-dir", str(nvme)]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert any(e.startswith(link) for e in doc["errors"]) and doc["steps"] == [], doc
     assert not (tmp_path / "out").exists() and sorted(p.name for p in (tmp_path / "moved").iterdir()) == [
         "events.jsonl", "step_000000000001", "step_000000000002"]
 

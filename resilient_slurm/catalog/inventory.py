@@ -370,8 +370,10 @@ class Catalog:
             return runs[0]
         where = ", ".join(self.roots) + (f" or {self.durable_url}" if self.durable_url else "")
         if not runs:
+            # What could not be listed (a run directory that is a link, a root one level too high) is why.
+            why = "".join(f"; {e}" for e in self.errors)
             raise ConfigError(f"no checkpoints in {where} (set --local-dir/RSLURM_LOCAL_DIR and "
-                              "--durable/RSLURM_DURABLE to where the run saves)")
+                              f"--durable/RSLURM_DURABLE to where the run saves){why}")
         raise ConfigError(f"several runs in {where}: {', '.join(runs)}; pick one with --run-id or RSLURM_RUN_ID")
 
     # ------------------------------------------------------------------ steps

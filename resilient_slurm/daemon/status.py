@@ -31,7 +31,7 @@ from ..catalog.inventory import scan_replicas
 from ..checkpoint.stragglers import read_status as read_stragglers
 from ..config import Settings
 from ..errors import ConfigError, ResilientSlurmError
-from ..layout import list_run_dir, root_runs
+from ..layout import RUN_LINK, list_run_dir, root_runs, run_links
 from ..manifest import durable_partial_steps
 from ..rundir import RunDir
 from .drain import drain_lag, durable_steps, scan_local
@@ -99,6 +99,9 @@ def collect_status(root: str, cfg: Settings, *, run_id: str | None = None,
     try:
         local = scan_local(root, [run_id] if run_id else None, invalid=not_listed)
         local_runs = root_runs(root) if not run_id else []
+        # A run-named link is never followed: named, as `ls` and `runs` name it (with --run-id, scan_local does).
+        unreachable += [f"local tier {RunDir(root, n).path}: cannot list it: {RUN_LINK}"
+                        for n in (run_links(root) if not run_id else [])]
     except OSError as exc:
         unreachable.append(f"local tier {root}: cannot list it: {exc.strerror}")
         local, local_runs = [], []
