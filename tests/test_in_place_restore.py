@@ -14,6 +14,7 @@ refused rather than restored over it. ``read_through`` itself: checksums, order,
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import weakref
@@ -184,6 +185,33 @@ def test_a_corrupt_newest_step_is_overwritten_whole_by_the_older_one(tmp_path: P
     assert event["placed_bytes"] > 0
     after = one_step(fresh, fopt)
     assert all(torch.equal(x, y) for x, y in zip(one_step(net1, opt1), after))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["directory", "fifo", "symlink"])
+def test_a_shard_that_is_not_a_regular_file_is_named_and_the_older_step_restored(
+        what: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A shard replaced by a directory or a FIFO was reported as truncated ("size 4096 bytes, manifest says ..."),
+    one replaced by a link was followed. Each is named for what it is, and the older step is restored."""
+    net1, opt1 = trained(1)
+    save(tmp_path, 1, {"model": net1, "optim": opt1})
+    net2, opt2 = trained(2)
+    save(tmp_path, 2, {"model": net2, "optim": opt2})
+    shard = next((tmp_path / RUN / "step_000000000002").glob("*.distcp"))
+    shard.rename(tmp_path / "kept.distcp")
+    if what == "directory":
+        shard.mkdir()
+    elif what == "fifo":
+        os.mkfifo(shard)
+    else:
+        shard.symlink_to(tmp_path / "kept.distcp")  # the right bytes, through a link: never read
+    fresh, fopt = trained(9)
+    with caplog.at_level(logging.WARNING):
+        step, event = restore(tmp_path, {"model": fresh, "optim": fopt})
+    assert step == 1 and event["skipped"] == [2]
+    kind = {"directory": "a directory", "fifo": "a FIFO (named pipe)", "symlink": "a symlink"}[what]
+    assert f"{shard} is {kind}" in caplog.text and "truncated" not in caplog.text, caplog.text
+    assert all(torch.equal(x, y) for x, y in zip(tensors(net1, opt1), tensors(fresh, fopt)))
 
 
 def test_when_nothing_restores_the_state_read_into_is_named_or_left_untouched(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import dataclasses
 import io
 import logging
 import os
+import stat
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ from ..manifest import (
     read_manifest_file,
     split_per_rank_fqn,
 )
+from ..paths import describe_path
 from ..rundir import RunDir
 from ..storage.fileio import (
     BLOCK,
@@ -363,9 +365,12 @@ class StepReader:
             path = paths[rel] = os.path.join(step_dir, rel if rel in shards else rel + PARTIAL_SUFFIX)
             entry = entries[rel]
             try:
-                st = os.stat(path)
+                st = os.lstat(path)
             except FileNotFoundError as exc:
                 raise CorruptCheckpointError(f"{path}: shard file missing") from exc
+            if not stat.S_ISREG(st.st_mode):  # its size would be a directory's or a FIFO's, not the file's
+                raise CorruptCheckpointError(f"{path} is {describe_path(path)}, not a regular file: the shard is "
+                                             "damaged; remove it (and find out who made it)")
             if st.st_size != entry.size:
                 raise CorruptCheckpointError(
                     f"{path}: size {st.st_size} bytes, manifest says {entry.size} (truncated or overwritten)"
