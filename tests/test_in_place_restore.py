@@ -214,6 +214,32 @@ def test_a_shard_that_is_not_a_regular_file_is_named_and_the_older_step_restored
     assert all(torch.equal(x, y) for x, y in zip(tensors(net1, opt1), tensors(fresh, fopt)))
 
 
+def test_a_step_directory_that_is_a_link_is_named_and_a_new_save_of_the_step_replaces_the_link(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A step directory replaced by a link was skipped without a word, and saving that step again failed to remove
+    it ("Cannot call rmtree on a symbolic link"), leaving a temp link behind that no command showed."""
+    import shutil
+
+    net1, opt1 = trained(1)
+    save(tmp_path, 1, {"model": net1, "optim": opt1})
+    net2, opt2 = trained(2)
+    save(tmp_path, 2, {"model": net2, "optim": opt2})
+    step2 = tmp_path / RUN / "step_000000000002"
+    shutil.move(str(step2), tmp_path / "elsewhere")
+    step2.symlink_to(tmp_path / "elsewhere")
+    fresh, fopt = trained(9)
+    with caplog.at_level(logging.WARNING):
+        with Checkpointer(local_dir=str(tmp_path), run_id=RUN, keep_last=5) as ck:
+            assert ck.restore({"model": fresh, "optim": fopt}) == 1
+            assert f"{step2}: a symbolic link or a file where rslurm keeps a step's directory" in caplog.text
+            ck.save(2, {"model": fresh, "optim": fopt})
+            ck.wait()
+    assert step2.is_dir() and not step2.is_symlink() and (tmp_path / "elsewhere" / "manifest.json").is_file()
+    assert sorted(p.name for p in (tmp_path / RUN).iterdir() if p.name.startswith("step_")) == [
+        "step_000000000001", "step_000000000002"]
+    assert "could not remove" not in caplog.text, caplog.text
+
+
 def test_when_nothing_restores_the_state_read_into_is_named_or_left_untouched(tmp_path: Path) -> None:
     net, opt = trained(1)
     save(tmp_path, 1, {"model": net, "optim": opt})

@@ -202,6 +202,7 @@ class Engine:
         self.durable = durable
         self.run_dir = RunDir(topo.root, run_id).path
         self._seq = 0
+        self._foreign_named: set[str] = set()  # step-named links and files already warned about
         self._cached_local_plan: SavePlan | None = None
         self._base_plans: list[SavePlan] = []  # every rank's plan, items under their own keys
         self._table: ItemTable | None = None
@@ -684,6 +685,12 @@ class Engine:
             if not (spare_current and t.owned_by(self.topo.nonce)):
                 log.info("removing abandoned %s directory %s", t.kind.value, listing.temp_path(t))
                 remove_tree_quietly(listing.temp_path(t))
+        for name in listing.foreign:
+            if name not in self._foreign_named:  # once per entry and process: this runs at every save
+                self._foreign_named.add(name)
+                log.warning("%s: a symbolic link or a file where rslurm keeps a step's directory; it is never read "
+                            "(a step there is not restored) nor followed: remove it, and find out who made it",
+                            RunDir.at(self.run_dir).file(name))
 
     def apply_retention(self) -> list[int]:
         """Delete steps the policy does not keep (never the newest, never a tagged one, never one being

@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -717,7 +718,14 @@ def reading_step(step_dir: str) -> Iterator[bool]:
 
 
 def remove_tree(path: str) -> None:
-    """Remove a directory tree, tolerating concurrent removal."""
+    """Remove a directory tree, tolerating concurrent removal. A link or a file at ``path`` is removed itself,
+    never what a link points to (rmtree refused a link: a step directory that was one stayed behind)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+            return
+    except FileNotFoundError:
+        return
     shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
 
 
