@@ -232,7 +232,8 @@ def test_manifests_without_or_with_malformed_provenance_still_work(saved: dict[s
         path.write_text(json.dumps(d))
     shown = rslurm(work, "show", "3", "--json")
     assert shown.returncode == 0 and json.loads(shown.stdout)["provenance"] is None, shown.stderr
-    assert "provenance: not recorded" in rslurm(work, "show", "3").stdout
+    assert "provenance: none usable (saved by a resilient_slurm before provenance existed, or a damaged field" in \
+        rslurm(work, "show", "3").stdout
     bad = rslurm(work, "show", "4", "--json")
     assert bad.returncode == 0, bad.stderr
     assert {k: v for k, v in json.loads(bad.stdout)["provenance"].items() if v is not None} == {}

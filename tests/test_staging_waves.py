@@ -16,6 +16,7 @@ from conftest import REPO, run_ranks
 
 from resilient_slurm import Checkpointer, SaveError
 from resilient_slurm.checkpoint.staging import StagingBuffer, WaveWriter
+from resilient_slurm.errors import ConfigError
 from resilient_slurm.manifest import step_dirname
 from resilient_slurm.storage.fileio import BLOCK
 
@@ -136,11 +137,17 @@ def test_a_save_in_waves_that_fails_closes_its_file(tmp_path: Path, monkeypatch:
         return [link for link in links if ".distcp" in link]
 
     with Checkpointer(local_dir=str(tmp_path), run_id="refused", capture_rng=False) as ck:
-        for step in (1, 2, 3):
+        # A value restore would refuse is refused on the training thread when the plan is made (ConfigError);
+        # one that changes kind later, under the same plan, in the write phase (SaveError).
+        with pytest.raises(ConfigError, match="state value 'bad' cannot be restored safely"):
+            ck.save(1, {"w": torch.randn(20_000), "bad": np.float32(1.0)})
+        ck.save(2, {"w": torch.randn(20_000), "bad": 1.0})
+        ck.wait()
+        for step in (3, 4, 5):
             with pytest.raises(SaveError, match="cannot be restored safely"):
                 ck.save(step, {"w": torch.randn(20_000), "bad": np.float32(1.0)})
         assert shard_fds() == []
-        ck.save(4, {"w": torch.randn(20_000), "fine": 1.0})
+        ck.save(6, {"w": torch.randn(20_000), "fine": 1.0})
         assert shard_fds() == []
 
 

@@ -172,7 +172,8 @@ def _or(v: Any, unknown: str = "unknown") -> str:
 def provenance_lines(prov: Any) -> list[str]:
     """``show``'s text for a manifest's provenance (already made safe by ``manifest.parse_provenance``)."""
     if not isinstance(prov, dict):
-        return ["provenance: not recorded (saved by a resilient_slurm before provenance existed)"]
+        return ["provenance: none usable (saved by a resilient_slurm before provenance existed, or a damaged "
+                "field: a warning names the manifest)"]
     code = prov.get("code") or {}
     slurm = prov.get("slurm") or {}
     flag = code.get("git_dirty")

@@ -102,7 +102,7 @@ def format_diff(doc: Mapping[str, Any]) -> list[str]:
         out.append(f"~ {d['key']}  dtype {d['a']} -> {d['b']}")
     for side in ("a", "b"):
         if not doc["provenance_recorded"][side]:
-            out.append(f"provenance: not recorded in {side.upper()} (saved before provenance existed)")
+            out.append(f"provenance: none usable in {side.upper()} (saved before provenance existed, or a damaged field: a warning names the manifest)")
     for d in doc["provenance"]:
         out.append(f"provenance {d['field']}: {_short(d['a'])} -> {_short(d['b'])}")
     n_keys = len(doc["only_in_a"]) + len(doc["only_in_b"]) + len(doc["shape"]) + len(doc["dtype"])

@@ -167,6 +167,22 @@ class SaveOutcome:
     mismatches: tuple[ReplicaMismatch, ...] = ()  # copies of one item unequal across domains (on domain leaders)
 
 
+def check_plain_values(items: list[tuple[WriteItem, bytes]]) -> None:
+    """ConfigError naming the first plain value of ``items`` (serialized) that restore's ``weights_only`` loader
+    would refuse, and saying what to keep in the state instead."""
+    for it, b in items:
+        try:
+            torch.load(io.BytesIO(b), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ConfigError(
+                f"state value {it.index.fqn!r} cannot be restored safely (use tensors, numbers, strings, bytes, None "
+                f"and lists/tuples/dicts/sets of them): {type(exc).__name__}; convert it, e.g. float(x) for a NumPy "
+                "scalar, str(p) for a path, g.get_state() for a torch.Generator (g.set_state() it back after the "
+                "restore), r.getstate() for a random.Random, rng.bit_generator.state for a NumPy Generator, or "
+                "give an object of your own state_dict() and load_state_dict() (docs/integration.md)"
+            ) from exc
+
+
 class Engine:
     """Save, commit and retention for one run in the node-local tier; restore through its
     :class:`~.restore.Restorer`. One instance per rank."""
@@ -203,6 +219,7 @@ class Engine:
         self.run_dir = RunDir(topo.root, run_id).path
         self._seq = 0
         self._foreign_named: set[str] = set()  # step-named links and files already warned about
+        self._values_checked = -1  # the plan version whose plain values stage checked
         self._cached_local_plan: SavePlan | None = None
         self._base_plans: list[SavePlan] = []  # every rank's plan, items under their own keys
         self._table: ItemTable | None = None
@@ -411,6 +428,10 @@ class Engine:
                 data = resolve(it)
                 assert isinstance(data, io.BytesIO)
                 bytes_items.append((it, data.getvalue()))
+        if self._values_checked != self._table_version:
+            # A value restore would refuse fails this save, on the training thread, not the next one's.
+            check_plain_values(bytes_items)
+            self._values_checked = self._table_version
         self._seq += 1
         p = PendingSave(step=step, reason=reason, token=f"{self.topo.nonce}-{self._seq}", created_at=time.time(),
                         bytes_items=bytes_items, plan=plan, staging=staging, mismatches=pl.mismatches,
@@ -551,17 +572,10 @@ class Engine:
             chunks.append((s.offset, s.length))
             infos[s.item.index] = (fname, s.offset, s.length)
         if p.bytes_items:
-            for it, b in p.bytes_items:
-                # Restore loads plain values with weights_only=True: refuse now (off the training
-                # thread) what restore would refuse, so a committed step is always restorable.
-                try:
-                    torch.load(io.BytesIO(b), map_location="cpu", weights_only=True)
-                except Exception as exc:
-                    raise ConfigError(
-                        f"state value {it.index.fqn!r} cannot be restored safely (use tensors, numbers, "
-                        f"strings, bytes, None and lists/tuples/dicts/sets of them): {type(exc).__name__}; "
-                        "convert it, e.g. float(x) for a NumPy scalar, str(p) for a path"
-                    ) from exc
+            # Restore loads plain values with weights_only=True: refuse now (off the training thread) what
+            # restore would refuse, so a committed step is always restorable (stage checked them on the training
+            # thread when the plan was made: a value that changes kind later is caught here).
+            check_plain_values(p.bytes_items)
             total_b = sum(len(b) for _, b in p.bytes_items)
             bbuf = aligned_buffer(total_b)
             mv = as_memoryview(bbuf)
