@@ -762,3 +762,29 @@ class TestS3Misc:
         assert is_transient(ReadTimeoutError(endpoint_url="http://x"))
         assert is_transient(ConnectionResetError())
         assert not is_transient(ValueError())
+
+
+def test_posix_update_bytes_without_flock_writes_and_says_it_could_not_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem without flock (Lustre without -o flock: ENOSYS, an NFS without locks: ENOLCK) still takes
+    the update, and update_bytes returns False so the caller checks afterwards; another lock error is a
+    StorageError naming the directory, with nothing written."""
+    import errno
+
+    from resilient_slurm.errors import StorageError
+    from resilient_slurm.storage import posix
+
+    tier = PosixTier(str(tmp_path / "durable"))
+
+    def no_flock(code: int) -> Callable[..., bool]:
+        def flock_within(fd: int, operation: int, timeout: float | None) -> bool:
+            raise OSError(code, os.strerror(code))
+        return flock_within
+
+    monkeypatch.setattr(posix, "flock_within", no_flock(errno.ENOLCK))
+    assert tier.update_bytes("run/tags.json", lambda cur: b"one") is False
+    assert tier.get_bytes("run/tags.json") == b"one"
+    monkeypatch.setattr(posix, "flock_within", no_flock(errno.EIO))
+    with pytest.raises(StorageError, match=r"durable/run: cannot lock it"):
+        tier.update_bytes("run/tags.json", lambda cur: b"two")
+    assert tier.get_bytes("run/tags.json") == b"one"

@@ -38,7 +38,7 @@ from ..errors import (
     TransientStorageError,
     UnsafePathError,
 )
-from ..flocks import flocked
+from ..flocks import close_locked_fd, flock_within, open_locked_fd
 from ..paths import link_free_below, open_parent
 from .fileio import (
     BLOCK,
@@ -385,19 +385,25 @@ class PosixTier(StorageTier):
             raise storage_error(f"{directory}: cannot create it: {_in_the_way(path, self.root)}", exc) from exc
         except OSError as exc:
             raise storage_error(f"{directory}: cannot create it: {exc}", exc) from exc
-        opener = lambda: os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)  # noqa: E731
         try:
-            with flocked(opener, fcntl.LOCK_EX, timeout=UPDATE_LOCK_WAIT_S) as fd:
-                if fd is None:
-                    raise TransientStorageError(f"{path}: another process held the lock of {directory} for more "
-                                                f"than {UPDATE_LOCK_WAIT_S:.0f} s; try again")
-                super().update_bytes(key, change, limit=limit)
-                return True
+            fd = open_locked_fd(lambda: os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
         except OSError as exc:
-            if exc.errno not in _NO_FLOCK:
-                raise storage_error(f"{directory}: cannot lock it: {exc.strerror or exc}", exc) from exc
-        log.debug("%s: no flock on this filesystem; %s is updated without a lock", directory, key)
-        return super().update_bytes(key, change, limit=limit)
+            raise storage_error(f"{directory}: cannot open it: {exc.strerror or exc}", exc) from exc
+        try:
+            try:
+                held: bool | None = flock_within(fd, fcntl.LOCK_EX, UPDATE_LOCK_WAIT_S)
+            except OSError as exc:
+                if exc.errno not in _NO_FLOCK:
+                    raise storage_error(f"{directory}: cannot lock it: {exc.strerror or exc}", exc) from exc
+                log.debug("%s: no flock on this filesystem; %s is updated without a lock", directory, key)
+                held = None
+            if held is False:
+                raise TransientStorageError(f"{path}: another process held the lock of {directory} for more than "
+                                            f"{UPDATE_LOCK_WAIT_S:.0f} s; try again")
+            super().update_bytes(key, change, limit=limit)
+            return held is True
+        finally:
+            close_locked_fd(fd)
 
     def get_bytes(self, key: str, *, limit: int | None = None) -> bytes:
         """See :meth:`StorageTier.get_bytes`."""
