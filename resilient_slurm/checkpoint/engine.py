@@ -219,7 +219,6 @@ class Engine:
         self.run_dir = RunDir(topo.root, run_id).path
         self._seq = 0
         self._foreign_named: set[str] = set()  # step-named links and files already warned about
-        self._values_checked = -1  # the plan version whose plain values stage checked
         self._cached_local_plan: SavePlan | None = None
         self._base_plans: list[SavePlan] = []  # every rank's plan, items under their own keys
         self._table: ItemTable | None = None
@@ -331,6 +330,10 @@ class Engine:
                         "or broadcasting makes) could never be restored into (one memory location would take "
                         "several saved values), so the save is refused. Keep a tensor that owns its memory in the "
                         "state (x.clone(), or the tensor it was expanded from)")
+                # A plain value restore would refuse fails this save, on every rank, not the next one's (the write
+                # phase checks each save's values again: one that changes kind under the same plan).
+                check_plain_values([(it, local["planner"].resolve_data(it).getvalue()) for it in local["plan"].items
+                                    if it.type == WriteItemType.BYTE_IO])
                 return local["plan"], _proven_keys(local["planner"].state_dict, self.ddp.replicated_keys(state),
                                                    self.replicated)
 
@@ -428,10 +431,6 @@ class Engine:
                 data = resolve(it)
                 assert isinstance(data, io.BytesIO)
                 bytes_items.append((it, data.getvalue()))
-        if self._values_checked != self._table_version:
-            # A value restore would refuse fails this save, on the training thread, not the next one's.
-            check_plain_values(bytes_items)
-            self._values_checked = self._table_version
         self._seq += 1
         p = PendingSave(step=step, reason=reason, token=f"{self.topo.nonce}-{self._seq}", created_at=time.time(),
                         bytes_items=bytes_items, plan=plan, staging=staging, mismatches=pl.mismatches,
@@ -573,8 +572,8 @@ class Engine:
             infos[s.item.index] = (fname, s.offset, s.length)
         if p.bytes_items:
             # Restore loads plain values with weights_only=True: refuse now (off the training thread) what
-            # restore would refuse, so a committed step is always restorable (stage checked them on the training
-            # thread when the plan was made: a value that changes kind later is caught here).
+            # restore would refuse, so a committed step is always restorable (the planning phase checked them when
+            # the plan was made, on every rank: a value that changes kind later under the same plan is caught here).
             check_plain_values(p.bytes_items)
             total_b = sum(len(b) for _, b in p.bytes_items)
             bbuf = aligned_buffer(total_b)
