@@ -166,3 +166,16 @@ def test_a_failure_while_writing_waves_fails_the_save_on_every_rank(tmp_path: Pa
         assert o["restored"] == 2 and o["equal"], o
     steps = sorted(p.name for p in (tmp_path / "nvme" / "waves").iterdir() if p.name.startswith("step_"))
     assert steps == [step_dirname(2)], steps  # step 1's temporary directory is gone too
+
+
+@pytest.mark.proc
+def test_a_plain_value_refused_on_one_rank_fails_that_save_on_every_rank(tmp_path: Path) -> None:
+    """A value restore could not load (a torch.Generator) on rank 1 only: the save that makes the plan refuses it
+    on both ranks, naming rank 1 and the key (none waits for the other), and the next save commits and restores."""
+    job = run_ranks([str(REPO / "tests" / "workers" / "refused_value_worker.py"), str(tmp_path / "nvme")], 2,
+                    tmp_path, timeout=240)
+    for r in range(2):
+        o = json.loads(job.output(r).strip().splitlines()[-1])
+        assert len(o["errors"]) == 1 and "ConfigError" in o["errors"][0], (r, o)
+        assert "rank 1" in o["errors"][0] and "state value 'extra' cannot be restored safely" in o["errors"][0], o
+        assert "g.get_state()" in o["errors"][0] and o["restored"] == 2 and o["equal"], (r, o)
