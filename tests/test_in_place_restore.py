@@ -27,7 +27,7 @@ import xxhash
 
 from resilient_slurm import Checkpointer
 from resilient_slurm.checkpoint import restore as restore_mod
-from resilient_slurm.errors import ConfigError, CorruptCheckpointError, StorageError
+from resilient_slurm.errors import ConfigError, CorruptCheckpointError, StorageError, UnsafePathError
 from resilient_slurm.storage.fileio import BLOCK, Ring, read_spans, read_through
 
 RUN = "z"
@@ -514,12 +514,23 @@ def test_a_read_waits_only_for_its_own_ring_slot_and_makes_one_the_warming_did_n
     assert ring._warming is not None and not ring._warming.is_alive()  # no slot is faulted in past done()
 
 
-def test_a_read_that_fails_names_the_file(tmp_path: Path) -> None:
-    """An error of the read itself (here: the path is a directory) names the file and the bytes."""
-    with pytest.raises(StorageError, match=f"{tmp_path}: reading bytes 0\\+"):
-        read_through(str(tmp_path), 8192, [(0, 4096)], lambda k, at, view: None)
-    with pytest.raises(StorageError, match=f"{tmp_path}: reading bytes 0\\+"):
-        read_spans(str(tmp_path), [(0, memoryview(bytearray(BLOCK)))], BLOCK)
+@pytest.mark.parametrize("kind", ["directory", "symlink", "FIFO"])
+def test_the_readers_read_only_a_regular_file_whoever_checked_the_path_before(tmp_path: Path, kind: str) -> None:
+    """Both readers refuse what is not a regular file at the path when they open it (a shard swapped for a link,
+    a FIFO or a directory after the caller's check), naming it: never a read through a link, never a hang."""
+    data = os.urandom(2 * BLOCK)
+    (tmp_path / "real").write_bytes(data)
+    path = tmp_path / "shard"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "symlink":
+        path.symlink_to(tmp_path / "real")
+    else:
+        os.mkfifo(path)
+    with pytest.raises(UnsafePathError, match=f"{path} is a {kind}.*, not a regular file"):
+        read_through(str(path), len(data), [(0, BLOCK)], lambda k, at, view: None)
+    with pytest.raises(UnsafePathError, match=f"{path} is a {kind}.*, not a regular file"):
+        read_spans(str(path), [(0, memoryview(bytearray(BLOCK)))], len(data))
 
 
 @pytest.mark.parametrize("persists", [False, True])

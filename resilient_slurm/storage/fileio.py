@@ -283,15 +283,20 @@ def read_file_into(
 
 
 def _open_for_read(path: str) -> tuple[int, bool]:
-    """``path`` opened for reading, with O_DIRECT where the filesystem takes it; the fd and whether it did."""
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    """``path`` opened for reading, with O_DIRECT where the filesystem takes it; the fd and whether it did.
+    Only a regular file is read, through :func:`paths.open_regular` (never a final link, never blocking on a
+    FIFO): a link or special file put where a shard was raises :class:`UnsafePathError` naming it, whoever
+    checked the path before."""
+    def opened(flags: int) -> int:
+        return paths.open_regular(path, flags, error=UnsafePathError, where="a checkpoint tree (where a shard goes)")
+
     if _O_DIRECT:
         try:
-            return os.open(path, flags | _O_DIRECT), True
+            return opened(os.O_RDONLY | _O_DIRECT), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags), False
+    return opened(os.O_RDONLY), False
 
 
 # Ranges hashed by one task of read_spans: small items go in batches (a task per item cost more in handing
