@@ -22,6 +22,7 @@ from typing import Any
 from . import config
 from .cliargs import INSPECT_STORAGE_FLAGS, open_catalog, step_arg
 from .errors import ConfigError, CorruptCheckpointError
+from .paths import id_problem
 
 
 def _step_spec(v: str) -> tuple[str | None, int | str]:
@@ -29,6 +30,8 @@ def _step_spec(v: str) -> tuple[str | None, int | str]:
     run, sep, step = v.rpartition(":")
     if sep and not run:
         raise argparse.ArgumentTypeError(f"expected [RUN:]STEP, got {v!r} (a run before the ':')")
+    if run and (problem := id_problem("run id", run)) is not None:
+        raise argparse.ArgumentTypeError(f"in {v!r}: {problem}")
     return (run or None), step_arg(step)
 
 

@@ -512,6 +512,31 @@ def test_show_diff_and_export_name_a_metadata_or_shard_that_is_not_a_regular_fil
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.pt").exists()
 
 
+@pytest.mark.parametrize("run", ["..", "../x", "/etc", "a/b", ".hidden"])
+def test_diff_checks_the_run_of_a_run_step_argument_before_reading_anything(
+        run: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``diff ../x:1`` joined the run into a path: it listed the parent of the local root (or /etc) and opened
+    the step files of a copy planted beside the root. The RUN of ``RUN:STEP`` gets the one identifier check,
+    exit 2, as ``--run-id`` does; and the catalog refuses such a run for every caller."""
+    import shutil
+
+    from resilient_slurm.catalog import Catalog
+    from resilient_slurm.errors import ConfigError
+
+    nvme, durable, flags = drained(tmp_path, monkeypatch)
+    shutil.copytree(nvme / "n1" / "r1" / "step_000000000001", nvme / "x" / "step_000000000001")
+    capsys.readouterr()
+    for tier in ("local", "auto"):
+        with pytest.raises(SystemExit) as exited:  # a usage error, from the parser
+            cli.main(["diff", f"{run}:1", "r1:1", "--tier", tier, *flags])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "a run id holds letters" in err or "a run id has 1 to" in err, err
+        assert "not found" not in err and "manifest" not in err, err
+    with Catalog(str(nvme / "%n"), "n1") as catalog, pytest.raises(ConfigError, match="a run id"):
+        catalog.resolve_run(run)
+
+
 def test_verify_checks_the_recorded_config_against_its_sha256_as_export_does(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A manifest whose provenance config was altered after the save: export refused it, verify said OK."""

@@ -318,13 +318,33 @@ def test_a_compressed_durable_step_restores_bitwise_into_an_empty_node_and_verif
 
     big = max(shards, key=lambda s: s.size)
     path = tmp_path / "durable" / "r" / f"step_{5:012d}" / big.path
-    blob = bytearray(path.read_bytes())
+    sound = path.read_bytes()
+    blob = bytearray(sound)
     blob[len(blob) // 3] ^= 0x10
     path.write_bytes(bytes(blob))
     with PosixTier(str(tmp_path / "durable")) as tier:
         faults = verify_durable_step(tier, "r", 5).faults
     assert [f.where for f in faults] == [f"{tmp_path / 'durable'}/r/step_{5:012d}/{big.path}"], faults
     assert faults[0].kind == "corrupt"
+
+    # A damaged footer or frame index: verify and export said the object was truncated (it was then read as
+    # the file as it is); they name the damage, as restore does.
+    layout = read_layout(lambda at, n: sound[at:at + n], len(sound), big.path, big.size)
+    assert layout is not None
+    for where, said in ((len(sound) - 20, "footer is damaged"), (layout.offsets[-1] + 1, "index is damaged")):
+        damaged = bytearray(sound)
+        damaged[where] ^= 0x01
+        path.write_bytes(bytes(damaged))
+        with PosixTier(str(tmp_path / "durable")) as tier:
+            assert is_compressed(tier, f"r/step_{5:012d}/{big.path}", big.size)
+            faults = verify_durable_step(tier, "r", 5).faults
+        assert len(faults) == 1 and said in faults[0].problem and "truncated" not in faults[0].problem, faults
+        capsys.readouterr()
+        assert rslurm_main(["export", "5", str(tmp_path / "out.pt"), "--format", "torch", "--durable",
+                            str(tmp_path / "durable"), "--local-dir", str(tmp_path / "c"), "--run-id", "r",
+                            "--tier", "durable"]) == 1
+        err = capsys.readouterr().err
+        assert said in err and "truncated" not in err, err
 
 
 def test_a_drain_told_to_yield_stops_while_it_compresses_and_leaves_nothing(tmp_path: Path) -> None:

@@ -343,7 +343,10 @@ class Catalog:
         """``run`` when a tier has it (its directory, also before its first save), or when that cannot be told;
         else, with ``strict`` (a ``--run-id`` typed on the command line), a ConfigError naming the runs there: a
         misspelt run id is an error, never an empty listing. Not ``strict`` (a run id from the environment or
-        the config file: a job names its run before the run's first save), ``run`` is returned."""
+        the config file: a job names its run before the run's first save), ``run`` is returned. A ``run`` that
+        cannot be a run id (``../x``, a path) is a ConfigError before any tier is looked at."""
+        if (problem := id_problem("run id", run)) is not None:
+            raise ConfigError(f"run {problem}")
         if not strict or self.has_run(run) is not False:
             return run
         before = list(self.errors)

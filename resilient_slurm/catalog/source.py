@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 from ..errors import (
     CorruptCheckpointError,
     ObjectNotFoundError,
-    ResilientSlurmError,
     StorageError,
     UnsafePathError,
 )
@@ -81,7 +80,8 @@ class StepSource:
             return os.path.join(d, rel) if d else None
         from ..storage.posix import PosixTier
 
-        if isinstance(self.durable, PosixTier) and not self._compressed(rel):
+        if isinstance(self.durable, PosixTier) and not is_compressed(self.durable, self._key(rel),
+                                                                       self.shards[rel].size):
             return os.path.join(self.durable.root, self._key(rel))
         return None
 
@@ -111,15 +111,6 @@ class StepSource:
                 info = self.durable.stat(key)
                 out[rel] = info.size if info is not None else None
         return out
-
-    def _compressed(self, rel: str) -> bool:
-        """A POSIX durable shard is stored compressed (then it is decoded, not read in place). A shard that is
-        missing or damaged is read in place as before: the checks that follow name what is wrong with it."""
-        assert self.durable is not None
-        try:
-            return is_compressed(self.durable, self._key(rel), self.shards[rel].size)
-        except ResilientSlurmError:
-            return False
 
     @contextlib.contextmanager
     def file(self, rel: str, progress: Progress | None = None) -> Iterator[tuple[str, bool]]:

@@ -323,7 +323,7 @@ def durable_file(tier: StorageTier, key: str, entry: ShardEntry, *, scratch: str
     size and xxh3 checked) into a fresh directory under ``scratch`` that is removed on exit.
     Raises what ``get_file`` raises: CorruptCheckpointError, ObjectNotFoundError, StorageError."""
     root = _posix_root(tier)
-    if root is not None and not _compressed(tier, key, entry.size):
+    if root is not None and not is_compressed(tier, key, entry.size):
         yield os.path.join(root, key), False
         return
     try:
@@ -339,15 +339,6 @@ def durable_file(tier: StorageTier, key: str, entry: ShardEntry, *, scratch: str
         yield path, True
     finally:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _compressed(tier: StorageTier, key: str, size: int) -> bool:
-    """The POSIX object is stored compressed; a missing or damaged one is read in place (and its fault named
-    by the checks that read it)."""
-    try:
-        return is_compressed(tier, key, size)
-    except ResilientSlurmError:
-        return False
 
 
 def _storage_fault(where: str, exc: BaseException, rank: int | None = None) -> Fault:

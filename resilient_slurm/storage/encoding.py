@@ -59,7 +59,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ..errors import CorruptCheckpointError, ObjectNotFoundError
+from ..errors import CorruptCheckpointError, ObjectNotFoundError, ResilientSlurmError
 from ..rundir import ENCODE_SCRATCH
 from ..storage.fileio import fsync_dir, open_regular
 from .tier import ObjectInfo, Progress, ReadRange, Span, StorageTier, TransferStats
@@ -183,9 +183,14 @@ def _footer(raw_size: int, frame_size: int, n: int, raw_checksum: str, index: by
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
 
+class DamagedEncodingError(CorruptCheckpointError):
+    """An object that ends in this format's footer (it is a compressed shard) whose footer, index or frames
+    are damaged."""
+
+
 def read_layout(read: ReadRange, stored_size: int, where: str, raw_size: int) -> Layout | None:
     """The layout of a stored object of ``stored_size`` bytes, the encoding of a ``raw_size``-byte file, or
-    None when it has no footer of this format (it is not compressed). Raises CorruptCheckpointError when
+    None when it has no footer of this format (it is not compressed). Raises DamagedEncodingError when
     the footer is there but damaged or names another size (checked before the index is read: a footer
     cannot make a reader read or allocate more than a small share of the file's size)."""
     if stored_size < FOOTER.size:
@@ -198,32 +203,32 @@ def read_layout(read: ReadRange, stored_size: int, where: str, raw_size: int) ->
     if magic != MAGIC:
         return None
     if xxhash.xxh3_64_intdigest(tail[:-8]) != own_ck:
-        raise CorruptCheckpointError(f"{where}: the compressed object's footer is damaged")
+        raise DamagedEncodingError(f"{where}: the compressed object's footer is damaged")
     if said_size != raw_size:
-        raise CorruptCheckpointError(f"{where}: compressed object of a {said_size}-byte file, the manifest says "
+        raise DamagedEncodingError(f"{where}: compressed object of a {said_size}-byte file, the manifest says "
                                      f"{raw_size}")
     if stored_size >= raw_size:  # the encoder keeps an encoding only when it is smaller
-        raise CorruptCheckpointError(f"{where}: a compressed object of {stored_size} bytes for a {raw_size}-byte "
+        raise DamagedEncodingError(f"{where}: a compressed object of {stored_size} bytes for a {raw_size}-byte "
                                      "file; it was not written by rslurm")
     if not (MIN_FRAME <= frame_size <= MAX_FRAME) or n != -(-raw_size // frame_size):
-        raise CorruptCheckpointError(f"{where}: the compressed object's footer is inconsistent "
+        raise DamagedEncodingError(f"{where}: the compressed object's footer is inconsistent "
                                      f"({raw_size} bytes in {n} frames of {frame_size})")
     index_at = stored_size - FOOTER.size - n * INDEX_ENTRY.size
     if index_at < 0:
-        raise CorruptCheckpointError(f"{where}: the compressed object is too short for its {n} frames")
+        raise DamagedEncodingError(f"{where}: the compressed object is too short for its {n} frames")
     index = read(index_at, n * INDEX_ENTRY.size) if n else b""
     if xxhash.xxh3_64_intdigest(index) != index_ck:
-        raise CorruptCheckpointError(f"{where}: the compressed object's frame index is damaged")
+        raise DamagedEncodingError(f"{where}: the compressed object's frame index is damaged")
     offsets, modes, pos = [], [], 0
     for i, (length, mode) in enumerate(INDEX_ENTRY.iter_unpack(index)):
         raw_len = min(frame_size, raw_size - i * frame_size)
         if mode not in MODES or (mode == 0 and length != raw_len) or (mode != 0 and length >= raw_len):
-            raise CorruptCheckpointError(f"{where}: frame {i} of the compressed object has a bad index entry")
+            raise DamagedEncodingError(f"{where}: frame {i} of the compressed object has a bad index entry")
         offsets.append(pos)
         modes.append(mode)
         pos += length
     if pos != index_at:
-        raise CorruptCheckpointError(f"{where}: the compressed object's frames do not add up to its size")
+        raise DamagedEncodingError(f"{where}: the compressed object's frames do not add up to its size")
     offsets.append(pos)
     return Layout(raw_size, frame_size, tuple(offsets), tuple(modes), raw_ck.decode("ascii", "replace"))
 
@@ -450,9 +455,16 @@ def _stored(tier: StorageTier, key: str, size: int) -> tuple[ObjectInfo, Layout 
 
 
 def is_compressed(tier: StorageTier, key: str, size: int) -> bool:
-    """The object at ``key`` is stored compressed (raises as :func:`get_shard` does when it is absent or
-    neither kind)."""
-    return _stored(tier, key, size)[1] is not None
+    """Whether the object at ``key`` is stored compressed: it ends in this format's footer, sound or damaged
+    (:func:`get_shard` then decodes it, or names the damage: a damaged footer is not a truncated file). False
+    when it is absent, the file as it is, or neither kind, or cannot be read now: whoever reads it in place
+    names that (its size check, or the read's error)."""
+    try:
+        return _stored(tier, key, size)[1] is not None
+    except DamagedEncodingError:
+        return True
+    except ResilientSlurmError:
+        return False
 
 
 def get_shard(tier: StorageTier, key: str, dest: str, *, size: int, checksum: str,
