@@ -41,13 +41,23 @@ def _bool(v: str) -> bool:
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
+class SizeError(ValueError):
+    """A value that reads as a number but not as a byte count (below one byte, a fraction of a byte, more
+    than any store holds); the message says why."""
+
+
+MAX_SIZE = (1 << 63) - 1  # bytes: more than any file, memory or store holds
+
+
 def parse_size(v: str) -> int:
-    """A byte count: ``1048576``, ``64M``, ``64MiB``, ``1.5G`` (binary units)."""
+    """A byte count: ``1048576``, ``64M``, ``64MiB``, ``1.5G`` (binary units; a fraction of the unit is
+    rounded down to whole bytes). Digits alone are read exactly (not through a float)."""
     s = v.strip().lower().removesuffix("ib").removesuffix("b")
     unit = s[-1] if s and s[-1] in _UNITS else ""
     num = s[: len(s) - len(unit)].strip()
+    n: int | float
     try:
-        n = float(num) * _UNITS[unit]
+        n = int(num) * _UNITS[unit] if num.isascii() and num.isdigit() else float(num) * _UNITS[unit]
     except ValueError:
         raise ValueError(f"expected a size such as 1048576, 64M or 1.5G, got {v!r}") from None
     if not math.isfinite(n):
@@ -56,7 +66,11 @@ def parse_size(v: str) -> int:
         raise ValueError(f"expected a size >= 0, got {v!r}")
     if 0 < n < 1 or (n == 0 and any(c in "123456789" for c in num.partition("e")[0])):  # 1e-400 underflows
         # would be 0, which a setting reads as "off" or "no limit"
-        raise ValueError(f"{v!r} is less than one byte: give a unit (512M, 0.5G), or 0 for none")
+        raise SizeError(f"{v!r} is less than one byte: give a unit (512M, 0.5G), or 0 for none")
+    if not unit and not float(n).is_integer():
+        raise SizeError(f"{v!r} is not a whole number of bytes: give whole bytes or a unit (1.5K)")
+    if n > MAX_SIZE:
+        raise SizeError(f"{v!r} is more than any store holds (at most {MAX_SIZE} bytes)")
     return int(n)
 
 
@@ -104,6 +118,8 @@ class Number:
             return None
         try:
             n: int | float = parse_size(s) if self.size else self.kind(s)
+        except SizeError as exc:
+            raise ValueError(f"expected {self.range}, got {v!r}: {exc}") from None
         except (ValueError, OverflowError):
             raise ValueError(f"expected {self.range}, got {v!r}") from None
         return self.check(n, shown=v)

@@ -124,10 +124,25 @@ def test_a_size_below_one_byte_is_refused_not_read_as_zero() -> None:
     for bad in ("0.5", "0.9b", "1e-3", "1e-400", "1e-400G"):
         with pytest.raises(ValueError, match="less than one byte"):
             cfgmod.parse_size(bad)
-    assert (cfgmod.parse_size("0.5G"), cfgmod.parse_size("0"), cfgmod.parse_size("1.5")) == (1 << 29, 0, 1)
+    assert (cfgmod.parse_size("0.5G"), cfgmod.parse_size("0"), cfgmod.parse_size("1.3K")) == (1 << 29, 0, 1331)
     assert (cfgmod.parse_size("0.0"), cfgmod.parse_size("-0"), cfgmod.parse_size("0e5")) == (0, 0, 0)
-    with pytest.raises(ConfigError, match="RSLURM_STAGING_MEMORY_LIMIT"):
+    with pytest.raises(ConfigError, match="RSLURM_STAGING_MEMORY_LIMIT='0.5': expected a size >= 0, got '0.5': "
+                                          "'0.5' is less than one byte"):
         cfgmod.validate({"RSLURM_STAGING_MEMORY_LIMIT": "0.5"})
+
+
+def test_a_size_is_whole_bytes_read_exactly_and_bounded() -> None:
+    """``1.5`` (no unit) was read as 1 byte; 26 digits went through a float (100000000000000004764729344)."""
+    for bad in ("1.5", "2.5b", "1e-1"):
+        with pytest.raises(ValueError, match="not a whole number of bytes|less than one byte"):
+            cfgmod.parse_size(bad)
+    assert cfgmod.parse_size("1e3") == 1000 and cfgmod.parse_size("9007199254740993") == 9007199254740993
+    assert cfgmod.parse_size("3M") == 3 << 20 and cfgmod.parse_size(str(cfgmod.MAX_SIZE)) == cfgmod.MAX_SIZE
+    for bad in ("99999999999999999999999999", "9999999T", "1e30"):
+        with pytest.raises(ValueError, match="more than any store holds"):
+            cfgmod.parse_size(bad)
+    with pytest.raises(ConfigError, match="'1.5' is not a whole number of bytes"):
+        cfgmod.validate({"RSLURM_STAGING_MEMORY_LIMIT": "1.5"})
 
 
 def test_validate_checks_every_setting_of_the_environment_and_the_file(home: Path, tmp_path: Path) -> None:
