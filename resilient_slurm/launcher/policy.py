@@ -75,6 +75,11 @@ def _release_hint(outcome: Outcome) -> str:
     return f"`scontrol release {outcome.job_id or '<jobid>'}`"
 
 
+# The exception line of a rank whose restore refused the checkpoints (resilient_slurm.errors): damaged or not
+# fitting the program. The launcher does not requeue it either, but the program is not what is wrong.
+_CANNOT_RESTORE = re.compile(r"\b(CorruptCheckpointError|IncompatibleCheckpointError|TagsFileError)\b")
+
+
 @dataclass(frozen=True)
 class NoProgressRule:
     """Hold when the last ``limit`` incarnations in a row (this one included) committed nothing new.
@@ -199,6 +204,13 @@ class RequeuePolicy:
             who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
             at = f" at {outcome.error_location}" if outcome.error_location else ""
             code = outcome.exit_code if outcome.exit_code is not None else 1
+            if (m := _CANNOT_RESTORE.search(outcome.evidence or "")) is not None:
+                # Not the program's bug: the checkpoints it would restore. A restart would read the same steps.
+                return Decision(
+                    Action.EXIT, code,
+                    f"not requeued: {who} could not restore a checkpoint ({m.group(1)}, exit code {code}{at}); a "
+                    "restart would read the same steps: the rank's error above names the step and file; `rslurm "
+                    "verify` lists the damaged steps, and `rslurm ls` what is left", "user_error")
             return Decision(
                 Action.EXIT, code,
                 f"not requeued: {who} failed with exit code {code}{at}; an error in the program "
