@@ -710,6 +710,8 @@ def _check_picture_out(out: str, cfg: config.Settings) -> None:
     from .catalog.inventory import local_roots
     from .storage.registry import parse_url
 
+    if not out:
+        raise ConfigError("--out is empty: give the path of the picture to write")
     trees = [("local tier", r) for r in local_roots(cfg.local_dir or default_local_dir(), node_name(cfg.node_name))]
     if cfg.durable and parse_url(cfg.durable)[0] == "file":
         trees.append(("durable tier", os.path.expanduser(parse_url(cfg.durable)[1])))

@@ -241,6 +241,16 @@ def test_a_failed_install_leaves_the_old_export_and_its_config(root: Path, tmp_p
     assert _files(out) == before
 
 
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_an_empty_out_is_refused_as_empty_not_read_as_the_current_directory(
+        root: Path, fmt: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(root)  # "" was the current directory: here, the local tier
+    before = _files(root)
+    rc, _, se = _cli(capsys, root, "cfg", str(STEP), "", "--format", fmt, "--force")
+    assert rc == 2 and "OUT is empty: give the path to write the export to" in se, se
+    assert _files(root) == before
+
+
 def test_the_config_file_never_lands_in_a_tier(root: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"

@@ -141,6 +141,8 @@ def test_the_picture_never_replaces_a_file_of_a_tier_or_one_that_is_not_a_pictur
         err = capsys.readouterr().err
         assert says in err and str(out) in err, err
     assert manifest.read_bytes() == b'{"step": 1}' and kept.read_bytes() == b"{}" and notes.read_bytes() == b"mine"
+    assert cli.main(["report", "--local-dir", str(nvme), "run1", "--out", ""]) == 2  # not the current directory
+    assert "--out is empty" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- a real run

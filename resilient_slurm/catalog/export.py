@@ -110,7 +110,10 @@ def config_path(out: str, fmt: str) -> str:
 
 def output_paths(out: str, fmt: str) -> list[str]:
     """The paths an export writes or replaces outside ``out`` itself included: ``out`` and, for a file
-    format, its config sibling (each must pass :func:`check_out_of_trees`)."""
+    format, its config sibling (each must pass :func:`check_out_of_trees`). An empty ``out`` is refused (it
+    would read as the current directory)."""
+    if not out:
+        raise ConfigError("OUT is empty: give the path to write the export to")
     out = os.path.abspath(out)
     return [out] if fmt in DIR_FORMATS else [out, config_path(out, fmt)]
 
