@@ -744,7 +744,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     cfg = config.load({**_flag_settings(args, ("storage",)), "local_dir": args.local_dir, "durable": args.durable,
                        "run_id": args.run or args.run_id}, config_path=args.config)
     root = _local_root(cfg, node_name(cfg.node_name))
-    if args.out:
+    if args.out is not None:  # an empty --out is refused, not read as "no picture"
         _check_picture_out(args.out, cfg)
     run = cfg.run_id
     if not run:
