@@ -337,8 +337,10 @@ def test_a_compressed_durable_step_restores_bitwise_into_an_empty_node_and_verif
         path.write_bytes(bytes(damaged))
         with PosixTier(str(tmp_path / "durable")) as tier:
             assert is_compressed(tier, f"r/step_{5:012d}/{big.path}", big.size)
-            faults = verify_durable_step(tier, "r", 5).faults
+            rep = verify_durable_step(tier, "r", 5)
+        faults = rep.faults
         assert len(faults) == 1 and said in faults[0].problem and "truncated" not in faults[0].problem, faults
+        assert rep.files_checked == len(step.manifest.shards)  # the damaged file is counted as checked
         capsys.readouterr()
         assert rslurm_main(["export", "5", str(tmp_path / "out.pt"), "--format", "torch", "--durable",
                             str(tmp_path / "durable"), "--local-dir", str(tmp_path / "c"), "--run-id", "r",

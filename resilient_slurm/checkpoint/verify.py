@@ -420,11 +420,10 @@ def verify_durable_step(tier: StorageTier, run_id: str, step: int, *, scratch: s
                 faults, n = check_file(path, s, where=where, whole_file=not checked, item_names=names.get(s.path),
                                        progress=progress)
         except ResilientSlurmError as exc:
-            rep.faults.append(_storage_fault(where, exc, s.rank))
-            continue
+            faults, n, checked = [_storage_fault(where, exc, s.rank)], 0, False
         rep.faults += faults
         rep.bytes_checked += n if not checked else s.size
-        rep.files_checked += 1
+        rep.files_checked += 1  # a file found damaged was checked too, as on the local tier
     return rep
 
 
