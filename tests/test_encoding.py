@@ -341,6 +341,7 @@ def test_a_compressed_durable_step_restores_bitwise_into_an_empty_node_and_verif
         faults = rep.faults
         assert len(faults) == 1 and said in faults[0].problem and "truncated" not in faults[0].problem, faults
         assert rep.files_checked == len(step.manifest.shards)  # the damaged file is counted as checked
+        assert str(faults[0]).count(big.path) == 1, faults  # the object named once, not twice
         capsys.readouterr()
         assert rslurm_main(["export", "5", str(tmp_path / "out.pt"), "--format", "torch", "--durable",
                             str(tmp_path / "durable"), "--local-dir", str(tmp_path / "c"), "--run-id", "r",

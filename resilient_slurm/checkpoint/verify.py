@@ -342,11 +342,13 @@ def durable_file(tier: StorageTier, key: str, entry: ShardEntry, *, scratch: str
 
 
 def _storage_fault(where: str, exc: BaseException, rank: int | None = None) -> Fault:
+    said = str(exc)
+    said = said.removeprefix(f"{where}: ")  # the fault names the object once (Fault.__str__)
     if isinstance(exc, ObjectNotFoundError):
         return Fault(where, "missing", rank, MISSING)
     if isinstance(exc, CorruptCheckpointError):
-        return Fault(where, str(exc), rank, CORRUPT)
-    return Fault(where, f"could not be read: {exc}", rank, UNREADABLE)
+        return Fault(where, said, rank, CORRUPT)
+    return Fault(where, f"could not be read: {said}", rank, UNREADABLE)
 
 
 def verify_durable_step(tier: StorageTier, run_id: str, step: int, *, scratch: str | None = None,
