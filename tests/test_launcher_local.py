@@ -505,6 +505,32 @@ def test_with_the_control_socket_off_a_forwarded_sigterm_still_gives_an_emergenc
     assert not registered, f"--control-socket off, yet ranks registered on the socket: {registered}"
 
 
+def test_a_manual_save_request_on_the_control_socket_saves_and_training_goes_on(sandbox: Sandbox,
+                                                                               reference: Sandbox) -> None:
+    """A tool's ``request_save("manual")`` (documented beside the launcher's emergency requests) was taken as an
+    emergency: the ranks saved, stopped, and the launcher exited 75 as if preempted. It is a save: every rank
+    commits one step as ``manual``, the request is cleared, and the run trains to its end."""
+    from resilient_slurm.control.client import ControlClient
+
+    sb = sandbox
+    run = sb.launch(sb.toy())
+    wait_for_steps(sb, run, 6)
+    (sock,) = sb.ctl.glob("*.sock")
+    with ControlClient(str(sock)) as client:
+        client.request_save("manual", time.time() + 60)
+        wait_for(lambda: client.status()["save_request"] is None, "the manual request to be satisfied", run)
+    rc = run.wait(120)
+    err = run.stderr()
+    assert rc == 0, f"exit code {rc}:\n{err[-4000:]}"
+    assert "manual save request satisfied" in err, err[-4000:]
+    events = [e for e in read_jsonl(sb.run_dir / "events.jsonl") if e.get("event") == "save_committed"]
+    manual = {(e["rank"], e["step"]) for e in events if e["reason"] == "manual"}
+    assert {r for r, _ in manual} == {0, 1} and len({s for _, s in manual}) == 1, events
+    assert not [e for e in events if e["reason"] == "emergency"], events
+    assert all(max(logged_steps(sb.log(r))) == STEPS for r in range(2))
+    assert_same_as_reference(sb, reference)  # the extra save changed nothing of the training
+
+
 @pytest.mark.parametrize(("flags", "env", "key"), [
     pytest.param([], {"RSLURM_SAVE_TIMEOT": "5"}, "RSLURM_SAVE_TIMEOT", id="unknown-env-var"),
     pytest.param(["--max-restarts=-1"], {}, "--max-restarts", id="negative-max-restarts"),

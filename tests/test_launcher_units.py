@@ -296,7 +296,7 @@ def test_rank_link_traps_term_and_the_save_signal_and_close_restores_term_and_ig
         kill_self(signal.SIGUSR2)
         assert calls == ["request"]
         assert link.signals_seen == ["SIGUSR2"]
-        assert link.poll(1) is False  # no socket: only signals request a save
+        assert link.poll(1) is None  # no socket: only signals request a save
         kill_self(signal.SIGTERM)
         assert link.signals_seen == ["SIGUSR2", "SIGTERM"] and len(calls) == 2
         assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL, "USR1 is not the save signal here"
@@ -401,17 +401,22 @@ def test_rank_link_over_a_real_control_server(sock_path: str) -> None:
             link.hello(3)
             ranks = server.status()["ranks"]
             assert list(ranks) == ["1"] and ranks["1"]["step"] == 3 and ranks["1"]["pid"] == os.getpid()
-            assert link.poll(4) is False and calls == []
+            assert link.poll(4) is None and calls == []
             assert server.status()["ranks"]["1"]["step"] == 4
             server.request_save("emergency", time.time() + 60)
-            assert link.poll(5) is True
+            assert link.poll(5) == "emergency"
             assert calls == ["request"]
             assert server.state.save_request is not None
             link.committed(5, "emergency")
             assert server.state.save_request is None, "the only registered rank committed the emergency step"
             last = server.status()["last_committed"]
             assert last == {"step": 5, "reason": "emergency", "ranks_reported": [1], "complete": True}
-            assert link.poll(6) is False and calls == ["request"]
+            assert link.poll(6) is None and calls == ["request"]
+            # A tool's manual request: a save, not an emergency (the flag is not set, the rank goes on).
+            server.request_save("manual", time.time() + 60)
+            assert link.poll(7) == "manual" and calls == ["request"]
+            link.committed(7, "manual")
+            assert server.state.save_request is None, "the manual save committed"
         finally:
             link.close()
 
@@ -425,15 +430,15 @@ def test_rank_link_carries_on_when_the_server_goes_away_and_retries_later(sock_p
                     trap_signals=False, clock=clock)
     try:
         link.hello(2)
-        assert link.poll(3) is False
+        assert link.poll(3) is None
         server.stop()
         t0 = time.monotonic()
-        assert link.poll(4) is False  # must not raise
+        assert link.poll(4) is None  # must not raise
         link.committed(4, "interval")
         assert time.monotonic() - t0 < 3.0, "a dead socket held the training thread up"
         t0 = time.monotonic()
         for step in range(5, 25):  # backing off: no socket call at all for a while
-            assert link.poll(step) is False
+            assert link.poll(step) is None
         assert time.monotonic() - t0 < 0.5
         assert calls == []
 
@@ -441,9 +446,9 @@ def test_rank_link_carries_on_when_the_server_goes_away_and_retries_later(sock_p
         server = ControlServer(sock_path)
         server.start()
         server.request_save("emergency", time.time() + 60)
-        assert link.poll(25) is False, "still backing off"
+        assert link.poll(25) is None, "still backing off"
         clock.now += 31
-        assert link.poll(26) is True
+        assert link.poll(26) == "emergency"
         assert calls == ["request"]
         assert server.status()["ranks"]["0"]["step"] == 26, "the link registered again before polling"
     finally:
@@ -455,7 +460,7 @@ def test_rank_link_ignores_an_unusable_socket_path(tmp_path: Path) -> None:
     for path in ("off", "OFF", "relative/x.sock", str(tmp_path / "missing.sock"), "/" + "x" * 200 + ".sock"):
         link = RankLink(0, 0, on_request=lambda: None, socket_path=path, trap_signals=False)
         assert not link.connected
-        assert link.poll(1) is False
+        assert link.poll(1) is None
         link.close()
 
 

@@ -33,6 +33,7 @@ class Decision:
     failed: bool
     heard_here: bool
     heard_socket: bool
+    manual: bool = False  # a tool asked for a save over a control socket (not an emergency: training goes on)
 
 
 class StepBoundary:
@@ -75,25 +76,27 @@ class StepBoundary:
         """This step's decision; ``save_failed``: whether this rank's save in flight has failed."""
         cadence = self._cadence()
         due = cadence.due(step)
-        heard_socket = False
+        requested: str | None = None
         sync = step % self._sync_every == 0
         if sync and self.hello_sent:  # a poll registers: not before the hello
-            heard_socket = self._link.poll(step)  # a launcher request sets the emergency flag
+            requested = self._link.poll(step)  # a launcher's emergency request sets the emergency flag
+        heard_socket = requested is not None
+        manual = requested == "manual"
         emergency = heard_here = self._emergency.is_set()
         failed = save_failed()
         if self._coord.multi:
             if sync:
-                # One tiny collective: time cadence, emergency requests and background failures are
-                # per-rank facts; acting on them must be unanimous.
-                flags = [int(due), int(emergency), int(failed)]
+                # One tiny collective: time cadence, save requests and background failures are per-rank facts;
+                # acting on them must be unanimous.
+                flags = [int(due), int(emergency), int(failed), int(manual)]
                 s = self._stragglers
                 report = s is not None and s.clock.report_due()
                 if s is not None and report:  # every rank alike: the count of step() calls is the same everywhere
                     flags += s.slots(self._ddp.gradient_wait_s(s.clock.window))
                 agreed = self._coord.phase_max("agreeing on a save at this step", lambda: flags, len(flags))
-                due, emergency, failed = (bool(v) for v in agreed[:3])
+                due, emergency, failed, manual = (bool(v) for v in agreed[:4])
                 if s is not None and report and s.watch is not None:
-                    new, current, cleared = s.judge(agreed[3:])
+                    new, current, cleared = s.judge(agreed[4:])
                     self._report.stragglers(step, s.watch, new, cleared)
                     s.record(step, current, changed=bool(new or cleared))
                 if not self.hello_sent:
@@ -102,5 +105,5 @@ class StepBoundary:
                     self.hello(0)
             else:  # between sync points only the deterministic step cadence applies
                 due = cadence.every_steps is not None and step % cadence.every_steps == 0
-                emergency = failed = False
-        return Decision(due, emergency, failed, heard_here, heard_socket)
+                emergency = failed = manual = False
+        return Decision(due, emergency, failed, heard_here, heard_socket, manual)

@@ -237,6 +237,13 @@ class Checkpointer:
             self._emergency.clear()
             self._should_stop = True
             self._report.emergency_saved(step)
+        elif d.manual and step != self._order.saved_step:
+            # A tool asked for a save (control socket, reason "manual"): taken like an interval save, and
+            # training goes on; its commit, reported as "manual", clears the request.
+            self.save(step, state, blocking=False, reason="manual")
+        elif d.manual:  # this step is saved already (restored, or its save is in flight): report that one
+            self._finish_inflight()
+            self._link.committed(step, "manual")
         elif d.due:
             self.save(step, state, blocking=False, reason="interval")
 

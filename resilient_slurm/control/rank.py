@@ -176,10 +176,12 @@ class RankLink:
         except ControlError as exc:
             self._failed("hello", exc)
 
-    def poll(self, step: int) -> bool:
-        """Whether an emergency save is requested (by the launcher over the socket)."""
+    def poll(self, step: int) -> str | None:
+        """The save requested over the node's control socket, if any: ``"emergency"`` (the launcher's: the
+        emergency flag is set, the rank saves and stops) or ``"manual"`` (a tool's: the rank saves and goes
+        on; the request is cleared once every rank reported that save committed)."""
         if not self._usable():
-            return False
+            return None
         assert self._client is not None
         try:
             if not self._registered:
@@ -189,16 +191,18 @@ class RankLink:
         except ControlRejectedError as exc:
             if exc.code == p.ErrorCode.NOT_REGISTERED:  # the server restarted; register again next time
                 self._registered = False
-                return False
+                return None
             self._failed("poll", exc)
-            return False
+            return None
         except ControlError as exc:
             self._failed("poll", exc)
-            return False
-        if reply.get("save_requested"):
-            self._on_request()
-            return True
-        return False
+            return None
+        if not reply.get("save_requested"):
+            return None
+        if reply.get("reason") == "manual":
+            return "manual"
+        self._on_request()
+        return "emergency"
 
     def committed(self, step: int, reason: str) -> None:
         """Tell the launcher this rank's part of ``step`` is committed."""
