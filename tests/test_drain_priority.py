@@ -93,3 +93,51 @@ def test_an_emergency_step_pauses_a_running_drain(tmp_path: Path, tier_url: tupl
         assert not server.uploads(url[5:].split("/")[0]), "a paused upload was left behind"
         ten = [r for r in daemon.drained if r.step == 10 and r.state == "durable"][0]
         assert ten.bytes_reused > 0, "the paused upload's verified parts were sent again"
+
+
+def test_an_emergency_step_waiting_for_its_retry_does_not_hold_the_others_in_a_loop(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An emergency step whose drain failed (a full or read-only tier) waits for its retry; the other steps were
+    paused for it again and again meanwhile: the daemon spun on a core and logged two lines a millisecond. They
+    take their turn instead, and the emergency step is drained at its retry once the tier takes it."""
+    import logging
+    import time
+
+    from resilient_slurm.errors import TransientStorageError
+
+    local = tmp_path / "nvme"
+    _save(local, 10, 1, "interval", 0)
+    _save(local, 11, 1, "emergency", 1)
+    _save(local, 12, 1, "interval", 2)
+    tier = open_tier(str(tmp_path / "durable"))
+    refuse = threading.Event()
+    refuse.set()
+    put_file = tier.put_file
+
+    def refusing(src: str, key: str, **kw: Any) -> Any:
+        if refuse.is_set() and "step_000000000011" in key:
+            raise TransientStorageError(f"{key}: no space left on device (the test's tier)")
+        return put_file(src, key, **kw)
+
+    tier.put_file = refusing  # type: ignore[method-assign]
+    daemon = Daemon(str(local), tier, node="n1", retention=RetentionPolicy(5), min_free="0%", poll_interval=0.05)
+    rc: list[int] = []
+    t = threading.Thread(target=lambda: rc.append(daemon.run(install_signals=False)))
+    caplog.set_level(logging.INFO, logger="resilient_slurm")
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not {(r.step, r.state) for r in daemon.drained} >= {(10, "durable"), (12, "durable")}:
+            assert time.monotonic() < deadline, [(r.step, r.state) for r in daemon.drained]
+            time.sleep(0.05)
+        pauses = sum("pausing it for emergency step 11" in r.getMessage() for r in caplog.records)
+        assert pauses <= 4, f"the interval steps were paused {pauses} times for a step waiting for its retry"
+        refuse.clear()  # the tier takes the emergency step at its retry
+        while (11, "durable") not in {(r.step, r.state) for r in daemon.drained}:
+            assert time.monotonic() < deadline + 60, [(r.step, r.state) for r in daemon.drained]
+            time.sleep(0.05)
+    finally:
+        daemon.stop_requested.set()
+        t.join(60)
+        tier.close()
+    assert len(rc) == 1, "the daemon did not stop"

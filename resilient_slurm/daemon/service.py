@@ -524,17 +524,23 @@ class Daemon:
             self._write_status()
 
         def should_yield(cur: LocalStep) -> bool:
-            """Pause ``cur`` for a stop request, or for an emergency step this node has not drained yet."""
+            """Pause ``cur`` for a stop request, or for an emergency step this node has not drained yet and may
+            drain now. An emergency step waiting for its retry (its drain failed: the tier is full, read-only or
+            down) does not hold the others back: pausing them for it paused them again at once, in a loop that
+            took a core and logged two lines a millisecond until the retry; they take their turn (and their own
+            backoff when the tier fails them too)."""
             if self.stop_requested.is_set():
                 return True
             if cur.manifest.reason == "emergency":
                 return False
+            now = self.clock()
             for s in scan_local(self.root, self.run_ids):
                 if s.manifest.reason != "emergency" or (s.run_id, s.step) == (cur.run_id, cur.step):
                     continue
                 known = self._status.get((s.run_id, s.step))
-                done = known is not None and known.created_at == s.manifest.created_at and known.state in (
-                    "waiting", "durable", "failed")
+                current = known is not None and known.created_at == s.manifest.created_at
+                done = current and known is not None and (known.state in ("waiting", "durable", "failed") or (
+                    known.state == "retrying" and known.next_retry_at is not None and known.next_retry_at > now))
                 if not done and s.step not in self._durable.get(s.run_id, ()):
                     log.info("run %s step %d: pausing it for emergency step %d", cur.run_id, cur.step, s.step)
                     return True
