@@ -39,7 +39,7 @@ from ..errors import (
     UnsafePathError,
 )
 from ..flocks import close_locked_fd, flock_within, open_locked_fd
-from ..paths import link_free_below, open_parent
+from ..paths import describe_path, link_free_below, nearest_existing, open_parent
 from .fileio import (
     BLOCK,
     atomic_write,
@@ -183,13 +183,51 @@ class PosixTier(StorageTier):
         if piece_size <= 0 or piece_size % BLOCK:
             raise StorageError(f"piece_size must be a positive multiple of {BLOCK}, got {piece_size}")
         self.piece_size = piece_size
-        if not create:
-            return
+        # The root's (device, inode) once it exists: a root that vanished or was replaced since (a filesystem
+        # unmounted under a mount point) is never made again by a write (_make_parent), or the "durable" steps
+        # would land on the node's own disk.
+        self._root_id: tuple[int, int] | None = None
+        if create:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except (FileExistsError, NotADirectoryError) as exc:
+                blocker = nearest_existing(self.root)
+                raise StorageError(f"durable tier {self.root}: cannot create it: {blocker} is "
+                                   f"{describe_path(blocker)}, not a directory; set RSLURM_DURABLE (--durable) to "
+                                   "a directory") from exc
+            except OSError as exc:
+                raise StorageError(f"durable tier {self.root}: cannot create it ({exc.strerror}); check the path "
+                                   "and permissions (RSLURM_DURABLE)") from exc
+        self._root_id = self._identity()
+
+    def _identity(self) -> tuple[int, int] | None:
+        """The root directory's (device, inode); None when it is absent or not a directory."""
         try:
-            os.makedirs(self.root, exist_ok=True)
+            st = os.stat(self.root)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+    def _make_parent(self, path: str) -> None:
+        """Make the directories down to the one holding ``path`` (below the root), only while the root is the
+        directory this tier opened: a root that is gone or was replaced since (the durable filesystem unmounted,
+        its mount point left empty on the node's disk) is a TransientStorageError, not a fresh tree. A root
+        that did not exist when the tier was opened (a reader's, before the first save) is made."""
+        now = self._identity()
+        if self._root_id is not None and now != self._root_id:
+            raise TransientStorageError(
+                f"durable tier {self.root} is {'gone' if now is None else 'another directory'} since rslurm opened "
+                "it (an unmounted filesystem leaves its empty mount point behind): nothing is written there until "
+                "it is back; mount it again, or restart with RSLURM_DURABLE set to where the durable tier is now")
+        parent = os.path.dirname(path)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise storage_error(f"{parent}: cannot create it: {_in_the_way(path, self.root)}", exc) from exc
         except OSError as exc:
-            raise StorageError(f"durable tier {self.root}: cannot create it ({exc.strerror}); check the path "
-                               "and permissions (RSLURM_DURABLE)") from exc
+            raise storage_error(f"{parent}: cannot create it: {exc}", exc) from exc
+        if self._root_id is None:
+            self._root_id = self._identity()
 
     def _retrying(self, what: str, key: str, fn: Callable[[], T], stats: TransferStats | None = None) -> T:
         """``fn()``, retried on :class:`TransientStorageError` (see the module docstring); the last error
@@ -269,7 +307,7 @@ class PosixTier(StorageTier):
                 actual = os.fstat(fin).st_size
                 if actual != size:
                     raise CorruptCheckpointError(f"{src}: {what} is {actual} bytes, the manifest says {size}")
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                self._make_parent(dst)
                 body = size // BLOCK * BLOCK
                 segments: list[tuple[memoryview, int]] = []
                 if body:
@@ -360,13 +398,7 @@ class PosixTier(StorageTier):
         """See :meth:`StorageTier.put_bytes`."""
         def put() -> None:
             path = self._path(key)
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-            except (FileExistsError, NotADirectoryError) as exc:
-                raise storage_error(f"{os.path.dirname(path)}: cannot create it: {_in_the_way(path, self.root)}",
-                                    exc) from exc
-            except OSError as exc:
-                raise storage_error(f"{os.path.dirname(path)}: cannot create it: {exc}", exc) from exc
+            self._make_parent(path)
             atomic_write(path, data, tmp=f"{path}{TMP_MARK}{secrets.token_hex(4)}")
 
         self._retrying("write", key, put)
@@ -379,12 +411,7 @@ class PosixTier(StorageTier):
         NFS without locks), a plain read then write, and False."""
         path = self._path(key)
         directory = os.path.dirname(path)
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except (FileExistsError, NotADirectoryError) as exc:
-            raise storage_error(f"{directory}: cannot create it: {_in_the_way(path, self.root)}", exc) from exc
-        except OSError as exc:
-            raise storage_error(f"{directory}: cannot create it: {exc}", exc) from exc
+        self._make_parent(path)
         try:
             fd = open_locked_fd(lambda: os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
         except OSError as exc:
