@@ -13,10 +13,11 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":
-    # `python -m resilient_slurm.cli launch`: trap the stop signals before the imports below.
-    from resilient_slurm.early_signals import is_launch, trap_early
+    # `python -m resilient_slurm.cli launch` (and the drain daemon a launcher starts): trap the stop signals
+    # before the imports below.
+    from resilient_slurm.early_signals import is_job_daemon, is_launch, trap_early
 
-    if is_launch(sys.argv[1:]):
+    if is_launch(sys.argv[1:]) or is_job_daemon(sys.argv[1:]):
         trap_early()
 
 import argparse

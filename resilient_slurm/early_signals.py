@@ -6,8 +6,9 @@ a preemption can come at any moment. Before anything else is imported (the CLI a
 few hundred milliseconds, seconds on a busy node), :func:`trap_early` installs handlers, standard library
 only, that record each signal; :class:`~resilient_slurm.launcher.signals.SignalTrap` takes them over when
 the launcher installs its own (:func:`take_early`). Called by the console scripts (:mod:`resilient_slurm.entry`)
-and, for ``python -m resilient_slurm.cli launch``, at the top of the CLI module. Other commands keep the
-default handlers. Standard library only, imported by nothing of the product but those and the trap.
+and, for ``python -m resilient_slurm.cli launch``, at the top of the CLI module; the same for the drain daemon
+a launcher starts (``python -m resilient_slurm.cli daemon --job-step``), whose own handlers take them over in
+the same way. Other commands keep the default handlers. Standard library only, imported by nothing of the product but those and the trap.
 """
 
 from __future__ import annotations
@@ -55,10 +56,23 @@ def take_early() -> list[tuple[int, float]]:
     return taken
 
 
-def is_launch(argv: list[str]) -> bool:
-    """``argv`` (after the program name) is ``[--config FILE | --config=FILE] launch ...``, ``--config`` as
-    argparse takes it abbreviated (``--conf``)."""
+def _command(argv: list[str]) -> str | None:
+    """The command of ``argv`` (after the program name): its first word after ``[--config FILE |
+    --config=FILE]``, ``--config`` as argparse takes it abbreviated (``--conf``)."""
     i = 0
     while i < len(argv) and len(argv[i].split("=", 1)[0]) > 2 and "--config".startswith(argv[i].split("=", 1)[0]):
         i += 1 if "=" in argv[i] else 2
-    return argv[i:i + 1] == ["launch"]
+    return argv[i] if i < len(argv) else None
+
+
+def is_launch(argv: list[str]) -> bool:
+    """``argv`` (after the program name) is ``[--config FILE | --config=FILE] launch ...``."""
+    return _command(argv) == "launch"
+
+
+def is_job_daemon(argv: list[str]) -> bool:
+    """``argv`` is the drain daemon a launcher starts (``daemon ... --job-step``): the launcher stops it with
+    SIGINT, which may come while it still imports (a job that ended at once); heard early, it ends the daemon
+    quietly (daemon/service.py: ``Daemon.run`` takes it), not with a KeyboardInterrupt traceback in the job's
+    output under the program's own error."""
+    return _command(argv) == "daemon" and "--job-step" in argv

@@ -695,3 +695,23 @@ def test_s3_drain_through_503s_and_resets(tmp_path: Path, n1: str, moto_server: 
     assert sum(s["retries"] for s in daemon_status["steps"]) >= 3, daemon_status
     rows = status(local, url, env=env)
     assert rows[1]["durable"] == rows[2]["durable"] == "durable", rows
+
+
+@pytest.mark.proc
+@pytest.mark.parametrize("after", [0.1, 0.25, 0.5, 1.5])
+def test_the_job_daemon_stopped_while_it_starts_ends_quietly(tmp_path: Path, after: float) -> None:
+    """The launcher stops the drain daemon it started with SIGINT. A job that ended at once (a program that
+    failed on its arguments) sent it while the daemon still imported: a KeyboardInterrupt traceback then ended
+    the job's output, under the program's own error. Heard at any moment, it ends the daemon quietly."""
+    from conftest import clean_env
+
+    env = clean_env({"RSLURM_NODE_NAME": "n1"})
+    proc = subprocess.Popen([sys.executable, "-m", "resilient_slurm.cli", "daemon", "--job-step", "--run-id", "r",
+                             "--local-dir", str(tmp_path / "nvme"), "--durable", str(tmp_path / "durable")],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(after)  # the imports take from a few hundred milliseconds to seconds on a busy node
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, 1), (proc.returncode, err[-3000:])
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]

@@ -51,6 +51,7 @@ from tenacity import RetryCallState, Retrying, wait_exponential_jitter
 
 from ..catalog.inventory import ReplicaStep, scan_replicas
 from ..checkpoint.policy import RetentionPolicy
+from ..early_signals import take_early
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -273,13 +274,20 @@ class Daemon:
         emergency checkpoint most needs draining); SIGINT and SIGHUP stop the daemon."""
         self.acquire()
         if install_signals:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, self._on_signal)
+            handlers: dict[int, Callable[[int, FrameType | None], None]] = {
+                int(sig): self._on_signal for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
             if job_step:
                 # Slurm signals every step of the job: SIGTERM on preemption, and the launcher's
                 # `scancel --signal=<save_signal>` meant for the ranks. None of them may stop the drain.
                 for num in {int(signal.SIGTERM), int(signal.SIGUSR1), int(signal.SIGUSR2), *self.ignore_signals}:
-                    signal.signal(num, self._on_term_in_job_step)
+                    handlers[num] = self._on_term_in_job_step
+            for num, handler in handlers.items():
+                signal.signal(num, handler)
+            # What the early trap heard while the daemon was still importing (early_signals.py: the daemon a
+            # launcher starts, which it stops with SIGINT), handled now as these handlers would have.
+            for num, _ in take_early():
+                if num in handlers:
+                    handlers[num](num, None)
         observer = None if once else self._watch()
         log.info("rslurm daemon on %s: draining %s -> %s%s", self.node, self.root, self.tier.url,
                  f" (runs {', '.join(self.run_ids)})" if self.run_ids else "")
