@@ -227,25 +227,18 @@ class Checkpointer:
             self._finish_inflight()
         if d.emergency:
             self._report.emergency(step, self._link.signals_seen, d.heard_here, d.heard_socket)
-            if step == self._order.saved_step:
-                # Already saved (the request arrived right after the restore, or at a step whose
-                # interval save is in flight): wait for that commit instead of writing it twice.
-                self._finish_inflight()
-                self._link.committed(step, "emergency")
-            else:
-                self.save(step, state, blocking=True, reason="emergency")
+        requested = "emergency" if d.emergency else "manual" if d.manual else None  # manual: a tool's request
+        if requested and step == self._order.saved_step:
+            # Already saved (the request arrived right after the restore, or at a step whose interval save is in
+            # flight): wait for that commit instead of writing it twice.
+            self._finish_inflight()
+            self._link.committed(step, requested)
+        elif requested or d.due:  # a manual save goes on in the background like a due one: training goes on
+            self.save(step, state, blocking=d.emergency, reason=requested or "interval")
+        if d.emergency:
             self._emergency.clear()
             self._should_stop = True
             self._report.emergency_saved(step)
-        elif d.manual and step != self._order.saved_step:
-            # A tool asked for a save (control socket, reason "manual"): taken like an interval save, and
-            # training goes on; its commit, reported as "manual", clears the request.
-            self.save(step, state, blocking=False, reason="manual")
-        elif d.manual:  # this step is saved already (restored, or its save is in flight): report that one
-            self._finish_inflight()
-            self._link.committed(step, "manual")
-        elif d.due:
-            self.save(step, state, blocking=False, reason="interval")
 
     @contextlib.contextmanager
     def section(self, name: str, timeout: float | None = None) -> Iterator[None]:
