@@ -39,6 +39,7 @@ Standard library and psutil only, like ``rslurm launch``: no torch import here.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import shlex
@@ -57,7 +58,7 @@ from . import config
 from .checkpoint.metrics import Values, read_metrics, same
 from .errors import ConfigError
 from .jobenv import JobEnv
-from .paths import load_json, open_regular
+from .paths import describe_path, load_json, open_regular
 from .rundir import EVENTS_FILE
 from .terminal import printable
 
@@ -446,6 +447,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         raise ConfigError("rehearse: no command; usage: rslurm rehearse [-n N] [--steps K] [--kill] -- CMD ...")
     if args.nprocs < 1:
         raise ConfigError(f"rehearse: -n must be >= 1, got {args.nprocs}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ConfigError(f"rehearse: --timeout must be a number of seconds > 0, got {args.timeout:g}")
     if args.steps is not None and args.steps < 3:
         raise ConfigError(f"rehearse: --steps must be >= 3, got {args.steps}")
     if args.tolerance is not None:
@@ -461,9 +464,16 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     keep = args.dir is not None
     if keep:
         root = Path(args.dir).resolve()
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"rehearse: --dir {root} is {describe_path(str(root))}, not a directory; give a new or "
+                              "empty directory")
         if root.exists() and any(root.iterdir()):
             raise ConfigError(f"rehearse: --dir {root} is not empty; give a new or empty directory")
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"rehearse: --dir {root}: cannot make it ({exc.strerror}); give a new or empty "
+                              "directory") from None
     else:
         root = Path(tempfile.mkdtemp(prefix="rslurm-rehearse-"))
     job_id = JobEnv.from_env(os.environ, warn=False).job_id

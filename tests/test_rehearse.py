@@ -205,9 +205,14 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "resilient_slurm.cli", "rehearse"]
     for args, words in [([], "no command"), (["--steps", "1", "--", "true"], "--steps must be >= 3"),
                         (["--tolerance", "-1", "--", "true"], "--tolerance"),
-                        (["--", sys.executable, "-c", "pass"], "recorded no metrics")]:
+                        (["--", sys.executable, "-c", "pass"], "recorded no metrics"),
+                        (["--dir", "/dev/null", "--", "true"], "--dir /dev/null is a character device, not a directory"),
+                        (["--dir", str(tmp_path / "f" / "sub"), "--", "true"], "cannot make it"),
+                        (["--timeout", "0", "--", "true"], "--timeout must be a number of seconds > 0"),
+                        (["--timeout", "nan", "--", "true"], "--timeout must be")]:
+        (tmp_path / "f").write_text("a file")
         p = subprocess.run([*base, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        assert p.returncode == 2 and words in p.stderr, (args, p.stdout, p.stderr)
+        assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, (args, p.stdout, p.stderr)
 
 
 @pytest.mark.proc
