@@ -121,6 +121,8 @@ def test_a_hang_is_found_its_stacks_written_and_the_ranks_restarted_in_job(tmp_p
     for rank in (0, 1):  # every rank's stacks, all threads, in the run directory
         text = (work / "nvme" / "hang" / "stacks" / f"rank{rank}.txt").read_text()
         assert "thread 0x" in text.lower() and "hang_worker.py" in text, text
+        # each dump begins with the launcher's line, so that a later hang's dump is told from this one
+        assert text.count("--- stacks asked for by the launcher at ") == 1, text
     hung_rank = 1 if where == "collective" else 0
     assert "_sleep_forever" in (work / "nvme" / "hang" / "stacks" / f"rank{hung_rank}.txt").read_text()
     [restart] = [e for e in _events(work) if e["event"] == "in_job_restart"]

@@ -17,7 +17,7 @@ import subprocess
 import time
 from collections.abc import Mapping
 
-from ..control.heartbeat import DUMP_SIGNAL, stack_dump_path
+from ..control.heartbeat import DUMP_SIGNAL, open_stack_file, stack_dump_path
 from ..errors import ResilientSlurmError, SlurmError
 from ..rundir import RunDir
 from ..storage.fileio import atomic_write
@@ -74,6 +74,12 @@ def dump_rank_stacks(ctx: LaunchContext, pids: Mapping[int, int]) -> list[str]:
         if exe and (dumped := pyspy_dump(pid, ctx.run_dir, rank, exe=exe)) is not None:
             written.append(dumped[0])
             continue
+        # The rank appends its stacks to its file (faulthandler): a line before each dump tells one dump from
+        # the next (a second hang after an in-job restart writes below the first).
+        if (f := open_stack_file(ctx.run_dir, rank)) is not None:
+            with f:
+                f.write(f"\n--- stacks asked for by the launcher at {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                        f"(pid {pid}) ---\n")
         try:
             os.kill(pid, DUMP_SIGNAL)
         except ProcessLookupError:
