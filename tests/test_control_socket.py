@@ -399,6 +399,8 @@ MALFORMED = [
     ("negative step", body({**HELLO, "step": -1}), ErrorCode.BAD_FIELD, "'step' = -1 must be >= 0", 1),
     ("bad reason", body({"v": 1, "type": "committed", "id": 1, "rank": 0, "step": 1, "reason": "why"}),
      ErrorCode.BAD_FIELD, "'reason' = 'why' must be one of", 1),
+    ("deadline past any year", body({"v": 1, "type": "request_save", "id": 1, "reason": "manual", "deadline": 1e308}),
+     ErrorCode.BAD_FIELD, "'deadline' = 1e+308 must be <= 1e+11 (epoch seconds)", 1),
 ]
 
 

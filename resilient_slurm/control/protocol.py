@@ -132,6 +132,7 @@ class FieldSpec:
     required: bool = True
     minimum: float | None = None
     choices: tuple[str, ...] = ()
+    maximum: float | None = None
 
 
 _RANK = FieldSpec("int", minimum=0)
@@ -142,7 +143,8 @@ REQUEST_FIELDS: Final[Mapping[str, Mapping[str, FieldSpec]]] = {
     POLL: {"rank": _RANK, "step": FieldSpec("int", required=False, minimum=0)},
     COMMITTED: {"rank": _RANK, "step": _STEP, "reason": FieldSpec("choice", choices=COMMIT_REASONS)},
     REQUEST_SAVE: {"reason": FieldSpec("choice", choices=SAVE_REASONS),
-                   "deadline": FieldSpec("number", minimum=0)},
+                   # epoch seconds: 1e11 is the year 5138 (a deadline of 1e308 was taken and logged as such)
+                   "deadline": FieldSpec("number", minimum=0, maximum=1e11)},
     STATUS: {},
     PING: {},
 }
@@ -282,6 +284,9 @@ def validate_fields(msg_type: str, obj: Mapping[str, Any], request_id: Any = Non
             problem = "must be finite"
         elif spec.minimum is not None and value < spec.minimum:
             problem = f"must be >= {spec.minimum:g}"
+        elif spec.maximum is not None and value > spec.maximum:
+            problem = f"must be <= {spec.maximum:g} (epoch seconds)" if name == "deadline" else \
+                f"must be <= {spec.maximum:g}"
         if problem:
             raise ControlProtocolError(f"{msg_type!r} message field {name!r} = {_short(value)} {problem}",
                                        code=ErrorCode.BAD_FIELD, request_id=request_id)
