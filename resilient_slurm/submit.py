@@ -35,6 +35,7 @@ from typing import Any
 
 from . import config
 from .errors import ConfigError, SlurmError
+from .paths import describe_path
 
 TEMPLATE_SUFFIX = ".sbatch"
 DEFAULT_SCRIPT_DIR = "rslurm-jobs"
@@ -154,7 +155,8 @@ def find_template(name: str) -> Path:
     if os.sep in name or os.path.exists(name):
         path = Path(name).expanduser()
         if not path.is_file():
-            raise ConfigError(f"rslurm submit: template file {name} does not exist")
+            what = "does not exist" if not os.path.lexists(path) else f"is {describe_path(str(path))}, not a regular file"
+            raise ConfigError(f"rslurm submit: template file {name} {what}")
         return path
     names = ", ".join(shipped) or "(none found: is sbatch_templates/ installed?)"
     raise ConfigError(f"rslurm submit: unknown template {name!r}; shipped templates: {names} "

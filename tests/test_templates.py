@@ -214,6 +214,8 @@ def test_list_and_help(capsys: pytest.CaptureFixture[str]):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--template", "nope", "--", "python"], "unknown template 'nope'; shipped templates: job_array, multi_node"),
     (["--template", "./nope.sbatch", "--", "python"], "template file ./nope.sbatch does not exist"),
+    (["--template", "/dev/zero", "--", "python"], "template file /dev/zero is a character device, not a regular file"),
+    (["--template", "/tmp", "--", "python"], "template file /tmp is a directory, not a regular file"),
     (["--template", "single_node", "python", "t.py"], "unexpected argument 'python'"),
     (["--template", "single_node"], "no command: put the training command after `--`"),
     (["--template", "single_node", "--"], "the command after `--` is empty"),
