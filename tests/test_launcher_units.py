@@ -415,8 +415,11 @@ def test_rank_link_over_a_real_control_server(sock_path: str) -> None:
             # A tool's manual request: a save, not an emergency (the flag is not set, the rank goes on).
             server.request_save("manual", time.time() + 60)
             assert link.poll(7) == "manual" and calls == ["request"]
+            assert link.poll(8) is None, "the same request, still pending while its save is in flight: no second save"
             link.committed(7, "manual")
             assert server.state.save_request is None, "the manual save committed"
+            server.request_save("manual", time.time() + 61)  # a new request: a new save
+            assert link.poll(9) == "manual"
         finally:
             link.close()
 

@@ -109,6 +109,7 @@ class RankLink:
                     log.debug("rank %d: no control socket at %s on this node; signals only", rank, socket_path)
         self._registered = False
         self._hello_step = 0
+        self._manual_taken: object = None  # the deadline of the manual request this rank saved for
         self._down_until = 0.0
         self._warned = False
         self._signals_seen: list[str] = []
@@ -179,7 +180,7 @@ class RankLink:
     def poll(self, step: int) -> str | None:
         """The save requested over the node's control socket, if any: ``"emergency"`` (the launcher's: the
         emergency flag is set, the rank saves and stops) or ``"manual"`` (a tool's: the rank saves and goes
-        on; the request is cleared once every rank reported that save committed)."""
+        on; the request is cleared once every rank reported that save committed; returned once per request)."""
         if not self._usable():
             return None
         assert self._client is not None
@@ -200,6 +201,11 @@ class RankLink:
         if not reply.get("save_requested"):
             return None
         if reply.get("reason") == "manual":
+            # Once per request: it stays pending until every rank's save of it committed, and the polls at
+            # the steps in between must not start another save each (a request is told by its deadline).
+            if reply.get("deadline") == self._manual_taken:
+                return None
+            self._manual_taken = reply.get("deadline")
             return "manual"
         self._on_request()
         return "emergency"
