@@ -190,33 +190,33 @@ def tiny(tmp_path: Path) -> Any:
 def test_a_durable_filesystem_unmounted_under_the_tier_is_never_made_again_on_the_nodes_disk(tmp_path: Path) -> None:
     """The durable tier's filesystem unmounted while a daemon ran: its mount point stayed, empty, on the node's
     own disk, and the next drain made the tier's root again there and reported the steps durable. A root that is
-    gone, or another directory, since the tier was opened is an error that may pass; nothing is written."""
+    gone since the tier was opened, or a mount point left empty, is an error that may pass; nothing is written.
+    A filesystem mounted there again (an automounter's) is written into as before."""
     from resilient_slurm.errors import TransientStorageError
 
+    def mount(where: Path) -> None:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], check=True)
+
+    src = tmp_path / "shard"
+    src.write_bytes(b"x" * 5000)
     with mounted_tmpfs(tmp_path / "lustre", "8m") as mnt:
-        root = mnt / "durable"
-        tier = PosixTier(str(root), max_attempts=1)
-        tier.put_bytes("r/step_000000000001/manifest.json", b"{}")
-        subprocess.run(["umount", str(mnt)], check=True)
-        try:
-            with pytest.raises(TransientStorageError, match=f"durable tier {root} is gone since rslurm opened it"):
-                tier.put_bytes("r/step_000000000002/manifest.json", b"{}")
-            src = tmp_path / "shard"
-            src.write_bytes(b"x" * 5000)
-            with pytest.raises(TransientStorageError, match="is gone since"):
-                tier.put_file(str(src), "r/step_000000000002/__0_0.distcp", size=5000,
-                              checksum=hashlib.sha256().hexdigest()[:16])
-            assert not root.exists() and not any(mnt.iterdir()), "the tier was made again on the node's disk"
-        finally:
-            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=False)  # for umount
-    other = tmp_path / "other"
-    other.mkdir()
-    tier = PosixTier(str(other), max_attempts=1)
-    other.rename(tmp_path / "moved")
-    other.mkdir()  # a new, empty directory where the tier was
-    with pytest.raises(TransientStorageError, match="is another directory since rslurm opened it"):
-        tier.put_bytes("r/tags.json", b"{}")
-    assert not any(other.iterdir())
+        for root in (mnt / "durable", mnt):  # the tier below the mount point, and the mount point itself
+            tier = PosixTier(str(root), max_attempts=1)
+            tier.put_bytes("r/step_000000000001/manifest.json", b"{}")
+            subprocess.run(["umount", str(mnt)], check=True)
+            try:
+                said = "is gone since rslurm opened it" if root != mnt else "is no longer a mount point since"
+                with pytest.raises(TransientStorageError, match=f"durable tier {root} {said}"):
+                    tier.put_bytes("r/step_000000000002/manifest.json", b"{}")
+                with pytest.raises(TransientStorageError, match=said):
+                    tier.put_file(str(src), "r/step_000000000002/__0_0.distcp", size=5000,
+                                  checksum=hashlib.sha256().hexdigest()[:16])
+                assert not any(mnt.iterdir()), "the tier was made again on the node's disk"
+            finally:
+                mount(mnt)  # mounted again: another device where the tier was
+            root.mkdir(exist_ok=True)  # the filesystem back, with the tier's root on it (a fresh tmpfs has none)
+            tier.put_bytes("r/tags.json", b"{}")  # an automounter's remount is the tier's filesystem again
+            assert (root / "r" / "tags.json").read_bytes() == b"{}"
     # A reader's tier whose root did not exist yet makes it at the first write, as before.
     late = PosixTier(str(tmp_path / "late"), create=False)
     late.put_bytes("r/tags.json", b"{}")

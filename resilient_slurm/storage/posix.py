@@ -183,10 +183,11 @@ class PosixTier(StorageTier):
         if piece_size <= 0 or piece_size % BLOCK:
             raise StorageError(f"piece_size must be a positive multiple of {BLOCK}, got {piece_size}")
         self.piece_size = piece_size
-        # The root's (device, inode) once it exists: a root that vanished or was replaced since (a filesystem
-        # unmounted under a mount point) is never made again by a write (_make_parent), or the "durable" steps
-        # would land on the node's own disk.
-        self._root_id: tuple[int, int] | None = None
+        # The root's device once it exists, and whether it was a mount point: a root that vanished since (a
+        # filesystem unmounted above it) or a mount point left empty (the filesystem mounted there unmounted) is
+        # never written into (_make_parent), or the "durable" steps would land on the node's own disk.
+        self._root_dev: int | None = None
+        self._root_was_mount = False
         if create:
             try:
                 os.makedirs(self.root, exist_ok=True)
@@ -198,27 +199,37 @@ class PosixTier(StorageTier):
             except OSError as exc:
                 raise StorageError(f"durable tier {self.root}: cannot create it ({exc.strerror}); check the path "
                                    "and permissions (RSLURM_DURABLE)") from exc
-        self._root_id = self._identity()
+        self._note_root()
 
-    def _identity(self) -> tuple[int, int] | None:
-        """The root directory's (device, inode); None when it is absent or not a directory."""
+    def _note_root(self) -> None:
         try:
             st = os.stat(self.root)
         except OSError:
-            return None
-        return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+            return
+        if stat.S_ISDIR(st.st_mode):
+            self._root_dev, self._root_was_mount = st.st_dev, os.path.ismount(self.root)
 
     def _make_parent(self, path: str) -> None:
-        """Make the directories down to the one holding ``path`` (below the root), only while the root is the
-        directory this tier opened: a root that is gone or was replaced since (the durable filesystem unmounted,
-        its mount point left empty on the node's disk) is a TransientStorageError, not a fresh tree. A root
-        that did not exist when the tier was opened (a reader's, before the first save) is made."""
-        now = self._identity()
-        if self._root_id is not None and now != self._root_id:
-            raise TransientStorageError(
-                f"durable tier {self.root} is {'gone' if now is None else 'another directory'} since rslurm opened "
-                "it (an unmounted filesystem leaves its empty mount point behind): nothing is written there until "
-                "it is back; mount it again, or restart with RSLURM_DURABLE set to where the durable tier is now")
+        """Make the directories down to the one holding ``path`` (below the root), only while the root is where
+        the tier was: a root that is gone since the tier was opened (the durable filesystem unmounted above it),
+        or a root that was a mount point and is a plain directory of another device now (the filesystem
+        unmounted, its mount point left empty on the node's disk), is a TransientStorageError, never a fresh
+        tree there. A filesystem mounted again (an automounter's: another device, a mount point still) is taken
+        as it is; a root that did not exist when the tier was opened (a reader's, before the first save) is
+        made."""
+        if self._root_dev is not None:
+            try:
+                st: os.stat_result | None = os.stat(self.root)
+            except OSError:
+                st = None
+            unmounted = st is not None and st.st_dev != self._root_dev and self._root_was_mount and \
+                not os.path.ismount(self.root)
+            if st is None or not stat.S_ISDIR(st.st_mode) or unmounted:
+                raise TransientStorageError(
+                    f"durable tier {self.root} is {'no longer a mount point' if unmounted else 'gone'} since rslurm "
+                    "opened it (a filesystem unmounted?): nothing is written there until it is back; mount it "
+                    "again, or restart with RSLURM_DURABLE set to where the durable tier is now")
+            self._root_dev = st.st_dev
         parent = os.path.dirname(path)
         try:
             os.makedirs(parent, exist_ok=True)
@@ -226,8 +237,8 @@ class PosixTier(StorageTier):
             raise storage_error(f"{parent}: cannot create it: {_in_the_way(path, self.root)}", exc) from exc
         except OSError as exc:
             raise storage_error(f"{parent}: cannot create it: {exc}", exc) from exc
-        if self._root_id is None:
-            self._root_id = self._identity()
+        if self._root_dev is None:
+            self._note_root()
 
     def _retrying(self, what: str, key: str, fn: Callable[[], T], stats: TransferStats | None = None) -> T:
         """``fn()``, retried on :class:`TransientStorageError` (see the module docstring); the last error
