@@ -269,8 +269,8 @@ class ProgressHistory:
         def fail(what: str, fld: str | None) -> ProgressHistoryError:
             where = f" field {fld!r}" if fld else ""
             return ProgressHistoryError(
-                f"progress history {source}:{where} {what}; delete the file to start counting afresh "
-                "(only the no-progress hold count is lost)", source=source, field=fld)
+                f"progress history {source}:{where} {what}; the next `rslurm launch` of the run starts counting "
+                "afresh and replaces it (only the no-progress hold count is lost)", source=source, field=fld)
 
         # Bounded nesting, no NaN, numbers in range: a hostile file is an error naming it, never a crash
         # (a RecursionError here once turned a requeue into exit 1).
