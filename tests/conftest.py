@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import check_tier
 import psutil
@@ -163,14 +164,17 @@ class RankJob:
             try:
                 codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
-                stacks = self.stacks()
-                self.dump_stacks()
-                self.kill()
-                tails = "\n".join(f"--- rank {r} ({log}) ---\n{self.output(r)[-6000:]}"
-                                   for r, log in enumerate(self.logs))
-                pytest.fail(f"rank process {p.pid} did not finish within {timeout}s\n{tails}\n"
-                            f"--- stacks before SIGABRT ---\n{stacks}")
+                self.fail_hung(f"rank process {p.pid} did not finish within {timeout}s")
         return codes
+
+    def fail_hung(self, what: str) -> NoReturn:
+        """Fail the test for ranks that made no progress (``what``): every rank's stacks (from the outside,
+        then SIGABRT with faulthandler), all killed, and the end of each rank's output in the failure."""
+        stacks = self.stacks()
+        self.dump_stacks()
+        self.kill()
+        tails = "\n".join(f"--- rank {r} ({log}) ---\n{self.output(r)[-6000:]}" for r, log in enumerate(self.logs))
+        pytest.fail(f"{what}\n{tails}\n--- stacks before SIGABRT ---\n{stacks}")
 
     def stacks(self) -> str:
         """Every thread's stack of each rank still running and of its children (DataLoader workers), which

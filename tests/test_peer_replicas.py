@@ -275,7 +275,8 @@ def test_a_lost_domain_restores_from_its_partner_in_other_topologies(tmp_path: P
     job = start_ranks(_argv(root, 0.15), world, root, env=common, per_rank_env=per_rank)
     deadline = time.monotonic() + 120
     while not all(step in replicated(d) for d in leaders):
-        assert time.monotonic() < deadline, {d: replicated(d) for d in leaders}
+        if time.monotonic() >= deadline:  # with the ranks' stacks: where they wait
+            job.fail_hung(f"no replica of step {step} within 120 s: {({d: replicated(d) for d in leaders})}")
         assert all(p.poll() is None for p in job.procs), job.output(0)[-3000:]
         time.sleep(0.05)
     wait_for_step(root / "log.0.jsonl", step + 1, job=job)
