@@ -230,6 +230,9 @@ def test_a_full_durable_tier_is_named_not_masked(tmp_path: Path, tiny: Path) -> 
     r = drain(local, tiny)
     assert r.returncode == 1
     assert "filled up" in r.stderr, r.stderr[-3000:]
+    # It names the file being written, not its temporary name (removed already).
+    said = [line for line in r.stderr.splitlines() if "filled up" in line]
+    assert all(".tmp-rslurm-" not in line and f" to {tiny}" in line for line in said), said
     assert not [p for p in tree(tiny) if ".tmp-rslurm-" in p], tree(tiny)
     assert committed(tiny) == set()
 
@@ -242,7 +245,8 @@ def test_a_fetch_into_a_full_local_disk_is_named_not_masked(tmp_path: Path, tiny
     m = Manifest.from_json((dur / RUN / sdir(1) / "manifest.json").read_bytes())
     shard = max(m.shards, key=lambda s: s.size)
     tier = PosixTier(str(dur))
-    with pytest.raises(InsufficientSpaceError, match="filled up"):
+    with pytest.raises(InsufficientSpaceError, match="filled up") as err:
         tier.get_file(f"{RUN}/{sdir(1)}/{shard.path}", str(tiny / "shard"), size=shard.size,
                       checksum=shard.checksum)
+    assert ".tmp-rslurm-" not in str(err.value) and str(tiny / "shard") in str(err.value), err.value
     assert not list(tiny.iterdir()), "the temp file of the failed fetch was left behind"

@@ -623,11 +623,14 @@ def unpublished_on_error(tmp: str, what: str, *, dir_fd: int | None = None) -> I
             os.unlink(tmp, dir_fd=dir_fd)
         except OSError:
             pass
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise InsufficientSpaceError(f"{what}: no space left ({exc.strerror}); free space there. Nothing "
-                                         "partial was published.") from exc
-        if isinstance(exc, OSError):
-            raise storage_error(f"{what} failed: {exc}", exc) from exc
+        # A write of ``tmp`` that failed (write_file: write_error) names the temporary file, which is gone now:
+        # the error names what was being written instead, with the cause.
+        cause = exc.__cause__ if str(exc).startswith(f"{tmp}:") else exc
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise InsufficientSpaceError(f"{what}: the filesystem filled up ({cause.strerror}); free space there. "
+                                         "Nothing partial was published; older checkpoints were left intact.") from exc
+        if isinstance(cause, OSError):
+            raise storage_error(f"{what} failed: {cause}", cause) from exc
         raise
 
 
