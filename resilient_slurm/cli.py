@@ -185,14 +185,22 @@ def _durable_cell(row: dict[str, Any]) -> str:
 
 
 def _run_tags(catalog: Catalog, run: str) -> RunTags | None:
-    """A run's tags for a listing; None (and the error recorded) when a copy cannot be read."""
+    """A run's tags for a listing; None (and the fault recorded) when a copy cannot be read (a store that cannot
+    be reached is an error)."""
     from .errors import StorageError, TagsFileError
 
     try:
         return catalog.tags(run)
-    except (TagsFileError, StorageError) as exc:
+    except TagsFileError as exc:
+        catalog.faults.append(f"run {run}: tags: {exc}")
+    except StorageError as exc:
         catalog.errors.append(f"run {run}: tags: {exc}")
-        return None
+    return None
+
+
+def _listing_status(catalog: Catalog) -> int:
+    """``ls``/``runs``: 2 when a store could not be listed, 1 when only data could not be read, else 0."""
+    return 2 if catalog.errors else 1 if catalog.faults else 0
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -218,10 +226,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 rows.append(row)
         doc: dict[str, Any] = {"local_roots": catalog.roots if args.tier != "durable" else [],
                "durable": catalog.durable_url if args.tier != "local" else None,
-               "steps": rows, "replicas": replicas, "errors": list(catalog.errors)}
+               "steps": rows, "replicas": replicas, "errors": catalog.errors + catalog.faults}
     if args.json:
         print(json.dumps(doc, indent=1))
-        return 2 if doc["errors"] else 0
+        return _listing_status(catalog)
     con = _console()
     if args.tier != "durable":
         con.print(printable(f"local tier   {', '.join(doc['local_roots'])}"), markup=False, highlight=False)
@@ -255,7 +263,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          [r if has_note else r[:-1] for r in rep_rows], right=("STEP", "SIZE", "AGE")))
     for e in doc["errors"]:
         _say(f"error: {e}", file=sys.stderr)
-    return 2 if doc["errors"] else 0
+    return _listing_status(catalog)
 
 
 def _replica_rows(replicas: Sequence[dict[str, Any]]) -> list[list[Any]]:
@@ -304,7 +312,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         doc = describe(open_source(catalog, view, tier))
         tags = _run_tags(catalog, view.run_id)
         doc["tags"] = tags.names(view.step) if tags is not None else None
-    for e in catalog.errors:
+    for e in catalog.errors + catalog.faults:
         _say(f"rslurm show: {e}", file=sys.stderr)
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -569,10 +577,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
             docs.append(summarize_run(run, views, tags, tiers=reached, now=now))
         out: dict[str, Any] = {"local_roots": catalog.roots if args.tier != "durable" else [],
                                "durable": catalog.durable_url if args.tier != "local" else None,
-                               "runs": docs, "errors": list(catalog.errors)}
+                               "runs": docs, "errors": catalog.errors + catalog.faults}
     if args.json:
         print(json.dumps(out, indent=1))
-        return 2 if out["errors"] else 0
+        return _listing_status(catalog)
     con = _console()
 
     def tier_cell(t: dict[str, Any] | None) -> str:
@@ -593,7 +601,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         con.print("(no runs)", markup=False)
     for e in out["errors"]:
         _say(f"error: {e}", file=sys.stderr)
-    return 2 if out["errors"] else 0
+    return _listing_status(catalog)
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:

@@ -249,6 +249,9 @@ class Catalog:
         self.durable_url = durable_url or (durable.url if durable is not None else None)
         self.roots = local_roots(local_template, node)
         self.errors: list[str] = []  # what could not be read while listing (ls reports them)
+        # Data that was found but could not be read (a run's tags file): `ls` and `runs` report them with the
+        # errors, and exit 1 for them (a fault in the data), 2 only for a store they could not list.
+        self.faults: list[str] = []
         self._tags: dict[str, RunTags] = {}
 
     @classmethod
