@@ -29,9 +29,9 @@ Requests (version 1), in the order a job uses them
     ============  =====================  ==========================================  ====================
     type          sent by, when          fields                                      reply
     ============  =====================  ==========================================  ====================
-    hello         each rank, once after  rank, local_rank, pid, step (last step      ``ok``
-                  start; again after a   completed, 0 if none)
-                  ``not_registered``
+    hello         each rank, once after  rank, local_rank, pid, step (last step      ``ok`` (or an
+                  start; again after a   completed, 0 if none)                       ``unknown_rank``
+                  ``not_registered``                                                 error, below)
     poll          each rank, at step     rank, step (optional: last step completed)  ``state``
                   boundaries
     committed     each rank, after its   rank, step, reason ("interval" |            ``ok``
@@ -58,6 +58,11 @@ Replies
                 ``unsupported_version`` errors also carry ``supported`` (list of versions). The id is
                 null when the request's id could not be read. Error replies keep this shape in every
                 version, so any peer can read them.
+
+Refused hellos: the launcher tells its server the world size of the ranks it starts, where it knows it
+(:meth:`~resilient_slurm.control.server.ControlState.expect_ranks`: ``rslurm launch -n N``). A ``hello``
+whose rank is outside it gets an ``unknown_rank`` error and is not registered: no save request ever waits
+for that rank. Under srun the world size is the step's, and only the uid check applies.
 
 Save requests: a second ``request_save`` while one is pending merges into it (``emergency`` wins over
 ``manual``; the earlier deadline wins). The server clears the request once every registered rank has
@@ -119,6 +124,7 @@ class ErrorCode:
     UNKNOWN_TYPE: Final = "unknown_type"  # not a request type of this version
     BAD_FIELD: Final = "bad_field"  # "id" or a field of the type is missing or has a wrong type/value
     NOT_REGISTERED: Final = "not_registered"  # poll/committed from a rank that has not sent hello
+    UNKNOWN_RANK: Final = "unknown_rank"  # hello refused: a rank outside the job's world size
     PERMISSION_DENIED: Final = "permission_denied"  # peer runs as another uid; connection closed
     BUSY: Final = "busy"  # too many connections; connection closed, retry later
     INTERNAL: Final = "internal"  # a bug in the server; the request may not have been applied

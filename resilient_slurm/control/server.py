@@ -106,7 +106,11 @@ class _StepReports:
 
 
 class ControlState:
-    """What ranks and the launcher told this node's server; every method is thread-safe."""
+    """What ranks and the launcher told this node's server; every method is thread-safe.
+
+    The ranks a save request waits for are the registered ones, so a ``hello`` is refused
+    (``unknown_rank``) when it cannot come from one of the job's ranks: its rank is outside the world size
+    the launcher gave :meth:`expect_ranks`."""
 
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
@@ -114,9 +118,34 @@ class ControlState:
         self._ranks: dict[int, RankInfo] = {}
         self._save: SaveRequest | None = None
         self._last: _StepReports | None = None
+        self._world_size: int | None = None
+
+    def expect_ranks(self, world_size: int | None) -> None:
+        """The world size of the ranks the launcher is starting (None: unknown, as under srun, where it is the
+        step's). A later call replaces it (a new run of the ranks)."""
+        with self._lock:
+            self._world_size = world_size
+
+    def _refusal(self, rank: int, pid: int, peer_pid: int | None) -> str | None:
+        """Why a ``hello`` as ``rank`` from ``peer_pid`` cannot come from one of the job's ranks, or None. (A
+        hello as one of the job's ranks from another process replaces that rank's entry, as a restarted rank's
+        does, and the save request still waits for that rank's commit: it is not checked against the launched
+        processes, which a container runtime or a rank re-parented to init would make refuse real ranks.)"""
+        with self._lock:
+            world = self._world_size
+        if world is not None and rank >= world:
+            return (f"rank {rank} is outside the job's world size {world} (ranks 0-{world - 1}); "
+                    f"hello from peer pid {peer_pid} (says pid {pid}) refused")
+        return None
 
     def hello(self, rank: int, local_rank: int, pid: int, step: int, peer_pid: int | None = None) -> None:
-        """Register ``rank`` (again, if it restarted: the new process replaces the old entry)."""
+        """Register ``rank`` (again, if it restarted: the new process replaces the old entry); raises
+        :class:`ControlProtocolError` (``unknown_rank``) for a hello that cannot come from one of the job's
+        ranks (:meth:`expect_ranks`), which is then not registered and never waited for."""
+        problem = self._refusal(rank, pid, peer_pid)
+        if problem is not None:
+            log.warning("control socket: %s", problem)
+            raise ControlProtocolError(problem, code=p.ErrorCode.UNKNOWN_RANK)
         now = self._clock()
         with self._lock:
             old = self._ranks.get(rank)
@@ -521,7 +550,10 @@ class ControlServer:
             reply = self._dispatch(msg, conn.peer)
         except ControlProtocolError as exc:
             exc.request_id = msg["id"]
-            self._protocol_error(conn, exc)
+            if exc.code == p.ErrorCode.UNKNOWN_RANK:  # a refused hello: ControlState.hello logged it
+                self._queue(conn, p.make_error(exc))
+            else:
+                self._protocol_error(conn, exc)
             return
         except Exception as exc:
             log.exception("control socket %s: failed to handle %r from pid %d", self._path, msg["type"],

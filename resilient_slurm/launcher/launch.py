@@ -255,7 +255,7 @@ class Launcher:
                 if self.unhealthy or self.stopping.before_start(trap, server, baseline):
                     children = None  # no spare node (a node failure: requeued), or the stop is the outcome
                     break
-                children = self._start_ranks()
+                children = self._start_ranks(server)
                 self._loop(trap, children, server)
                 children.finish()
                 outcome = classify_outcome(self, children, baseline)
@@ -292,8 +292,11 @@ class Launcher:
             return
         self.recorded_end = record_ending(self, stop, classify_outcome(self, children, self.restored))
 
-    def _start_ranks(self) -> Children:
-        """Start one run of the ranks (a new srun step, or new local processes)."""
+    def _start_ranks(self, server: ControlServer) -> Children:
+        """Start one run of the ranks (a new srun step, or new local processes), having told ``server`` what
+        it may expect of them (:meth:`~resilient_slurm.control.server.ControlState.expect_ranks`): local
+        ranks have a known world size (``-n N``), so a ``hello`` as a rank outside it is refused and never
+        waited for. Under srun the world size is the step's, and not checked."""
         clear_heartbeats(self.socket_path)  # records of ranks killed in an earlier run would look hung
         env = self._rank_env()
         self._runs += 1
@@ -308,8 +311,9 @@ class Launcher:
             children: Children = SrunStep(self.command, env, addrs)
         elif self.nprocs is not None:
             children = LocalRanks(self.command, self.nprocs, env, free_port(JOB_PORTS))
-        else:
+        else:  # one process that may start its own ranks (torchrun): their world size is its own
             children = LocalRanks(self.command, 1, env, 0, dist_env=False)
+        server.state.expect_ranks(None if self.srun else self.nprocs)
         try:
             children.start()
         except OSError as exc:
@@ -379,7 +383,7 @@ class Launcher:
                 if self.startup_failure is not None:
                     break
             if lingering.since is None and children.failures():
-                self.root_failures = lingering.begin(children, now)
+                self.root_failures = lingering.begin(children, now, self.stopping.sent_to_ranks)
             if lingering.since is not None and (why := lingering.over(children, now)):
                 log.error("%s: tearing them down", why)
                 teardown(self, children, grace=self.cfg.term_grace)

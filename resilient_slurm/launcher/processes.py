@@ -65,8 +65,10 @@ class RankExit:
         """Exited 0."""
         return self.exit_code == 0 and self.signal is None
 
-    def describe(self) -> str:
-        """``rank 1 on n2 was killed by SIGKILL`` / ``rank 0 exited with code 3``."""
+    def describe(self, sent: Mapping[int, str] | None = None) -> str:
+        """``rank 1 on n2 was killed by SIGKILL`` / ``rank 0 exited with code 3``; with ``sent`` (the signals
+        the launcher itself sent the ranks, each with why), a rank that ended on one of them is not called
+        killed: ``rank 0 ended on the SIGTERM the launcher forwarded (SIGTERM: preempted)``."""
         who = "a rank" if self.rank is None else f"rank {self.rank}"
         where = f" on {self.node}" if self.node else ""
         if self.signal is not None:
@@ -74,8 +76,14 @@ class RankExit:
                 name = signal.Signals(self.signal).name
             except ValueError:
                 name = f"signal {self.signal}"
+            if sent and self.signal in sent:
+                return f"{who}{where} ended on the {name} the launcher forwarded ({sent[self.signal]})"
             return f"{who}{where} was killed by {name}"
         return f"{who}{where} exited with code {self.exit_code}"
+
+    def by_launcher(self, sent: Mapping[int, str] | None) -> bool:
+        """Ended on a signal the launcher itself sent the ranks (``sent``), not on one from outside."""
+        return bool(sent) and self.signal is not None and self.signal in (sent or {})
 
 
 def parse_task_line(line: str) -> list[RankExit]:
@@ -279,11 +287,19 @@ class Lingering:
         self._last = 0.0
         self._waited = 0.0
         self._stopped_for: float | None = None  # seen stopped for this long (None: not stopped at the last look)
+        self._after = "a rank failed"  # what started the wait, for the messages
 
-    def begin(self, children: Children, now: float) -> list[RankExit]:
+    def begin(self, children: Children, now: float, sent: Mapping[int, str] | None = None) -> list[RankExit]:
+        """Start the wait; ``sent``: the signals the launcher itself sent the ranks (each with why), so that a
+        rank that ended on one of them is said to have, and not to have been killed from outside."""
         self.since = self._last = now
         failures = list(children.failures())
-        log.warning("%s; the others get %.0f s to exit", failures[0].describe(), PEER_EXIT_WAIT)
+        first = failures[0]
+        if first.by_launcher(sent):
+            self._after = "a rank ended on the signal the launcher forwarded"
+            log.info("%s; the others get %.0f s to exit", first.describe(sent), PEER_EXIT_WAIT)
+        else:
+            log.warning("%s; the others get %.0f s to exit", first.describe(), PEER_EXIT_WAIT)
         return failures
 
     def over(self, children: Children, now: float) -> str | None:
@@ -292,7 +308,7 @@ class Lingering:
         self._last = now
         self._waited += step
         if self._waited >= PEER_EXIT_WAIT:
-            return f"ranks still running {PEER_EXIT_WAIT:.0f} s after a rank failed"
+            return f"ranks still running {PEER_EXIT_WAIT:.0f} s after {self._after}"
         stopped = children.stopped_ranks()
         if not stopped:
             self._stopped_for = None
@@ -300,8 +316,8 @@ class Lingering:
         self._stopped_for = 0.0 if self._stopped_for is None else self._stopped_for + step
         if self._stopped_for < STOPPED_WAIT:
             return None
-        return (f"rank {', '.join(map(str, stopped))} stopped (SIGSTOP) after a rank failed: it cannot exit by itself "
-                "and the others wait for it")
+        return (f"rank {', '.join(map(str, stopped))} stopped (SIGSTOP) after {self._after}: it cannot exit by "
+                "itself and the others wait for it")
 
 
 class Children:

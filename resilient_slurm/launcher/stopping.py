@@ -112,6 +112,9 @@ class StopControl:
         self._deferred_signal: int | None = None  # save signal held back until a rank registers
         self._deferred_check_at = 0.0
         self._kill_wait_s: float | None = None
+        # Signals this launcher itself sent the ranks for the stop (forwarded SIGTERM, the save signal through
+        # Slurm), each with why: a rank that ends on one was not killed from outside.
+        self.sent_to_ranks: dict[int, str] = {}
 
     def before_start(self, trap: SignalTrap, server: ControlServer, restored: int | None) -> bool:
         """A stop that came before a run of the ranks starts (during the health check, an in-job restart's
@@ -188,6 +191,7 @@ class StopControl:
                 # Checkpointer): forward SIGTERM, which a Checkpointer traps like the save signal and
                 # which means "stop" to any other program (a rank still importing torch just ends,
                 # with nothing lost since nothing was trained yet).
+                self.sent_to_ranks[int(signal.SIGTERM)] = f"{ev.source}: {reason.value}"
                 children.signal_ranks(signal.SIGTERM)
 
     def deadline(self, ev: TrapEvent, job: JobInfo | None) -> float:
@@ -227,6 +231,8 @@ class StopControl:
         ctx = self.ctx
         assert ctx.job_id is not None
         name = signal.Signals(sig).name
+        if self.stop is not None:
+            self.sent_to_ranks[int(sig)] = f"{self.stop.source}: {self.stop.reason.value}"
         ctx.event(Event.SAVE_SIGNAL_SENT, signal=name)
         try:
             ctx.slurm.signal(ctx.job_id, sig)
