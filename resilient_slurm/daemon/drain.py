@@ -32,6 +32,11 @@ have to list before the other's PUT completed and after it, which cannot be. So 
 commits, and a node left ``waiting`` only re-checks, less and less often (:func:`recheck_delay`), for
 the case where that node died between its marker and the commit.
 
+A drain that fails in (c) or (d) removes the step's directories it left empty (a POSIX tier's), so no empty
+``step_*`` directory of a failed try stays in the listings; when this copy of the step is damaged (it can
+never be drained), it deletes what it sent too, unless a commit marker or the step manifest is there. A
+failure of the tier keeps the shards sent, which the retry reuses (:meth:`StepDrainer._discard`).
+
 A step is never durable unless every domain's shards were verified and their markers written before
 the manifest. A partial step (markers missing) has no root manifest and is never restored from.
 """
@@ -184,23 +189,55 @@ class StepDrainer:
                 return res
             marker = commit_marker_key(ls.run_id, ls.step, save_token(m), ls.domain)
             if self.tier.stat(marker) is None:
-                self._forget_other_saves(ls.run_id, ls.step, m, ls.domain)
-                if not self._send_shards(ls, m, res):
-                    res.seconds = time.perf_counter() - t0
-                    return res
-                md = read_checked_metadata(os.path.join(ls.path, DCP_METADATA_NAME), m.dcp_metadata)
-                self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, DCP_METADATA_NAME), md)
-                self.tier.put_bytes(domain_key(ls.run_id, ls.step, ls.domain, MANIFEST_NAME), m.to_json().encode())
-                self.tier.put_bytes(marker, b"")
+                written: list[str] = []  # this attempt's objects, for _discard
+                try:
+                    self._forget_other_saves(ls.run_id, ls.step, m, ls.domain)
+                    if not self._send_shards(ls, m, res, written):
+                        res.seconds = time.perf_counter() - t0
+                        return res
+                    md = read_checked_metadata(os.path.join(ls.path, DCP_METADATA_NAME), m.dcp_metadata)
+                    for key, data in ((domain_key(ls.run_id, ls.step, ls.domain, DCP_METADATA_NAME), md),
+                                      (domain_key(ls.run_id, ls.step, ls.domain, MANIFEST_NAME),
+                                       m.to_json().encode())):
+                        written.append(key)  # before the put: a put that fails part way may leave it
+                        self.tier.put_bytes(key, data)
+                    self.tier.put_bytes(marker, b"")
+                except Exception as exc:
+                    # This copy of the step can never be drained (damaged here): what it sent goes too. Any other
+                    # failure (the tier) keeps the shards sent, which the retry reuses.
+                    self._discard(ls, written if isinstance(exc, CorruptCheckpointError) else [])
+                    raise
         res.missing_domains = self.try_commit(ls.run_id, ls.step, m)
         res.committed = not res.missing_domains
         res.state = "durable" if not res.missing_domains else "waiting"
         res.seconds = time.perf_counter() - t0
         return res
 
-    def _send_shards(self, ls: LocalStep, m: Manifest, res: DrainResult) -> bool:
+    def _discard(self, ls: LocalStep, written: list[str]) -> None:
+        """After a failed drain: delete the objects this attempt wrote (``written``: given when this copy of
+        the step is damaged and can never be drained), unless something of the step is committed there (a
+        commit marker of any domain and save, or the step manifest), then the step's directories left empty
+        (a POSIX tier's: an empty ``step_*`` directory listed as a step). Only this attempt's own objects are
+        deleted, and a directory only while empty: another node's files of the step are never touched. A
+        failure here is logged; the drain's own error is what the caller reports."""
+        step_key = durable_step_key(ls.run_id, ls.step)
+        try:
+            if written and not self.tier.list_dirs(commit_marker_key(ls.run_id, ls.step)) and \
+                    self.tier.stat(durable_step_key(ls.run_id, ls.step, MANIFEST_NAME)) is None:
+                self.tier.delete(written)
+            self.tier.remove_empty_dirs(step_key)
+        except (ResilientSlurmError, OSError) as exc:
+            log.warning("run %s step %d: the failed drain's objects in %s/%s could not all be removed (%s); they "
+                        "are reused or replaced by the next drain", ls.run_id, ls.step, self.tier.url, step_key, exc)
+            return
+        if written:
+            log.info("run %s step %d: removed what the failed drain wrote to %s/%s (this copy of the step is damaged)",
+                     ls.run_id, ls.step, self.tier.url, step_key)
+
+    def _send_shards(self, ls: LocalStep, m: Manifest, res: DrainResult, written: list[str]) -> bool:
         """Step (c): every shard of this domain that the tier does not hold yet, compressed where the tier's
-        compression says (:mod:`~resilient_slurm.storage.encoding`); False when told to yield."""
+        compression says (:mod:`~resilient_slurm.storage.encoding`); False when told to yield. ``written``
+        collects the keys this call writes (each before its transfer starts)."""
         progress = self._progress(ls)
         scratch = RunDir.at(os.path.dirname(ls.path)).encode_scratch(os.getpid())
         try:
@@ -212,6 +249,7 @@ class StepDrainer:
                 if holds(self.tier, key, size=s.size, checksum=s.checksum):
                     res.bytes_reused += s.size
                     continue
+                written.append(key)
                 try:
                     st = put_shard(self.tier, os.path.join(ls.path, s.path), key, size=s.size,
                                    checksum=s.checksum, scratch=scratch, progress=progress)

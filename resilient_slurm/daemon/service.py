@@ -22,7 +22,11 @@ what an earlier daemon killed mid-transfer left behind, then loops:
    while one runs); report each run's drain lag to its event log when it changes (or every minute while
    the durable tier trails).
 
-``--once`` runs passes until nothing is left that this node can do, then exits.
+``--once`` runs passes until nothing is left that this node can do, then exits (1 when a step failed: it
+is not retried by that process, and its log line says so). A drain that fails because the durable tier is
+full (ENOSPC, a quota's EDQUOT) deletes the oldest durable step that retention deletes anyway once that
+step lands (never the newest durable step, never a tagged one) and drains it again at once; when there
+is none, the error names ``keep_last`` and the room the tier needs (:meth:`Daemon._make_room`).
 
 Each drain, durable commit, failure, retention deletion and eviction is appended with ``source: daemon``
 to the event log of the run concerned (``<local root>/<run_id>/events.jsonl``; docs/telemetry.md). The
@@ -55,6 +59,7 @@ from ..early_signals import take_early
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
+    InsufficientSpaceError,
     ResilientSlurmError,
     StorageError,
     TagsFileError,
@@ -236,6 +241,8 @@ class Daemon:
         self._lag_reported: dict[str, tuple[int | None, float]] = {}  # run -> (oldest step behind, when)
         self._publish_lock = threading.Lock()
         self._metrics_warned = False
+        self._once = False  # run(once=True): a failed step is not retried by this process
+        self._room_made = False  # a full durable tier was given room this pass: drain again at once
 
     # ------------------------------------------------------------------ lifecycle
     def acquire(self) -> None:
@@ -272,6 +279,7 @@ class Daemon:
 
         ``job_step``: SIGTERM is logged and ignored (Slurm sends it to every step on preemption, when the
         emergency checkpoint most needs draining); SIGINT and SIGHUP stop the daemon."""
+        self._once = once
         self.acquire()
         if install_signals:
             handlers: dict[int, Callable[[int, FrameType | None], None]] = {
@@ -411,8 +419,8 @@ class Daemon:
         self._runs = runs
         self._pending_keys = {(x.run_id, x.step) for x in pending}
         self._report_lag()  # what this pass found: new commits behind the durable tier
-        failed = any(st.state in ("failed", "retrying") for st in self._status.values()) or bool(self._invalid_paths)
         busy = False
+        self._room_made = False
         for i, ls in enumerate(drain_order(pending)):
             if self.stop_requested.is_set():
                 break
@@ -423,14 +431,17 @@ class Daemon:
                 self._step_status(ls).state = "local"
                 continue
             result = self._drain_one(ls)
-            if result is None:
-                failed = True
+            if result is None:  # failed: its state says so (retrying, failed), counted below
                 continue
             if result.state == "preempted":
                 busy = True
                 break
             if result.state == "durable" and ls.step not in self._durable.setdefault(ls.run_id, []):
                 self._durable[ls.run_id] = sorted([*self._durable[ls.run_id], ls.step])
+        busy = busy or self._room_made  # a step is due again at once, in the room made for it
+        # What this pass left: a step retried in it (after a failure, or in room made for it) that is durable now
+        # does not count.
+        failed = any(st.state in ("failed", "retrying") for st in self._status.values()) or bool(self._invalid_paths)
         for run in runs:
             self._apply_durable_retention(run)
         self._evict_if_needed(steps)
@@ -569,14 +580,32 @@ class Daemon:
         except (ResilientSlurmError, OSError) as exc:
             n = self._failures.get(ls.manifest.save_id, 0) + 1
             self._failures[ls.manifest.save_id] = n
-            delay = step_retry_delay(n)
-            log.error("draining run %s step %d failed (attempt %d): %s; retrying in %.0f s", ls.run_id, ls.step, n,
-                      exc, delay)
-            st.state, st.error, st.next_retry_at = "retrying", str(exc), self.clock() + delay
-            self._retry_at[ls.manifest.save_id] = st.next_retry_at
-            self._failed(ls, str(exc), n, retry=True)
-            self.counters["rslurm_drain_step_retries_total"] += 1
-            events.emit(Event.DRAIN_RETRY, step=ls.step, attempt=n, retry_in_s=delay, error=str(exc))
+            full = ""  # why a full durable tier cannot take the step, and what to change
+            room = None  # the durable step removed to make room for it
+            if isinstance(exc, InsufficientSpaceError):
+                room, full = self._make_room(ls)
+            delay = 0.0 if room is not None else step_retry_delay(n)
+            if room is not None:
+                self._room_made = True
+                log.warning("draining run %s step %d failed (attempt %d): %s; the durable tier is full: removed run %s "
+                            "step %d, the oldest durable step retention removes once step %d is durable "
+                            "(keep_last=%d), and draining step %d again now", ls.run_id, ls.step, n, exc, ls.run_id,
+                            room, ls.step, self.retention.keep_last, ls.step)
+            elif self._once:
+                log.error("draining run %s step %d failed (attempt %d): %s%s; not retried (--once): the next daemon "
+                          "pass or `rslurm daemon` retries it", ls.run_id, ls.step, n, exc, full)
+            else:
+                log.error("draining run %s step %d failed (attempt %d): %s%s; retrying in %.0f s", ls.run_id, ls.step,
+                          n, exc, full, delay)
+            retry = room is not None or not self._once
+            st.state, st.error = "retrying", f"{exc}{full}"
+            # --once: not again in this process's later passes either (its status shows no retry time)
+            self._retry_at[ls.manifest.save_id] = self.clock() + delay
+            st.next_retry_at = self._retry_at[ls.manifest.save_id] if retry else None
+            self._failed(ls, st.error, n, retry=retry)
+            if retry:
+                self.counters["rslurm_drain_step_retries_total"] += 1
+                events.emit(Event.DRAIN_RETRY, step=ls.step, attempt=n, retry_in_s=delay, error=st.error)
             return None
         finally:
             self._current = None
@@ -628,6 +657,41 @@ class Daemon:
                      ", ".join(result.missing_domains))
         self.drained.append(result)
         return result
+
+    def _make_room(self, ls: LocalStep) -> tuple[int | None, str]:
+        """The durable tier is full (ENOSPC, or a quota: EDQUOT) and cannot take ``ls``: delete the oldest
+        durable step of its run that retention deletes anyway once ``ls`` is durable (its keep_last/keep_every
+        decide, as for every step), never the run's newest durable step, never a tagged one, nothing of a run
+        whose tags cannot be read. Returns (the step deleted, "") or, when none may go, (None, why the tier
+        cannot take the step and which setting to change)."""
+        run = ls.run_id
+        durable = sorted(self._durable.get(run, ()))
+        tags = self._tags.get(run)
+        candidates = []
+        if tags is not None and len(durable) > 1:
+            going = set(self.retention.deletable([*durable, ls.step], protected=tags.steps))
+            candidates = [s for s in durable if s in going and s != durable[-1] and s < ls.step]
+        for s in candidates:
+            try:
+                delete_durable_step(self.tier, run, s)
+            except StepTagged:
+                continue  # tagged since this pass read the tags
+            except (TagsFileError, StorageError) as exc:
+                log.warning("durable tier full: cannot remove run %s step %d to make room: %s", run, s, exc)
+                break
+            self._durable[run] = [x for x in self._durable[run] if x != s]
+            self._events(run).emit(Event.RETENTION_DELETED, tier="durable", steps=[s])
+            return s, ""
+        k = self.retention.keep_last
+        if tags is None:
+            return None, (f" (the durable tier is full; run {run}'s tags cannot be read, so none of its durable steps "
+                          "is removed to make room)")
+        lower = (f", or lower keep_last (RSLURM_KEEP_LAST, `keep_last` in the config file) to {k - 1}" if k > 1
+                 else "")
+        return None, (f" (the durable tier is full: it holds {len(durable)} durable step(s) of run {run} and "
+                      f"retention (keep_last={k}) removes an older one only once a newer one is durable, and never "
+                      f"the newest or a tagged one; give the durable tier, or its quota, room for keep_last + 1 = "
+                      f"{k + 1} steps of the run{lower})")
 
     def _failed(self, ls: LocalStep, error: str, attempt: int, *, retry: bool) -> None:
         self.counters["rslurm_drain_failures_total"] += 1

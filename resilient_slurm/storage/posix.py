@@ -572,6 +572,26 @@ class PosixTier(StorageTier):
         finally:
             os.close(pfd)
 
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """See :meth:`StorageTier.remove_empty_dirs`: ``rmdir`` of each directory below ``prefix``, deepest
+        first, then of ``prefix`` itself, each by name in a descriptor of its parent reached from the root
+        without following a link (``paths.open_parent``). ``rmdir`` removes only an empty directory, so what a
+        writer put there meanwhile (another node's file of the same step) stays, with its directory."""
+        base = self._path(_safe_key(prefix))
+        dirs = [dirpath for dirpath, _, _ in os.walk(base, topdown=False)]  # links are not entered
+        for path in dirs:
+            try:
+                pfd, name = open_parent(self.root, path, error=UnsafePathError, where="the durable tier")
+            except FileNotFoundError:
+                continue
+            try:
+                os.rmdir(name, dir_fd=pfd)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR):
+                    raise storage_error(f"{path}: cannot remove the empty directory: {exc}", exc) from exc
+            finally:
+                os.close(pfd)
+
     def list_incomplete(self, prefix: str = "") -> Iterator[IncompleteTransfer]:
         """See :meth:`StorageTier.list_incomplete`: the ``*.tmp-rslurm-*`` files."""
         base = self._path(prefix) if prefix.strip("/") else self.root

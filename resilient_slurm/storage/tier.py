@@ -362,6 +362,11 @@ class StorageTier(abc.ABC):
         started more than ``older_than`` seconds ago, except those whose key ``keep`` returns True
         for (uploads this process will resume); return how many were removed."""
 
+    def remove_empty_dirs(self, prefix: str) -> None:  # noqa: B027 -- optional hook
+        """Remove the directories at and below ``prefix`` that hold nothing, deepest first (a directory
+        that is not empty, or no longer there, is left as it is). An object store has no directories: the
+        default does nothing."""
+
     def close(self) -> None:  # noqa: B027 -- optional hook
         """Release connections and thread pools."""
 
