@@ -27,6 +27,11 @@ from conftest import read_jsonl
 from test_launcher_local import REQUEUE, Sandbox, sandbox, wait_for, wait_for_steps  # noqa: F401
 
 from resilient_slurm.control import ControlServer, ErrorCode
+from resilient_slurm.launcher.launch import Launcher
+from resilient_slurm.launcher.outcome import classify_outcome
+from resilient_slurm.launcher.policy import Reason, RequeuePolicy
+from resilient_slurm.launcher.processes import LocalRanks, RankExit
+from resilient_slurm.run_history import ProgressHistory
 
 pytestmark = pytest.mark.proc  # every test here starts processes (tests/check_tier.py)
 
@@ -190,3 +195,86 @@ def test_a_rank_that_ends_on_the_sigterm_the_launcher_forwarded_is_not_called_ki
     assert rc == REQUEUE, f"exit code {rc}:\n{err[-4000:]}"
     assert "stopped (stopped by SIGTERM); nothing is committed: run the same command again to resume" in err, \
         err[-4000:]
+
+
+# --------------------------------------------------------------------------- a rank that leaves early
+# Two gloo ranks allreduce in a loop; rank 1 leaves it after 3 steps and exits 0 (as on uneven data across
+# ranks); rank 0's 4th collective then fails at once (the peer closed its connections), well within one
+# look of the launcher's loop: the launcher orders the two ends by when each process ended.
+LEAVES_EARLY = textwrap.dedent("""
+    import sys
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+    rank = dist.get_rank()
+    for step in range(1, 11):
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        print(f"rank {rank} step {step}", file=sys.stderr, flush=True)
+        if rank == 1 and step == 3:
+            break  # its data ran out: it leaves the loop, cleans up and ends as a finished program does
+    dist.destroy_process_group()
+""")
+
+
+def test_a_rank_that_exits_0_while_its_peers_train_is_the_programs_error_not_a_communicator_one(
+        sandbox: Sandbox) -> None:  # noqa: F811
+    sb = sandbox
+    run = sb.launch([sys.executable, "-c", LEAVES_EARLY])
+    rc = run.wait(120)
+    err = run.stderr()
+    # Not restarted in the job nor requeued (a restart ends the same way): the program's error, with its cause.
+    assert rc == 1, f"exit code {rc}:\n{err[-4000:]}"
+    decision = [line for line in err.splitlines() if "not requeued" in line]
+    assert decision and "rank 1 exited 0" in decision[-1] and "uneven data across ranks" in decision[-1], \
+        err[-4000:]
+    assert "in-job restart" not in err, err[-4000:]
+    history = [e for e in read_jsonl(sb.run_dir / "events.jsonl") if e.get("event") == "run_end"] \
+        if (sb.run_dir / "events.jsonl").exists() else []
+    assert all(e.get("reason") in (None, "user_error") for e in history), history
+
+
+class _Ended(LocalRanks):
+    """Local ranks that ended as given (nothing started): their exits, stderr tails and early leavers."""
+
+    def __init__(self, exits: list[RankExit], tails: dict[int, str], left: dict[int, float]) -> None:
+        super().__init__(["true"], len(exits), {}, 0)
+        self._exits, self._tails = exits, tails
+        self._left_early = dict(left)
+
+    def exits(self) -> list[RankExit]:
+        return self._exits
+
+    def stderr_tail(self, index: int = 0) -> str:
+        return self._tails.get(index, "")
+
+
+def _traceback(line: str) -> str:
+    return f'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n{line}\n'
+
+
+@pytest.mark.parametrize(("error", "left", "reason"), [
+    ("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:4480", {1: 1.0},
+     Reason.USER_ERROR),
+    ("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:32465: Connection reset by peer",
+     {1: 1.0}, Reason.USER_ERROR),
+    # The network stopped answering: not the rank that ended, whatever it did.
+    ("RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv operation",
+     {1: 1.0}, Reason.COMMUNICATOR_ERROR),
+    # No rank ended on its own first (rank 1 was torn down, or failed): the collective error as before.
+    ("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:4480", {},
+     Reason.COMMUNICATOR_ERROR),
+], ids=["closed", "reset", "timeout", "no-early-exit"])
+def test_only_a_peer_that_ended_on_its_own_and_closed_its_connections_makes_it_the_programs_error(
+        tmp_path: Path, error: str, left: dict[int, float], reason: Reason) -> None:
+    env = {"HOME": str(tmp_path), "RSLURM_LOCAL_DIR": str(tmp_path / "nvme"), "RSLURM_RUN_ID": "toy",
+           "RSLURM_CONTROL_DIR": str(tmp_path / "ctl")}
+    launcher = Launcher(["true"], env=env, nprocs=2)
+    children = _Ended([RankExit(0, 1, None), RankExit(1, 0, None)], {0: _traceback(error)}, left)
+    outcome = classify_outcome(launcher, children, None)
+    assert outcome.reason is reason, outcome
+    decision = RequeuePolicy().decide(outcome, ProgressHistory())
+    if reason is Reason.USER_ERROR:
+        assert outcome.rank == 0 and outcome.evidence.startswith("rank 1 exited 0 while the others ran"), outcome
+        assert decision.exit_code == 1 and decision.message.startswith("not requeued: rank 1 exited 0"), decision
+    else:
+        assert "exited 0" not in outcome.evidence, outcome

@@ -52,6 +52,10 @@ _PREFIX = r"(?:\[rank(?P<rank>\d+)\]:\s?|(?P<label>\d+): )?"
 _TRACEBACK = re.compile(rf"^{_PREFIX}Traceback \(most recent call last\):\s*$", re.M)
 _LINE_PREFIX = re.compile(r"^(?:\[rank(?P<rank>\d+)\]:\s?|(?P<label>\d+): )?")
 
+# A communicator error that says a peer's end of the connection went away (closed, or reset: a process that
+# exits with unread data in its socket resets it), not that the network stopped answering (a timeout): with
+# a rank that exited 0 on its own meanwhile, that rank left early (outcome.py: left_early).
+PEER_CLOSED = re.compile(r"(?:closed|reset) by (?:remote )?peer|remote process exited", re.I)
 COMMUNICATOR_ERROR = re.compile(
     r"DistBackendError|DistNetworkError|DistStoreError|ProcessGroup(?:NCCL|Gloo)|\bNCCL (?:error|WARN)|"
     r"nccl(?:Internal|System|Remote|Unhandled\w*|InvalidUsage)Error|gloo/transport|"

@@ -13,7 +13,7 @@ attribute_failure`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -23,7 +23,7 @@ from ..manifest import read_manifest_file
 from ..rendezvous import rendezvous_failure_line
 from ..rundir import RunDir
 from ..slurm.client import remaining_seconds
-from .attribution import HangCause, OomCounters, attribute_failure
+from .attribution import PEER_CLOSED, HangCause, OomCounters, attribute_failure
 from .context import LaunchContext
 from .context import launch_log as log
 from .hang import Hang
@@ -154,8 +154,29 @@ def classify_outcome(run: RanksView, children: Children | None, baseline: int | 
         return replace(base, reason=Reason.USER_ERROR, rank=who.rank, exit_code=who.exit_code, node=who.node,
                        error_location=error_location(children, who),
                        evidence=att.evidence or f"exit code {who.exit_code}, no Python traceback")
+    if att.reason is Reason.COMMUNICATOR_ERROR and children.left_early and PEER_CLOSED.search(att.evidence):
+        return left_early(replace(base, rank=who.rank, exit_code=who.exit_code or None, node=who.node),
+                          children.left_early, f"{who.describe()}: {att.evidence}")
     return replace(base, reason=att.reason, rank=who.rank, signal=who.signal, exit_code=who.exit_code,
                    node=who.node, evidence=att.evidence, detail=att.evidence)
 
 
-__all__ = ["RanksView", "classify_outcome", "error_location", "failed_in_order", "newest_committed", "stderr_of"]
+def left_early(base: Outcome, ranks: Mapping[int, float], then: str) -> Outcome:
+    """A run in which ``ranks`` exited 0 on their own while their peers still trained (local ranks:
+    :attr:`~.processes.LocalRanks.left_early`), and a peer then failed in a collective because a peer closed
+    or reset its connections (``then``; ``base`` names the peer that failed): the program ended on some ranks
+    before the others (uneven data across ranks is the usual cause), and a restart would end the same way, so
+    it is the program's error, with this account as its detail (the policy's message). A collective that
+    timed out (the network), and a hang (a rank may hang in its own I/O after the others finished), are left
+    as they are."""
+    first = min(ranks, key=lambda r: ranks[r])
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+    when = time.strftime("%H:%M:%S", time.localtime(ranks[first]))
+    detail = (f"{who} exited 0 (at {when}) while the other ranks were still running, and they then failed in a "
+              "collective: the program ends on some ranks before the others (uneven data across ranks? "
+              "torch.distributed.algorithms.Join, drop_last); a restart would end the same way")
+    return replace(base, reason=Reason.USER_ERROR, detail=detail, evidence=f"{who} exited 0 while the others ran; then {then}")
+
+
+__all__ = ["RanksView", "classify_outcome", "error_location", "failed_in_order", "left_early", "newest_committed",
+           "stderr_of"]

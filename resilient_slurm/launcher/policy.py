@@ -204,6 +204,9 @@ class RequeuePolicy:
             who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
             at = f" at {outcome.error_location}" if outcome.error_location else ""
             code = outcome.exit_code if outcome.exit_code is not None else 1
+            if outcome.detail:  # the classification's own account (outcome.py: left_early)
+                return Decision(Action.EXIT, code, f"not requeued: {outcome.detail}; fix it and resubmit",
+                                "user_error")
             if (m := _CANNOT_RESTORE.search(outcome.evidence or "")) is not None:
                 # Not the program's bug: the checkpoints it would restore. A restart would read the same steps.
                 return Decision(

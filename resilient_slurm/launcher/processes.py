@@ -327,6 +327,7 @@ class Children:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._tees: list[_Tee] = []
         self.torn_down = False
+        self._left_early: dict[int, float] = {}  # (LocalRanks.left_early)
 
     def _spawn(self, argv: Sequence[str], env: Mapping[str, str], name: str, parse_tasks: bool) -> None:
         proc = subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -358,6 +359,12 @@ class Children:
             except subprocess.TimeoutExpired:
                 return False
         return True
+
+    @property
+    def left_early(self) -> dict[int, float]:
+        """Ranks that exited 0 while their peers still trained (rank -> when): none known here (srun reports
+        no task that exits 0); :class:`LocalRanks` knows them."""
+        return {}
 
     def teardown(self, grace: float) -> None:
         """Terminate every child's whole process tree: SIGTERM, then SIGKILL after ``grace`` s."""
@@ -435,6 +442,23 @@ class LocalRanks(Children):
 
     def _exit_of(self, rank: int, code: int) -> RankExit:
         return RankExit(rank, None, -code) if code < 0 else RankExit(rank, code, None)
+
+    def poll(self) -> bool:
+        """True once every rank exited. Notes each rank seen to have exited 0 on its own (before any teardown)
+        while another had not (:attr:`left_early`)."""
+        codes = [p.poll() for p in self._procs]
+        if not self.torn_down and any(c != 0 for c in codes):
+            for r, c in enumerate(codes):
+                if c == 0:
+                    self._left_early.setdefault(r, time.time())
+        return all(c is not None for c in codes)
+
+    @property
+    def left_early(self) -> dict[int, float]:
+        """Rank -> when it was seen to have exited 0 on its own (before any teardown) while another rank had
+        not: the program ended there while it went on elsewhere. A peer's collective then fails (outcome.py:
+        left_early)."""
+        return dict(self._left_early)
 
     def failures(self) -> list[RankExit]:
         out = []
