@@ -293,10 +293,8 @@ class Launcher:
         self.recorded_end = record_ending(self, stop, classify_outcome(self, children, self.restored))
 
     def _start_ranks(self, server: ControlServer) -> Children:
-        """Start one run of the ranks (a new srun step, or new local processes), having told ``server`` what
-        it may expect of them (:meth:`~resilient_slurm.control.server.ControlState.expect_ranks`): local
-        ranks have a known world size (``-n N``), so a ``hello`` as a rank outside it is refused and never
-        waited for. Under srun the world size is the step's, and not checked."""
+        """Start one run of the ranks (a new srun step, or new local processes), having told ``server`` their
+        world size where it is known (``-n N``: a ``hello`` outside it is refused, ControlState.expect_ranks)."""
         clear_heartbeats(self.socket_path)  # records of ranks killed in an earlier run would look hung
         env = self._rank_env()
         self._runs += 1

@@ -624,8 +624,10 @@ def unpublished_on_error(tmp: str, what: str, *, dir_fd: int | None = None) -> I
         except OSError:
             pass
         # A write of ``tmp`` that failed (write_file: write_error) names the temporary file, which is gone now:
-        # the error names what was being written instead, with the cause.
-        cause = exc.__cause__ if str(exc).startswith(f"{tmp}:") else exc
+        # the error names what was being written instead, with the cause. (Other errors that name it, such as
+        # an UnsafePathError for a link found in its place, say what they mean and stay as they are.)
+        written = type(exc) in (InsufficientSpaceError, StorageError, TransientStorageError)
+        cause = exc.__cause__ if written and str(exc).startswith(f"{tmp}:") else exc
         if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
             raise InsufficientSpaceError(f"{what}: the filesystem filled up ({cause.strerror}); free space there. "
                                          "Nothing partial was published; older checkpoints were left intact.") from exc
