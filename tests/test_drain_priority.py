@@ -141,3 +141,48 @@ def test_an_emergency_step_waiting_for_its_retry_does_not_hold_the_others_in_a_l
         t.join(60)
         tier.close()
     assert len(rc) == 1, "the daemon did not stop"
+
+
+def test_once_with_a_failing_emergency_step_tries_it_once_and_ends(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """``--once`` (a job's epilog after a preemption): the emergency step's one try fails (a read-only tier).
+    It is not tried again in that run, the other steps are not paused for it, and the run ends, exit 1. It
+    used to pause them again and again (tens of thousands of log lines and events) and retry the emergency
+    step on its backoff, never ending."""
+    import logging
+
+    from resilient_slurm.errors import TransientStorageError
+
+    local = tmp_path / "nvme"
+    _save(local, 10, 1, "interval", 0)
+    _save(local, 11, 1, "emergency", 1)
+    _save(local, 12, 1, "interval", 2)
+    tier = open_tier(str(tmp_path / "durable"))
+    put_file = tier.put_file
+    tries: list[str] = []
+
+    def refusing(src: str, key: str, **kw: Any) -> Any:
+        if "step_000000000011" in key:
+            tries.append(key)
+            raise TransientStorageError(f"{key}: read-only file system (the test's tier)")
+        return put_file(src, key, **kw)
+
+    tier.put_file = refusing  # type: ignore[method-assign]
+    daemon = Daemon(str(local), tier, node="n1", retention=RetentionPolicy(5), min_free="0%", poll_interval=0.05)
+    caplog.set_level(logging.INFO, logger="resilient_slurm")
+    rc: list[int] = []
+    t = threading.Thread(target=lambda: rc.append(daemon.run(once=True, install_signals=False)), daemon=True)
+    t.start()
+    t.join(120)
+    if t.is_alive():
+        daemon.stop_requested.set()
+        t.join(30)
+        pytest.fail(f"--once did not end: {len(tries)} tries of the emergency step, "
+                    f"{sum('pausing it' in r.getMessage() for r in caplog.records)} pauses")
+    assert rc == [1]
+    assert {(r.step, r.state) for r in daemon.drained} >= {(10, "durable"), (12, "durable")}
+    assert len({k for k in tries}) == len(tries), f"the emergency step was tried again: {tries}"
+    pauses = sum("pausing it for emergency step 11" in r.getMessage() for r in caplog.records)
+    assert pauses <= 2, pauses
+    said = [r.getMessage() for r in caplog.records if "step 11 failed" in r.getMessage()]
+    assert len(said) == 1 and "not retried (--once)" in said[0], said

@@ -592,20 +592,25 @@ class Daemon:
                             "(keep_last=%d), and draining step %d again now", ls.run_id, ls.step, n, exc, ls.run_id,
                             room, ls.step, self.retention.keep_last, ls.step)
             elif self._once:
-                log.error("draining run %s step %d failed (attempt %d): %s%s; not retried (--once): the next daemon "
-                          "pass or `rslurm daemon` retries it", ls.run_id, ls.step, n, exc, full)
+                log.error("draining run %s step %d failed (attempt %d): %s%s; not retried (--once): the next "
+                          "`rslurm daemon` retries it", ls.run_id, ls.step, n, exc, full)
             else:
                 log.error("draining run %s step %d failed (attempt %d): %s%s; retrying in %.0f s", ls.run_id, ls.step,
                           n, exc, full, delay)
-            retry = room is not None or not self._once
-            st.state, st.error = "retrying", f"{exc}{full}"
-            # --once: not again in this process's later passes either (its status shows no retry time)
-            self._retry_at[ls.manifest.save_id] = self.clock() + delay
-            st.next_retry_at = self._retry_at[ls.manifest.save_id] if retry else None
-            self._failed(ls, st.error, n, retry=retry)
-            if retry:
-                self.counters["rslurm_drain_step_retries_total"] += 1
-                events.emit(Event.DRAIN_RETRY, step=ls.step, attempt=n, retry_in_s=delay, error=st.error)
+            st.error = f"{exc}{full}"
+            if room is None and self._once:
+                # This process is done with it: failed for its status and its later passes, which neither try
+                # it again nor pause other steps for it (an emergency step waiting for a retry held the others
+                # back in a loop); the next daemon tries it afresh.
+                st.state, st.next_retry_at = "failed", None
+                self._gave_up.add(ls.manifest.save_id)
+                self._failed(ls, st.error, n, retry=False)
+                return None
+            st.state = "retrying"
+            st.next_retry_at = self._retry_at[ls.manifest.save_id] = self.clock() + delay
+            self._failed(ls, st.error, n, retry=True)
+            self.counters["rslurm_drain_step_retries_total"] += 1
+            events.emit(Event.DRAIN_RETRY, step=ls.step, attempt=n, retry_in_s=delay, error=st.error)
             return None
         finally:
             self._current = None
@@ -686,12 +691,14 @@ class Daemon:
         if tags is None:
             return None, (f" (the durable tier is full; run {run}'s tags cannot be read, so none of its durable steps "
                           "is removed to make room)")
-        lower = (f", or lower keep_last (RSLURM_KEEP_LAST, `keep_last` in the config file) to {k - 1}" if k > 1
+        n = len(durable)
+        # Lowering keep_last helps only where it lets an older durable step go before the new one lands.
+        lower = (f", or lower keep_last (RSLURM_KEEP_LAST, `keep_last` in the config file) to {n}" if 2 <= n < k
                  else "")
-        return None, (f" (the durable tier is full: it holds {len(durable)} durable step(s) of run {run} and "
-                      f"retention (keep_last={k}) removes an older one only once a newer one is durable, and never "
-                      f"the newest or a tagged one; give the durable tier, or its quota, room for keep_last + 1 = "
-                      f"{k + 1} steps of the run{lower})")
+        return None, (f" (the durable tier is full: it holds {n} durable step(s) of run {run} and retention "
+                      f"(keep_last={k}) removes an older one only once a newer one is durable, and never the newest "
+                      f"or a tagged one; give the durable tier, or its quota, room for one more step ({n + 1}; "
+                      f"keep_last={k} needs room for {k + 1}){lower})")
 
     def _failed(self, ls: LocalStep, error: str, attempt: int, *, retry: bool) -> None:
         self.counters["rslurm_drain_failures_total"] += 1
