@@ -24,7 +24,14 @@ from pathlib import Path
 
 import pytest
 from conftest import read_jsonl
-from test_launcher_local import REQUEUE, Sandbox, sandbox, wait_for, wait_for_steps  # noqa: F401
+from test_launcher_local import (  # noqa: F401
+    REQUEUE,
+    Sandbox,
+    assert_emergency_at_last_logged_step,
+    sandbox,
+    wait_for,
+    wait_for_steps,
+)
 
 from resilient_slurm.control import ControlServer, ErrorCode
 from resilient_slurm.launcher.launch import Launcher
@@ -133,6 +140,30 @@ def test_a_phantom_hello_is_refused_and_the_save_request_does_not_wait_for_it(
         go(anyrank)
         assert finish(anyrank)["ok"]
         assert sorted(srv.status()["ranks"]) == ["7"]
+
+
+def test_a_hello_as_a_rank_whose_process_still_runs_is_refused(sock_path: str) -> None:
+    """Another process saying hello as rank 1 while rank 1's process still runs replaced its entry, and the
+    launcher then waited for the impostor's commit. A rank registers again only once its old process ended
+    (a restarted rank), or from the same process."""
+    with ControlServer(sock_path) as srv:
+        srv.state.expect_ranks(2)
+        rank1 = client(sock_path, 1, "go-wait")
+        go(rank1)
+        end = time.monotonic() + 60
+        while "1" not in srv.status()["ranks"] and time.monotonic() < end:
+            time.sleep(0.02)
+        impostor = client(sock_path, 1, "go")
+        go(impostor)
+        assert finish(impostor)["code"] == ErrorCode.UNKNOWN_RANK
+        assert srv.status()["ranks"]["1"]["pid"] == rank1.pid, srv.status()
+        srv.request_save("emergency", time.time() + 300)
+        assert finish(rank1)["ok"]  # it committed, and ended
+        assert srv.status()["ranks"]["1"]["committed_step"] == 5, srv.status()  # the real rank's commit
+        again = client(sock_path, 1, "go")  # a restarted rank 1: its old process has ended
+        go(again)
+        assert finish(again)["ok"]
+        assert srv.status()["ranks"]["1"]["pid"] == again.pid
 
 
 def test_a_launcher_does_not_wait_for_a_phantom_ranks_emergency_commit(sandbox: Sandbox) -> None:  # noqa: F811
@@ -278,3 +309,20 @@ def test_only_a_peer_that_ended_on_its_own_and_closed_its_connections_makes_it_t
         assert decision.exit_code == 1 and decision.message.startswith("not requeued: rank 1 exited 0"), decision
     else:
         assert "exited 0" not in outcome.evidence, outcome
+
+
+# --------------------------------------------------------------------------- a stop delivered twice
+def test_a_sigterm_delivered_twice_still_gets_its_emergency_save(sandbox: Sandbox) -> None:  # noqa: F811
+    """Two SIGTERMs a moment apart (to the process group and to the launcher, two supervisors) are one stop:
+    the ranks still commit their emergency step and the launcher exits 75. The second one used to count as
+    a second Ctrl-C and tear the ranks down mid-save."""
+    sb = sandbox
+    run = sb.launch(sb.toy())
+    wait_for_steps(sb, run, 6)
+    run.signal(signal.SIGTERM)
+    run.signal(signal.SIGTERM)
+    rc = run.wait(60)
+    err = run.stderr()
+    assert rc == REQUEUE, f"exit code {rc}:\n{err[-4000:]}"
+    assert "tearing the ranks down now" not in err and "tore down" not in err, err[-4000:]
+    assert_emergency_at_last_logged_step(sb)

@@ -82,6 +82,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ..errors import ControlProtocolError, ControlSetupError
+from ..paths import MAX_STEP
 
 PROTOCOL_VERSION: Final = 1
 SUPPORTED_VERSIONS: Final = (1,)
@@ -141,12 +142,12 @@ class FieldSpec:
     maximum: float | None = None
 
 
-_RANK = FieldSpec("int", minimum=0)
-_STEP = FieldSpec("int", minimum=0)
+_RANK = FieldSpec("int", minimum=0, maximum=2**31 - 1)
+_STEP = FieldSpec("int", minimum=0, maximum=MAX_STEP)  # a step's directory has twelve digits
 
 REQUEST_FIELDS: Final[Mapping[str, Mapping[str, FieldSpec]]] = {
     HELLO: {"rank": _RANK, "local_rank": _RANK, "pid": FieldSpec("int", minimum=1), "step": _STEP},
-    POLL: {"rank": _RANK, "step": FieldSpec("int", required=False, minimum=0)},
+    POLL: {"rank": _RANK, "step": FieldSpec("int", required=False, minimum=0, maximum=MAX_STEP)},
     COMMITTED: {"rank": _RANK, "step": _STEP, "reason": FieldSpec("choice", choices=COMMIT_REASONS)},
     REQUEST_SAVE: {"reason": FieldSpec("choice", choices=SAVE_REASONS),
                    # epoch seconds: 1e11 is the year 5138 (a deadline of 1e308 was taken and logged as such)
@@ -291,8 +292,8 @@ def validate_fields(msg_type: str, obj: Mapping[str, Any], request_id: Any = Non
         elif spec.minimum is not None and value < spec.minimum:
             problem = f"must be >= {spec.minimum:g}"
         elif spec.maximum is not None and value > spec.maximum:
-            problem = f"must be <= {spec.maximum:g} (epoch seconds)" if name == "deadline" else \
-                f"must be <= {spec.maximum:g}"
+            most = f"{int(spec.maximum)}" if spec.kind == "int" else f"{spec.maximum:g}"
+            problem = f"must be <= {most}" + (" (epoch seconds)" if name == "deadline" else "")
         if problem:
             raise ControlProtocolError(f"{msg_type!r} message field {name!r} = {_short(value)} {problem}",
                                        code=ErrorCode.BAD_FIELD, request_id=request_id)

@@ -105,6 +105,20 @@ class _StepReports:
     first_reported_at: float = 0.0
 
 
+def _still_runs(old: RankInfo, peer_pid: int | None) -> bool:
+    """Whether ``old``'s process (another than ``peer_pid``) still runs: its pid names a live process that is
+    not a zombie and was started before ``old`` registered (else the pid was reused)."""
+    if old.peer_pid is None or peer_pid is None or old.peer_pid == peer_pid:
+        return False
+    import psutil  # here: the rest of this package needs the standard library only (ranks import it)
+
+    try:
+        proc = psutil.Process(old.peer_pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= old.registered_at + 1.0
+    except psutil.Error:  # gone (or not ours to read): ended
+        return False
+
+
 class ControlState:
     """What ranks and the launcher told this node's server; every method is thread-safe.
 
@@ -149,8 +163,17 @@ class ControlState:
         now = self._clock()
         with self._lock:
             old = self._ranks.get(rank)
-            self._ranks[rank] = RankInfo(rank, local_rank, pid, peer_pid, step,
-                                         old.committed_step if old else None, now, now)
+            if old is not None and _still_runs(old, peer_pid):
+                problem = (f"rank {rank} is registered by a process that still runs (peer pid {old.peer_pid}, says pid "
+                           f"{old.pid}); hello as rank {rank} from peer pid {peer_pid} (says pid {pid}) refused: a rank "
+                           "registers again only once its old process has ended")
+            else:
+                problem = None
+                self._ranks[rank] = RankInfo(rank, local_rank, pid, peer_pid, step,
+                                             old.committed_step if old else None, now, now)
+        if problem is not None:
+            log.warning("control socket: %s", problem)
+            raise ControlProtocolError(problem, code=p.ErrorCode.UNKNOWN_RANK)
         if old is not None and old.pid != pid:
             log.info("rank %d re-registered: pid %d replaces pid %d (step %d)", rank, pid, old.pid, step)
         else:

@@ -7,8 +7,8 @@ job's end less ``requeue_margin``, ``save_timeout`` when Slurm gives none; KillW
 :func:`records_reserve` after the signal when Slurm is already ending the job); the request goes to this node's
 ranks over the control socket and, when ranks may run elsewhere (or none registered yet), as the save
 signal to every task through Slurm, held back (:meth:`StopControl.send_deferred_signal`, called on every
-turn of the loop) while no rank registered. Later signals may only bring the deadline closer. SIGINT (and
-SIGTERM/SIGHUP outside Slurm) are counted as interrupts: the second one tears the ranks down at once.
+turn of the loop) while no rank registered. Later signals may only bring the deadline closer. SIGINTs (but
+a repeated SIGTERM or SIGHUP are not) are counted as interrupts: the second one tears the ranks down at once.
 :func:`teardown` is how the launcher ends ranks, whatever the reason (deadline, hang, failed start, a
 failed peer); :func:`stop_evidence` says what a stop's class was read from, for the outcome.
 """
@@ -143,7 +143,10 @@ class StopControl:
         ctx = self.ctx
         log.warning("received %s", ev.source)
         ctx.event(Event.SIGNAL, signal=ev.source, at=ev.at)
-        if ev.source == "SIGINT" or (ev.source in ("SIGTERM", "SIGHUP") and not ctx.job_id):
+        # A person's Ctrl-C, twice: tear down at once. A SIGTERM (or SIGHUP) twice is no such request: two
+        # deliveries of one stop (to the process group and to the launcher, two supervisors) a few ms apart
+        # tore the ranks down in the middle of their emergency save; the deadline bounds that save anyway.
+        if ev.source == "SIGINT":
             self.interrupts += 1
         if self.stop is not None:
             if ev.deadline is not None or ev.source == "SIGTERM":
