@@ -570,9 +570,13 @@ def cmd_runs(args: argparse.Namespace) -> int:
         else:
             runs = catalog.runs(strict=False)
         docs = []
+        unreadable: set[str] = set()  # runs whose tags file cannot be read: "?", not "-" (no tags)
         for run in runs:
             views = catalog.steps(run, strict=False)
+            faults = len(catalog.faults)
             tags = _run_tags(catalog, run) if views else None
+            if len(catalog.faults) > faults:
+                unreadable.add(run)
             reached = [t for t in tiers if t == "local" or catalog.durable is not None]
             docs.append(summarize_run(run, views, tags, tiers=reached, now=now))
         out: dict[str, Any] = {"local_roots": catalog.roots if args.tier != "durable" else [],
@@ -594,7 +598,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
     rows = [[d["run_id"], d["state"].replace("_", " "), d["steps"], d["first_step"], d["last_step"], _size(d["bytes"])]
             + ([tier_cell(d["local"])] if args.tier != "durable" else [])
             + ([tier_cell(d["durable"])] if has_durable else [])
-            + [", ".join(f"{n}={s}" for n, s in (d["tags"] or {}).items()) or "-", _age(d["age_s"])] for d in docs]
+            + ["?" if d["run_id"] in unreadable else ", ".join(f"{n}={s}" for n, s in (d["tags"] or {}).items()) or "-",
+               _age(d["age_s"])] for d in docs]
     if rows:
         con.print(_table(cols, rows, right=("STEPS", "FIRST", "LAST", "SIZE", "AGE")))
     else:

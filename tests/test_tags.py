@@ -489,6 +489,8 @@ def test_a_corrupt_local_tags_file_stops_every_deletion(tmp_path: Path, n1: str,
     assert len(json.loads(ls.stdout)["steps"]) == 3
     runs = rslurm("runs", env=env)
     assert runs.returncode == 1 and str(bad) in runs.stderr and "tagged" in runs.stdout, (runs.stdout, runs.stderr)
+    row = next(line for line in runs.stdout.splitlines() if line.split() and line.split()[0] == RUN)
+    assert " ? " in row, row  # its tags are not known, which "-" (no tags) would not say
     tag = rslurm("tag", "3", "x", env=env)
     assert tag.returncode == 1 and str(bad) in tag.stderr and "Traceback" not in tag.stderr, tag.stderr
     d = rslurm("daemon", "--once", env=env)

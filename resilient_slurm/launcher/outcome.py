@@ -172,7 +172,7 @@ def left_early(base: Outcome, ranks: Mapping[int, float], then: str) -> Outcome:
     first = min(ranks, key=lambda r: ranks[r])
     who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
     when = time.strftime("%H:%M:%S", time.localtime(ranks[first]))
-    detail = (f"{who} exited 0 (at {when}) while the other ranks were still running, and they then failed in a "
+    detail = (f"{who} exited 0 (at {when}) while the rest of the job still ran, and a peer then failed in a "
               "collective: the program ends on some ranks before the others (uneven data across ranks? "
               "torch.distributed.algorithms.Join, drop_last); a restart would end the same way")
     return replace(base, reason=Reason.USER_ERROR, detail=detail, evidence=f"{who} exited 0 while the others ran; then {then}")
