@@ -361,6 +361,22 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, moto_server: MotoServer) 
             r = _daemon(sc, _env(sc, ctl, **bad, RSLURM_METRICS_TEXTFILE=str(sc.prom("nobucket"))), "nobucket")
             assert r.returncode == 1, r.stderr
 
+        # 4c'. the same under a daemon that keeps running: a failed step is queued again (drain_retry; --once
+        # tries each step once). Stopped (SIGINT) once it has queued one again.
+        with Phase(sc, "retry"):
+            t0 = time.time()
+            d = subprocess.Popen([PY, "-m", "resilient_slurm.cli", "daemon"], env=_env(sc, ctl, **bad), cwd=sc.root,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            try:
+                deadline = time.monotonic() + 60
+                while not [e for e in sc.events(RUN) if e["t"] >= t0 and e["event"] == "drain_retry"]:
+                    assert time.monotonic() < deadline and d.poll() is None, "no drain_retry from a daemon left running"
+                    time.sleep(0.05)
+            finally:
+                d.send_signal(signal.SIGINT)
+                _, derr = d.communicate(timeout=60)
+            assert d.returncode == 1, derr.decode(errors="replace")[-3000:]  # stopped, with steps not drained
+
         # 4d. a desynchronised DDP replica (rank 1 nudges a parameter before a save), then drained
         with Phase(sc, "desync"):
             out = root / "desync"
@@ -527,10 +543,14 @@ def test_daemon_events_and_metrics_match_the_drained_steps(scenario: Scenario) -
     assert pm["rslurm_local_newest_step"] == {RUN: -1} and pm["rslurm_durable_newest_step"] == {RUN: e}
     assert pm["rslurm_local_min_free_bytes"] > pm["rslurm_local_free_bytes"]
 
-    # a bucket that does not exist: each pending step fails once, counted
+    # a bucket that does not exist: each pending step fails once, counted (--once: not retried by that run);
+    # a daemon left running queues a failed step again
+    rt = scenario.during("retry", source="daemon")
+    assert [r for r in rt if r["event"] == "drain_failed" and r["will_retry"]], rt
+    assert [r for r in rt if r["event"] == "drain_retry" and r["retry_in_s"] > 0], rt
     nb = scenario.during("nobucket", source="daemon")
     failed = [r for r in nb if r["event"] == "drain_failed"]
-    assert failed and all(r["attempt"] == 1 and r["will_retry"] and "rslurm-no-such-bucket" in r["error"]
+    assert failed and all(r["attempt"] == 1 and not r["will_retry"] and "rslurm-no-such-bucket" in r["error"]
                           for r in failed), failed
     nm = check_prom(docs, scenario.prom("nobucket"))
     assert nm["rslurm_drain_failures_total"] == len(failed) and nm["rslurm_drained_steps_total"] == 0

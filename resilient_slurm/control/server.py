@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import selectors
 import socket
@@ -133,12 +134,14 @@ class ControlState:
         self._save: SaveRequest | None = None
         self._last: _StepReports | None = None
         self._world_size: int | None = None
+        self._run_started = -math.inf  # when the launcher started this run of the ranks (expect_ranks)
 
     def expect_ranks(self, world_size: int | None) -> None:
         """The world size of the ranks the launcher is starting (None: unknown, as under srun, where it is the
         step's). A later call replaces it (a new run of the ranks)."""
         with self._lock:
             self._world_size = world_size
+            self._run_started = self._clock()
 
     def _refusal(self, rank: int, pid: int, peer_pid: int | None) -> str | None:
         """Why a ``hello`` as ``rank`` from ``peer_pid`` cannot come from one of the job's ranks, or None. (A
@@ -163,7 +166,9 @@ class ControlState:
         now = self._clock()
         with self._lock:
             old = self._ranks.get(rank)
-            if old is not None and _still_runs(old, peer_pid):
+            # (A rank of an earlier run of the ranks, an in-job restart's, is replaced whatever its process does:
+            # it may still be on its way out.)
+            if old is not None and old.registered_at >= self._run_started and _still_runs(old, peer_pid):
                 problem = (f"rank {rank} is registered by a process that still runs (peer pid {old.peer_pid}, says pid "
                            f"{old.pid}); hello as rank {rank} from peer pid {peer_pid} (says pid {pid}) refused: a rank "
                            "registers again only once its old process has ended")

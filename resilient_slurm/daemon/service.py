@@ -41,6 +41,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -559,7 +560,7 @@ class Daemon:
                 known = self._status.get((s.run_id, s.step))
                 current = known is not None and known.created_at == s.manifest.created_at
                 done = current and known is not None and (known.state in ("waiting", "durable", "failed") or (
-                    known.state == "retrying" and known.next_retry_at is not None and known.next_retry_at > now))
+                    known.state == "retrying" and (known.next_retry_at is None or known.next_retry_at > now)))
                 if not done and s.step not in self._durable.get(s.run_id, ()):
                     log.info("run %s step %d: pausing it for emergency step %d", cur.run_id, cur.step, s.step)
                     return True
@@ -599,11 +600,11 @@ class Daemon:
                           n, exc, full, delay)
             st.error = f"{exc}{full}"
             if room is None and self._once:
-                # This process is done with it: failed for its status and its later passes, which neither try
-                # it again nor pause other steps for it (an emergency step waiting for a retry held the others
-                # back in a loop); the next daemon tries it afresh.
-                st.state, st.next_retry_at = "failed", None
-                self._gave_up.add(ls.manifest.save_id)
+                # This process is done with it: still pending (the next daemon tries it afresh), with no retry
+                # time; its later passes neither try it again nor pause other steps for it (an emergency step
+                # waiting for a retry held the others back in a loop).
+                st.state, st.next_retry_at = "retrying", None
+                self._retry_at[ls.manifest.save_id] = math.inf
                 self._failed(ls, st.error, n, retry=False)
                 return None
             st.state = "retrying"
