@@ -143,37 +143,32 @@ class ControlState:
             self._world_size = world_size
             self._run_started = self._clock()
 
-    def _refusal(self, rank: int, pid: int, peer_pid: int | None) -> str | None:
-        """Why a ``hello`` as ``rank`` from ``peer_pid`` cannot come from one of the job's ranks, or None. (A
-        hello as one of the job's ranks from another process replaces that rank's entry, as a restarted rank's
-        does, and the save request still waits for that rank's commit: it is not checked against the launched
-        processes, which a container runtime or a rank re-parented to init would make refuse real ranks.)"""
-        with self._lock:
-            world = self._world_size
+    def _refusal(self, rank: int, pid: int, peer_pid: int | None, old: RankInfo | None) -> str | None:
+        """Why a ``hello`` as ``rank`` from ``peer_pid`` cannot come from one of the job's ranks, or None (called
+        with the lock held; ``old``: the rank's entry). A rank outside the world size; or one registered in this
+        run of the ranks by another process that still runs (a restarted rank's old process has ended; one of
+        an earlier run, an in-job restart's, is replaced whatever it does: it may be on its way out). Not
+        checked against the launched processes, which a container runtime or a rank re-parented to init would
+        make refuse real ranks."""
+        world = self._world_size
         if world is not None and rank >= world:
             return (f"rank {rank} is outside the job's world size {world} (ranks 0-{world - 1}); "
                     f"hello from peer pid {peer_pid} (says pid {pid}) refused")
+        if old is not None and old.registered_at >= self._run_started and _still_runs(old, peer_pid):
+            return (f"rank {rank} is registered by a process that still runs (peer pid {old.peer_pid}, says pid "
+                    f"{old.pid}); hello as rank {rank} from peer pid {peer_pid} (says pid {pid}) refused: a rank "
+                    "registers again only once its old process has ended")
         return None
 
     def hello(self, rank: int, local_rank: int, pid: int, step: int, peer_pid: int | None = None) -> None:
         """Register ``rank`` (again, if it restarted: the new process replaces the old entry); raises
         :class:`ControlProtocolError` (``unknown_rank``) for a hello that cannot come from one of the job's
         ranks (:meth:`expect_ranks`), which is then not registered and never waited for."""
-        problem = self._refusal(rank, pid, peer_pid)
-        if problem is not None:
-            log.warning("control socket: %s", problem)
-            raise ControlProtocolError(problem, code=p.ErrorCode.UNKNOWN_RANK)
         now = self._clock()
         with self._lock:
             old = self._ranks.get(rank)
-            # (A rank of an earlier run of the ranks, an in-job restart's, is replaced whatever its process does:
-            # it may still be on its way out.)
-            if old is not None and old.registered_at >= self._run_started and _still_runs(old, peer_pid):
-                problem = (f"rank {rank} is registered by a process that still runs (peer pid {old.peer_pid}, says pid "
-                           f"{old.pid}); hello as rank {rank} from peer pid {peer_pid} (says pid {pid}) refused: a rank "
-                           "registers again only once its old process has ended")
-            else:
-                problem = None
+            problem = self._refusal(rank, pid, peer_pid, old)
+            if problem is None:
                 self._ranks[rank] = RankInfo(rank, local_rank, pid, peer_pid, step,
                                              old.committed_step if old else None, now, now)
         if problem is not None:

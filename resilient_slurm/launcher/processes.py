@@ -76,7 +76,7 @@ class RankExit:
                 name = signal.Signals(self.signal).name
             except ValueError:
                 name = f"signal {self.signal}"
-            if sent and self.signal in sent:
+            if sent and self.by_launcher(sent):
                 return f"{who}{where} ended on the {name} the launcher forwarded ({sent[self.signal]})"
             return f"{who}{where} was killed by {name}"
         return f"{who}{where} exited with code {self.exit_code}"
@@ -362,9 +362,10 @@ class Children:
 
     @property
     def left_early(self) -> dict[int, float]:
-        """Ranks that exited 0 while their peers still trained (rank -> when): none known here (srun reports
-        no task that exits 0); :class:`LocalRanks` knows them."""
-        return {}
+        """Rank -> when it was seen to have exited 0 on its own (before any teardown) while another rank had
+        not: the program ended there while it went on elsewhere, and a peer's collective then fails
+        (outcome.py: left_early). Only :class:`LocalRanks` sees them (srun reports no task that exits 0)."""
+        return dict(self._left_early)
 
     def teardown(self, grace: float) -> None:
         """Terminate every child's whole process tree: SIGTERM, then SIGKILL after ``grace`` s."""
@@ -452,13 +453,6 @@ class LocalRanks(Children):
                 if c == 0:
                     self._left_early.setdefault(r, time.time())
         return all(c is not None for c in codes)
-
-    @property
-    def left_early(self) -> dict[int, float]:
-        """Rank -> when it was seen to have exited 0 on its own (before any teardown) while another rank had
-        not: the program ended there while it went on elsewhere. A peer's collective then fails (outcome.py:
-        left_early)."""
-        return dict(self._left_early)
 
     def failures(self) -> list[RankExit]:
         out = []
