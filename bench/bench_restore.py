@@ -23,6 +23,12 @@ time; building the fresh model is not timed. Usage::
 
     .venv/bin/python bench/bench_restore.py [--size-gib 1] [--repeats 5] [--device cpu|cuda] [--hog] [--json out.json]
 
+``--compare TREE`` adds ``ours_compare``: the same restore by another checkout of the project (``TREE``: its
+root, e.g. a ``git worktree`` of the commit before a change), its child run from that tree against the same
+saved step, in turn with the others round by round; each round's ratio against the raw read is printed for
+both, so a change is told from the noise of this machine (which moves the ratio of unchanged code by 0.05
+between runs) by comparing the two within one run.
+
 ``--hog`` measures every method twice a round: on the quiet machine, and with a CPU hog (a process spinning in
 a loop, started before the child and killed after it) on one core, as on a node where data loading or another
 job shares the cores. Both tables and both sets of ratios are printed.
@@ -70,13 +76,14 @@ from common import (  # noqa: E402
 )
 
 MODES = ("raw_prefaulted", "raw_fresh", "ours", "ours_copying", "torch_load", "dcp_load")
-EXTRA_MODES = ("ours_pinned",)  # --device cuda: read buffers pinned (restore_round.PIN_FOR_CUDA), not the default
+EXTRA_MODES = ("ours_pinned", "ours_compare")  # --device cuda: read buffers pinned (restore_round.PIN_FOR_CUDA), not the default
 LABELS = {
     "raw_prefaulted": "raw O_DIRECT read, prefaulted buffer",
     "raw_fresh": "raw O_DIRECT read, fresh buffer",
     "ours": "ours: Checkpointer.restore (verified)",
     "ours_copying": "ours, nothing in place (restore_fallback=fresh; verified)",
     "ours_pinned": "ours, pinned read buffers (verified)",
+    "ours_compare": "ours, the tree at --compare (verified)",
     "torch_load": "torch.load + load_state_dict",
     "dcp_load": "dcp.load + optimizer.load_state_dict",
 }
@@ -213,7 +220,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for mode, hogged in modes:
                 if args.wait_quiet > 0:
                     wait_quiet(args.wait_quiet)
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", root, "--expect", expect,
+                script = os.path.abspath(__file__)
+                if mode == "ours_compare":  # the other tree's own child, which imports the other tree's code
+                    script = os.path.join(os.path.abspath(args.compare), "bench", "bench_restore.py")
+                cmd = [sys.executable, script, "--child", "ours" if mode == "ours_compare" else mode, "--dir", root,
+                       "--expect", expect,
                        "--size-gib", str(args.size_gib), "--io-threads", str(args.io_threads), "--device", args.device]
                 hog = subprocess.Popen([sys.executable, "-c", HOG]) if hogged else None
                 try:
@@ -265,9 +276,15 @@ def report_times(r: dict[str, Any], times: dict[str, list[float]], what: str) ->
         ("restore time / (torch.load + load_state_dict)", ratio(t.get("ours"), t.get("torch_load")), "< 1"),
         ("restore time / dcp.load", ratio(t.get("ours"), t.get("dcp_load")), ""),
         ("in-place restore time / copying restore time", ratio(t.get("ours"), t.get("ours_copying")), ""),
+        ("the --compare tree's restore throughput / raw read (prefaulted buffer)",
+         ratio(t.get("raw_prefaulted"), t.get("ours_compare")), ""),
     ]
     for name, v, target in rows:
         print(f"| {name} | {fmt(v, '.2f')} | {target} |")
+    raw = times.get("raw_prefaulted", [])
+    if raw and times.get("ours_compare"):  # round by round: the two trees met the same disk in each
+        for m in ("ours", "ours_compare"):
+            print(f"\nper round, raw read / {m}: " + " ".join(f"{a / b:.2f}" for a, b in zip(raw, times.get(m, []))))
 
 
 def main() -> None:
@@ -282,6 +299,8 @@ def main() -> None:
     ap.add_argument("--modes", type=lambda s: tuple(s.split(",")), default=MODES)
     ap.add_argument("--dir", default=None, help="where to write (default: the temporary directory)")
     ap.add_argument("--hog", action="store_true", help="also measure each method with a CPU hog on one core")
+    ap.add_argument("--compare", default=None, metavar="TREE",
+                    help="also restore with the project checked out at TREE (mode ours_compare, added to --modes)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--expect", default="", help=argparse.SUPPRESS)
@@ -290,6 +309,10 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    if args.compare:
+        if not os.path.isfile(os.path.join(args.compare, "bench", "bench_restore.py")):
+            ap.error(f"--compare {args.compare}: not a checkout of the project (no bench/bench_restore.py there)")
+        args.modes = (*(m for m in args.modes if m != "ours_compare"), "ours_compare")
     t0 = now()
     r = run(args)
     report(r)

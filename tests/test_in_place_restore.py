@@ -108,7 +108,7 @@ def test_large_tensors_are_read_into_their_own_memory_and_train_on_bitwise(tmp_p
     fresh, fopt = trained(7, steps=1)
     params = list(fresh.parameters())
     ptrs = [t.data_ptr() for t in tensors(fresh, fopt)]
-    version = fresh.a.weight._version
+    version, small = fresh.a.weight._version, fresh.b.bias._version
     step, event = restore(tmp_path, {"model": fresh, "optim": fopt})
     assert step == 2
     assert all(torch.equal(x, y) for x, y in zip(tensors(net, opt), tensors(fresh, fopt)))
@@ -120,9 +120,34 @@ def test_large_tensors_are_read_into_their_own_memory_and_train_on_bitwise(tmp_p
     assert event["bytes"] > event["placed_bytes"]  # the small ones were read into a buffer and copied
     assert fresh.a.weight.requires_grad and isinstance(fresh.a.weight, torch.nn.Parameter)
     assert fresh.a.weight._version > version  # written in place: autograd knows, as after an in-place copy
+    assert fresh.b.bias._version > small  # a small one, copied from the buffer by memmove: the same
     # Training goes on exactly as it would have from the saved state.
     after = one_step(fresh, fopt)
     assert all(torch.equal(x, y) for x, y in zip(one_step(net, opt), after))
+
+
+def test_tensors_stored_in_a_framing_other_than_this_torch_writes_are_parsed_by_torch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large and small tensors alike are copied as they are only when their first bytes are the framing this
+    torch writes (a step written by another torch version or by plain DCP may differ): here every framing is made
+    to look foreign, so every item takes the other path, collected into a buffer and parsed by torch, and the
+    state is restored exactly all the same."""
+    from resilient_slurm.checkpoint import apply as apply_mod
+    from resilient_slurm.checkpoint.staging import Framing, framing_for
+
+    net, opt = trained(1)
+    save(tmp_path, 2, {"model": net, "optim": opt})
+    fresh, fopt = trained(7, steps=1)
+
+    def other(dtype: torch.dtype, shape: tuple[int, ...]) -> Framing:
+        fr = framing_for(dtype, shape)
+        return Framing(prefix=bytes(len(fr.prefix)), suffix=fr.suffix)  # same lengths, other bytes
+
+    monkeypatch.setattr(apply_mod, "framing_for", other)
+    step, event = restore(tmp_path, {"model": fresh, "optim": fopt})
+    assert step == 2
+    assert all(torch.equal(x, y) for x, y in zip(tensors(net, opt), tensors(fresh, fopt)))
+    assert event["placed_bytes"] == 0  # nothing was taken for tensor bytes as it arrived
 
 
 def test_views_shared_memory_tied_weights_and_other_layouts_see_the_restored_values(tmp_path: Path) -> None:
@@ -299,7 +324,7 @@ def test_a_write_into_memory_a_dropped_tensor_was_recorded_at_is_recorded_again(
     del gone
     fr = framing_for(t.dtype, tuple(t.shape))
     blob = bytearray(fr.prefix + bytes([7]) * (t.numel() * 4) + fr.suffix)
-    Placing([Placement("late", t, t, t.view(-1).view(torch.uint8), t.numel() * 4, len(blob))], touched)(
+    Placing([Placement("late", t, t, t.data_ptr(), t.numel() * 4, len(blob))], touched)(
         0, 0, memoryview(blob))
     assert held(touched, {"late": t}) == {memory_of(t): "late"}
 

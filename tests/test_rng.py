@@ -158,3 +158,36 @@ def test_missing_field_raises() -> None:
 def test_non_mapping_state_raises() -> None:
     with pytest.raises(IncompatibleCheckpointError):
         restore_rng_state([1, 2])  # type: ignore[arg-type]
+
+
+def test_a_restore_reads_the_generators_saved_whatever_this_process_has(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The restore's target for the RNG state is shaped from the step's metadata, not from this process's own
+    generators: a step saved where CUDA generators were in use, restored where none are, restores every other
+    generator exactly and says the CUDA ones were not restored (a target taken from this process had no entry
+    for them, and dropped them without a word)."""
+    import logging
+
+    from resilient_slurm import Checkpointer
+    from resilient_slurm.checkpoint import rng as rng_mod
+
+    raw = rng_mod.raw_rng_state
+    cuda = [torch.arange(16, dtype=torch.uint8)]  # as torch.cuda.get_rng_state_all() returns them: CPU bytes
+    monkeypatch.setattr(rng_mod, "raw_rng_state", lambda: (*raw()[:3], cuda))
+    random.seed(5)
+    np.random.seed(6)
+    torch.manual_seed(7)
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(local_dir=str(tmp_path), run_id="r") as ck:
+        ck.save(1, {"model": model})
+        ck.wait()
+    expected = _draw()
+    monkeypatch.setattr(rng_mod, "raw_rng_state", raw)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a process that sees no CUDA device
+    random.seed(50)
+    np.random.seed(60)
+    torch.manual_seed(70)
+    with caplog.at_level(logging.WARNING), Checkpointer(local_dir=str(tmp_path), run_id="r") as ck:
+        assert ck.restore({"model": torch.nn.Linear(4, 4)}) == 1
+    assert _draw() == expected
+    assert any("CUDA RNG states for 1 devices but this process sees 0" in r.getMessage() for r in caplog.records)

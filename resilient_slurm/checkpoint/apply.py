@@ -129,7 +129,7 @@ class Placement:
     fqn: str
     owner: torch.Tensor  # the program's tensor whose memory ``dest`` is (live_tensors)
     dest: torch.Tensor  # the live tensor (or the alias its owner's load_state_dict reads)
-    raw: torch.Tensor  # ``dest``'s bytes, flat uint8
+    address: int  # of ``dest``'s first byte (contiguous: its bytes follow)
     nbytes: int
     length: int  # the item's bytes in the file: prefix, tensor bytes, suffix
     # The item's framing before the tensor bytes (torch.save's), checked as it arrives: computed by the sink
@@ -148,8 +148,30 @@ def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int,
     must not reach another process, nor a file the program mapped)."""
     if length <= PLACE_MIN_BYTES:  # (its tensor bytes are fewer still): most items, decided before any look-up
         return None
-    if shared is None or ri.type != LoadItemType.TENSOR or any(ri.storage_offsets) or any(ri.dest_offsets):
-        return None  # (shared None: which memory is shared cannot be told)
+    if shared is None:
+        return None  # which memory is shared cannot be told
+    dest = as_stored(md, ri, planner)
+    if dest is None:
+        return None
+    nbytes = dest.numel() * dest.element_size()
+    if nbytes < PLACE_MIN_BYTES or length <= nbytes:
+        return None
+    try:
+        owner = live.get(int(dest.untyped_storage().data_ptr()))
+        if owner is None or dest.is_shared() or _overlaps(shared, *memory_of(dest)):
+            return None
+    except RuntimeError:  # no storage of its own
+        return None
+    # Its address, not a flat byte view of it: the sink copies with memmove (a view costs two torch ops an item).
+    return Placement(ri.dest_index.fqn, owner, dest, int(dest.data_ptr()), nbytes, length)
+
+
+def as_stored(md: Metadata, ri: Any, planner: SafeLoadPlanner) -> torch.Tensor | None:
+    """The tensor read item ``ri`` restores when the item's bytes can be copied into it as they are stored: a
+    stored chunk that is the whole destination, a dense, contiguous CPU tensor (not a subclass) of the chunk's
+    dtype and shape. None for any other item (torch copies it: a part, another dtype, a GPU tensor)."""
+    if ri.type != LoadItemType.TENSOR or any(ri.storage_offsets) or any(ri.dest_offsets):
+        return None
     tmd = md.state_dict_metadata.get(ri.storage_index.fqn)
     if not isinstance(tmd, TensorStorageMetadata):
         return None
@@ -161,17 +183,7 @@ def place_into(planner: SafeLoadPlanner, md: Metadata, ri: Any, length: int,
             or dest.layout != torch.strided or dest.is_quantized or not dest.is_contiguous()
             or dest.is_conj() or dest.is_neg() or tuple(dest.shape) != sizes or dest.dtype != tmd.properties.dtype):
         return None
-    nbytes = dest.numel() * dest.element_size()
-    if nbytes < PLACE_MIN_BYTES or length <= nbytes:
-        return None
-    try:
-        owner = live.get(int(dest.untyped_storage().data_ptr()))
-        if owner is None or dest.is_shared() or _overlaps(shared, *memory_of(dest)):
-            return None
-    except RuntimeError:  # no storage of its own
-        return None
-    raw = dest.detach().reshape(-1).view(torch.uint8)
-    return Placement(ri.dest_index.fqn, owner, dest, raw, nbytes, length)
+    return dest
 
 
 Touched = dict[tuple[int, int], tuple[str, "weakref.ref[torch.Tensor]"]]
@@ -190,15 +202,8 @@ class Placing:
     def __init__(self, items: list[Placement], touched: Touched) -> None:
         self.items = items
         self.touched = touched
-        self._skipped: set[int] = set()
-
-    def skip(self, p: Placement) -> None:
-        """Write nothing of ``p`` (its optimizer starts afresh): its bytes still arrive, and are dropped."""
-        self._skipped |= {k for k, q in enumerate(self.items) if q is p}
 
     def __call__(self, k: int, at: int, view: memoryview) -> None:
-        if k in self._skipped:
-            return
         p = self.items[k]
         if p.prefix is None:  # its first bytes: is it in our framing at all
             fr = framing_for(p.dest.dtype, tuple(p.dest.shape))
@@ -226,7 +231,7 @@ class Placing:
             # One thread's memcpy with the GIL released: torch's copy_ spreads it over the intra-op threads,
             # which then spin against the reads in flight (5 to 10 times slower on a busy node, measured).
             src = ctypes.addressof(ctypes.c_char.from_buffer(view, a - at))
-            ctypes.memmove(p.raw.data_ptr() + (a - n), src, b - a)
+            ctypes.memmove(p.address + (a - n), src, b - a)
 
 
 @dataclass
@@ -283,8 +288,12 @@ class _Loaded:
                     self.planner.set_value(ri, self.decoded[key])
                     continue
                 p = self.placed.get(key)
+                # A small tensor of the saved dtype and shape: its bytes copied as they are.
+                copied = self._copied(ri, *self.where[key], info.length) if p is None else None
                 if p is not None and p.foreign is None:
                     dest = p.dest  # its bytes are there
+                elif copied is not None:
+                    dest = copied
                 else:
                     buf, at = (p.foreign, 0) if p is not None and p.foreign is not None else self.where[key]
                     stored = self._stored_tensor(ri, buf[at : at + info.length])
@@ -298,6 +307,26 @@ class _Loaded:
                         if bounce is None or not bounce.copy(dest, part):
                             dest.detach().copy_(part, non_blocking=dest.device.type == "cuda")
                 self.planner.commit_tensor(ri, dest)
+
+    def _copied(self, ri: Any, buf: torch.Tensor, at: int, length: int) -> torch.Tensor | None:
+        """Copy read item ``ri`` (``length`` bytes at ``at`` in host buffer ``buf``) into the tensor it restores
+        with one memmove, as :class:`Placing` does, and return that tensor, when its bytes can be copied as they
+        are stored (:func:`as_stored`) and are in our framing. None, with nothing written, for any other item
+        (:meth:`_apply` copies it with torch). Most items of a state are small tensors (biases, norms, an
+        optimizer's steps): this spares each the views and the copy dispatch."""
+        dest = as_stored(self.md, ri, self.planner) if buf.device.type == "cpu" else None
+        if dest is None:
+            return None
+        fr = framing_for(dest.dtype, tuple(dest.shape))
+        n, nbytes = len(fr.prefix), dest.numel() * dest.element_size()
+        if nbytes == 0 or length != n + nbytes + len(fr.suffix):
+            return None
+        base = buf.data_ptr() + at
+        if ctypes.string_at(base, n) != fr.prefix:
+            return None  # not our framing (a step written by plain DCP): torch parses it
+        torch.autograd.graph.increment_version(dest)  # as an in-place copy would
+        ctypes.memmove(dest.data_ptr(), base + n, nbytes)
+        return dest
 
     def _stored_tensor(self, ri: Any, blob: torch.Tensor) -> torch.Tensor:
         tmd = self.md.state_dict_metadata[ri.storage_index.fqn]

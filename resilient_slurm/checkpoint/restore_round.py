@@ -22,7 +22,7 @@ import io
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,9 @@ log = logging.getLogger(__name__)
 # (page-locking every page) than the faster copies save. Measured on an H200, cold restore of 1 GiB of
 # model + Adam on the GPU (bench_restore.py --device cuda, docs/benchmarks.md).
 PIN_FOR_CUDA = False
+# The small items of a step are hundreds of ranges between the large tensors, each a request of its own: the
+# disk's latency, not its bandwidth, is their limit, so more of them are kept in flight than io_threads.
+SMALL_READ_THREADS = 16
 
 
 class StepReader:
@@ -379,45 +382,33 @@ class StepReader:
                 c = chunk_sums.get((rel, info.offset))
                 if c is None or c.length != info.length:
                     raise CorruptCheckpointError(f"{path}: no checksum recorded for bytes {info.offset}+{info.length}")
-        sinks: list[Placing] = []
-
-        def small_items() -> None:
-            """What is not read in place: one buffer per file at the file's own offsets (pages it never reads
-            cost nothing), every item verified and every plain value decoded, and the optimizer's parameters
-            checked, before a live tensor is written into."""
-            for rel, reqs in needed.items():
-                rest = [(ri, info) for ri, info in reqs if (rel, info.offset) not in placed]
-                if rest:
-                    self._read_small(paths[rel], entries[rel].size, rest, rel, chunk_sums, where, decoded,
-                                     pin=cuda and PIN_FOR_CUDA)
-            kept = {(rel, info.offset) for rel, reqs in needed.items() for _, info in reqs}
-            self._check_optimizer_params(prep, state, needed, decoded)
-            # An optimizer started afresh (allow_missing) keeps its own tensors: those of its items dropped from
-            # `needed` are not written, not even by the file whose reads are in flight.
-            for key in kept - {(rel, info.offset) for rel, reqs in needed.items() for _, info in reqs}:
-                if (p := placed.pop(key, None)) is not None:
-                    for sink in sinks:
-                        sink.skip(p)
-
+        # First what is not read in place, before a large read is queued and before a live tensor is written
+        # into: one buffer per file at the file's own offsets (pages it never reads cost nothing), every item
+        # verified, every plain value decoded, and the optimizer's parameters checked. On a disk not yet busy:
+        # these are hundreds of small requests, each of which would wait behind a ring slot's 4 MiB.
+        for rel, reqs in needed.items():
+            rest = [(ri, info) for ri, info in reqs if (rel, info.offset) not in placed]
+            if rest:
+                self._read_small(paths[rel], entries[rel].size, rest, rel, chunk_sums, where, decoded,
+                                 pin=cuda and PIN_FOR_CUDA)
+        kept = {(rel, info.offset) for rel, reqs in needed.items() for _, info in reqs}
+        self._check_optimizer_params(prep, state, needed, decoded)
+        # An optimizer started afresh (allow_missing) keeps its own tensors: its items dropped from `needed` are
+        # not read into them.
+        for key in kept - {(rel, info.offset) for rel, reqs in needed.items() for _, info in reqs}:
+            placed.pop(key, None)
         # Then the large tensors, straight into the live ones (checked against the manifest as they arrive;
-        # a round that fails after this leaves them written: the Restorer's rule, restore.py). The first
-        # file's reads start before the small items are read: its ring fills meanwhile.
-        first: Callable[[], None] | None = small_items
+        # a round that fails after this leaves them written: the Restorer's rule, restore.py).
         for rel in list(needed):
             mine = [(ri, info) for ri, info in needed[rel] if (rel, info.offset) in placed]
             if not mine:
                 continue
             sink = Placing([placed[(rel, info.offset)] for _, info in mine], self.touched)
-            sinks.append(sink)
             ring = ring or Ring()
             sums = read_through(paths[rel], entries[rel].size, [(info.offset, info.length) for _, info in mine], sink,
-                                threads=self.io_threads, ring=ring, before=first)
-            first = None
+                                threads=self.io_threads, ring=ring)
             for (ri, info), got in zip(mine, sums):
-                if (rel, info.offset) in placed:
-                    self._check_sum(paths[rel], ri, info, got, chunk_sums[(rel, info.offset)].checksum)
-        if first is not None:  # nothing read in place
-            first()
+                self._check_sum(paths[rel], ri, info, got, chunk_sums[(rel, info.offset)].checksum)
         read = sum(info.length for reqs in needed.values() for _, info in reqs)
         in_place = sum(p.nbytes for rel, reqs in needed.items() for _, info in reqs
                        if (p := placed.get((rel, info.offset))) is not None and p.foreign is None)
@@ -438,7 +429,8 @@ class StepReader:
             where[(rel, info.offset)] = (buf, info.offset)
             k = bisect.bisect_right(regions, (info.offset, 1 << 62)) - 1
             ranges.append((k, info.offset - regions[k][0], info.length))
-        sums = read_spans(path, [(a, mv[a:b]) for a, b in regions], size, threads=self.io_threads, ranges=ranges)
+        sums = read_spans(path, [(a, mv[a:b]) for a, b in regions], size,
+                          threads=max(self.io_threads, SMALL_READ_THREADS), ranges=ranges)
         for (ri, info), got in zip(rest, sums):
             self._check_sum(path, ri, info, got, chunk_sums[(rel, info.offset)].checksum)
             if ri.type == LoadItemType.BYTE_IO:

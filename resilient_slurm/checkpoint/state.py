@@ -169,10 +169,12 @@ def prepare_load_target(
         if k in metadata.state_dict_metadata or per_rank_fqn(src, k) in metadata.state_dict_metadata:
             sd[k] = None
     if capture_rng:
-        prefix = f"{RNG_KEY}.rank{src}."
-        if any(fqn.startswith(prefix) for fqn in metadata.state_dict_metadata):
-            # Shape the target like what was saved (RNG tensors differ in size across devices).
-            sd[RNG_KEY] = {f"rank{src}": rng.capture_rng_state()}
+        saved = {tuple(path): fqn for fqn, path in (metadata.planner_data or {}).items()
+                 if tuple(path[:2]) == (RNG_KEY, f"rank{src}") and len(path) > 2}
+        if saved:
+            # Shaped like what was saved, from the metadata (RNG tensors differ in size across devices and
+            # versions): capturing this process's generators would only give a template to read into.
+            sd[RNG_KEY] = _shaped_like(metadata, saved)[RNG_KEY]
         else:
             log.warning(
                 "checkpoint has no RNG state for rank %d (saved with a smaller world size or without "
@@ -197,6 +199,12 @@ def _plain_target(key: str, md: Metadata, src: int) -> Any:
             paths[tuple(path) if path[0] == key else tuple(path[len(own) - 1:])] = fqn
     if not paths:
         return _NOT_SAVED
+    return _shaped_like(md, paths)[key]
+
+
+def _shaped_like(md: Metadata, paths: Mapping[tuple[Any, ...], str]) -> dict[str, Any]:
+    """A nested target with an entry at each of ``paths`` (path -> the saved key it is read from): an empty
+    tensor of the saved size and dtype for a tensor, None for a plain value (read whole)."""
     root: dict[str, Any] = {}
     for path, fqn in sorted(paths.items(), key=lambda kv: [str(p) for p in kv[0]]):
         smd = md.state_dict_metadata.get(fqn)
@@ -204,7 +212,7 @@ def _plain_target(key: str, md: Metadata, src: int) -> Any:
         if isinstance(smd, TensorStorageMetadata):
             value = torch.empty(smd.size, dtype=smd.properties.dtype)
         set_element(root, path, value)
-    return root[key]
+    return root
 
 
 def apply_loaded(state: MutableMapping[str, Any], loaded: Mapping[str, Any], *, rank: int) -> None:

@@ -10,6 +10,7 @@ parts of torch.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
@@ -480,8 +481,18 @@ class Ring:
 
     def _make(self, i: int, prefault: bool = False) -> None:
         if self._bufs[i] is None:
-            buf = aligned_buffer(self.piece, prefault=prefault, huge=True)
-            self.views[i] = as_memoryview(buf)
+            # A plain mapping, not a tensor: the warming thread then never holds the GIL for long (a first
+            # torch.frombuffer in a process runs torch code for the first time, which a cold node reads from
+            # disk, while the restore's own thread waits for the GIL), and the first touch is one memset with
+            # the GIL released, not a torch op spread over the intra-op threads.
+            buf = mmap.mmap(-1, round_up(self.piece), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                with contextlib.suppress(OSError):  # THP disabled: 4 KiB pages
+                    buf.madvise(mmap.MADV_HUGEPAGE)
+            view = memoryview(buf)
+            if prefault:
+                ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(view)), 0, len(view))
+            self.views[i] = view
             self._bufs[i] = buf
 
     def view(self, i: int) -> memoryview:
@@ -501,7 +512,6 @@ def read_through(
     threads: int = 4,
     ring: Ring | None = None,
     handover: int = RING_HANDOVER,
-    before: Callable[[], None] | None = None,
 ) -> list[str]:
     """Read byte ranges of file ``path`` (``size`` bytes long) through a small ring of page-aligned buffers,
     handing each range's bytes to ``sink`` in order, and return each range's checksum.
@@ -515,9 +525,7 @@ def read_through(
     read touches (restore reads a tensor's bytes straight into the program's own tensor,
     checkpoint/restore_round.py). Each checksum is computed while the next pieces are read. A range that
     ends past what the file holds raises StorageError (the file is truncated); an exception of ``sink`` ends
-    the read and propagates. ``before()`` runs in the calling thread once the first reads are in flight and
-    before any byte is handed over (restore reads and checks its small items there while the ring fills); an
-    exception of it ends the read and propagates.
+    the read and propagates.
     """
     if handover <= 0:
         raise ValueError(f"read_through: handover must be a positive number of bytes, not {handover}")
@@ -554,8 +562,6 @@ def read_through(
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rslurm-read") as readers:
             pending = {i: readers.submit(get, i) for i in range(nslots)}
             try:
-                if before is not None:
-                    before()
                 first = 0  # the first item (in file order) not yet wholly handed over
                 for idx, (at, asked) in enumerate(plan):
                     got = pending.pop(idx).result()
