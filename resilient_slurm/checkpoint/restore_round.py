@@ -81,8 +81,9 @@ log = logging.getLogger(__name__)
 # model + Adam on the GPU (bench_restore.py --device cuda, docs/benchmarks.md).
 PIN_FOR_CUDA = False
 # The small items of a step are hundreds of ranges between the large tensors, each a request of its own: the
-# disk's latency, not its bandwidth, is their limit, so more of them are kept in flight than io_threads.
-SMALL_READ_THREADS = 16
+# disk's latency, not its bandwidth, is their limit, so this many times io_threads are kept in flight (16 with
+# the default 4; 2-3 ms instead of 7-11 for the benchmark's 230 small items, docs/benchmarks.md).
+SMALL_READS_PER_THREAD = 4
 
 
 class StepReader:
@@ -430,7 +431,7 @@ class StepReader:
             k = bisect.bisect_right(regions, (info.offset, 1 << 62)) - 1
             ranges.append((k, info.offset - regions[k][0], info.length))
         sums = read_spans(path, [(a, mv[a:b]) for a, b in regions], size,
-                          threads=max(self.io_threads, SMALL_READ_THREADS), ranges=ranges)
+                          threads=self.io_threads * SMALL_READS_PER_THREAD, ranges=ranges)
         for (ri, info), got in zip(rest, sums):
             self._check_sum(path, ri, info, got, chunk_sums[(rel, info.offset)].checksum)
             if ri.type == LoadItemType.BYTE_IO:
