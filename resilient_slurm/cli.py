@@ -449,7 +449,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if not args.dry_run:
             run_gc(catalog, actions, stale_after=args.stale_after)
     failed = [a for a in actions if a.state == "failed"]
-    errors = list(catalog.errors)  # directories that could not be listed: nothing in them was deleted
+    # Directories that could not be listed (nothing in them was deleted), and runs whose tags file cannot be read
+    # (its message says that nothing of the run is deleted).
+    errors = [f"{e}; nothing in it was deleted" for e in catalog.errors] + list(catalog.faults)
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "keep_last": policy.keep_last, "keep_every": policy.keep_every,
                           "stale_after_s": args.stale_after, "ok": not failed and not errors,
@@ -457,7 +459,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return 1 if failed or errors else 0
     con = _console()
     for e in errors:
-        _say(f"rslurm gc: {e}; nothing in it was deleted", file=sys.stderr)
+        _say(f"rslurm gc: {e}", file=sys.stderr)
     if not actions:
         con.print("nothing to delete", markup=False)
         return 1 if errors else 0

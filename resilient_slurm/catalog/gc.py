@@ -217,8 +217,8 @@ def plan_gc(catalog: Catalog, policy: RetentionPolicy, *, tiers: Iterable[str] =
     for run in runs:
         try:
             tagged = catalog.tags(run).steps
-        except TagsFileError as exc:
-            catalog.errors.append(f"run {run}: {exc}")
+        except TagsFileError as exc:  # a fault in the data (its message says nothing of the run is deleted)
+            catalog.faults.append(f"run {run}: {exc}")
             continue
         views = catalog.steps(run)
         durable: set[int] | None = None
