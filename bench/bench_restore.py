@@ -76,7 +76,9 @@ from common import (  # noqa: E402
 )
 
 MODES = ("raw_prefaulted", "raw_fresh", "ours", "ours_copying", "torch_load", "dcp_load")
-EXTRA_MODES = ("ours_pinned", "ours_compare")  # --device cuda: read buffers pinned (restore_round.PIN_FOR_CUDA), not the default
+# Not run by default: ours_pinned (--device cuda: read buffers pinned, restore_round.PIN_FOR_CUDA) and
+# ours_compare (--compare TREE).
+EXTRA_MODES = ("ours_pinned", "ours_compare")
 LABELS = {
     "raw_prefaulted": "raw O_DIRECT read, prefaulted buffer",
     "raw_fresh": "raw O_DIRECT read, fresh buffer",
@@ -309,6 +311,8 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    if "ours_compare" in args.modes and not args.compare:
+        ap.error("mode ours_compare restores with another checkout: give it with --compare TREE")
     if args.compare:
         if not os.path.isfile(os.path.join(args.compare, "bench", "bench_restore.py")):
             ap.error(f"--compare {args.compare}: not a checkout of the project (no bench/bench_restore.py there)")
