@@ -486,11 +486,11 @@ def test_read_through_hands_every_range_over_in_order_with_its_checksum(tmp_path
         read_through(str(path), len(data), [(len(data) - 200, 200)], lambda *a: None)
 
 
-def test_a_read_waits_only_for_its_own_ring_slot_and_makes_one_the_warming_did_not(
+def test_a_read_waits_only_for_a_free_ring_slot_and_makes_one_the_warming_did_not(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first reads start once their slots are made, while the ring's thread still faults in the later
-    ones (restore's reads no longer wait for the whole ring); a slot the warming failed to make is made by
-    the read that needs it."""
+    """The first reads start once a slot is made, while the ring's thread still faults in the later ones
+    (restore's reads do not wait for the whole ring); where the warming failed, a read that finds no slot free
+    makes one."""
     import threading
 
     from resilient_slurm.storage import fileio
@@ -537,6 +537,70 @@ def test_a_read_waits_only_for_its_own_ring_slot_and_makes_one_the_warming_did_n
     ring.done()
     assert bytes(got) == data
     assert ring._warming is not None and not ring._warming.is_alive()  # no slot is faulted in past done()
+
+    def warming_fails(self: Ring, i: int, prefault: bool = False) -> None:
+        if threading.current_thread().name == "rslurm-ring":
+            raise OSError("no memory for the ring now")
+        made(self, i, prefault)
+
+    # A ring of one slot whose warming failed on it: the read makes that slot itself (it is not lost).
+    monkeypatch.setattr(fileio.Ring, "_make", warming_fails)
+    got.clear()
+    ring = Ring(64 * BLOCK, 1).warm()
+    reader = threading.Thread(target=lambda: read_through(str(path), len(data), [(0, len(data))],
+                                                          lambda k, at, view: got.extend(view), ring=ring), daemon=True)
+    reader.start()
+    reader.join(60)
+    assert not reader.is_alive() and bytes(got) == data
+
+
+def test_reads_go_on_through_the_ring_slots_made_so_far(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read takes whichever slot is free: with the warming thread stuck after the first slot (memory that the
+    host backs slowly), every piece of the file is read through that one slot, in order, and its bytes are
+    whole; the slots in use are given back, so the ring serves a second file."""
+    import threading
+
+    from resilient_slurm.storage import fileio
+
+    data = os.urandom(5 * 64 * BLOCK + 77)  # six pieces of a ring of 3 slots
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    release = threading.Event()
+    made = fileio.Ring._make
+
+    def stuck_make(self: Ring, i: int, prefault: bool = False) -> None:
+        if i == 1 and threading.current_thread().name == "rslurm-ring":
+            release.wait(120)
+        made(self, i, prefault)
+
+    monkeypatch.setattr(fileio.Ring, "_make", stuck_make)
+    ring = Ring(64 * BLOCK, 3).warm()
+    results: list[bytes] = []
+    done = threading.Event()
+
+    def read() -> None:
+        for _ in range(2):
+            got = bytearray()
+            read_through(str(path), len(data), [(0, len(data))], lambda k, at, view, got=got: got.extend(view),
+                         threads=3, ring=ring)
+            results.append(bytes(got))
+        done.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    finished = done.wait(60)  # reads that each waited for a slot of their own would wait for `release`
+    release.set()
+    reader.join(60)
+    assert finished and results == [data, data]
+
+    def failing_sink(k: int, at: int, view: memoryview) -> None:
+        if at >= 64 * BLOCK:
+            raise RuntimeError("the sink gave up")
+
+    with pytest.raises(RuntimeError, match="gave up"):  # reads in flight when the sink fails give their slots back
+        read_through(str(path), len(data), [(0, len(data))], failing_sink, threads=3, ring=ring)
+    ring.done()
+    assert sorted(ring._free.get_nowait() for _ in range(ring.slots)) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("kind", ["directory", "symlink", "FIFO"])

@@ -16,6 +16,7 @@ import fcntl
 import logging
 import mmap
 import os
+import queue
 import shutil
 import stat
 import threading
@@ -435,38 +436,41 @@ RING_HANDOVER = 1 << 20  # bytes hashed and handed to the sink at a time: within
 
 
 class Ring:
-    """The read buffers of :func:`read_through`: ``slots`` page-aligned buffers of ``piece`` bytes each, on huge
-    pages, reused read after read. One ring serves every file a restore reads; its first touch is the slow part
-    (the ring's comment above), which :meth:`warm` does on a thread of its own while the caller prepares the
-    reads (restore: while it opens the step and plans its reads, checkpoint/restore_round.py). A read waits
-    only for its own slot: the first reads start once the first slot is made, while the others are faulted in."""
+    """The read buffers of :func:`read_through`: up to ``slots`` page-aligned buffers of ``piece`` bytes each, on
+    huge pages, reused read after read. One ring serves every file a restore reads; its first touch is the slow
+    part (the ring's comment above), which :meth:`warm` does on a thread of its own while the caller prepares
+    the reads (restore: while it opens the step and plans its reads, checkpoint/restore_round.py).
+
+    A read takes whichever slot is free (:meth:`acquire`) and gives it back once its bytes are handed over
+    (:meth:`release`): the reads start with the first slot made and go on through the slots made so far while
+    the others are faulted in. On a VM whose host backs guest memory lazily, making a slot took 0.5 to 10 ms
+    here, run to run; reads that each waited for a slot of their own stood idle while the later ones were made."""
 
     def __init__(self, piece: int = RING_PIECE, slots: int = RING_SLOTS) -> None:
         self.piece, self.slots = piece, slots
         self._bufs: list[Any] = [None] * slots
         self.views: list[memoryview] = [memoryview(b"")] * slots
         self._warming: threading.Thread | None = None
-        self._made = [threading.Event() for _ in range(slots)]  # set by the warming thread, slot by slot
         self._stopped = False
+        self._lock = threading.Lock()
+        self._unclaimed = list(range(slots - 1, -1, -1))  # slots no thread has set out to make (popped from the end)
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # made and not in use
 
     def warm(self) -> Ring:
-        """Start faulting in every slot, in order, on a thread of its own (once: a ring warmed already is left
-        as it is); returns the ring."""
+        """Start faulting in every slot, one after the other, on a thread of its own (once: a ring warmed already
+        is left as it is); returns the ring. Each slot is free for a read as soon as it is made."""
         if self._warming is not None or self._stopped:
             return self
 
         def run() -> None:
-            try:
-                for i in range(self.slots):
-                    if self._stopped:
-                        break
+            while not self._stopped and (i := self._claim()) is not None:
+                try:
                     self._make(i, prefault=True)
-                    self._made[i].set()
-            except Exception as exc:  # noqa: BLE001 - a slot not made now is made by the read that needs it
-                log.debug("read ring not warmed: %s", exc)
-            finally:
-                for made in self._made:
-                    made.set()
+                except Exception as exc:  # noqa: BLE001 - a slot not made now is made by a read that finds none free
+                    self._unclaim(i)
+                    log.debug("read ring not warmed: %s", exc)
+                    return
+                self._free.put(i)
 
         self._warming = threading.Thread(target=run, name="rslurm-ring", daemon=True)
         self._warming.start()
@@ -479,28 +483,54 @@ class Ring:
         if self._warming is not None:
             self._warming.join()
 
-    def _make(self, i: int, prefault: bool = False) -> None:
-        if self._bufs[i] is None:
-            # A plain mapping, not a tensor: the warming thread then never holds the GIL for long (a first
-            # torch.frombuffer in a process runs torch code for the first time, which a cold node reads from
-            # disk, while the restore's own thread waits for the GIL), and the first touch is one memset with
-            # the GIL released, not a torch op spread over the intra-op threads.
-            buf = mmap.mmap(-1, round_up(self.piece), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                with contextlib.suppress(OSError):  # THP disabled: 4 KiB pages
-                    buf.madvise(mmap.MADV_HUGEPAGE)
-            view = memoryview(buf)
-            if prefault:
-                ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(view)), 0, len(view))
-            self.views[i] = view
-            self._bufs[i] = buf
+    def _claim(self) -> int | None:
+        with self._lock:
+            return self._unclaimed.pop() if self._unclaimed else None
 
-    def view(self, i: int) -> memoryview:
-        """Slot ``i``: once the warming thread made it, else made now (one reader uses a slot at a time)."""
-        if self._warming is not None:
-            self._made[i].wait()
-        self._make(i)
-        return self.views[i]
+    def _unclaim(self, i: int) -> None:
+        with self._lock:
+            self._unclaimed.append(i)
+
+    def _make(self, i: int, prefault: bool = False) -> None:
+        # A plain mapping, not a tensor: the warming thread then never holds the GIL for long (a first
+        # torch.frombuffer in a process runs torch code for the first time, which a cold node reads from disk,
+        # while the restore's own thread waits for the GIL), and the first touch is one memset with the GIL
+        # released, not a torch op spread over the intra-op threads.
+        buf = mmap.mmap(-1, round_up(self.piece), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):  # THP disabled: 4 KiB pages
+                buf.madvise(mmap.MADV_HUGEPAGE)
+        view = memoryview(buf)
+        if prefault:
+            ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(view)), 0, len(view))
+        self.views[i] = view
+        self._bufs[i] = buf
+
+    def acquire(self) -> int:
+        """A free slot (its index; its buffer is ``views[i]``), for one reader until :meth:`release`: one made
+        already, else one made now where no thread is making any (not warmed, stopped, or its thread failed),
+        else the next one freed or made."""
+        while True:
+            try:
+                return self._free.get_nowait()
+            except queue.Empty:
+                pass
+            warming = self._warming is not None and self._warming.is_alive()
+            if not warming and (i := self._claim()) is not None:
+                try:
+                    self._make(i)
+                except BaseException:
+                    self._unclaim(i)
+                    raise
+                return i
+            try:
+                return self._free.get(timeout=0.05 if warming else None)
+            except queue.Empty:
+                continue  # the warming thread may have ended without making the rest: look again
+
+    def release(self, i: int) -> None:
+        """Slot ``i`` is free again."""
+        self._free.put(i)
 
 
 def read_through(
@@ -527,72 +557,147 @@ def read_through(
     ends past what the file holds raises StorageError (the file is truncated); an exception of ``sink`` ends
     the read and propagates.
     """
-    if handover <= 0:
-        raise ValueError(f"read_through: handover must be a positive number of bytes, not {handover}")
-    for off, n in items:
-        if off < 0 or n < 0 or off + n > size:
-            raise StorageError(f"{path}: bytes {off}+{n} lie past its end ({size} bytes): the file is truncated")
-    order = sorted((k for k, (_, n) in enumerate(items) if n), key=lambda k: items[k][0])
-    hashes = [xxhash.xxh3_64() for _ in items]
-    if not order:
-        return [h.hexdigest() for h in hashes]
-    fd, direct = _open_for_read(path)
-    try:
-        spans = merged_spans([((off // BLOCK * BLOCK, round_up(off + n)) if direct else (off, off + n))
-                               for off, n in (items[k] for k in order)])
-        ring = ring or Ring()
-        piece = ring.piece
-        plan = [(at, min(piece, hi - at)) for lo, hi in spans for at in range(lo, hi, piece)]  # (offset, asked)
-        # The slots are on huge pages: O_DIRECT pins every page of its buffer for each request, and 4 KiB pages
-        # made a cold 1 GiB read take 1.1 s instead of 0.5 s here. A read waits for its own slot only (Ring.view):
-        # the first reads overlap the warming of the later slots; a slot not warmed is made by its first reader.
-        nslots = min(ring.slots, len(plan))
+    with ReadThrough(path, size, items, threads=threads, ring=ring, handover=handover) as reads:
+        return reads.finish(sink)
 
-        def get(idx: int) -> int:
-            at, n = plan[idx]
-            buf = ring.view(idx % nslots)  # one reader per slot at a time
+
+class ReadThrough:
+    """One :func:`read_through` of a file: :meth:`start` opens it and queues the first requests (as many as
+    the ring has slots), :meth:`finish` hands every range's bytes to the sink and returns the checksums,
+    :meth:`close` (also on leaving it as a context manager) waits for the requests in flight, gives their
+    slots back and closes the file. Nothing reaches a sink before :meth:`finish`."""
+
+    def __init__(self, path: str, size: int, items: Sequence[tuple[int, int]], *, threads: int = 4,
+                 ring: Ring | None = None, handover: int = RING_HANDOVER) -> None:
+        if handover <= 0:
+            raise ValueError(f"read_through: handover must be a positive number of bytes, not {handover}")
+        for off, n in items:
+            if off < 0 or n < 0 or off + n > size:
+                raise StorageError(f"{path}: bytes {off}+{n} lie past its end ({size} bytes): the file is truncated")
+        self.path, self.size, self.items, self.handover = path, size, list(items), handover
+        self.threads = max(1, threads)
+        self.order = sorted((k for k, (_, n) in enumerate(self.items) if n), key=lambda k: self.items[k][0])
+        self.ring = ring or Ring()
+        self.plan: list[tuple[int, int]] = []  # (offset, asked) of each request
+        self.depth = 0  # requests queued ahead of the caller (each holds a slot once it runs)
+        self._fd: int | None = None
+        self._readers: ThreadPoolExecutor | None = None
+        self._pending: dict[int, Any] = {}
+        self._turn = threading.Condition()
+        self._next = 0  # the request whose turn it is to take a slot
+
+    def __enter__(self) -> ReadThrough:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> ReadThrough:
+        """Open the file and queue the first reads (once); returns self."""
+        if self._fd is not None or not self.order:
+            return self
+        self._fd, direct = _open_for_read(self.path)
+        spans = merged_spans([((off // BLOCK * BLOCK, round_up(off + n)) if direct else (off, off + n))
+                              for off, n in (self.items[k] for k in self.order)])
+        piece = self.ring.piece
+        self.plan = [(at, min(piece, hi - at)) for lo, hi in spans for at in range(lo, hi, piece)]
+        # The slots are on huge pages: O_DIRECT pins every page of its buffer for each request, and 4 KiB pages
+        # made a cold 1 GiB read take 1.1 s instead of 0.5 s here. A request takes any free slot (Ring.acquire):
+        # the first reads go through the slots made so far while the warming makes the others.
+        self.depth = min(self.ring.slots, len(self.plan))
+        self._readers = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="rslurm-read")
+        self._pending = {i: self._readers.submit(self._get, i) for i in range(self.depth)}
+        return self
+
+    def _get(self, idx: int) -> tuple[int, int]:
+        """Request ``idx`` read into a free slot: (the slot, bytes read). The slot is the caller's to release."""
+        at, n = self.plan[idx]
+        # Slots are taken in the order of the requests: the request the caller waits for next never waits for a
+        # slot that a later one took (nor, with the warming stalled, for one that is never made).
+        with self._turn:
+            self._turn.wait_for(lambda: self._next == idx)
+        try:
+            slot = self.ring.acquire()
+        finally:
+            with self._turn:
+                self._next += 1
+                self._turn.notify_all()
+        try:
+            buf = self.ring.views[slot]
             got = 0
+            assert self._fd is not None
             while got < n:
-                r = _pread(fd, path, buf[got:n], at + got)
+                r = _pread(self._fd, self.path, buf[got:n], at + got)
                 if r == 0:
                     break
                 got += r
-            return got
+        except BaseException:
+            self.ring.release(slot)
+            raise
+        return slot, got
 
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rslurm-read") as readers:
-            pending = {i: readers.submit(get, i) for i in range(nslots)}
-            try:
-                first = 0  # the first item (in file order) not yet wholly handed over
-                for idx, (at, asked) in enumerate(plan):
-                    got = pending.pop(idx).result()
-                    end = at + got
-                    j = first
-                    while j < len(order):
-                        k = order[j]
-                        off, n = items[k]
-                        if off >= at + asked:
-                            break  # this item begins in a later piece
-                        x, y = max(off, at), min(off + n, end)
-                        if min(off + n, at + asked) > end:
-                            raise StorageError(f"{path}: short read ({end} of {size} bytes): the file is truncated")
-                        # In parts of `handover` bytes, each hashed and then handed over while it is still in
-                        # the CPU's cache: the slot's bytes come from memory once, not once for each.
-                        slot = ring.views[idx % nslots]
-                        for u in range(x, y, handover):
-                            view = slot[u - at : min(y, u + handover) - at]
-                            hashes[k].update(view)
-                            sink(k, u - off, view)
-                        if off + n <= at + asked:
-                            first = j + 1  # wholly handed over
-                        j += 1
-                    if idx + nslots < len(plan):  # the slot is free again
-                        pending[idx + nslots] = readers.submit(get, idx + nslots)
-            finally:
-                for f in pending.values():
-                    f.cancel()
+    def finish(self, sink: Callable[[int, int, memoryview], None]) -> list[str]:
+        """Hand every range's bytes to ``sink`` (from this thread, in file order; see :func:`read_through`) and
+        return each range's checksum. Call once; the reads are over (and the file closed) when it returns."""
+        hashes = [xxhash.xxh3_64() for _ in self.items]
+        self.start()
+        plan, depth, pending = self.plan, self.depth, self._pending
+        try:
+            first = 0  # the first item (in file order) not yet wholly handed over
+            for idx, (at, asked) in enumerate(plan):
+                slot, got = pending.pop(idx).result()
+                try:
+                    first = self._hand_over(sink, hashes, first, slot, at, asked, at + got)
+                finally:
+                    self.ring.release(slot)
+                if idx + depth < len(plan):  # a slot is free again
+                    assert self._readers is not None
+                    pending[idx + depth] = self._readers.submit(self._get, idx + depth)
+        finally:
+            self.close()
         return [h.hexdigest() for h in hashes]
-    finally:
-        os.close(fd)
+
+    def _hand_over(self, sink: Callable[[int, int, memoryview], None], hashes: list[Any], first: int, slot: int,
+                   at: int, asked: int, end: int) -> int:
+        """The bytes of the request at ``at`` (``asked`` long, read up to ``end``) in ``slot`` handed to ``sink``,
+        item by item from ``first`` (the first not yet wholly handed over); returns the new ``first``."""
+        items, order = self.items, self.order
+        j = first
+        while j < len(order):
+            k = order[j]
+            off, n = items[k]
+            if off >= at + asked:
+                break  # this item begins in a later piece
+            x, y = max(off, at), min(off + n, end)
+            if min(off + n, at + asked) > end:
+                raise StorageError(f"{self.path}: short read ({end} of {self.size} bytes): the file is truncated")
+            # In parts of `handover` bytes, each hashed and then handed over while it is still in the CPU's
+            # cache: the slot's bytes come from memory once, not once for each.
+            view_of = self.ring.views[slot]
+            for u in range(x, y, self.handover):
+                view = view_of[u - at : min(y, u + self.handover) - at]
+                hashes[k].update(view)
+                sink(k, u - off, view)
+            if off + n <= at + asked:
+                first = j + 1  # wholly handed over
+            j += 1
+        return first
+
+    def close(self) -> None:
+        """No further read is issued; those in flight are waited for (they write into the ring) and their slots
+        given back, then the file is closed. Idempotent."""
+        pending, self._pending = self._pending, {}
+        for f in pending.values():
+            f.cancel()
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
+        for f in pending.values():
+            if not f.cancelled() and f.exception() is None:
+                self.ring.release(f.result()[0])
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def merged_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
