@@ -9,6 +9,7 @@ import pytest
 
 from resilient_slurm.storage.fileio import (
     BLOCK,
+    HostBuffer,
     aligned_buffer,
     checksum,
     read_file_into,
@@ -55,3 +56,21 @@ def test_truncated_file_is_a_short_read(tmp_path: Path) -> None:
     out = aligned_buffer(8 * BLOCK, prefault=False)
     with pytest.raises(Exception, match="short read"):
         read_file_into(str(path), memoryview(out.numpy()), 8 * BLOCK)
+
+
+def test_a_host_buffer_is_one_memory_seen_as_a_view_an_address_and_on_demand_a_tensor() -> None:
+    """Restore's small items are read into a HostBuffer through its memoryview and copied out by address; the
+    tensor made for an item torch must parse is the same memory, not a copy."""
+    import ctypes
+
+    import torch
+
+    buf = HostBuffer(10_000)
+    assert buf.nbytes == 3 * BLOCK and len(buf.view) == buf.nbytes and buf.address % BLOCK == 0
+    buf.view[5:9] = b"abcd"
+    assert ctypes.string_at(buf.address + 5, 4) == b"abcd"
+    t = buf.tensor()
+    assert t is buf.tensor() and t.dtype == torch.uint8 and t.numel() == buf.nbytes
+    assert t.data_ptr() == buf.address and bytes(t[5:9].numpy()) == b"abcd"
+    t[0] = 7
+    assert buf.view[0] == 7

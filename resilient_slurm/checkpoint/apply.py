@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from ..errors import IncompatibleCheckpointError
+from ..storage.fileio import HostBuffer
 from ..storage.fileio import merged_spans as _merged
 from .planning import SafeLoadPlanner
 from .staging import framing_for
@@ -242,7 +243,7 @@ class _Loaded:
     target: dict[str, Any]
     md: Metadata
     needed: dict[str, list[Any]]
-    where: dict[tuple[str, int], tuple[torch.Tensor, int]]  # item -> (buffer, offset of its bytes in it)
+    where: dict[tuple[str, int], tuple[torch.Tensor | HostBuffer, int]]  # item -> (buffer, its bytes' offset)
     placed: dict[tuple[str, int], Placement]  # item -> the live tensor its bytes were read into
     decoded: dict[tuple[str, int], Any] = field(default_factory=dict)
     bytes_read: int = 0
@@ -296,7 +297,8 @@ class _Loaded:
                     dest = copied
                 else:
                     buf, at = (p.foreign, 0) if p is not None and p.foreign is not None else self.where[key]
-                    stored = self._stored_tensor(ri, buf[at : at + info.length])
+                    whole = buf.tensor() if isinstance(buf, HostBuffer) else buf
+                    stored = self._stored_tensor(ri, whole[at : at + info.length])
                     part = narrow_tensor_by_index(stored, ri.storage_offsets, ri.lengths)
                     dest = self.planner.resolve_tensor(ri)
                     if dest.size() != part.size():
@@ -308,20 +310,21 @@ class _Loaded:
                             dest.detach().copy_(part, non_blocking=dest.device.type == "cuda")
                 self.planner.commit_tensor(ri, dest)
 
-    def _copied(self, ri: Any, buf: torch.Tensor, at: int, length: int) -> torch.Tensor | None:
+    def _copied(self, ri: Any, buf: torch.Tensor | HostBuffer, at: int, length: int) -> torch.Tensor | None:
         """Copy read item ``ri`` (``length`` bytes at ``at`` in host buffer ``buf``) into the tensor it restores
         with one memmove, as :class:`Placing` does, and return that tensor, when its bytes can be copied as they
         are stored (:func:`as_stored`) and are in our framing. None, with nothing written, for any other item
         (:meth:`_apply` copies it with torch). Most items of a state are small tensors (biases, norms, an
         optimizer's steps): this spares each the views and the copy dispatch."""
-        dest = as_stored(self.md, ri, self.planner) if buf.device.type == "cpu" else None
+        host = isinstance(buf, HostBuffer) or buf.device.type == "cpu"
+        dest = as_stored(self.md, ri, self.planner) if host else None
         if dest is None:
             return None
         fr = framing_for(dest.dtype, tuple(dest.shape))
         n, nbytes = len(fr.prefix), dest.numel() * dest.element_size()
         if nbytes == 0 or length != n + nbytes + len(fr.suffix):
             return None
-        base = buf.data_ptr() + at
+        base = (buf.address if isinstance(buf, HostBuffer) else buf.data_ptr()) + at
         if ctypes.string_at(base, n) != fr.prefix:
             return None  # not our framing (a step written by plain DCP): torch parses it
         torch.autograd.graph.increment_version(dest)  # as an in-place copy would

@@ -44,6 +44,7 @@ from ..paths import describe_path
 from ..rundir import RunDir
 from ..storage.fileio import (
     BLOCK,
+    HostBuffer,
     Ring,
     aligned_buffer,
     as_memoryview,
@@ -362,7 +363,7 @@ class StepReader:
                 for ri, info in reqs:
                     if (p := place_into(planner, md, ri, info.length, live, shared)) is not None:
                         placed[(rel, info.offset)] = p
-        where: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}  # item -> (buffer, offset of its bytes)
+        where: dict[tuple[str, int], tuple[torch.Tensor | HostBuffer, int]] = {}  # item -> (buffer, its bytes' offset)
         decoded: dict[tuple[str, int], Any] = {}
         paths: dict[str, str] = {}
         for rel, reqs in needed.items():
@@ -417,14 +418,20 @@ class StepReader:
                        decoded=decoded, bytes_read=read, placed_bytes=in_place)
 
     def _read_small(self, path: str, size: int, rest: list[Any], rel: str, chunk_sums: Mapping[Any, Any],
-                    where: dict[tuple[str, int], tuple[torch.Tensor, int]], decoded: dict[tuple[str, int], Any],
+                    where: dict[tuple[str, int], tuple[torch.Tensor | HostBuffer, int]], decoded: dict[tuple[str, int], Any],
                     *, pin: bool) -> None:
         """Read items ``rest`` of file ``path`` into one buffer at the file's own offsets, each checked against
         the manifest, plain values decoded (``where`` and ``decoded`` take them)."""
         regions = _merged([(info.offset // BLOCK * BLOCK, round_up(info.offset + info.length)) for _, info in rest])
-        # Pinned memory is all allocated and locked: only for CUDA, and off by default (PIN_FOR_CUDA).
-        buf = aligned_buffer(regions[-1][1], prefault=False, pin=pin)
-        mv = as_memoryview(buf)
+        # Pinned memory is all allocated and locked: only for CUDA, and off by default (PIN_FOR_CUDA). Else plain
+        # memory, no torch tensor unless apply needs one (fileio.HostBuffer).
+        buf: torch.Tensor | HostBuffer
+        if pin:
+            buf = aligned_buffer(regions[-1][1], prefault=False, pin=True)
+            mv = as_memoryview(buf)
+        else:
+            buf = HostBuffer(regions[-1][1])
+            mv = buf.view
         ranges = []
         for _, info in rest:
             where[(rel, info.offset)] = (buf, info.offset)
