@@ -200,6 +200,13 @@ RDZV_TIMEOUT = ("Traceback (most recent call last):\n  File \"train.py\", line 9
                 "joined.\n")
 
 
+TEARDOWN = ("terminate called without an active exception\nFatal Python error: Aborted\n\n"
+            "Thread 0x00007f3036c76b80 (most recent call first):\n  <no Python frame>\n")
+RAISED_THEN_ABORTED = ("[rank1]: Traceback (most recent call last):\n[rank1]:   File \"hang_worker.py\", line 57, in "
+                       "_crash\n[rank1]:     raise MemoryError(\"hang_worker: out of memory on purpose\")\n"
+                       "[rank1]: MemoryError: hang_worker: out of memory on purpose\n" + TEARDOWN)
+
+
 @pytest.mark.parametrize(("failed", "stderr", "srun", "oom", "reason", "evidence"), [
     ([_exit(0, 1)], {0: GLOO}, "", None, Reason.COMMUNICATOR_ERROR, "Connection closed by peer"),
     # a user error on rank 1 makes rank 0's collective fail: the user error is the cause, whatever ended first
@@ -217,6 +224,12 @@ RDZV_TIMEOUT = ("Traceback (most recent call last):\n  File \"train.py\", line 9
      {0: "[rank0]:[E ProcessGroupNCCL.cpp:1182] [Rank 0] Watchdog caught collective operation timeout: "
          "WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.\n"},
      "", None, Reason.COMMUNICATOR_ERROR, "Watchdog caught collective operation timeout"),
+    # MemoryError raised, then the interpreter's exit aborted by a C++ thread still running (CI, 2026-11-29)
+    ([_exit(1, None, int(signal.SIGABRT)), _exit(0, 1)], {1: RAISED_THEN_ABORTED, 0: GLOO}, "", None,
+     Reason.OUT_OF_MEMORY, "MemoryError: hang_worker: out of memory on purpose"),
+    # a handled error's traceback, more output, then an abort: a signal, not that exception
+    ([_exit(1, None, int(signal.SIGABRT))], {1: USER + "step 7\n" + TEARDOWN}, "", None,
+     Reason.KILLED_BY_SIGNAL, "rank 1 killed by SIGABRT"),
     ([_exit(1, None, 9, node="n2")], {}, "srun: error: Node failure on n2\n", None, Reason.NODE_FAILURE,
      "Node failure on n2"),
     ([_exit(0, 3)], {0: "exiting with 3\n"}, "", None, Reason.USER_ERROR, ""),
@@ -225,12 +238,14 @@ RDZV_TIMEOUT = ("Traceback (most recent call last):\n  File \"train.py\", line 9
      "the rendezvous address 'n1' (port 15001; from node n1, the first of SLURM_STEP_NODELIST"),
 ], ids=["gloo peer closed", "user error beats the peers' collective errors", "cuda oom raised",
         "sigkill", "oom counter", "srun out of memory", "slurmstepd oom event", "nccl watchdog abort",
-        "srun node failure", "exit code without traceback", "rendezvous error is a failed start"])
+        "raised then aborted at exit", "aborted long after a handled error", "srun node failure", "exit code without traceback", "rendezvous error is a failed start"])
 def test_attribution_of_what_the_tools_print(failed: list[RankExit], stderr: dict[int, str], srun: str,
                                              oom: str | None, reason: Reason, evidence: str) -> None:
     att = attribute_failure(failed, lambda e: stderr.get(e.rank or 0, ""), oom_evidence=oom, srun_text=srun)
     assert att is not None and att.reason is reason, att
     assert evidence in att.evidence, att
+    if stderr.get(1) == RAISED_THEN_ABORTED:  # raised by the program: not restarted (run_history.raised_by_program)
+        assert (att.failed.rank, att.failed.signal, att.failed.exit_code) == (1, None, 134), att
 
 
 GLOO_TIMEOUT = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"hang_worker.py\", line 92, in main\n"

@@ -14,7 +14,9 @@ The classes, first match wins:
    ``out_of_memory`` when the kernel's OOM killer acted meanwhile (a memory cgroup's ``oom_kill`` counter
    of this node went up, or srun says ``Out Of Memory``, or slurmstepd reports an oom-kill event);
    ``communicator_error`` for a SIGABRT after a collective's watchdog fired (NCCL's timeout aborts the
-   process); else ``killed_by_signal``.
+   process); a SIGABRT right after the rank's own traceback (``terminate called without an active
+   exception``: a C++ thread still running when the interpreter exited on that exception) is read as an
+   exit with code 134, a shell's code for an aborted process (3.); else ``killed_by_signal``.
 3. Ranks that exited with a code: the last exception line of each one's traceback. A
    ``RendezvousError`` (``init_distributed`` found that the rendezvous address does not resolve, or the
    ranks could not meet there) makes it ``startup``: the job never started, and the error says what to
@@ -37,6 +39,7 @@ communicator error are restarted alike (only their names differ).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -106,6 +109,26 @@ def exception_lines(text: str, rank: int | None = None) -> list[str]:
     return out
 
 
+# What the C++ runtime prints when a thread (gloo's, a checkpoint writer's) is still running as the interpreter
+# exits: std::terminate, then SIGABRT. After an uncaught exception's traceback, the exception ended the rank.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def raised_then_aborted(text: str, rank: int | None = None) -> str | None:
+    """The exception line of the traceback that ``text`` (a rank's stderr tail) ends with, when the next line
+    printed after it is :data:`TEARDOWN_ABORT`: the rank raised, and its exit was then aborted (so it died by
+    SIGABRT). None otherwise, as for a traceback of an error the program handled and lived on after."""
+    raised = exception_lines(text, rank)
+    if not raised:
+        return None
+    lines = [line[_LINE_PREFIX.match(line).end():].strip() for line in text.splitlines()]  # type: ignore[union-attr]
+    lines = [line for line in lines if line]
+    for before, line in zip(lines, lines[1:]):
+        if line == TEARDOWN_ABORT and before[:500] == raised[-1]:
+            return raised[-1]
+    return None
+
+
 def _signal_name(sig: int) -> str:
     try:
         return signal.Signals(sig).name
@@ -145,9 +168,17 @@ def attribute_failure(failed: Sequence[RankExit], stderr_of: Callable[[RankExit]
         watchdog = _first_line(WATCHDOG, [texts[id(first)], srun_text])
         if first.signal == signal.SIGABRT and watchdog:
             return Attribution(Reason.COMMUNICATOR_ERROR, f"{what}; {watchdog}", first)
-        return Attribution(Reason.KILLED_BY_SIGNAL, what, first)
-    # Exited with a code (or killed after one that did): read the exceptions.
-    coded = [e for e in failed if e.signal is None] or list(failed)
+        if first.signal != signal.SIGABRT or not raised_then_aborted(texts[id(first)], first.rank):
+            return Attribution(Reason.KILLED_BY_SIGNAL, what, first)
+        # It raised, and its exit was aborted after the traceback (a C++ thread still running when the
+        # interpreter ended): it died of its exception. Read as an exit with the code a shell gives an aborted
+        # process (128 + SIGABRT), so that what the program raised is not restarted (policy.raised_by_program).
+        raised = dataclasses.replace(first, signal=None, exit_code=128 + int(signal.SIGABRT))
+        texts[id(raised)] = texts[id(first)]
+        coded = [raised, *(e for e in failed if e.signal is None)]
+    else:
+        # Exited with a code (or killed after one that did): read the exceptions.
+        coded = [e for e in failed if e.signal is None] or list(failed)
     found: list[tuple[RankExit, str]] = []
     for e in coded:
         found += [(e, line) for line in exception_lines(texts[id(e)], e.rank)]
