@@ -121,8 +121,7 @@ def raised_then_aborted(text: str, rank: int | None = None) -> str | None:
     raised = exception_lines(text, rank)
     if not raised:
         return None
-    lines = [line[_LINE_PREFIX.match(line).end():].strip() for line in text.splitlines()]  # type: ignore[union-attr]
-    lines = [line for line in lines if line]
+    lines = [body for line in text.splitlines() if (body := _LINE_PREFIX.sub("", line, count=1).strip())]
     for before, line in zip(lines, lines[1:]):
         if line == TEARDOWN_ABORT and before[:500] == raised[-1]:
             return raised[-1]

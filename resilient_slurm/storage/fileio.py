@@ -587,10 +587,10 @@ def read_through(
 
 
 class ReadThrough:
-    """One :func:`read_through` of a file: :meth:`start` opens it and queues the first requests (as many as
-    the ring has slots), :meth:`finish` hands every range's bytes to the sink and returns the checksums,
-    :meth:`close` (also on leaving it as a context manager) waits for the requests in flight, gives their
-    slots back and closes the file. Nothing reaches a sink before :meth:`finish`."""
+    """One :func:`read_through` of a file: :meth:`finish` opens it, queues the requests (as many ahead as the
+    ring has slots), hands every range's bytes to the sink and returns the checksums; :meth:`close` (also on
+    leaving it as a context manager) waits for the requests in flight, gives their slots back and closes the
+    file."""
 
     def __init__(self, path: str, size: int, items: Sequence[tuple[int, int]], *, threads: int = 4,
                  ring: Ring | None = None, handover: int = RING_HANDOVER) -> None:
@@ -617,10 +617,10 @@ class ReadThrough:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self) -> ReadThrough:
-        """Open the file and queue the first reads (once); returns self."""
+    def _start(self) -> None:
+        """Open the file and queue the first reads (once)."""
         if self._fd is not None or not self.order:
-            return self
+            return
         self._fd, direct = _open_for_read(self.path)
         spans = merged_spans([((off // BLOCK * BLOCK, round_up(off + n)) if direct else (off, off + n))
                               for off, n in (self.items[k] for k in self.order)])
@@ -632,7 +632,6 @@ class ReadThrough:
         self.depth = min(self.ring.slots, len(self.plan))
         self._readers = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="rslurm-read")
         self._pending = {i: self._readers.submit(self._get, i) for i in range(self.depth)}
-        return self
 
     def _get(self, idx: int) -> tuple[int, int]:
         """Request ``idx`` read into a free slot: (the slot, bytes read). The slot is the caller's to release."""
@@ -665,7 +664,7 @@ class ReadThrough:
         """Hand every range's bytes to ``sink`` (from this thread, in file order; see :func:`read_through`) and
         return each range's checksum. Call once; the reads are over (and the file closed) when it returns."""
         hashes = [xxhash.xxh3_64() for _ in self.items]
-        self.start()
+        self._start()
         plan, depth, pending = self.plan, self.depth, self._pending
         try:
             first = 0  # the first item (in file order) not yet wholly handed over
