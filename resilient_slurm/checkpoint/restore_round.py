@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import io
 import logging
 import os
 import stat
@@ -73,7 +72,7 @@ from .compat import CompatReport
 from .coordination import Coordinator, Topology
 from .ddp import DDP_KEY
 from .fetch import DurableFetcher, Planned
-from .planning import SafeLoadPlanner, read_metadata_file
+from .planning import SafeLoadPlanner, load_value, read_metadata_file
 
 log = logging.getLogger(__name__)
 
@@ -445,11 +444,7 @@ class StepReader:
                 # Decode plain values now, before anything live is touched: a value the safe loader
                 # refuses makes the step unusable; it must not half-restore the state.
                 try:
-                    decoded[(rel, info.offset)] = torch.load(
-                        io.BytesIO(bytes(mv[info.offset : info.offset + info.length])),
-                        map_location="cpu",
-                        weights_only=True,
-                    )
+                    decoded[(rel, info.offset)] = load_value(bytes(mv[info.offset : info.offset + info.length]))
                 except Exception as exc:
                     last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
                     raise CorruptCheckpointError(
