@@ -86,6 +86,11 @@ def _load_plain(data: bytes) -> Any:
             names = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(names) != 1:
                 raise _NotPlain("not one data.pkl")
+            info = z.getinfo(names[0])
+            # torch.save stores, never compresses: a compressed entry (which could inflate far past the item's
+            # size) is torch's to read or refuse, as every value was before
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(data):
+                raise _NotPlain("a compressed entry")
             pkl = z.read(names[0])
     except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError) as exc:
         raise _NotPlain(str(exc)) from exc
