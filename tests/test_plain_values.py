@@ -40,6 +40,15 @@ class _Count:
         monkeypatch.setattr(planning.torch, "load", load)
 
 
+def _both(value: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, int]:
+    """``value`` saved with torch.save: what load_value makes of it, what torch.load does, and how many times
+    load_value called torch.load."""
+    data = _saved(value)
+    want = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    count = _Count(monkeypatch)
+    return load_value(data), want, count.calls
+
+
 def _same(a: Any, b: Any) -> None:
     """Equal, and of the same types all the way down (a tuple is not a list, an OrderedDict not a dict)."""
     assert type(a) is type(b), (a, b)
@@ -71,12 +80,9 @@ PLAIN = [
 @pytest.mark.parametrize("value", PLAIN, ids=[f"{type(v).__name__}{i}" for i, v in enumerate(PLAIN)])
 def test_a_value_of_pythons_own_types_decodes_as_torch_load_decodes_it_without_torch_load(
         value: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = _saved(value)
-    want = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    count = _Count(monkeypatch)
-    got = load_value(data)
+    got, want, calls = _both(value, monkeypatch)
     _same(got, want)
-    assert count.calls == 0, "a value of Python's own types went to torch.load"
+    assert calls == 0, "a value of Python's own types went to torch.load"
 
 
 NEEDS_TORCH = [b"bytes", bytearray(b"ba"), complex(1, 2), torch.float32, torch.Size([2, 3]), torch.arange(4),
@@ -86,11 +92,8 @@ NEEDS_TORCH = [b"bytes", bytearray(b"ba"), complex(1, 2), torch.float32, torch.S
 @pytest.mark.parametrize("value", NEEDS_TORCH, ids=[type(v).__name__ for v in NEEDS_TORCH])
 def test_a_value_that_needs_more_than_pythons_own_types_is_read_by_torch_load(
         value: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = _saved(value)
-    want = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    count = _Count(monkeypatch)
-    got = load_value(data)
-    assert count.calls == 1
+    got, want, calls = _both(value, monkeypatch)
+    assert calls == 1
     if type(want) is dict:
         assert torch.equal(got["t"], want["t"]) and got["t"].dtype == want["t"].dtype
     elif isinstance(want, torch.Tensor):

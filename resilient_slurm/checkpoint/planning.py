@@ -267,7 +267,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 self.mappings[own] = self.mappings.pop(fqn)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.set_value(read_item, load_value(value.getvalue()))
+        self.set_value(read_item, load_value(value.getvalue() if isinstance(value, io.BytesIO) else value.read()))
 
     def set_value(self, read_item: ReadItem, obj: Any) -> None:
         """Put an already (safely) decoded plain value in place."""
