@@ -60,6 +60,7 @@ from common import (  # noqa: E402
     IO_CHUNK,
     Cache,
     add_wait_quiet_arg,
+    against_target,
     build_state,
     fmt,
     log,
@@ -69,6 +70,7 @@ from common import (  # noqa: E402
     open_direct,
     page_buffer,
     ratio,
+    ratio_interval,
     remove,
     state_dict_of,
     tensors_of,
@@ -284,6 +286,15 @@ def report_times(r: dict[str, Any], times: dict[str, list[float]], what: str) ->
     for name, v, target in rows:
         print(f"| {name} | {fmt(v, '.2f')} | {target} |")
     raw = times.get("raw_prefaulted", [])
+    # How far the rounds let the ratio move: the disk of a shared VM can move by more than the gap measured.
+    for m in ("ours", "ours_compare"):
+        if raw and times.get(m):
+            iv = ratio_interval(raw, times[m])
+            shown = f"{iv[0]:.2f}-{iv[1]:.2f}" if iv else "n/a"
+            print(f"\n{LABELS[m]}: throughput / raw read, 95% bootstrap interval over the rounds {shown}; "
+                  f"against >= 0.85: {against_target(iv, 0.85)}")
+            print(f"raw read over the rounds: {min(raw):.3f}-{max(raw):.3f} s; {m}: "
+                  f"{min(times[m]):.3f}-{max(times[m]):.3f} s")
     if raw and times.get("ours_compare"):  # round by round: the two trees met the same disk in each
         for m in ("ours", "ours_compare"):
             print(f"\nper round, raw read / {m}: " + " ".join(f"{a / b:.2f}" for a, b in zip(raw, times.get(m, []))))

@@ -27,6 +27,7 @@ import json
 import mmap
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -68,6 +69,35 @@ def med(xs: list[Any]) -> float | None:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def ratio_interval(num: list[float], den: list[float], *, resamples: int = 2000, level: float = 0.95,
+                   seed: int = 0) -> tuple[float, float] | None:
+    """A bootstrap interval of ``median(num) / median(den)``: the rounds are resampled with replacement
+    (``num[i]`` and ``den[i]`` measured in the same round stay together, so drift that hit both hits both
+    again), the ratio of medians taken each time, and the central ``level`` of those ratios returned. None
+    with fewer than three rounds. On a machine whose disk moves from round to round the interval is wide,
+    and a ratio that seems to meet a target may not."""
+    pairs = [(a, b) for a, b in zip(num, den) if a is not None and b]
+    if len(pairs) < 3:
+        return None
+    rng = random.Random(seed)
+    got = sorted(statistics.median(a for a, _ in draw) / statistics.median(b for _, b in draw)
+                 for draw in ([rng.choice(pairs) for _ in pairs] for _ in range(resamples)))
+    cut = int(resamples * (1 - level) / 2)
+    return got[cut], got[resamples - 1 - cut]
+
+
+def against_target(interval: tuple[float, float] | None, target: float) -> str:
+    """What an interval of a ratio says of ``ratio >= target``: met, missed, or not told apart here."""
+    if interval is None:
+        return "too few rounds to say"
+    lo, hi = interval
+    if lo >= target:
+        return "met"
+    if hi < target:
+        return "missed"
+    return "not told apart from the target on this machine (more rounds, or a quieter disk)"
 
 
 def fmt(v: float | None, spec: str, suffix: str = "") -> str:

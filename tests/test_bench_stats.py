@@ -1,0 +1,64 @@
+"""bench/common.py's ratio interval: what the benchmarks say of a target when the machine's rounds spread.
+
+A benchmark that prints only a ratio of medians calls a target met or missed on noise; the interval must be
+tight where the rounds agree, wide where they spread, keep each round's two measurements together, and the
+verdict must say when the rounds cannot tell. Pure arithmetic: nothing is started or written."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+COMMON = Path(__file__).resolve().parent.parent / "bench" / "common.py"
+
+
+@pytest.fixture(scope="module")
+def common() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_common_under_test", COMMON)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_common_under_test"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rounds_that_agree_give_a_tight_interval_and_a_verdict(common: ModuleType) -> None:
+    raw = [0.300, 0.301, 0.299, 0.300, 0.302, 0.300, 0.301]
+    fast = [t / 0.90 for t in raw]  # a restore at 0.90 of the raw read, every round
+    lo, hi = common.ratio_interval(raw, fast)
+    assert 0.899 < lo <= hi < 0.901
+    assert common.against_target((lo, hi), 0.85) == "met"
+    slow = [t / 0.80 for t in raw]
+    assert common.against_target(common.ratio_interval(raw, slow), 0.85) == "missed"
+
+
+def test_rounds_that_spread_more_than_the_gap_are_not_called_either_way(common: ModuleType) -> None:
+    # the numbers of a run on a noisy disk (2026-12-01): the ratio of medians is 0.85
+    raw = [0.419, 0.405, 0.396, 0.419, 0.416, 0.488, 0.430]
+    ours = [0.494, 0.459, 0.451, 0.514, 0.632, 0.500, 0.480]
+    lo, hi = common.ratio_interval(raw, ours)
+    point = common.med(raw) / common.med(ours)
+    assert lo <= point <= hi
+    assert lo < 0.85 < hi and hi - lo > 0.05
+    assert common.against_target((lo, hi), 0.85).startswith("not told apart")
+
+
+def test_a_rounds_two_measurements_stay_together(common: ModuleType) -> None:
+    # the disk's speed drifts by 2x over the run, and the restore follows it at 0.9 in each round: pairs kept
+    # together give 0.9 exactly; resampling each list on its own would not
+    raw = [0.2 * (1 + i / 6) for i in range(7)]
+    ours = [t / 0.9 for t in raw]
+    lo, hi = common.ratio_interval(raw, ours, resamples=500)
+    assert lo == pytest.approx(0.9) and hi == pytest.approx(0.9)
+
+
+def test_too_few_rounds_say_so_and_the_same_seed_gives_the_same_interval(common: ModuleType) -> None:
+    assert common.ratio_interval([0.3, 0.3], [0.33, 0.35]) is None
+    assert common.against_target(None, 0.85) == "too few rounds to say"
+    raw, ours = [0.30, 0.31, 0.29, 0.35, 0.30], [0.33, 0.36, 0.34, 0.40, 0.31]
+    assert common.ratio_interval(raw, ours) == common.ratio_interval(raw, ours)
+    assert common.ratio_interval(raw, [*ours[:2], None, *ours[3:]]) is not None  # a failed round is left out
