@@ -270,7 +270,14 @@ def test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them(slurm: 
     first = [e for e in events if e.get("restart_count", 0) == 0]
     kinds = [e["event"] for e in first]
     assert "save_signal_deferred" in kinds, diagnosis
-    assert kinds.index("save_signal_deferred") < kinds.index("save_signal_sent"), diagnosis
+    if "save_signal_sent" in kinds:
+        assert kinds.index("save_signal_deferred") < kinds.index("save_signal_sent"), diagnosis
+    else:
+        # The held-back signal is looked at every 0.5 s (StopControl.send_deferred_signal): ranks that
+        # registered, took the requested save over the socket and their first step's collective, committed it
+        # and said goodbye between two looks never needed it (seen once in CI on a loaded machine). The save
+        # must then be committed all the same.
+        assert "committed" in kinds, diagnosis
     deferred = next(e for e in first if e["event"] == "save_signal_deferred")
     assert set(deferred) == {"t", "event", "source", "node", "run_id", "job_id", "restart_count", "signal"}, deferred
     assert deferred["signal"] == "SIGUSR2", deferred  # docs/telemetry.md's fields, the default save signal
