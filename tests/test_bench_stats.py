@@ -6,24 +6,15 @@ verdict must say when the rounds cannot tell. Pure arithmetic: nothing is starte
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-COMMON = Path(__file__).resolve().parent.parent / "bench" / "common.py"
+from bench_support import load_bench
 
 
 @pytest.fixture(scope="module")
 def common() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_common_under_test", COMMON)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_common_under_test"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("common.py", "bench_common_under_test")
 
 
 def test_rounds_that_agree_give_a_tight_interval_and_a_verdict(common: ModuleType) -> None:

@@ -8,15 +8,14 @@ server the tests use (requests counted as they reach the wire)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 import s3_support
+from bench_support import load_bench
 
 from resilient_slurm.checkpoint.policy import RetentionPolicy
 from resilient_slurm.daemon import Daemon
@@ -35,17 +34,11 @@ from resilient_slurm.storage.tier import StorageTier
 moto_server = s3_support.moto_server
 s3_bucket = s3_support.s3_bucket
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_commit.py"
 
 
 @pytest.fixture(scope="module")
 def bc() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_commit", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_commit"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_commit.py", "bench_commit")
 
 
 @pytest.fixture(params=["posix", "s3"])

@@ -5,27 +5,20 @@ second."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_support import load_bench
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "scale_model.py"
 NODES = (1, 16, 256, 4096)
 
 
 @pytest.fixture(scope="module")
 def sm() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("scale_model", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["scale_model"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("scale_model.py", "scale_model")
 
 
 @pytest.fixture(scope="module")
