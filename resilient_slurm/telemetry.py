@@ -97,6 +97,7 @@ class Event(StrEnum):
     SAVE_REQUESTED = "save_requested"
     SAVE_SIGNAL_DEFERRED = "save_signal_deferred"
     SAVE_SIGNAL_SENT = "save_signal_sent"
+    SAVE_SIGNAL_WITHHELD = "save_signal_withheld"
     SAVE_STAGED = "save_staged"
     SAVE_STARTED = "save_started"
     SIGNAL = "signal"

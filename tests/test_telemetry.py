@@ -61,8 +61,9 @@ EVERY = 4
 REQUEUE = 75
 SLURM_ONLY = {"decision", "not_requeued", "requeue_call", "save_signal_sent"}  # launcher events that need a Slurm job
 # A stop while a Slurm job's ranks are still starting: test_launcher_slurm's
-# test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them checks its fields.
-SLURM_STARTUP_ONLY = {"save_signal_deferred"}
+# test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them checks its fields, and
+# tests/test_deferred_save_signal.py every way a held-back signal is sent or withheld.
+SLURM_STARTUP_ONLY = {"save_signal_deferred", "save_signal_withheld"}
 # A hung or crashed run of the ranks: tests/test_hang.py writes these (and checks their fields against
 # docs/telemetry.md with check_records).
 HANG_ONLY = {"hang", "in_job_restart"}

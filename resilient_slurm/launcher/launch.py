@@ -355,6 +355,7 @@ class Launcher:
                 log.info("emergency checkpoint of step %s committed %.2f s after %s", last.get("step"),
                          now - stop.at, stop.source)
                 self.event(Event.COMMITTED, step=last.get("step"), after_signal_s=now - stop.at)
+                self.stopping.withhold_deferred_signal("committed")
             if committed_at is not None:
                 self._record_if_ending(children)  # before waiting for the ranks to exit
             if stop is not None and now >= stop.deadline:
@@ -387,6 +388,7 @@ class Launcher:
                 teardown(self, children, grace=self.cfg.term_grace)
                 break
         self._record_if_ending(children)  # the ranks left before the launcher saw a commit
+        self.stopping.withhold_deferred_signal("ranks_exited")
         self.timings["ranks_exited"] = time.time()
         # A last reading: a killed rank's record stays, so its last step is exact (rslurm report's recomputed steps).
         self.hang_watch.observe(read_heartbeats(self.socket_path))

@@ -252,11 +252,22 @@ class StopControl:
         self._deferred_check_at = now + 0.5
         registered = bool(server.status()["ranks"])
         if registered and not self.ctx.multi_node():
-            self._deferred_signal = None  # one node: the socket reached every rank
+            self.withhold_deferred_signal("socket")  # one node: the socket reached every rank
             return
         if registered or now >= stop.at + (stop.deadline - stop.at) / 2:
             sig, self._deferred_signal = self._deferred_signal, None
             self.send_save_signal(sig)
+
+    def withhold_deferred_signal(self, reason: str) -> None:
+        """The save signal held back is not needed after all, and is never sent (event
+        ``save_signal_withheld``): ``socket``, a rank registered and the job has one node, whose ranks the
+        socket reaches; ``committed``, the save the stop asked for is committed on every rank (they shared the
+        request over their steps' collectives); ``ranks_exited``, the ranks ended before one registered or the
+        time to send it came. Nothing when no signal is held back."""
+        if self._deferred_signal is None:
+            return
+        sig, self._deferred_signal = self._deferred_signal, None
+        self.ctx.event(Event.SAVE_SIGNAL_WITHHELD, signal=signal.Signals(sig).name, reason=reason)
 
 
 def teardown(ctx: LaunchContext, children: Children, grace: float) -> None:
