@@ -240,6 +240,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if p.returncode != 0:
                     r["errors"].append(f"{mode}: exit {p.returncode}: {p.stderr.strip()[-2000:]}")
                     log(r["errors"][-1])
+                    # None keeps the lists round by round: the ratios and the interval pair each mode's
+                    # time with the raw read of the same round, and skip a round where either failed.
+                    r["hog_times" if hogged else "times"][mode].append(None)
                     continue
                 res = json.loads(p.stdout.strip().splitlines()[-1])
                 if res["equal"] is False:
@@ -265,11 +268,18 @@ def report(r: dict[str, Any]) -> None:
         print("every restore returned state equal to what was saved")
 
 
-def report_times(r: dict[str, Any], times: dict[str, list[float]], what: str) -> None:
+def spread(xs: list[float | None]) -> str:
+    """The lowest and highest of the rounds' times that were measured (a failed round is None)."""
+    got = [x for x in xs if x is not None]
+    return f"{min(got):.3f}-{max(got):.3f} s" if got else "n/a"
+
+
+def report_times(r: dict[str, Any], times: dict[str, list[float | None]], what: str) -> None:
     n = r.get("bytes", 0)
     t = {m: med(v) for m, v in times.items()}
     print(f"\nCold restore of {n / 2**30:.2f} GiB of shards (fresh process, page cache dropped{what}; "
-          f"median of {max(len(v) for v in times.values())}); io_threads={r['io_threads']}\n")
+          f"median of {max(len([x for x in v if x is not None]) for v in times.values())}); "
+          f"io_threads={r['io_threads']}\n")
     print("| method | time | throughput |\n|---|---|---|")
     for m, s in t.items():
         print(f"| {LABELS[m]} | {fmt(s, '.3f', ' s')} | {fmt(ratio(n, s) and n / s / 1e9, '.2f', ' GB/s')} |")
@@ -293,11 +303,11 @@ def report_times(r: dict[str, Any], times: dict[str, list[float]], what: str) ->
             shown = f"{iv[0]:.2f}-{iv[1]:.2f}" if iv else "n/a"
             print(f"\n{LABELS[m]}: throughput / raw read, 95% bootstrap interval over the rounds {shown}; "
                   f"against >= 0.85: {against_target(iv, 0.85)}")
-            print(f"raw read over the rounds: {min(raw):.3f}-{max(raw):.3f} s; {m}: "
-                  f"{min(times[m]):.3f}-{max(times[m]):.3f} s")
+            print(f"raw read over the rounds: {spread(raw)}; {m}: {spread(times[m])}")
     if raw and times.get("ours_compare"):  # round by round: the two trees met the same disk in each
         for m in ("ours", "ours_compare"):
-            print(f"\nper round, raw read / {m}: " + " ".join(f"{a / b:.2f}" for a, b in zip(raw, times.get(m, []))))
+            print(f"\nper round, raw read / {m}: " + " ".join(
+                f"{a / b:.2f}" if a is not None and b else "failed" for a, b in zip(raw, times.get(m, []))))
 
 
 def main() -> None:

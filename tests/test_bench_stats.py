@@ -53,3 +53,17 @@ def test_too_few_rounds_say_so_and_the_same_seed_gives_the_same_interval(common:
     raw, ours = [0.30, 0.31, 0.29, 0.35, 0.30], [0.33, 0.36, 0.34, 0.40, 0.31]
     assert common.ratio_interval(raw, ours) == common.ratio_interval(raw, ours)
     assert common.ratio_interval(raw, [*ours[:2], None, *ours[3:]]) is not None  # a failed round is left out
+
+
+def test_a_failed_round_of_the_restore_benchmark_keeps_the_others_paired(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_restore.py records a round whose child failed as None, so each later round's restore is still
+    divided by the raw read of its own round (a drifting disk: round 2 reads at half the speed)."""
+    bench = load_bench("bench_restore.py", "bench_restore_under_test")
+    times = {"raw_prefaulted": [0.30, 0.60, 0.30, 0.30], "ours": [0.33, None, 0.66 * 0.5, 0.33],
+             "ours_compare": [0.33, 0.66, 0.33, 0.33]}
+    bench.report_times({"bytes": 2**30, "io_threads": 4}, times, "")
+    out = capsys.readouterr().out
+    assert "per round, raw read / ours: 0.91 failed 0.91 0.91" in out, out
+    assert "per round, raw read / ours_compare: 0.91 0.91 0.91 0.91" in out, out
+    assert "ours: 0.330-0.330 s" in out and "median of 4" in out, out
