@@ -350,12 +350,8 @@ class Launcher:
             if stop is not None and committed_at is None and server.state.save_request is None:
                 committed_at = now
                 self.timings["committed"] = now
-                last = server.status().get("last_committed") or {}
                 self.emergency_seen = True
-                log.info("emergency checkpoint of step %s committed %.2f s after %s", last.get("step"),
-                         now - stop.at, stop.source)
-                self.event(Event.COMMITTED, step=last.get("step"), after_signal_s=now - stop.at)
-                self.stopping.withhold_deferred_signal("committed")
+                self.stopping.committed((server.status().get("last_committed") or {}).get("step"), now)
             if committed_at is not None:
                 self._record_if_ending(children)  # before waiting for the ranks to exit
             if stop is not None and now >= stop.deadline:

@@ -258,6 +258,15 @@ class StopControl:
             sig, self._deferred_signal = self._deferred_signal, None
             self.send_save_signal(sig)
 
+    def committed(self, step: int | None, now: float) -> None:
+        """The launcher saw the stop's save committed (step ``step``): say so (event ``committed``); a save
+        signal still held back is withheld, as no rank needs it any more."""
+        stop = self.stop
+        assert stop is not None
+        log.info("emergency checkpoint of step %s committed %.2f s after %s", step, now - stop.at, stop.source)
+        self.ctx.event(Event.COMMITTED, step=step, after_signal_s=now - stop.at)
+        self.withhold_deferred_signal("committed")
+
     def withhold_deferred_signal(self, reason: str) -> None:
         """The save signal held back is not needed after all, and is never sent (event
         ``save_signal_withheld``): ``socket``, a rank registered and the job has one node, whose ranks the
