@@ -133,17 +133,16 @@ def test_tensors_stored_in_a_framing_other_than_this_torch_writes_are_parsed_by_
     to look foreign, so every item takes the other path, collected into a buffer and parsed by torch, and the
     state is restored exactly all the same."""
     from resilient_slurm.checkpoint import apply as apply_mod
-    from resilient_slurm.checkpoint.staging import Framing, framing_for
+    from resilient_slurm.checkpoint.staging import tensor_prefix
 
     net, opt = trained(1)
     save(tmp_path, 2, {"model": net, "optim": opt})
     fresh, fopt = trained(7, steps=1)
 
-    def other(dtype: torch.dtype, shape: tuple[int, ...]) -> Framing:
-        fr = framing_for(dtype, shape)
-        return Framing(prefix=bytes(len(fr.prefix)), suffix=fr.suffix)  # same lengths, other bytes
+    def other(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+        return bytes(len(tensor_prefix(dtype, shape)))  # same length, other bytes
 
-    monkeypatch.setattr(apply_mod, "framing_for", other)
+    monkeypatch.setattr(apply_mod, "tensor_prefix", other)
     step, event = restore(tmp_path, {"model": fresh, "optim": fopt})
     assert step == 2
     assert all(torch.equal(x, y) for x, y in zip(tensors(net, opt), tensors(fresh, fopt)))

@@ -19,7 +19,13 @@ written to the shard file in waves while training waits (the stall grows, the me
 
 from __future__ import annotations
 
+import collections
 import io
+import math
+import pickle
+import struct
+import sys
+import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -110,6 +116,95 @@ def framing_for(dtype: torch.dtype, shape: Sequence[int]) -> Framing:
         fr = Framing(prefix=bytes(prefix), suffix=bytes(suffix))
         _FRAMING_CACHE[key] = fr
     return fr
+
+
+_PREFIX_CACHE: dict[tuple[torch.dtype, tuple[int, ...]], bytes] = {}
+_ZIP64_LIMIT = 0xFFFFFFFF  # a record this large gets zip64 fields in its header: left to torch.save
+
+
+class _Storage:
+    """Stands for a tensor's storage in :func:`tensor_prefix`'s pickle: written as torch.save's persistent id."""
+
+
+class _Tensor:
+    """Pickles as torch.save pickles a plain, contiguous CPU tensor without Python state."""
+
+    def __init__(self, args: tuple[object, ...]) -> None:
+        self.args = args
+
+    def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
+        return torch._utils._rebuild_tensor_v2, self.args
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, buf: io.BytesIO, storage: _Storage, pid: tuple[object, ...]) -> None:
+        super().__init__(buf, protocol=2)  # torch.save's default protocol
+        self.storage, self.pid = storage, pid
+
+    def persistent_id(self, obj: object) -> tuple[object, ...] | None:
+        return self.pid if obj is self.storage else None
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)  # as torch strides a dimension of size 0 or 1
+    return tuple(reversed(out))
+
+
+def tensor_prefix(dtype: torch.dtype, shape: Sequence[int]) -> bytes:
+    """The bytes :func:`framing_for` puts before the data of a contiguous CPU tensor (``framing_for(dtype,
+    shape).prefix``), made with Python's pickle, struct and zlib instead of a ``torch.save``: the zip records
+    ``data.pkl``, ``.format_version``, ``.storage_alignment`` and ``byteorder``, then the local header of
+    ``data/0``, each padded so that what follows starts on the storage alignment. Cached per dtype and shape.
+
+    Why: a restore checks each large item's framing as its first bytes arrive. A process's first
+    ``torch.save`` runs code for the first time (its zip writer and pickler), which a cold node reads from
+    disk while the restore's reads keep it busy: 12-23 ms of the calling thread on a 1 GiB restore here,
+    beyond what the read ring holds (docs/benchmarks.md). Falls back to :func:`framing_for` for what this does
+    not cover (a dtype without a storage type, an empty tensor, a record of 4 GiB or more, CRCs turned off in torch's save
+    config, a big-endian host); tests/test_framing.py holds it to ``framing_for`` byte for byte."""
+    key = (dtype, tuple(shape))
+    got = _PREFIX_CACHE.get(key)
+    if got is None:
+        got = _made_prefix(dtype, key[1])
+        if got is None:
+            got = framing_for(dtype, shape).prefix
+        _PREFIX_CACHE[key] = got
+    return got
+
+
+def _made_prefix(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes | None:
+    from torch.utils.serialization import config
+
+    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    storage_type = getattr(torch, name, None) if name else None
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    align = torch.serialization._get_storage_alignment()
+    if storage_type is None or not nbytes or nbytes >= _ZIP64_LIMIT or not config.save.compute_crc32 or sys.byteorder != "little":
+        return None
+    storage = _Storage()
+    buf = io.BytesIO()
+    args: tuple[object, ...] = (storage, 0, shape, _contiguous_strides(shape), False, collections.OrderedDict())
+    _Pickler(buf, storage, ("storage", storage_type, "0", "cpu", numel)).dump(_Tensor(args))
+    out = bytearray()
+
+    def header(name: str) -> None:
+        raw = f"archive/{name}".encode()
+        start = len(out) + 30 + len(raw) + 4  # the local header, the name, the padding field's own 4 bytes
+        pad = -start % align
+        extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        out.extend(b"PK\x03\x04" + struct.pack("<HHHHHIIIHH", 0, 0x0808, 0, 0, 0, 0, 0, 0, len(raw), len(extra)))
+        out.extend(raw + extra)
+
+    for name, data in (("data.pkl", buf.getvalue()), (".format_version", b"1"),
+                       (".storage_alignment", str(align).encode()), ("byteorder", b"little")):
+        header(name)
+        out.extend(data + b"PK\x07\x08" + struct.pack("<III", zlib.crc32(data), len(data), len(data)))
+    header("data/0")
+    return bytes(out)
 
 
 @dataclass(frozen=True)
