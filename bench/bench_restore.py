@@ -233,18 +233,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 hog = subprocess.Popen([sys.executable, "-c", HOG]) if hogged else None
                 try:
                     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                    res = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else None
+                    failed = None if p.returncode == 0 else f"exit {p.returncode}: {p.stderr.strip()[-2000:]}"
+                except subprocess.TimeoutExpired:
+                    failed = "no result within 900 s"
+                except (ValueError, IndexError):  # no JSON line last
+                    failed = f"unreadable result: {p.stdout.strip()[-500:]!r} {p.stderr.strip()[-1500:]}"
                 finally:
                     if hog is not None:
                         hog.kill()
                         hog.wait()
-                if p.returncode != 0:
-                    r["errors"].append(f"{mode}: exit {p.returncode}: {p.stderr.strip()[-2000:]}")
+                if failed is not None or res is None:
+                    r["errors"].append(f"{mode}: {failed}")
                     log(r["errors"][-1])
                     # None keeps the lists round by round: the ratios and the interval pair each mode's
                     # time with the raw read of the same round, and skip a round where either failed.
                     r["hog_times" if hogged else "times"][mode].append(None)
                     continue
-                res = json.loads(p.stdout.strip().splitlines()[-1])
                 if res["equal"] is False:
                     r["errors"].append(f"{mode}: restored state differs from the saved one")
                 r["hog_times" if hogged else "times"][mode].append(res["s"])

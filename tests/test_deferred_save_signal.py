@@ -90,31 +90,39 @@ def test_on_several_nodes_the_held_back_signal_goes_once_a_rank_registers(tmp_pa
     server.ranks = [0]
     launcher.stopping.send_deferred_signal(server, at + 2)
     assert slurm.signals == [signal.SIGUSR2]  # the default save signal, to the ranks on the other node
-    launcher.stopping.withhold_deferred_signal("committed")  # the commit after it: nothing left to withhold
-    launcher.stopping.send_deferred_signal(server, at + 3)
+    launcher.stopping.committed(8, at + 3)  # the commit after it: nothing left to withhold, nothing sent again
+    launcher.stopping.send_deferred_signal(server, at + 4)
     assert slurm.signals == [signal.SIGUSR2]
     assert _signal_events(tmp_path) == [("save_signal_deferred", None), ("save_signal_sent", None)]
 
 
-@pytest.mark.parametrize("reason", ["committed", "ranks_exited"])
-def test_a_held_back_signal_no_longer_needed_is_withheld_and_never_sent(
-        tmp_path: Path, home: Path, reason: str) -> None:
+def test_a_save_committed_before_the_held_back_signal_went_withholds_it_for_good(tmp_path: Path, home: Path) -> None:
     """The ranks registered, saved what the stop asked for and said goodbye between two of the launcher's
-    looks (or ended): the save signal would reach nobody who needs it, and is never sent, not even once half
-    the time to the deadline has passed."""
+    looks: once the launcher sees the commit (StopControl.committed, from its loop) the save signal would
+    reach nobody who needs it, and is never sent, not even once half the time to the deadline has passed."""
     launcher, slurm, server, at = _stop(tmp_path, home, nodes=2)
-    launcher.stopping.withhold_deferred_signal(reason)
+    launcher.stopping.committed(8, at + 1.5)
     stop = launcher.stopping.stop
     assert stop is not None
     launcher.stopping.send_deferred_signal(server, stop.deadline)  # past half the time to the deadline
     server.ranks = [0]
     launcher.stopping.send_deferred_signal(server, stop.deadline + 1)
     assert slurm.signals == []
-    assert _signal_events(tmp_path) == [("save_signal_deferred", None), ("save_signal_withheld", reason)]
-    withheld = _events(tmp_path)[-1]
-    assert withheld["signal"] == "SIGUSR2", withheld
+    events = _events(tmp_path)
+    assert [(e["event"], e.get("reason")) for e in events[-2:]] == [("committed", None),
+                                                                    ("save_signal_withheld", "committed")]
+    assert events[-2]["step"] == 8 and events[-2]["after_signal_s"] == pytest.approx(1.5, abs=0.2)
+    assert events[-1]["signal"] == "SIGUSR2", events[-1]
     launcher.stopping.withhold_deferred_signal("ranks_exited")  # once only
     assert len(_signal_events(tmp_path)) == 2
+
+
+def test_ranks_that_end_before_the_held_back_signal_went_withhold_it(tmp_path: Path, home: Path) -> None:
+    launcher, slurm, server, at = _stop(tmp_path, home, nodes=2)
+    launcher.stopping.withhold_deferred_signal("ranks_exited")  # what the launcher's loop does as it ends
+    launcher.stopping.send_deferred_signal(server, at + 1000)
+    assert slurm.signals == []
+    assert _signal_events(tmp_path) == [("save_signal_deferred", None), ("save_signal_withheld", "ranks_exited")]
 
 
 def test_on_one_node_a_registered_rank_makes_the_signal_unneeded(tmp_path: Path, home: Path) -> None:
@@ -136,6 +144,7 @@ def test_a_signal_that_was_never_held_back_is_never_withheld(tmp_path: Path, hom
     server = Server()
     server.ranks = [0]
     launcher.stopping.on_event(TrapEvent("SIGUSR1", time.time()), Starting(), server)  # type: ignore[arg-type]
-    launcher.stopping.withhold_deferred_signal("committed")
+    launcher.stopping.committed(8, time.time())
+    launcher.stopping.withhold_deferred_signal("ranks_exited")
     assert slurm.signals == [signal.SIGUSR2]
     assert _signal_events(tmp_path) == [("save_signal_sent", None)]

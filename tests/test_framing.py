@@ -60,13 +60,35 @@ def test_what_it_does_not_cover_falls_back_to_torch_save() -> None:
     finally:
         config.save.compute_crc32 = True
     assert staging._made_prefix(torch.float32, (4,)) is not None
+    # a storage alignment whose padding does not fit the zip extra field's 16-bit length
+    config.save.storage_alignment = 1 << 17
+    try:
+        assert staging._made_prefix(torch.float32, (4,)) is None
+    finally:
+        config.save.storage_alignment = 64
+
+
+@pytest.mark.parametrize("align", [8, 100, 4096])
+def test_another_storage_alignment_is_followed(align: int) -> None:
+    from torch.utils.serialization import config
+
+    config.save.storage_alignment = align
+    staging._FRAMING_CACHE.clear()  # framings made under the default alignment
+    try:
+        for shape in [(3,), (1000, 1000)]:
+            fr = framing_for(torch.float32, shape)  # torch.save under the same config
+            assert staging._made_prefix(torch.float32, shape) == fr.prefix, (align, shape)
+    finally:
+        config.save.storage_alignment = 64
+        staging._FRAMING_CACHE.clear()  # framings made under another alignment
 
 
 def test_a_restore_reads_large_tensors_in_place_without_running_torch_save(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The restore's large items are checked against the prefix made in Python: torch.save is never called on
     the way (here it would raise), and the bytes still go straight into the live tensors."""
-    big = {"w": torch.randn(1024, 1024), "m": torch.randn(512, 1024).to(torch.bfloat16), "b": torch.randn(7)}
+    big = {"w": torch.randn(1024, 1024), "m": torch.randn(512, 1024).to(torch.bfloat16), "b": torch.randn(7),
+           "e": torch.zeros(0), "e2": torch.zeros(3, 0, dtype=torch.int64)}  # empty tensors: no prefix at all
     with Checkpointer(local_dir=str(tmp_path), run_id="framing", keep_last=1) as ck:
         ck.save(1, big)
         ck.wait()
@@ -78,7 +100,8 @@ def test_a_restore_reads_large_tensors_in_place_without_running_torch_save(
 
     monkeypatch.setattr(torch, "save", refuse)
     monkeypatch.setattr(sys.modules["torch.serialization"], "save", refuse)
-    live = {"w": torch.zeros(1024, 1024), "m": torch.zeros(512, 1024, dtype=torch.bfloat16), "b": torch.zeros(7)}
+    live = {"w": torch.zeros(1024, 1024), "m": torch.zeros(512, 1024, dtype=torch.bfloat16), "b": torch.zeros(7),
+            "e": torch.ones(0), "e2": torch.ones(3, 0, dtype=torch.int64)}
     addresses = {k: v.data_ptr() for k, v in live.items()}
     with Checkpointer(local_dir=str(tmp_path), run_id="framing", keep_last=1) as ck:
         assert ck.restore(live) == 1

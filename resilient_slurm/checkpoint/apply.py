@@ -321,9 +321,12 @@ class _Loaded:
         dest = as_stored(self.md, ri, self.planner) if host else None
         if dest is None:
             return None
+        nbytes = dest.numel() * dest.element_size()
+        if nbytes == 0:
+            return None  # nothing to copy (and no prefix to make: an empty tensor's is torch.save's)
         prefix = tensor_prefix(dest.dtype, tuple(dest.shape))
-        n, nbytes = len(prefix), dest.numel() * dest.element_size()
-        if nbytes == 0 or length < n + nbytes:
+        n = len(prefix)
+        if length < n + nbytes:
             return None
         base = (buf.address if isinstance(buf, HostBuffer) else buf.data_ptr()) + at
         if ctypes.string_at(base, n) != prefix:
@@ -337,12 +340,13 @@ class _Loaded:
         assert isinstance(tmd, TensorStorageMetadata)
         chunk = next(c for c in tmd.chunks if tuple(c.offsets) == tuple(ri.storage_index.offset))
         dtype = tmd.properties.dtype
+        nbytes = torch.Size(chunk.sizes).numel() * dtype.itemsize
+        if nbytes == 0:  # no bytes to take: the tensor is its dtype and shape (the item's bytes were verified)
+            return torch.empty(tuple(chunk.sizes), dtype=dtype)
         prefix = tensor_prefix(dtype, tuple(chunk.sizes))
         n = len(prefix)
-        nbytes = torch.Size(chunk.sizes).numel() * dtype.itemsize
         if blob.numel() >= n + nbytes and bytes(blob[:n].numpy()) == prefix:
-            raw = blob[n : n + nbytes]
-            return raw.view(dtype).view(tuple(chunk.sizes)) if nbytes else torch.empty(tuple(chunk.sizes), dtype=dtype)
+            return blob[n : n + nbytes].view(dtype).view(tuple(chunk.sizes))
         # Not our framing (e.g. written by plain DCP): let torch parse it, safely.
         return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=True)
 

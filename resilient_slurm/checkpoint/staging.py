@@ -122,6 +122,10 @@ _PREFIX_CACHE: dict[tuple[torch.dtype, tuple[int, ...]], bytes] = {}
 _ZIP64_LIMIT = 0xFFFFFFFF  # a record this large gets zip64 fields in its header: left to torch.save
 
 
+class _NotMade(Exception):
+    """:func:`_made_prefix` cannot make this prefix: torch.save's is used."""
+
+
 class _Storage:
     """Stands for a tensor's storage in :func:`tensor_prefix`'s pickle: written as torch.save's persistent id."""
 
@@ -163,7 +167,8 @@ def tensor_prefix(dtype: torch.dtype, shape: Sequence[int]) -> bytes:
     ``torch.save`` runs code for the first time (its zip writer and pickler), which a cold node reads from
     disk while the restore's reads keep it busy: 12-23 ms of the calling thread on a 1 GiB restore here,
     beyond what the read ring holds (docs/benchmarks.md). Falls back to :func:`framing_for` for what this does
-    not cover (a dtype without a storage type, an empty tensor, a record of 4 GiB or more, CRCs turned off in torch's save
+    not cover (a dtype without a storage type such as float8 or uint16, an empty tensor, a record of 4 GiB or more,
+    a storage alignment whose padding does not fit the zip field, CRCs turned off in torch's save
     config, a big-endian host); tests/test_framing.py holds it to ``framing_for`` byte for byte."""
     key = (dtype, tuple(shape))
     got = _PREFIX_CACHE.get(key)
@@ -195,15 +200,20 @@ def _made_prefix(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes | None:
         raw = f"archive/{name}".encode()
         start = len(out) + 30 + len(raw) + 4  # the local header, the name, the padding field's own 4 bytes
         pad = -start % align
+        if pad > 0xFFFF:  # torch.save's own padding field cannot say it either
+            raise _NotMade
         extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         out.extend(b"PK\x03\x04" + struct.pack("<HHHHHIIIHH", 0, 0x0808, 0, 0, 0, 0, 0, 0, len(raw), len(extra)))
         out.extend(raw + extra)
 
-    for name, data in (("data.pkl", buf.getvalue()), (".format_version", b"1"),
-                       (".storage_alignment", str(align).encode()), ("byteorder", b"little")):
-        header(name)
-        out.extend(data + b"PK\x07\x08" + struct.pack("<III", zlib.crc32(data), len(data), len(data)))
-    header("data/0")
+    try:
+        for name, data in (("data.pkl", buf.getvalue()), (".format_version", b"1"),
+                           (".storage_alignment", str(align).encode()), ("byteorder", b"little")):
+            header(name)
+            out.extend(data + b"PK\x07\x08" + struct.pack("<III", zlib.crc32(data), len(data), len(data)))
+        header("data/0")
+    except _NotMade:
+        return None
     return bytes(out)
 
 

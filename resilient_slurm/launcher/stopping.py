@@ -271,8 +271,8 @@ class StopControl:
         """The save signal held back is not needed after all, and is never sent (event
         ``save_signal_withheld``): ``socket``, a rank registered and the job has one node, whose ranks the
         socket reaches; ``committed``, the save the stop asked for is committed on every rank (they shared the
-        request over their steps' collectives); ``ranks_exited``, the ranks ended before one registered or the
-        time to send it came. Nothing when no signal is held back."""
+        request over their steps' collectives); ``ranks_exited``, the ranks ended (or were torn down) before it was
+        sent. Nothing when no signal is held back."""
         if self._deferred_signal is None:
             return
         sig, self._deferred_signal = self._deferred_signal, None
