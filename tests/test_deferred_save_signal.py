@@ -148,3 +148,14 @@ def test_a_signal_that_was_never_held_back_is_never_withheld(tmp_path: Path, hom
     launcher.stopping.withhold_deferred_signal("ranks_exited")
     assert slurm.signals == [signal.SIGUSR2]
     assert _signal_events(tmp_path) == [("save_signal_sent", None)]
+
+
+def test_a_stop_before_the_ranks_are_started_withholds_the_signal(tmp_path: Path, home: Path) -> None:
+    """The stop reached the launcher during its set-up, before srun started this run's ranks: they are not
+    started (StopControl.not_started), so the held-back signal would reach no task that traps it."""
+    launcher, slurm, server, at = _stop(tmp_path, home, nodes=2)
+    launcher.stopping.not_started(None)
+    launcher.stopping.send_deferred_signal(server, at + 1000)
+    assert slurm.signals == []
+    assert [(e["event"], e.get("reason")) for e in _events(tmp_path)][-3:] == [
+        ("save_signal_deferred", None), ("ranks_not_started", None), ("save_signal_withheld", "ranks_not_started")]

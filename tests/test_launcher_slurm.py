@@ -240,6 +240,13 @@ def test_time_limit_saves_requeues_and_resumes_bitwise(slurm: SlurmCluster):
     _assert_identical_to(ref, work, steps)
 
 
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:  # gone
+        return []
+
+
 def test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them(slurm: SlurmCluster):
     """A stop that reaches the launcher while the ranks are still starting (seen on the test cluster: the
     first time-limit check seconds after a requeued job started): the save signal would kill a process
@@ -258,8 +265,9 @@ def test_a_stop_while_ranks_start_waits_for_them_instead_of_killing_them(slurm: 
     program = ["bash", "-c", "'sleep 8; exec \"$@\"'", "task", *TOY, *_toy_args(work, 30, 0.05)]
     job = _submit(slurm, work, _script(work, program, extra_env={"RSLURM_TERM_GRACE": "60"}))
     deadline = time.monotonic() + 60
-    while not ((work / "nvme" / "n1" / "toy" / "events.jsonl").exists()
-               and any(e["event"] == "start" for e in _events(work))):
+    # The tasks are in their shell's sleep: srun started them (the launcher's `start` event comes before its
+    # set-up, and a stop then would not start the ranks at all, seen once in CI on a loaded machine).
+    while not any(_cmdline(pid) == ["sleep", "8"] for pid in slurm.job_pids(job)):
         assert time.monotonic() < deadline, _job_text(work)[-3000:]
         time.sleep(0.2)
     time.sleep(2)

@@ -137,6 +137,7 @@ class StopControl:
         log.warning("%s before the ranks started: not starting them (the run goes on from %s)", self.stop.source,
                     f"step {restored}" if restored is not None else "its start")
         self.ctx.event(Event.RANKS_NOT_STARTED, signal=self.stop.source, restored_step=restored)
+        self.withhold_deferred_signal("ranks_not_started")  # no task of this run will ever trap it
 
     def on_event(self, ev: TrapEvent, children: Children | None, server: ControlServer) -> None:
         """A trapped signal (or cloud notice): the stop request, or an earlier deadline for the one made."""
@@ -272,7 +273,7 @@ class StopControl:
         ``save_signal_withheld``): ``socket``, a rank registered and the job has one node, whose ranks the
         socket reaches; ``committed``, the save the stop asked for is committed on every rank (they shared the
         request over their steps' collectives); ``ranks_exited``, the ranks ended (or were torn down) before it was
-        sent. Nothing when no signal is held back."""
+        sent; ``ranks_not_started``, the stop came before this run of the ranks started, and they are not. Nothing when no signal is held back."""
         if self._deferred_signal is None:
             return
         sig, self._deferred_signal = self._deferred_signal, None
