@@ -122,10 +122,6 @@ _PREFIX_CACHE: dict[tuple[torch.dtype, tuple[int, ...]], bytes] = {}
 _ZIP64_LIMIT = 0xFFFFFFFF  # a record this large gets zip64 fields in its header: left to torch.save
 
 
-class _NotMade(Exception):
-    """:func:`_made_prefix` cannot make this prefix: torch.save's is used."""
-
-
 class _Storage:
     """Stands for a tensor's storage in :func:`tensor_prefix`'s pickle: written as torch.save's persistent id."""
 
@@ -181,8 +177,7 @@ def tensor_prefix(dtype: torch.dtype, shape: Sequence[int]) -> bytes:
 
 
 def _made_prefix(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes | None:
-    from torch.utils.serialization import config
-
+    config = torch.utils.serialization.config
     name = torch.storage._dtype_to_storage_type_map().get(dtype)
     storage_type = getattr(torch, name, None) if name else None
     numel = math.prod(shape)
@@ -196,25 +191,25 @@ def _made_prefix(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes | None:
     _Pickler(buf, storage, ("storage", storage_type, "0", "cpu", numel)).dump(_Tensor(args))
     out = bytearray()
 
-    def header(name: str) -> None:
+    def header(name: str) -> bool:
+        """The local header of record ``name``, padded to the alignment; False where the padding cannot be
+        said (torch.save's own 16-bit padding field cannot say it either)."""
         raw = f"archive/{name}".encode()
         start = len(out) + 30 + len(raw) + 4  # the local header, the name, the padding field's own 4 bytes
         pad = -start % align
-        if pad > 0xFFFF:  # torch.save's own padding field cannot say it either
-            raise _NotMade
+        if pad > 0xFFFF:
+            return False
         extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         out.extend(b"PK\x03\x04" + struct.pack("<HHHHHIIIHH", 0, 0x0808, 0, 0, 0, 0, 0, 0, len(raw), len(extra)))
         out.extend(raw + extra)
+        return True
 
-    try:
-        for name, data in (("data.pkl", buf.getvalue()), (".format_version", b"1"),
-                           (".storage_alignment", str(align).encode()), ("byteorder", b"little")):
-            header(name)
-            out.extend(data + b"PK\x07\x08" + struct.pack("<III", zlib.crc32(data), len(data), len(data)))
-        header("data/0")
-    except _NotMade:
-        return None
-    return bytes(out)
+    for name, data in (("data.pkl", buf.getvalue()), (".format_version", b"1"),
+                       (".storage_alignment", str(align).encode()), ("byteorder", b"little")):
+        if not header(name):
+            return None
+        out.extend(data + b"PK\x07\x08" + struct.pack("<III", zlib.crc32(data), len(data), len(data)))
+    return bytes(out) if header("data/0") else None
 
 
 @dataclass(frozen=True)
