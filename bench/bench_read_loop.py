@@ -14,7 +14,14 @@ after the page cache is dropped, the variants taking turns round by round:
 - ``hash+copy``: both, as the restore does;
 - ``hash+copy, pinned N``: both, with the calling thread pinned to CPU N (the readers are not pinned): if the
   reads slowed because the calling thread took the core a reader needed, pinning it away from the core that
-  takes the disk's interrupts would help.
+  takes the disk's interrupts would help;
+- ``ring, CPU hog`` and ``ring, memory hog``: the reads alone beside another process that keeps one core busy,
+  with no memory traffic (a Python loop) or with as much as one core makes (``memmove`` of 64 MiB, over and
+  over): whether the disk slows down for the CPU the restore takes beside it or for the memory traffic of its
+  hash and copy;
+- ``ring, 1 MiB reads``: the reads alone in requests of 1 MiB (sixteen in flight, the same bytes in flight):
+  what a read straight into the program's 4 KiB pages would be cut into (at most 254 segments a request on a
+  virtio disk, ``/sys/block/*/queue/max_segments``), into the same huge-page slots.
 
 It reads the largest ``*.distcp`` file under ``--dir`` (a state saved by bench_restore.py; ``--prepare`` makes
 one). Usage::
@@ -38,7 +45,15 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-VARIANTS = ("ring", "hash", "copy", "hash+copy", "hash+copy, pinned 0", "hash+copy, pinned 1")
+VARIANTS = ("ring", "hash", "copy", "hash+copy", "hash+copy, pinned 0", "hash+copy, pinned 1", "ring, CPU hog",
+            "ring, memory hog", "ring, 1 MiB reads")
+# The hogs of the variants that have one: a process started before the clock and stopped after it.
+HOGS = {
+    "CPU hog": "while True:\n    pass",
+    "memory hog": ("import ctypes, mmap\nn = 64 << 20\na, b = mmap.mmap(-1, n), mmap.mmap(-1, n)\na.write(bytes([1]) * n)\n"
+                   "pa, pb = (ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in (a, b))\n"
+                   "while True:\n    ctypes.memmove(pb, pa, n)"),
+}
 
 
 def child(path: str, variant: str) -> float:
@@ -58,31 +73,44 @@ def child(path: str, variant: str) -> float:
     if "pinned" in variant:
         os.sched_setaffinity(0, {int(variant.rsplit(" ", 1)[1])})  # this thread only
     hashing, copying = "hash" in variant, "copy" in variant
+    piece, readers = RING_PIECE, 4
+    if "1 MiB reads" in variant:  # the same slots and bytes in flight, cut into requests of 1 MiB
+        piece, readers = 1 << 20, 16
+        views = [v[o : o + piece] for v in views for o in range(0, RING_PIECE, piece)]
+    slots = len(views)
     Cache().drop(path)
+    hog = next((subprocess.Popen([sys.executable, "-c", code]) for name, code in HOGS.items() if name in variant), None)
+    if hog is not None:
+        time.sleep(0.3)  # running before the clock
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    pieces = range(0, span, RING_PIECE)
+    pieces = range(0, span, piece)
 
     def get(k: int) -> int:
         at = pieces[k]
-        return os.preadv(fd, [views[k % RING_SLOTS][: min(RING_PIECE, span - at)]], at)
+        return os.preadv(fd, [views[k % slots][: min(piece, span - at)]], at)
 
-    t0 = time.perf_counter()
-    h = xxhash.xxh3_64()
-    with ThreadPoolExecutor(4) as pool:
-        pending = {k: pool.submit(get, k) for k in range(min(RING_SLOTS, len(pieces)))}
-        for k, at in enumerate(pieces):
-            got = pending.pop(k).result()
-            slot = views[k % RING_SLOTS]
-            for u in range(0, got, RING_HANDOVER):
-                part = slot[u : min(got, u + RING_HANDOVER)]
-                if hashing:
-                    h.update(part)
-                if copying:
-                    ctypes.memmove(dest.data_ptr() + at + u, ctypes.addressof(ctypes.c_char.from_buffer(part)),
-                                   len(part))
-            if k + RING_SLOTS < len(pieces):
-                pending[k + RING_SLOTS] = pool.submit(get, k + RING_SLOTS)
-    s = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        h = xxhash.xxh3_64()
+        with ThreadPoolExecutor(readers) as pool:
+            pending = {k: pool.submit(get, k) for k in range(min(slots, len(pieces)))}
+            for k, at in enumerate(pieces):
+                got = pending.pop(k).result()
+                slot = views[k % slots]
+                for u in range(0, got, RING_HANDOVER):
+                    part = slot[u : min(got, u + RING_HANDOVER)]
+                    if hashing:
+                        h.update(part)
+                    if copying:
+                        ctypes.memmove(dest.data_ptr() + at + u, ctypes.addressof(ctypes.c_char.from_buffer(part)),
+                                       len(part))
+                if k + slots < len(pieces):
+                    pending[k + slots] = pool.submit(get, k + slots)
+        s = time.perf_counter() - t0
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
     os.close(fd)
     ring.done()
     return s
@@ -93,6 +121,8 @@ def main() -> None:
     ap.add_argument("--dir", required=True, help="where the state is (or is made, with --prepare)")
     ap.add_argument("--prepare", action="store_true", help="save the 1 GiB benchmark state into --dir first")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--variant", action="append", choices=VARIANTS, default=None,
+                    help="measure only this variant (repeatable; default: all of them)")
     ap.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -107,19 +137,20 @@ def main() -> None:
     if not files:
         sys.exit(f"no *.distcp under {args.dir}: run with --prepare")
     path = max(files, key=os.path.getsize)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    variants = args.variant or list(VARIANTS)
+    times: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(args.repeats):
-        for v in VARIANTS:
+        for v in variants:
             out = subprocess.run([sys.executable, __file__, "--dir", args.dir, "--child", path, v],
                                  capture_output=True, text=True, check=True)
             times[v].append(json.loads(out.stdout.strip().splitlines()[-1])["s"])
-        print(f"round {r + 1}: " + ", ".join(f"{v} {times[v][-1]:.3f} s" for v in VARIANTS), flush=True)
-    ring = statistics.median(times["ring"])
+        print(f"round {r + 1}: " + ", ".join(f"{v} {times[v][-1]:.3f} s" for v in variants), flush=True)
+    ring = statistics.median(times["ring"]) if "ring" in times else None
     print(f"\n{os.path.getsize(path) / 2**30:.2f} GiB, {path}, median of {args.repeats}\n")
     print("| loop | median | the ring alone / it |\n|---|---:|---:|")
-    for v in VARIANTS:
+    for v in variants:
         m = statistics.median(times[v])
-        print(f"| {v} | {m:.3f} s | {ring / m:.2f} |")
+        print(f"| {v} | {m:.3f} s | {f'{ring / m:.2f}' if ring else 'n/a (ring not measured)'} |")
 
 
 if __name__ == "__main__":

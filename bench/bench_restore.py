@@ -8,6 +8,10 @@ is dropped, and the methods take turns round by round, so drift in the disk's sp
   beforehand (the disk's own speed; the issue's baseline);
 - ``raw read, fresh buffer``: the same into a fresh transparent-huge-page buffer, which a fresh process must
   also fault in: the floor for any restore that does not already own the memory;
+- ``verified copy through the ring``: the restore's read loop and nothing else (``fileio.read_through`` over
+  each whole shard file, its ring made before the clock, every byte hashed with xxh3 and copied into memory
+  the process touched beforehand, as the restore copies into the program's tensors): what the disk and this
+  machine's memory allow a restore that verifies and places every byte, before any of its fixed costs;
 - ``ours``: ``Checkpointer.restore`` into a freshly built model + Adam (verification included: every item's
   xxh3 checked; the large tensors read straight into the model's and the optimizer's own, already faulted
   memory: docs/architecture.md, "In-place restore");
@@ -77,13 +81,14 @@ from common import (  # noqa: E402
     wait_quiet,
 )
 
-MODES = ("raw_prefaulted", "raw_fresh", "ours", "ours_copying", "torch_load", "dcp_load")
+MODES = ("raw_prefaulted", "raw_fresh", "verified_copy", "ours", "ours_copying", "torch_load", "dcp_load")
 # Not run by default: ours_pinned (--device cuda: read buffers pinned, restore_round.PIN_FOR_CUDA) and
 # ours_compare (--compare TREE).
 EXTRA_MODES = ("ours_pinned", "ours_compare")
 LABELS = {
     "raw_prefaulted": "raw O_DIRECT read, prefaulted buffer",
     "raw_fresh": "raw O_DIRECT read, fresh buffer",
+    "verified_copy": "verified copy through the ring (the read loop alone)",
     "ours": "ours: Checkpointer.restore (verified)",
     "ours_copying": "ours, nothing in place (restore_fallback=fresh; verified)",
     "ours_pinned": "ours, pinned read buffers (verified)",
@@ -131,10 +136,46 @@ def raw_read_files(files: list[str], prefault: bool, threads: int) -> float:
     return now() - t0
 
 
+def verified_copy(files: list[str], threads: int) -> tuple[float, bool]:
+    """Seconds for the restore's read loop alone over ``files``: each whole file read through the restore's ring
+    (made before the clock), hashed and copied into a tensor of its size that was touched beforehand; and
+    whether every copy holds its file's bytes and every hash is the file's (checked after the clock)."""
+    import ctypes
+
+    from resilient_slurm.storage.fileio import Ring, checksum, read_through
+
+    dests = [torch.ones(os.path.getsize(f), dtype=torch.uint8) for f in files]  # faulted, as a program's are
+    ring = Ring().warm()
+    for i in [ring.acquire() for _ in range(ring.slots)]:  # every slot made before the clock
+        ring.release(i)
+    Cache().drop(*files)
+    sums = []
+    t0 = now()
+    for f, dest in zip(files, dests):
+        base = dest.data_ptr()
+
+        def sink(k: int, at: int, view: memoryview, base: int = base) -> None:
+            ctypes.memmove(base + at, ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view))
+
+        sums += read_through(f, len(dest), [(0, len(dest))], sink, threads=threads, ring=ring)
+    s = now() - t0
+    ring.done()
+    equal = True
+    for f, dest, got in zip(files, dests, sums):
+        with open(f, "rb") as fh:
+            want = checksum(fh.read())
+        equal = equal and got == want and checksum(dest.numpy().data) == want
+    return s, equal
+
+
 def child(args: argparse.Namespace) -> None:
     """One measurement in this fresh process: prints {"s": seconds, "equal": bool, ...} as JSON."""
     root, mode, size = args.dir, args.child, int(args.size_gib * 2**30)
     out: dict[str, Any] = {}
+    if mode == "verified_copy":
+        out["s"], out["equal"] = verified_copy(shard_files(root), args.io_threads)
+        print(json.dumps(out))
+        return
     if mode.startswith("raw"):
         files = shard_files(root)
         Cache().drop(*files)
@@ -292,6 +333,9 @@ def report_times(r: dict[str, Any], times: dict[str, list[float | None]], what: 
     rows = [
         ("restore throughput / raw read (prefaulted buffer)", ratio(t.get("raw_prefaulted"), t.get("ours")), ">= 0.85"),
         ("restore throughput / raw read (fresh buffer)", ratio(t.get("raw_fresh"), t.get("ours")), ""),
+        ("verified copy throughput / raw read (prefaulted buffer): what this machine allows",
+         ratio(t.get("raw_prefaulted"), t.get("verified_copy")), ""),
+        ("restore throughput / verified copy: the restore's own costs", ratio(t.get("verified_copy"), t.get("ours")), ""),
         ("restore time / (torch.load + load_state_dict)", ratio(t.get("ours"), t.get("torch_load")), "< 1"),
         ("restore time / dcp.load", ratio(t.get("ours"), t.get("dcp_load")), ""),
         ("in-place restore time / copying restore time", ratio(t.get("ours"), t.get("ours_copying")), ""),

@@ -6,7 +6,11 @@ verdict must say when the rounds cannot tell. Pure arithmetic: nothing is starte
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from bench_support import load_bench
@@ -67,3 +71,32 @@ def test_a_failed_round_of_the_restore_benchmark_keeps_the_others_paired(
     assert "per round, raw read / ours: 0.91 failed 0.91 0.91" in out, out
     assert "per round, raw read / ours_compare: 0.91 0.91 0.91 0.91" in out, out
     assert "ours: 0.330-0.330 s" in out and "median of 4" in out, out
+
+
+def test_the_verified_copy_floor_reads_hashes_and_copies_every_byte(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_restore.py's ``verified_copy`` (the restore's read loop alone: what the machine allows a restore
+    that verifies and places every byte) runs the product's own read_through over whole files, and says
+    whether what it copied and hashed is each file's, so a floor measured wrong is not taken for one."""
+    from resilient_slurm.storage import fileio
+
+    bench = load_bench("bench_restore.py", "bench_restore_under_test")
+    files = []
+    for i, n in enumerate((5 * 2**20 + 123, 4096, 1)):  # past a ring slot, one block, one byte
+        p = tmp_path / f"__{i}_0.distcp"
+        p.write_bytes(os.urandom(n))
+        files.append(str(p))
+    s, equal = bench.verified_copy(files, threads=2)
+    assert s > 0 and equal is True
+
+    real = fileio.read_through
+
+    def lossy(path: str, size: int, items: list[tuple[int, int]], sink: Callable[..., None], **kw: Any) -> list[str]:
+        def flipped(k: int, at: int, view: memoryview) -> None:
+            b = bytearray(view)
+            b[-1] ^= 0xFF  # one byte of each hand-over copied wrong
+            sink(k, at, memoryview(b))
+        return real(path, size, items, flipped, **kw)
+
+    monkeypatch.setattr(fileio, "read_through", lossy)
+    assert bench.verified_copy(files, threads=2)[1] is False
