@@ -2,7 +2,9 @@
 
 A benchmark that prints only a ratio of medians calls a target met or missed on noise; the interval must be
 tight where the rounds agree, wide where they spread, keep each round's two measurements together, and the
-verdict must say when the rounds cannot tell. Pure arithmetic: nothing is started or written."""
+verdict must say when the rounds cannot tell. Those tests are pure arithmetic: nothing is started or written.
+The last one runs bench_restore.py's verified-copy floor over small files in a temporary directory: a floor
+that copied or hashed wrong would make every restore look better or worse than it is."""
 
 from __future__ import annotations
 
