@@ -251,6 +251,7 @@ HOG = "import os\nwhile True:\n    os.getpid()\n"
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     base = args.dir or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)  # a --dir not made yet is made, not a FileNotFoundError
     root = tempfile.mkdtemp(prefix="rslurm-bench-restore-", dir=base)
     modes = [(m, False) for m in args.modes] + ([(m, True) for m in args.modes] if args.hog else [])
     r: dict[str, Any] = {"machine": machine_facts(root), "size_gib": args.size_gib, "io_threads": args.io_threads,
