@@ -602,6 +602,143 @@ def test_reads_go_on_through_the_ring_slots_made_so_far(tmp_path: Path, monkeypa
     assert sorted(ring._free.get_nowait() for _ in range(ring.slots)) == [0, 1, 2]
 
 
+def test_a_slot_is_read_into_again_only_once_its_hash_is_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file of several requests is hashed on a thread of its own while the caller's thread hands the bytes
+    over: with that thread slowed down, a slot given back before its hash was over would be read into by a
+    later request and its checksum would be of other bytes. A sink that fails while a hash is under way still
+    gets every slot back, and no reader or hash thread outlives the read."""
+    import threading
+    import time
+
+    from resilient_slurm.storage import fileio
+
+    data = os.urandom(7 * 64 * BLOCK + 333)  # eight pieces through a ring of two slots
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    hashed = fileio._update_all
+    on: list[str] = []
+
+    def slow_hash(hashes: list[Any], parts: list[Any]) -> None:
+        on.append(threading.current_thread().name)
+        time.sleep(0.05)
+        hashed(hashes, parts)
+
+    monkeypatch.setattr(fileio, "_update_all", slow_hash)
+    ring = Ring(64 * BLOCK, 2).warm()
+    items = [(0, 64 * BLOCK + 5), (64 * BLOCK + 5, len(data) - 64 * BLOCK - 5)]
+    got = [bytearray(), bytearray()]
+    sums = read_through(str(path), len(data), items, lambda k, at, view: got[k].extend(view), threads=2, ring=ring)
+    assert [bytes(g) for g in got] == [data[o : o + n] for o, n in items]
+    assert sums == [xxhash.xxh3_64_hexdigest(data[o : o + n]) for o, n in items]
+    assert on and all(name.startswith("rslurm-hash") for name in on)  # the hash was not on the caller's thread
+
+    def failing_sink(k: int, at: int, view: memoryview) -> None:
+        if k == 1 and at >= 2 * 64 * BLOCK:
+            raise RuntimeError("the sink gave up")
+
+    with pytest.raises(RuntimeError, match="gave up"):
+        read_through(str(path), len(data), items, failing_sink, threads=2, ring=ring)
+    ring.done()
+    assert sorted(ring._free.get_nowait() for _ in range(ring.slots)) == [0, 1]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("rslurm-hash", "rslurm-read"))]
+    # A file of one request is hashed on the caller's thread, as it is handed over.
+    on.clear()
+    small = [(0, 1000)]
+    assert read_through(str(path), 1000, small, lambda *a: None) == [xxhash.xxh3_64_hexdigest(data[:1000])]
+    assert on == []
+
+
+def test_reads_queued_ahead_and_closed_unused_hand_nothing_over(tmp_path: Path) -> None:
+    """``ReadThrough.start`` queues a file's first reads while the caller does other work (restore: while it
+    reads and checks the small items); closed without :meth:`finish` (those checks failed), nothing is handed to
+    a sink, every slot is free again, the file is closed, and the same ring serves the next read whole."""
+    import threading
+
+    from resilient_slurm.storage.fileio import ReadThrough
+
+    data = os.urandom(5 * 64 * BLOCK)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    ring = Ring(64 * BLOCK, 3).warm()
+    fds = len(os.listdir("/proc/self/fd"))
+    reads = ReadThrough(str(path), len(data), [(0, len(data))], threads=2, ring=ring)
+    reads.start()
+    reads.start()  # once: a second call queues nothing more
+    assert len(reads._pending) == 3
+    for f in list(reads._pending.values()):
+        f.result(timeout=60)  # the reads ahead are done: they fill the ring, and wait for the caller
+    reads.close()
+    reads.close()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert sorted(ring._free.get_nowait() for _ in range(ring.slots)) == [0, 1, 2]
+    for i in range(ring.slots):
+        ring.release(i)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("rslurm-read")]
+    got = bytearray()
+    with ReadThrough(str(path), len(data), [(0, len(data))], threads=2, ring=ring) as again:
+        again.start()
+        sums = again.finish(lambda k, at, view: got.extend(view))
+    assert bytes(got) == data and sums == [xxhash.xxh3_64_hexdigest(data)]
+    ring.done()
+
+
+def open_files() -> list[str]:
+    """What this process's file descriptors point at."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the descriptor of the listing itself, closed since
+            pass
+    return out
+
+
+def test_the_first_files_large_reads_are_queued_before_the_small_items_are_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Restore queues the first file's ring reads, then reads and checks the small items (the disk is not idle
+    meanwhile), and only then writes into the live tensors. A small item found corrupt stops the step before any
+    live tensor is written: the state is the program's own, and the reads queued ahead are closed (no reader
+    thread left, the shard's file closed)."""
+    import threading
+
+    from resilient_slurm.checkpoint import restore_round
+    from resilient_slurm.storage import fileio
+
+    events: list[str] = []
+    started, finished, small = fileio.ReadThrough.start, fileio.ReadThrough.finish, restore_round.StepReader._read_small
+
+    def log(name: str, f: Any) -> Any:
+        def run(*a: Any, **kw: Any) -> Any:
+            events.append(name)
+            return f(*a, **kw)
+        return run
+
+    monkeypatch.setattr(fileio.ReadThrough, "start", log("start", started))
+    monkeypatch.setattr(fileio.ReadThrough, "finish", log("finish", finished))
+    monkeypatch.setattr(restore_round.StepReader, "_read_small", log("small", small))
+    net, opt = trained(1)
+    save(tmp_path, 1, {"model": net, "optim": opt})
+    fresh, fopt = trained(3)
+    step, ev = restore(tmp_path, {"model": fresh, "optim": fopt})
+    assert step == 1 and ev["placed_bytes"] > 0
+    assert events[:2] == ["start", "small"] and events[2:].count("finish") == 1, events
+    assert all(torch.equal(a, b) for a, b in zip(tensors(net, opt), tensors(fresh, fopt)))
+
+    corrupt(tmp_path, 1, net.b.bias)  # 32 bytes: read with the small items
+    fresh, fopt = trained(3)
+    before = [t.clone() for t in tensors(fresh, fopt)]
+    events.clear()
+    assert not [f for f in open_files() if f.endswith(".distcp")]
+    with caplog.at_level(logging.WARNING), pytest.raises(CorruptCheckpointError, match="none could be restored") as err:
+        restore(tmp_path, {"model": fresh, "optim": fopt})
+    assert "checksum mismatch in model.b.bias" in caplog.text
+    assert "hold bytes of a step" not in "\n".join(getattr(err.value, "__notes__", []))  # no tensor was written
+    assert events == ["start", "small"], events  # the reads were under way, and nothing was handed over
+    assert all(torch.equal(a, b) for a, b in zip(before, tensors(fresh, fopt)))
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("rslurm-read", "rslurm-hash"))]
+    assert not [f for f in open_files() if f.endswith(".distcp")]  # the shard opened for the reads ahead is closed
+
+
 @pytest.mark.parametrize("kind", ["directory", "symlink", "FIFO"])
 def test_the_readers_read_only_a_regular_file_whoever_checked_the_path_before(tmp_path: Path, kind: str) -> None:
     """Both readers refuse what is not a regular file at the path when they open it (a shard swapped for a link,

@@ -44,11 +44,11 @@ from ..rundir import RunDir
 from ..storage.fileio import (
     BLOCK,
     HostBuffer,
+    ReadThrough,
     Ring,
     aligned_buffer,
     as_memoryview,
     read_spans,
-    read_through,
     reading_step,
     round_up,
 )
@@ -383,38 +383,65 @@ class StepReader:
                 c = chunk_sums.get((rel, info.offset))
                 if c is None or c.length != info.length:
                     raise CorruptCheckpointError(f"{path}: no checksum recorded for bytes {info.offset}+{info.length}")
-        # First what is not read in place, before a large read is queued and before a live tensor is written
-        # into: one buffer per file at the file's own offsets (pages it never reads cost nothing), every item
-        # verified, every plain value decoded, and the optimizer's parameters checked. On a disk not yet busy:
-        # these are hundreds of small requests, each of which would wait behind a ring slot's 4 MiB.
-        for rel, reqs in needed.items():
-            rest = [(ri, info) for ri, info in reqs if (rel, info.offset) not in placed]
-            if rest:
-                self._read_small(paths[rel], entries[rel].size, rest, rel, chunk_sums, where, decoded,
-                                 pin=cuda and PIN_FOR_CUDA)
-        kept = {(rel, info.offset) for rel, reqs in needed.items() for _, info in reqs}
-        self._check_optimizer_params(prep, state, needed, decoded)
-        # An optimizer started afresh (allow_missing) keeps its own tensors: its items dropped from `needed` are
-        # not read into them.
-        for key in kept - {(rel, info.offset) for rel, reqs in needed.items() for _, info in reqs}:
-            placed.pop(key, None)
-        # Then the large tensors, straight into the live ones (checked against the manifest as they arrive;
-        # a round that fails after this leaves them written: the Restorer's rule, restore.py).
-        for rel in list(needed):
-            mine = [(ri, info) for ri, info in needed[rel] if (rel, info.offset) in placed]
-            if not mine:
-                continue
-            sink = Placing([placed[(rel, info.offset)] for _, info in mine], self.touched)
-            ring = ring or Ring()
-            sums = read_through(paths[rel], entries[rel].size, [(info.offset, info.length) for _, info in mine], sink,
-                                threads=self.io_threads, ring=ring)
-            for (ri, info), got in zip(mine, sums):
-                self._check_sum(paths[rel], ri, info, got, chunk_sums[(rel, info.offset)].checksum)
+        with contextlib.ExitStack() as reading:
+            # The first file's large reads are queued now, into the ring (as many as it has slots), while the small
+            # items are read and checked: the disk is otherwise idle until then. Only reads: no live tensor is
+            # written before the checks below pass (ReadThrough.finish does that).
+            ahead = next(((rel, m) for rel in needed if (m := self._in_place(rel, needed, placed))), None)
+            early: ReadThrough | None = None
+            if ahead is not None:
+                ring = ring or Ring()
+                early = reading.enter_context(self._reads_of(paths[ahead[0]], entries[ahead[0]].size, ahead[1], ring))
+                early.start()
+            # Then what is not read in place, before a live tensor is written into: one buffer per file at the
+            # file's own offsets (pages it never reads cost nothing), every item verified, every plain value
+            # decoded, and the optimizer's parameters checked.
+            for rel, reqs in needed.items():
+                rest = [(ri, info) for ri, info in reqs if (rel, info.offset) not in placed]
+                if rest:
+                    self._read_small(paths[rel], entries[rel].size, rest, rel, chunk_sums, where, decoded,
+                                     pin=cuda and PIN_FOR_CUDA)
+            kept = {(rel, info.offset) for rel, reqs in needed.items() for _, info in reqs}
+            self._check_optimizer_params(prep, state, needed, decoded)
+            # An optimizer started afresh (allow_missing) keeps its own tensors: its items dropped from `needed`
+            # are not read into them.
+            for key in kept - {(rel, info.offset) for rel, reqs in needed.items() for _, info in reqs}:
+                placed.pop(key, None)
+            # Then the large tensors, straight into the live ones (checked against the manifest as they arrive;
+            # a round that fails after this leaves them written: the Restorer's rule, restore.py).
+            for rel in list(needed):
+                mine = self._in_place(rel, needed, placed)
+                if not mine:
+                    continue
+                reads = None
+                if early is not None and ahead is not None and rel == ahead[0]:
+                    reads, early = early, None
+                    if mine != ahead[1]:  # items dropped since (an optimizer started afresh): read what is left
+                        reads.close()
+                        reads = None
+                if reads is None:
+                    ring = ring or Ring()
+                    reads = reading.enter_context(self._reads_of(paths[rel], entries[rel].size, mine, ring))
+                sums = reads.finish(Placing([placed[(rel, info.offset)] for _, info in mine], self.touched))
+                for (ri, info), got in zip(mine, sums):
+                    self._check_sum(paths[rel], ri, info, got, chunk_sums[(rel, info.offset)].checksum)
+            if early is not None:  # its file has nothing left to read in place
+                early.close()
         read = sum(info.length for reqs in needed.values() for _, info in reqs)
         in_place = sum(p.nbytes for rel, reqs in needed.items() for _, info in reqs
                        if (p := placed.get((rel, info.offset))) is not None and p.foreign is None)
         return _Loaded(planner=planner, target=target, md=md, needed=needed, where=where, placed=placed, cuda=cuda,
                        decoded=decoded, bytes_read=read, placed_bytes=in_place)
+
+    @staticmethod
+    def _in_place(rel: str, needed: dict[str, list[Any]], placed: dict[tuple[str, int], Placement]) -> list[Any]:
+        """The items of file ``rel`` read straight into the live tensors (in the order of ``needed``)."""
+        return [(ri, info) for ri, info in needed[rel] if (rel, info.offset) in placed]
+
+    def _reads_of(self, path: str, size: int, mine: list[Any], ring: Ring) -> ReadThrough:
+        """The ring read of items ``mine`` of file ``path`` (storage/fileio.py: ReadThrough)."""
+        return ReadThrough(path, size, [(info.offset, info.length) for _, info in mine], threads=self.io_threads,
+                           ring=ring)
 
     def _read_small(self, path: str, size: int, rest: list[Any], rel: str, chunk_sums: Mapping[Any, Any],
                     where: dict[tuple[str, int], tuple[torch.Tensor | HostBuffer, int]], decoded: dict[tuple[str, int], Any],

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -586,6 +587,17 @@ def read_through(
         return reads.finish(sink)
 
 
+def _update_all(hashes: list[Any], parts: list[tuple[int, int, memoryview]]) -> None:
+    """Each part's bytes into its item's running hash, in order (ReadThrough's hash thread)."""
+    for k, _, view in parts:
+        hashes[k].update(view)
+
+
+def wait_done(future: Any) -> None:
+    """Wait for ``future`` to be over, whatever its outcome (its exception is its caller's to take)."""
+    futures_wait([future])
+
+
 class ReadThrough:
     """One :func:`read_through` of a file: :meth:`finish` opens it, queues the requests (as many ahead as the
     ring has slots), hands every range's bytes to the sink and returns the checksums; :meth:`close` (also on
@@ -617,8 +629,10 @@ class ReadThrough:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _start(self) -> None:
-        """Open the file and queue the first reads (once)."""
+    def start(self) -> None:
+        """Open the file and queue the first reads (once; :meth:`finish` does it where it was not done): as
+        many as the ring has slots, read while the caller does other work. Nothing is handed to a sink before
+        :meth:`finish`; :meth:`close` ends the reads unused."""
         if self._fd is not None or not self.order:
             return
         self._fd, direct = _open_for_read(self.path)
@@ -662,30 +676,55 @@ class ReadThrough:
 
     def finish(self, sink: Callable[[int, int, memoryview], None]) -> list[str]:
         """Hand every range's bytes to ``sink`` (from this thread, in file order; see :func:`read_through`) and
-        return each range's checksum. Call once; the reads are over (and the file closed) when it returns."""
+        return each range's checksum. Call once; the reads are over (and the file closed) when it returns.
+
+        Where the file takes more than one request, a slot's bytes are hashed on a thread of its own while this
+        thread hands them to the sink (xxh3 and the sink's copy both release the GIL): the two passes over the
+        slot run side by side instead of one after the other, and the slot is given back once both are over.
+        A file of one request is hashed here, part by part, as it is handed over."""
         hashes = [xxhash.xxh3_64() for _ in self.items]
-        self._start()
+        self.start()
         plan, depth, pending = self.plan, self.depth, self._pending
+        hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rslurm-hash") if len(plan) > 1 else None
         try:
             first = 0  # the first item (in file order) not yet wholly handed over
             for idx, (at, asked) in enumerate(plan):
                 slot, got = pending.pop(idx).result()
+                hashed = None
                 try:
-                    first = self._hand_over(sink, hashes, first, slot, at, asked, at + got)
+                    parts, done = self._parts(first, slot, at, asked, at + got)
+                    if hasher is None:
+                        for k, u, view in parts:
+                            hashes[k].update(view)
+                            sink(k, u, view)
+                    else:
+                        hashed = hasher.submit(_update_all, hashes, parts)
+                        for k, u, view in parts:
+                            sink(k, u, view)
+                        hashed.result()
+                    first = done
                 finally:
+                    if hashed is not None:  # the slot's bytes are being read until its hash is over
+                        wait_done(hashed)
                     self.ring.release(slot)
                 if idx + depth < len(plan):  # a slot is free again
                     assert self._readers is not None
                     pending[idx + depth] = self._readers.submit(self._get, idx + depth)
         finally:
+            if hasher is not None:
+                hasher.shutdown(wait=True)
             self.close()
         return [h.hexdigest() for h in hashes]
 
-    def _hand_over(self, sink: Callable[[int, int, memoryview], None], hashes: list[Any], first: int, slot: int,
-                   at: int, asked: int, end: int) -> int:
-        """The bytes of the request at ``at`` (``asked`` long, read up to ``end``) in ``slot`` handed to ``sink``,
-        item by item from ``first`` (the first not yet wholly handed over); returns the new ``first``."""
+    def _parts(self, first: int, slot: int, at: int, asked: int,
+               end: int) -> tuple[list[tuple[int, int, memoryview]], int]:
+        """The bytes of the request at ``at`` (``asked`` long, read up to ``end``) in ``slot``, item by item from
+        ``first`` (the first item not yet wholly handed over), in parts of at most ``handover`` bytes: ``(item,
+        offset in the item, view)`` each, and the new ``first``. Parts are small enough to stay in a core's cache
+        between the hash and the sink's copy where both run on the calling thread (a file of one request)."""
         items, order = self.items, self.order
+        parts: list[tuple[int, int, memoryview]] = []
+        view_of = self.ring.views[slot]
         j = first
         while j < len(order):
             k = order[j]
@@ -695,17 +734,12 @@ class ReadThrough:
             x, y = max(off, at), min(off + n, end)
             if min(off + n, at + asked) > end:
                 raise StorageError(f"{self.path}: short read ({end} of {self.size} bytes): the file is truncated")
-            # In parts of `handover` bytes, each hashed and then handed over while it is still in the CPU's
-            # cache: the slot's bytes come from memory once, not once for each.
-            view_of = self.ring.views[slot]
-            for u in range(x, y, self.handover):
-                view = view_of[u - at : min(y, u + self.handover) - at]
-                hashes[k].update(view)
-                sink(k, u - off, view)
+            parts.extend((k, u - off, view_of[u - at : min(y, u + self.handover) - at])
+                         for u in range(x, y, self.handover))
             if off + n <= at + asked:
                 first = j + 1  # wholly handed over
             j += 1
-        return first
+        return parts, first
 
     def close(self) -> None:
         """No further read is issued; those in flight are waited for (they write into the ring) and their slots
