@@ -407,26 +407,24 @@ class StepReader:
             # are not read into them.
             for key in kept - {(rel, info.offset) for rel, reqs in needed.items() for _, info in reqs}:
                 placed.pop(key, None)
+            if early is not None and ahead is not None and self._in_place(ahead[0], needed, placed) != ahead[1]:
+                # Items dropped since (an optimizer started afresh): its file is read again for what is left, and
+                # the reads queued ahead give their slots back first (another read of the ring would wait for them).
+                early.close()
+                early = None
             # Then the large tensors, straight into the live ones (checked against the manifest as they arrive;
             # a round that fails after this leaves them written: the Restorer's rule, restore.py).
             for rel in list(needed):
                 mine = self._in_place(rel, needed, placed)
                 if not mine:
                     continue
-                reads = None
-                if early is not None and ahead is not None and rel == ahead[0]:
-                    reads, early = early, None
-                    if mine != ahead[1]:  # items dropped since (an optimizer started afresh): read what is left
-                        reads.close()
-                        reads = None
+                reads = early if early is not None and ahead is not None and rel == ahead[0] else None
                 if reads is None:
                     ring = ring or Ring()
                     reads = reading.enter_context(self._reads_of(paths[rel], entries[rel].size, mine, ring))
                 sums = reads.finish(Placing([placed[(rel, info.offset)] for _, info in mine], self.touched))
                 for (ri, info), got in zip(mine, sums):
                     self._check_sum(paths[rel], ri, info, got, chunk_sums[(rel, info.offset)].checksum)
-            if early is not None:  # its file has nothing left to read in place
-                early.close()
         read = sum(info.length for reqs in needed.values() for _, info in reqs)
         in_place = sum(p.nbytes for rel, reqs in needed.items() for _, info in reqs
                        if (p := placed.get((rel, info.offset))) is not None and p.foreign is None)

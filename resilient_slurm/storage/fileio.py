@@ -593,11 +593,6 @@ def _update_all(hashes: list[Any], parts: list[tuple[int, int, memoryview]]) -> 
         hashes[k].update(view)
 
 
-def wait_done(future: Any) -> None:
-    """Wait for ``future`` to be over, whatever its outcome (its exception is its caller's to take)."""
-    futures_wait([future])
-
-
 class ReadThrough:
     """One :func:`read_through` of a file: :meth:`finish` opens it, queues the requests (as many ahead as the
     ring has slots), hands every range's bytes to the sink and returns the checksums; :meth:`close` (also on
@@ -704,8 +699,8 @@ class ReadThrough:
                         hashed.result()
                     first = done
                 finally:
-                    if hashed is not None:  # the slot's bytes are being read until its hash is over
-                        wait_done(hashed)
+                    if hashed is not None:  # the slot's bytes are being read until its hash is over, whatever befell
+                        futures_wait([hashed])
                     self.ring.release(slot)
                 if idx + depth < len(plan):  # a slot is free again
                     assert self._readers is not None
