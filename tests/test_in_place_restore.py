@@ -863,6 +863,83 @@ def test_a_step_corrupt_on_another_rank_is_overwritten_by_the_older_one_on_every
     assert "rank 0: the state's tensors" in got[0]["notes"] and "model.weight" in got[0]["notes"], got[0]["notes"]
 
 
+@pytest.mark.proc
+def test_reads_queued_ahead_for_a_file_left_with_nothing_to_read_give_the_ring_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks of one node save a replicated pair of layers and their Adam: each item is stored once, the two
+    files sharing them by size. One process restores both files into an optimizer keyed by index whose
+    parameters are the other way round (allow_missing starts it afresh), with the optimizer first in its state
+    and the weight that shares the first file with two moments not readable in place (a transposed view). The
+    first file's large reads, queued ahead (the moments), hold every slot of a two-slot ring when the optimizer
+    check drops them: the file is left with nothing to read in place, and the second file's weight must still
+    be read (its reads would wait for those slots for good)."""
+    import functools
+    import threading
+
+    from conftest import run_ranks
+
+    from resilient_slurm.checkpoint import restore_round
+    from resilient_slurm.storage import fileio
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks([WORKER, "pair", "--local-dir", str(tmp_path / "nvme"), "--out", str(out)], 2, tmp_path, timeout=180,
+              env={"RSLURM_COLLECTIVE_TIMEOUT": "60"})
+    saved = torch.load(out / "pair_rank0.pt", weights_only=True)
+    step_dir = tmp_path / "nvme" / "inplace" / "step_000000000001"
+    first = next(step_dir.glob("__0_*.distcp")).name
+    held = (step_dir / first).read_bytes()
+    # The layout this test is about: the first file holds the first layer's weight and two moments.
+    for key in ("model.0.weight", "optim.0.exp_avg_sq", "optim.1.exp_avg"):
+        assert saved[key].view(-1).view(torch.uint8).numpy().tobytes()[:4096] in held, key
+    del held
+
+    torch.manual_seed(7)
+    net = torch.nn.Sequential(torch.nn.Linear(BIG, BIG, bias=False), torch.nn.Linear(BIG, BIG, bias=False))
+    net[0].weight = torch.nn.Parameter(torch.randn(BIG, BIG).t())  # not contiguous: copied at apply
+    opt = torch.optim.Adam([net[1].weight, net[0].weight], lr=1e-2)
+    net(torch.randn(4, BIG)).pow(2).sum().backward()
+    opt.step()
+    own = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+
+    calls: list[tuple[str, str]] = []
+
+    def spied(name: str) -> Any:
+        f = getattr(fileio.ReadThrough, name)
+
+        def spy(self: Any, *a: Any, **kw: Any) -> Any:
+            calls.append((name, os.path.basename(self.path)))
+            return f(self, *a, **kw)
+        return spy
+
+    for name in ("start", "finish", "close"):
+        monkeypatch.setattr(fileio.ReadThrough, name, spied(name))
+    monkeypatch.setattr(restore_round, "Ring", functools.partial(fileio.Ring, slots=2))
+    got: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with Checkpointer(local_dir=str(tmp_path / "nvme"), run_id="inplace") as ck:
+                got["step"] = ck.restore({"optim": opt, "model": net}, allow_missing=["optim.*"])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            got["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), f"the restore hangs: {calls}"
+    assert got.get("step") == 1, got
+    second = next(step_dir.glob("__1_*.distcp")).name
+    # The moments' reads were queued ahead and never handed over; the second file's weight was read in place.
+    assert calls[0] == ("start", first) and ("finish", first) not in calls, calls
+    assert ("finish", second) in calls, calls
+    assert torch.equal(net[0].weight, saved["model.0.weight"]) and torch.equal(net[1].weight, saved["model.1.weight"])
+    assert {id(p) for p in opt.state} == set(own)
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, own[id(p)][k]), k
+
+
 def test_a_note_is_kept_where_exceptions_have_no_add_note() -> None:
     """Python 3.10 has no BaseException.add_note: the note still reaches ``__notes__``."""
     from resilient_slurm.errors import add_note
