@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +35,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
+from common import scratch_dir  # noqa: E402
 
 from resilient_slurm import Checkpointer  # noqa: E402
 from resilient_slurm.daemon.drain import LocalStep, StepDrainer, scan_local  # noqa: E402
@@ -171,12 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--domains", default="16,64,256")
     ap.add_argument("--tier", default="posix,s3")
-    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--dir", help="where to work (default: the temporary directory; made if missing)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     kinds = [k for k in args.tier.split(",") if k]
     moto = None
-    work = tempfile.mkdtemp(prefix="rslurm-commit-", dir=args.dir)
+    work = scratch_dir(args.dir, "rslurm-commit-")
     rows = []
     try:
         if "s3" in kinds:

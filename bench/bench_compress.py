@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import page_buffer, raw_write  # noqa: E402
+from common import page_buffer, raw_write, scratch_dir  # noqa: E402
 
 MiB = 1 << 20
 
@@ -148,7 +148,7 @@ def product_rows(name: str, data: bytes, k: int, args: argparse.Namespace) -> li
     from resilient_slurm.storage import encoding
     from resilient_slurm.storage.posix import PosixTier
 
-    d = tempfile.mkdtemp(prefix="rslurm-bench-compress-", dir=args.dir)
+    d = scratch_dir(args.dir, "rslurm-bench-compress-")
     rows: list[dict[str, object]] = []
     try:
         src = os.path.join(d, "src")
@@ -191,8 +191,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where to write (made if missing)")
     args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
     import zstandard as zstd
     t0 = time.perf_counter()
     model, opt, loss = train(args.steps)

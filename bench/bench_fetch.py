@@ -32,7 +32,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -51,6 +50,7 @@ from common import (  # noqa: E402
     med,
     read_jsonl,
     run_main,
+    scratch_dir,
 )
 
 from resilient_slurm.manifest import partial_items, read_manifest_file  # noqa: E402
@@ -72,9 +72,7 @@ CASES: dict[str, tuple[list[str], list[str], bool]] = {
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        base = args.dir or tempfile.gettempdir()
-        os.makedirs(base, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix="rslurm-bench-fetch-", dir=base)
+        self.root = scratch_dir(args.dir, "rslurm-bench-fetch-")
         self.durable = os.path.join(self.root, "durable")
         self.cache = Cache()
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RSLURM_", "SLURM_"))}

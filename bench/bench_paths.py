@@ -21,11 +21,13 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from common import scratch_dir  # noqa: E402
 
 from resilient_slurm import paths  # noqa: E402
 from resilient_slurm.storage.posix import PosixTier  # noqa: E402
@@ -56,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="5,12,24")
     ap.add_argument("--objects", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--dir", help="where to work (default: the temporary directory; made if missing)")
     args = ap.parse_args(argv)
     if paths._openat2() is None:
         print("openat2 is not usable on this kernel: the tier walks every path; nothing to compare")
         return 0
-    work = tempfile.mkdtemp(prefix="rslurm-paths-", dir=args.dir)
+    work = scratch_dir(args.dir, "rslurm-paths-")
     print(f"openat2 vs per-component lstat, {args.objects} objects, medians of {args.repeats} ({work})")
     print()
     print("| depth below the root | existing object: openat2 µs | walk µs | walk / openat2 | "

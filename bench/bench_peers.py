@@ -32,7 +32,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
@@ -51,6 +50,7 @@ from common import (  # noqa: E402
     med,
     read_jsonl,
     run_main,
+    scratch_dir,
 )
 
 RUN = "peerbench"
@@ -111,9 +111,7 @@ def disk_copy(src: str, dest: str) -> float:
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        base = args.dir or tempfile.gettempdir()
-        os.makedirs(base, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix="rslurm-bench-peers-", dir=base)
+        self.root = scratch_dir(args.dir, "rslurm-bench-peers-")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RSLURM_", "SLURM_"))}
         self.env.update({"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "RSLURM_AUTO_CADENCE": "off",
                          "RSLURM_CONTROL_SOCKET": "off", "RSLURM_LOG_LEVEL": "WARNING",

@@ -33,13 +33,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import free_port  # noqa: E402
+from common import free_port, scratch_dir  # noqa: E402
 
 SETUPS = ("ddp", "ddp-check-off", "no-ddp", "no-ddp-declared")
 
@@ -111,7 +110,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    base = tempfile.mkdtemp(prefix="rslurm-bench-repl-", dir=args.dir or "/tmp")
+    base = scratch_dir(args.dir, "rslurm-bench-repl-")
     out = os.path.join(base, "results.json")
     port = free_port()
     t0 = time.time()

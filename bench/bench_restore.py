@@ -51,7 +51,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -76,6 +75,7 @@ from common import (  # noqa: E402
     ratio,
     ratio_interval,
     remove,
+    scratch_dir,
     state_dict_of,
     tensors_of,
     wait_quiet,
@@ -250,9 +250,7 @@ HOG = "import os\nwhile True:\n    os.getpid()\n"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    base = args.dir or tempfile.gettempdir()
-    os.makedirs(base, exist_ok=True)  # a --dir not made yet is made, not a FileNotFoundError
-    root = tempfile.mkdtemp(prefix="rslurm-bench-restore-", dir=base)
+    root = scratch_dir(args.dir, "rslurm-bench-restore-")
     modes = [(m, False) for m in args.modes] + ([(m, True) for m in args.modes] if args.hog else [])
     r: dict[str, Any] = {"machine": machine_facts(root), "size_gib": args.size_gib, "io_threads": args.io_threads,
                          "device": args.device, "times": {m: [] for m in args.modes},

@@ -182,6 +182,15 @@ def remove(path: str) -> None:
     os.sync()
 
 
+def scratch_dir(where: str | None, prefix: str) -> str:
+    """A new directory whose name starts with ``prefix`` under ``where`` (a benchmark's ``--dir``; default: the
+    temporary directory), made first where it does not exist yet: a ``--dir`` not made yet is made, not a
+    FileNotFoundError."""
+    base = where or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
+
+
 def free_port() -> int:
     """A loopback port outside the kernel's ephemeral range (the product's rule for its own listeners)."""
     from resilient_slurm.rendezvous import (
@@ -528,9 +537,7 @@ class BenchBase:
         temporary directory) whose name starts with ``prefix``."""
         self.args = args
         self.repeats = max(1, args.repeats)
-        base = args.dir or tempfile.gettempdir()
-        os.makedirs(base, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix=prefix, dir=base)
+        self.root = scratch_dir(args.dir, prefix)
         self.raw_buf: tuple[mmap.mmap, memoryview] | None = None
 
     log = staticmethod(log)
