@@ -74,9 +74,11 @@ def test_the_slow_rank_is_named(tmp_path: Path, mode: str, slow_rank: int) -> No
 @pytest.mark.proc
 def test_a_rank_that_recovers_is_cleared_and_a_balanced_run_has_none(tmp_path: Path) -> None:
     # windows of 20 steps: slow in the first two (a straggler at step 40), the third straddles the change,
-    # fast in the next two (cleared at step 100 at the latest)
+    # fast in the next five (cleared at step 100, or later where a window's one sampled DDP iteration found
+    # rank 1 held up on a loaded machine: docs/launcher.md, Stragglers). Steps of 20 ms: such a hold-up must
+    # last 10 ms to count.
     events = _run(tmp_path / "recovers", "--ddp", "--slow-rank", "1", "--slow-s", "0.04", "--slow-until", "50",
-                  steps=120)
+                  "--base-s", "0.02", steps=160)
     kinds = [(e["event"], e["straggler_rank"]) for e in events]
     assert kinds == [("straggler", 1), ("straggler_cleared", 1)], events
     status = read_status(str(tmp_path / "recovers" / "nvme" / "n1" / "strag"))

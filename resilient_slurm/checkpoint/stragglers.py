@@ -36,7 +36,9 @@ and longer by at least :data:`MIN_GAP_S`; it becomes a straggler after :data:`PA
 row, and stops being one after as many windows in a row in which it was not slow. Medians and patience
 make it persistent: the rank was slower in more than half of the steps of two windows running, and one
 slow step (a garbage collection, a page fault storm) or one window that straddles a change does not
-count.
+count. With DDP the wait subtracted is that of the window's one sampled iteration, not a median: a rank
+held up in that one iteration looks slow in that window (docs/launcher.md, Stragglers, says what that
+costs).
 """
 
 from __future__ import annotations
