@@ -693,6 +693,14 @@ def open_files() -> list[str]:
     return out
 
 
+def recording(events: list[Any], method: Any, what: Any) -> Any:
+    """``method`` that first appends ``what(self)`` to ``events`` (to patch over it: the calls, in order)."""
+    def run(self: Any, *a: Any, **kw: Any) -> Any:
+        events.append(what(self))
+        return method(self, *a, **kw)
+    return run
+
+
 def test_the_first_files_large_reads_are_queued_before_the_small_items_are_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Restore queues the first file's ring reads, then reads and checks the small items (the disk is not idle
@@ -707,15 +715,9 @@ def test_the_first_files_large_reads_are_queued_before_the_small_items_are_read(
     events: list[str] = []
     started, finished, small = fileio.ReadThrough.start, fileio.ReadThrough.finish, restore_round.StepReader._read_small
 
-    def log(name: str, f: Any) -> Any:
-        def run(*a: Any, **kw: Any) -> Any:
-            events.append(name)
-            return f(*a, **kw)
-        return run
-
-    monkeypatch.setattr(fileio.ReadThrough, "start", log("start", started))
-    monkeypatch.setattr(fileio.ReadThrough, "finish", log("finish", finished))
-    monkeypatch.setattr(restore_round.StepReader, "_read_small", log("small", small))
+    monkeypatch.setattr(fileio.ReadThrough, "start", recording(events, started, lambda _: "start"))
+    monkeypatch.setattr(fileio.ReadThrough, "finish", recording(events, finished, lambda _: "finish"))
+    monkeypatch.setattr(restore_round.StepReader, "_read_small", recording(events, small, lambda _: "small"))
     net, opt = trained(1)
     save(tmp_path, 1, {"model": net, "optim": opt})
     fresh, fopt = trained(3)
@@ -903,17 +905,9 @@ def test_reads_queued_ahead_for_a_file_left_with_nothing_to_read_give_the_ring_b
     own = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
 
     calls: list[tuple[str, str]] = []
-
-    def spied(name: str) -> Any:
-        f = getattr(fileio.ReadThrough, name)
-
-        def spy(self: Any, *a: Any, **kw: Any) -> Any:
-            calls.append((name, os.path.basename(self.path)))
-            return f(self, *a, **kw)
-        return spy
-
     for name in ("start", "finish", "close"):
-        monkeypatch.setattr(fileio.ReadThrough, name, spied(name))
+        monkeypatch.setattr(fileio.ReadThrough, name, recording(
+            calls, getattr(fileio.ReadThrough, name), lambda reads, name=name: (name, os.path.basename(reads.path))))
     monkeypatch.setattr(restore_round, "Ring", functools.partial(fileio.Ring, slots=2))
     got: dict[str, Any] = {}
 
